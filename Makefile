@@ -1,0 +1,25 @@
+# Two commands do all the set-up: `make demo` and `make test` (see README.md).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.moe_replay-installed
+DEMO_OUT ?= runs/demo
+PYTEST_ARGS ?=
+
+.PHONY: install demo test bench clean
+
+# bootstrap.py is idempotent and keyed by a hash of its inputs: a no-op when up to date.
+install:
+	@$(PYTHON) scripts/bootstrap.py --venv $(VENV)
+
+demo: install
+	$(PY) -m moe_replay.cli demo --out $(DEMO_OUT)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: install
+	$(PY) -m moe_replay.cli bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis runs

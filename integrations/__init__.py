@@ -1,0 +1,1 @@
+"""Framework adapters; each imports its framework lazily."""

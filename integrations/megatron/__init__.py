@@ -1,0 +1,1 @@
+"""moe_replay megatron adapter."""

@@ -1,0 +1,159 @@
+"""Route codecs: expert ids [T, L, K] <-> bytes, top-k column order preserved exactly.
+
+Registered codecs (name -> bytes per token-layer at E experts, top-K):
+  int32       4K          what naive systems store
+  narrow      K or 2K     uint8 up to 256 experts, else uint16 (the best anyone ships)
+  moe_replay  < log2(E!/(E-K)!) / 8 on skewed routing (entropy coded, see below)
+
+The `moe_replay` codec, layer-major (one Huffman table per MoE layer, fitted to that layer's
+expert popularity):
+  * joint mode, when the ordered K-tuples fit a byte (E!/(E-K)! <= 256, e.g. 8 experts top-2):
+    each token-layer becomes its permutation rank (lexicographic over ordered K-permutations),
+    so the coder sees the joint distribution of the tuple and never pays for impossible repeats;
+  * id mode otherwise: the ids themselves, one byte plane per id byte.
+The order-preserving bound log2(E!/(E-K)!) is what a uniform coder over valid tuples needs;
+routing is skewed, so a per-layer entropy coder goes below it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import permutations
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..geometry import route_dtype
+from ..registry import Registry
+from . import entropy
+
+# Streams shorter than this share one Huffman table across layers: a table costs ~40-100 bytes,
+# which would outweigh the gain of per-layer tables on short sequences.
+MIN_SYMBOLS_PER_TABLE = 2048
+
+
+def bound_bits_per_token_layer(num_experts: int, top_k: int) -> float:
+    """log2(E! / (E-K)!): bits to name an ordered K-tuple of distinct experts, uniformly."""
+    return sum(math.log2(num_experts - i) for i in range(top_k))
+
+
+class RouteCodec(Protocol):
+    name: str
+
+    def encode(self, routes_TLK: np.ndarray, num_experts: int) -> tuple[bytes, dict[str, Any]]: ...
+
+    def decode(self, data: bytes, shape_TLK: tuple[int, int, int], num_experts: int, params: dict[str, Any]) -> np.ndarray:
+        """Inverse of encode. Raises ValueError on bytes that do not decode to shape_TLK."""
+        ...
+
+
+ROUTE_CODECS: Registry[RouteCodec] = Registry("route codec")
+
+
+def _expect_len(data: bytes, n: int, what: str) -> None:
+    if len(data) != n:
+        raise ValueError(f"{what}: expected {n} bytes, found {len(data)}")
+
+
+@dataclass(frozen=True)
+class Int32Codec:
+    name: str = "int32"
+
+    def encode(self, routes_TLK, num_experts):
+        return np.ascontiguousarray(routes_TLK, dtype="<i4").tobytes(), {}
+
+    def decode(self, data, shape_TLK, num_experts, params):
+        _expect_len(data, 4 * math.prod(shape_TLK), "int32 routes")
+        return np.frombuffer(data, dtype="<i4").reshape(shape_TLK).astype(route_dtype(num_experts))
+
+
+@dataclass(frozen=True)
+class NarrowCodec:
+    name: str = "narrow"
+
+    def encode(self, routes_TLK, num_experts):
+        dt = route_dtype(num_experts).newbyteorder("<")
+        return np.ascontiguousarray(routes_TLK, dtype=dt).tobytes(), {}
+
+    def decode(self, data, shape_TLK, num_experts, params):
+        dt = route_dtype(num_experts).newbyteorder("<")
+        _expect_len(data, dt.itemsize * math.prod(shape_TLK), "narrow routes")
+        return np.frombuffer(data, dtype=dt).reshape(shape_TLK).astype(route_dtype(num_experts), copy=False)
+
+
+@lru_cache(maxsize=64)
+def _perm_table(num_experts: int, top_k: int) -> np.ndarray:
+    """[P, K] every ordered K-permutation of range(E), in lexicographic (= rank) order."""
+    return np.array(list(permutations(range(num_experts), top_k)), dtype=route_dtype(num_experts)).reshape(-1, top_k)
+
+
+def _joint_ok(num_experts: int, top_k: int) -> bool:
+    return math.perm(num_experts, top_k) <= 256
+
+
+def perm_rank(routes_NK: np.ndarray, num_experts: int) -> np.ndarray:
+    """Lexicographic rank of each ordered K-tuple of distinct ids (mixed radix E, E-1, ...)."""
+    ids = routes_NK.astype(np.int64)
+    k_total = ids.shape[1]
+    rank = np.zeros(ids.shape[0], dtype=np.int64)
+    for k in range(k_total):
+        reduced = ids[:, k] - (ids[:, :k] < ids[:, k : k + 1]).sum(axis=1)
+        rank = rank * (num_experts - k) + reduced
+    return rank
+
+
+@dataclass(frozen=True)
+class EntropyCodec:
+    """Layer-major, per-layer-table Huffman coding of joint ranks or id bytes (see module doc)."""
+
+    name: str = "moe_replay"
+
+    def encode(self, routes_TLK, num_experts):
+        t, l, k = routes_TLK.shape
+        routes_LTK = np.ascontiguousarray(np.asarray(routes_TLK).transpose(1, 0, 2))
+        if _joint_ok(num_experts, k):
+            mode = "joint"
+            sym_LN = perm_rank(routes_LTK.reshape(-1, k), num_experts).astype(np.uint8).reshape(l, t)
+            planes = [sym_LN]
+        else:
+            mode = "ids"
+            dt = route_dtype(num_experts)
+            flat = routes_LTK.reshape(l, t * k).astype(dt, copy=False)
+            # one byte plane per id byte: low bytes of skewed ids are what carry the entropy
+            planes = [flat] if dt.itemsize == 1 else [((flat >> (8 * b)) & 0xFF).astype(np.uint8) for b in range(dt.itemsize)]
+        per_layer = planes[0].shape[1] >= MIN_SYMBOLS_PER_TABLE
+        streams = [p[i].data for p in planes for i in range(l)] if per_layer else [p.data for p in planes]
+        return entropy.compress(streams, "huffman"), {"mode": mode, "tables": "layer" if per_layer else "shared"}
+
+    def decode(self, data, shape_TLK, num_experts, params):
+        t, l, k = shape_TLK
+        mode = params.get("mode")
+        if mode == "joint":
+            if not _joint_ok(num_experts, k):
+                raise ValueError(f"joint route mode needs E!/(E-K)! <= 256, found E={num_experts}, K={k}")
+            sym = np.frombuffer(entropy.decompress(data, l * t), dtype=np.uint8)
+            table = _perm_table(num_experts, k)
+            if sym.size and int(sym.max()) >= len(table):
+                raise ValueError(f"joint route rank out of range: expected < {len(table)}, found {int(sym.max())}")
+            routes_LTK = table[sym].reshape(l, t, k)
+        elif mode == "ids":
+            dt = route_dtype(num_experts)
+            n = l * t * k
+            raw = np.frombuffer(entropy.decompress(data, n * dt.itemsize), dtype=np.uint8)
+            if dt.itemsize == 1:
+                routes_LTK = raw.reshape(l, t, k)
+            else:
+                planes = raw.reshape(dt.itemsize, n).astype(dt)
+                flat = planes[0].copy()
+                for b in range(1, dt.itemsize):
+                    flat |= planes[b] << (8 * b)
+                routes_LTK = flat.reshape(l, t, k)
+        else:
+            raise ValueError(f"route codec mode: expected 'joint' or 'ids', found {mode!r}")
+        return routes_LTK.transpose(1, 0, 2)  # a view: no copy back to token-major
+
+
+for _codec in (Int32Codec(), NarrowCodec(), EntropyCodec()):
+    ROUTE_CODECS.add(_codec.name, _codec)

@@ -1,0 +1,93 @@
+"""Typed errors. Each one says where (file, record, field), what was expected and what was found.
+
+Callers can catch the family (`TraceError`) or one precise kind; every class is also a builtin
+(`ValueError`, `KeyError`, ...) so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Where:
+    """Location of a problem: any of file, record key and field may be unknown."""
+
+    file: str | None = None
+    record: str | None = None
+    field: str | None = None
+
+    def __str__(self) -> str:
+        parts = []
+        if self.file is not None:
+            parts.append(f"file {self.file!r}")
+        if self.record is not None:
+            parts.append(f"record {self.record!r}")
+        if self.field is not None:
+            parts.append(f"field {self.field!r}")
+        return ", ".join(parts) if parts else "<unknown location>"
+
+    def with_(self, **changes: Any) -> "Where":
+        return Where(**{**self.__dict__, **{k: v for k, v in changes.items() if v is not None}})
+
+
+class MoeReplayError(Exception):
+    """Root of every error raised by moe_replay."""
+
+
+class TraceError(MoeReplayError):
+    """A trace, record or store content is not what the reader expects."""
+
+    def __init__(self, where: Where, expected: Any, found: Any, detail: str = "") -> None:
+        self.where, self.expected, self.found, self.detail = where, expected, found, detail
+        msg = f"{where}: expected {expected}, found {found}"
+        super().__init__(f"{msg} ({detail})" if detail else msg)
+
+    def __reduce__(self):  # keep errors picklable across processes (Ray, vLLM workers)
+        return (type(self), (self.where, self.expected, self.found, self.detail))
+
+
+class TraceFormatError(TraceError, ValueError):
+    """Malformed content: bad type, shape, dtype, or undecodable bytes."""
+
+
+class TruncatedRecordError(TraceFormatError):
+    """A record or frame ends before its declared length."""
+
+
+class ChecksumError(TraceFormatError):
+    """Stored checksum does not match the bytes read."""
+
+
+class SchemaVersionError(TraceFormatError):
+    """Record written with a schema version this reader cannot interpret."""
+
+
+class GeometryMismatchError(TraceError, ValueError):
+    """Model geometry of a trace differs from the one required."""
+
+
+class ExpertIdOutOfRangeError(TraceError, ValueError):
+    """An expert id is negative or >= num_experts."""
+
+
+class DuplicateKeyError(TraceError, KeyError):
+    """A key is written twice to a store that refuses overwrites."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message otherwise
+        return Exception.__str__(self)
+
+
+class MissingKeyError(TraceError, KeyError):
+    """A key is not in the store."""
+
+    def __str__(self) -> str:
+        return Exception.__str__(self)
+
+
+class RegistryError(MoeReplayError, KeyError):
+    """Lookup of an unknown name in a registry, or a second registration under one name."""
+
+    def __str__(self) -> str:
+        return Exception.__str__(self)

@@ -1,0 +1,106 @@
+"""Model geometry and engine info: what a trace needs to be interpreted without the model."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import GeometryMismatchError, Where
+
+
+def route_dtype(num_experts: int) -> np.dtype:
+    """Narrowest unsigned dtype that holds every expert id (uint8 up to 256 experts)."""
+    if num_experts <= 1 << 8:
+        return np.dtype(np.uint8)
+    if num_experts <= 1 << 16:
+        return np.dtype(np.uint16)
+    return np.dtype(np.uint32)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Narrowest unsigned dtype that holds every token id."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """Shape of the MoE model a trace was recorded on.
+
+    Layer ids are global decoder-layer indices (invariant 2): a model whose first layers are dense
+    has `moe_layer_ids` starting above 0, and routes column L=j belongs to layer moe_layer_ids[j].
+    """
+
+    num_layers: int
+    """Decoder layers in the model, dense and MoE."""
+    moe_layer_ids: tuple[int, ...]
+    """Global indices of the MoE layers, strictly increasing."""
+    num_experts: int
+    """Routed experts per MoE layer (shared experts are not routed and not counted)."""
+    top_k: int
+    """Experts chosen per token per MoE layer."""
+    vocab_size: int
+    """Size of the logits' last dimension (may exceed the tokenizer's vocabulary)."""
+    family: str = ""
+    """Model family name, e.g. 'qwen3_moe' (informative; replay dispatches on the real module)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "moe_layer_ids", tuple(int(i) for i in self.moe_layer_ids))
+        for name in ("num_layers", "num_experts", "top_k", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"ModelGeometry.{name} must be a positive int, got {value!r}")
+        if not self.moe_layer_ids:
+            raise ValueError("ModelGeometry.moe_layer_ids must name at least one MoE layer, got ()")
+        ids = self.moe_layer_ids
+        if any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < 0 or ids[-1] >= self.num_layers:
+            raise ValueError(
+                f"ModelGeometry.moe_layer_ids must be strictly increasing in [0, {self.num_layers}), got {ids}"
+            )
+        if self.top_k > self.num_experts:
+            raise ValueError(f"ModelGeometry.top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layer_ids)
+
+    @property
+    def route_dtype(self) -> np.dtype:
+        return route_dtype(self.num_experts)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["moe_layer_ids"] = list(self.moe_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelGeometry":
+        return cls(**d)
+
+    def check_matches(self, other: "ModelGeometry", where: Where = Where()) -> None:
+        """Raise GeometryMismatchError naming the first field that differs (family is ignored)."""
+        for name in ("num_layers", "moe_layer_ids", "num_experts", "top_k", "vocab_size"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                raise GeometryMismatchError(where.with_(field=f"geometry.{name}"), theirs, mine)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Which engine produced a trace and in what precision."""
+
+    name: str = "unknown"
+    """Engine name, e.g. 'vllm' or 'hf'."""
+    version: str = ""
+    dtype: str = "float32"
+    """Model compute dtype in the engine, e.g. 'bfloat16'."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form msgpack-able details (device, kernel backend, ...)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EngineInfo":
+        return cls(**d)

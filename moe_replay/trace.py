@@ -1,0 +1,222 @@
+"""The canonical rollout trace: what one sequence's rollout did, in one self-describing record.
+
+Shape legend (used in every tensor/array name of the project):
+  S  tokens in the sequence (prompt + generated)
+  T  routed positions: S - 1 - route_start (the last sampled token is never forwarded)
+  L  MoE layers (global ids in geometry.moe_layer_ids)
+  K  experts per token (top_k), in the engine's column order
+  E  experts per layer
+  V  vocabulary (logits width)
+  G  generated tokens: S - prompt_len
+  N  kept tokens over all generated positions (CSR payload of the sampling support)
+
+Position p of routes_TLK is the route of token route_start + p, i.e. the forward pass that
+produced the logits for token route_start + p + 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import ExpertIdOutOfRangeError, TraceFormatError, Where
+from .geometry import EngineInfo, ModelGeometry, token_dtype
+
+SCHEMA_VERSION = 1
+"""Bumped on any change a reader of the previous version could misread."""
+
+
+@dataclass
+class SamplingSupport:
+    """The exact set of tokens with non-zero sampling probability, per generated token, as CSR.
+
+    Row g holds the kept token ids of generated token g, sorted ascending:
+    ids_N[offsets_G1[g]:offsets_G1[g + 1]].
+    """
+
+    offsets_G1: np.ndarray
+    """int64 [G + 1], offsets_G1[0] == 0, non-decreasing."""
+    ids_N: np.ndarray
+    """int32 [N], strictly increasing inside each row."""
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.offsets_G1) - 1
+
+    def row(self, g: int) -> np.ndarray:
+        return self.ids_N[self.offsets_G1[g] : self.offsets_G1[g + 1]]
+
+    def sizes_G(self) -> np.ndarray:
+        return np.diff(self.offsets_G1)
+
+    @classmethod
+    def from_rows(cls, rows: list[np.ndarray] | list[list[int]]) -> "SamplingSupport":
+        sizes = np.array([len(r) for r in rows], dtype=np.int64)
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        ids = np.concatenate([np.asarray(r, dtype=np.int32) for r in rows]) if rows else np.zeros(0, np.int32)
+        return cls(offsets, ids.astype(np.int32))
+
+    def equals(self, other: "SamplingSupport") -> bool:
+        return np.array_equal(self.offsets_G1, other.offsets_G1) and np.array_equal(self.ids_N, other.ids_N)
+
+    def validate(self, vocab_size: int, num_rows: int, where: Where) -> None:
+        off, ids = self.offsets_G1, self.ids_N
+        if off.ndim != 1 or len(off) != num_rows + 1:
+            raise TraceFormatError(where.with_(field="support.offsets_G1"), f"shape [{num_rows + 1}]", list(off.shape))
+        if off[0] != 0 or np.any(np.diff(off) < 0) or off[-1] != len(ids):
+            raise TraceFormatError(
+                where.with_(field="support.offsets_G1"),
+                f"non-decreasing offsets from 0 to len(ids_N)={len(ids)}",
+                f"first={int(off[0])}, last={int(off[-1])}, decreasing={bool(np.any(np.diff(off) < 0))}",
+            )
+        if len(ids):
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= vocab_size:
+                raise TraceFormatError(where.with_(field="support.ids_N"), f"token ids in [0, {vocab_size})", f"range [{lo}, {hi}]")
+            step = np.diff(ids.astype(np.int64))
+            row_start = np.zeros(len(ids), dtype=bool)
+            row_start[off[1:-1][off[1:-1] < len(ids)]] = True
+            bad = np.flatnonzero((step <= 0) & ~row_start[1:])
+            if len(bad):
+                g = int(np.searchsorted(off, bad[0] + 1, side="right") - 1)
+                raise TraceFormatError(
+                    where.with_(field=f"support.ids_N[row {g}]"), "strictly increasing token ids", self.row(g)[:16].tolist()
+                )
+
+
+@dataclass
+class RolloutTrace:
+    """One sequence's rollout: tokens, routes per MoE layer, sampling support, engine logprobs."""
+
+    key: str
+    """Rollout / request id; the store key."""
+    token_ids_S: np.ndarray
+    """Prompt then generated tokens."""
+    prompt_len: int
+    geometry: ModelGeometry
+    routes_TLK: np.ndarray | None = None
+    """Expert ids per routed position, MoE layer and top-k column (engine column order)."""
+    route_start: int = 0
+    """First position with a route (> 0 when a turn records only its new tokens)."""
+    support: SamplingSupport | None = None
+    """Kept token ids per generated token (G rows)."""
+    logprobs_G: np.ndarray | None = None
+    """The engine's logprob of each sampled token, float32."""
+    engine: EngineInfo = field(default_factory=EngineInfo)
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form msgpack-able metadata (sampling params, step, ...)."""
+
+    def __post_init__(self) -> None:
+        self.token_ids_S = np.asarray(self.token_ids_S).astype(np.int64, copy=False)
+        if self.routes_TLK is not None:
+            self.routes_TLK = _as_routes(self.routes_TLK, self.geometry, Where(record=self.key, field="routes_TLK"))
+        if self.logprobs_G is not None:
+            self.logprobs_G = np.asarray(self.logprobs_G, dtype=np.float32)
+        if self.support is not None:
+            self.support = SamplingSupport(
+                np.asarray(self.support.offsets_G1, dtype=np.int64), np.asarray(self.support.ids_N, dtype=np.int32)
+            )
+
+    # -- derived sizes -----------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids_S)
+
+    @property
+    def num_generated(self) -> int:
+        return self.num_tokens - self.prompt_len
+
+    @property
+    def num_route_rows(self) -> int:
+        return max(self.num_tokens - 1 - self.route_start, 0)
+
+    # -- checks --------------------------------------------------------------------------------
+    def validate(self, where: Where | None = None) -> "RolloutTrace":
+        """Check every invariant a reader relies on; raise a typed error naming the field."""
+        w = (where or Where()).with_(record=self.key)
+        g = self.geometry
+        if not isinstance(self.key, str) or not self.key:
+            raise TraceFormatError(w.with_(field="key"), "a non-empty str", repr(self.key))
+        if self.token_ids_S.ndim != 1 or self.num_tokens < 1:
+            raise TraceFormatError(w.with_(field="token_ids_S"), "a 1-D array with >= 1 token", list(self.token_ids_S.shape))
+        if self.num_tokens and (self.token_ids_S.min() < 0 or self.token_ids_S.max() >= g.vocab_size):
+            raise TraceFormatError(
+                w.with_(field="token_ids_S"),
+                f"token ids in [0, {g.vocab_size})",
+                f"range [{int(self.token_ids_S.min())}, {int(self.token_ids_S.max())}]",
+            )
+        if not 0 <= self.prompt_len <= self.num_tokens:
+            raise TraceFormatError(w.with_(field="prompt_len"), f"0 <= prompt_len <= {self.num_tokens}", self.prompt_len)
+        if not 0 <= self.route_start <= max(self.num_tokens - 1, 0):
+            raise TraceFormatError(w.with_(field="route_start"), f"0 <= route_start <= {self.num_tokens - 1}", self.route_start)
+        if self.routes_TLK is not None:
+            want = (self.num_route_rows, g.num_moe_layers, g.top_k)
+            if self.routes_TLK.shape != want:
+                raise TraceFormatError(w.with_(field="routes_TLK"), f"shape {list(want)} [S-1-route_start, L, K]", list(self.routes_TLK.shape))
+            check_expert_range(self.routes_TLK, g.num_experts, w.with_(field="routes_TLK"))
+            check_distinct_rows(self.routes_TLK, w.with_(field="routes_TLK"))
+        if self.support is not None:
+            self.support.validate(g.vocab_size, self.num_generated, w)
+        if self.logprobs_G is not None and self.logprobs_G.shape != (self.num_generated,):
+            raise TraceFormatError(w.with_(field="logprobs_G"), f"shape [{self.num_generated}]", list(self.logprobs_G.shape))
+        return self
+
+    def equals(self, other: "RolloutTrace") -> bool:
+        """Exact equality of every field (arrays bit for bit, NaN logprobs compared by bits)."""
+
+        def same(a, b) -> bool:
+            if a is None or b is None:
+                return a is None and b is None
+            return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+        return (
+            self.key == other.key
+            and same(self.token_ids_S, other.token_ids_S)
+            and self.prompt_len == other.prompt_len
+            and self.route_start == other.route_start
+            and self.geometry == other.geometry
+            and self.engine == other.engine
+            and self.extra == other.extra
+            and same(self.routes_TLK, other.routes_TLK)
+            and same(self.logprobs_G, other.logprobs_G)
+            and ((self.support is None and other.support is None) or (
+                self.support is not None and other.support is not None and self.support.equals(other.support)))
+        )
+
+    @property
+    def token_dtype(self) -> np.dtype:
+        return token_dtype(self.geometry.vocab_size)
+
+
+def _as_routes(routes: Any, geometry: ModelGeometry, where: Where) -> np.ndarray:
+    """Convert to the canonical narrow dtype, refusing values that would wrap."""
+    arr = routes.detach().cpu().numpy() if hasattr(routes, "detach") else np.asarray(routes)
+    if arr.dtype.kind not in "iu":
+        raise TraceFormatError(where, "integer expert ids", f"dtype {arr.dtype}")
+    check_expert_range(arr, geometry.num_experts, where)
+    return arr.astype(geometry.route_dtype, copy=False)
+
+
+def check_expert_range(routes: np.ndarray, num_experts: int, where: Where) -> None:
+    if routes.size == 0:
+        return
+    lo, hi = int(routes.min()), int(routes.max())
+    if lo < 0 or hi >= num_experts:
+        bad = np.argwhere((routes < 0) | (routes >= num_experts))[0].tolist()
+        raise ExpertIdOutOfRangeError(
+            where.with_(field=f"{where.field or 'routes'}{bad}"), f"expert ids in [0, {num_experts})", int(routes[tuple(bad)])
+        )
+
+
+def check_distinct_rows(routes_TLK: np.ndarray, where: Where) -> None:
+    """Top-k never picks one expert twice for a token; a repeat means a corrupt or misaligned trace."""
+    if routes_TLK.shape[-1] < 2 or routes_TLK.size == 0:
+        return
+    srt = np.sort(routes_TLK, axis=-1)
+    dup = np.argwhere(np.any(srt[..., 1:] == srt[..., :-1], axis=-1))
+    if len(dup):
+        t, l = dup[0].tolist()
+        raise TraceFormatError(where.with_(field=f"{where.field}[{t}, {l}]"), "distinct expert ids per token-layer", routes_TLK[t, l].tolist())
