@@ -79,11 +79,14 @@ class ModelGeometry:
         return cls(**d)
 
     def check_matches(self, other: "ModelGeometry", where: Where = Where()) -> None:
-        """Raise GeometryMismatchError naming the first field that differs (family is ignored)."""
+        """Raise GeometryMismatchError if `other` (e.g. a trace's) differs from this one (the model's).
+
+        Names the first differing field; `family` is informative and ignored.
+        """
         for name in ("num_layers", "moe_layer_ids", "num_experts", "top_k", "vocab_size"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
-                raise GeometryMismatchError(where.with_(field=f"geometry.{name}"), theirs, mine)
+                raise GeometryMismatchError(where.with_(field=f"geometry.{name}"), mine, theirs)
 
 
 @dataclass(frozen=True)
