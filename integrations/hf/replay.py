@@ -1,0 +1,196 @@
+"""Force an HF transformers MoE model to route with recorded expert ids, reversibly.
+
+`with replay(model, plan) as session:` puts a forward hook on every router (PyTorch's own,
+removable extension point; no class is patched). The hook keeps HF's router logits, swaps the ids
+for the plan's ids of that router's layer, and recomputes the weights with the family's gate rule
+from those logits, so gradients reach the router at the replayed experts. On exit the hooks are
+removed and the ledger checks that every layer's routes were used exactly once (plus once per
+activation recompute, which runs inside backward and gets the same ids: routes are keyed by the
+layer id bound to each hook, not by call order).
+
+Legend: N flattened positions (B * S), K top-k, E experts.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from moe_replay.errors import GeometryMismatchError, Where
+from moe_replay.geometry import ModelGeometry
+from moe_replay.replay.errors import RouteConsumptionError
+from moe_replay.replay.gates import GATE_RULES
+from moe_replay.replay.ledger import RouteLedger, check_layers, in_backward
+from moe_replay.replay.plan import RoutePlan
+
+from .routers import RouterSite, find_routers
+
+_ACTIVE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+"""Router modules currently under a replay or capture hook (nesting is refused)."""
+
+
+def model_geometry(model: nn.Module) -> ModelGeometry:
+    """The ModelGeometry of an HF MoE causal LM, read from its routers and config."""
+    sites = find_routers(model)
+    first = next(iter(sites.values()))
+    config = model.config
+    out = model.get_output_embeddings()
+    vocab = int(out.weight.shape[0]) if out is not None else int(config.vocab_size)
+    return ModelGeometry(
+        num_layers=int(config.num_hidden_layers),
+        moe_layer_ids=tuple(sites),
+        num_experts=first.adapter.num_experts(first.module),
+        top_k=int(first.module.top_k),
+        vocab_size=vocab,
+        family=str(getattr(config, "model_type", "")),
+    )
+
+
+def _check_model(model: nn.Module, sites: dict[int, RouterSite], geometry: ModelGeometry) -> None:
+    check_layers({lid: (s.adapter.num_experts(s.module), int(s.module.top_k)) for lid, s in sites.items()}, geometry)
+    mine = model_geometry(model)
+    for name in ("num_layers", "vocab_size"):
+        if getattr(mine, name) != getattr(geometry, name):
+            raise GeometryMismatchError(Where(field=f"geometry.{name}"), getattr(mine, name), getattr(geometry, name), "model vs trace")
+
+
+def _claim(sites: dict[int, RouterSite]) -> None:
+    busy = [s.name for s in sites.values() if s.module in _ACTIVE]
+    if busy:
+        raise RouteConsumptionError(f"routers {busy[:4]} are already under a replay/capture context; contexts do not nest")
+    for s in sites.values():
+        _ACTIVE.add(s.module)
+
+
+def _release(sites: dict[int, RouterSite]) -> None:
+    for s in sites.values():
+        _ACTIVE.discard(s.module)
+
+
+@dataclass
+class FlipStats:
+    """Per layer: routed positions seen and those where the trainer's own top-k set differs."""
+
+    positions: dict[int, int] = field(default_factory=dict)
+    flips: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def rate(self) -> float:
+        total = sum(self.positions.values())
+        return sum(self.flips.values()) / total if total else 0.0
+
+
+class ReplaySession:
+    """A model under replay for one plan. Use as a context manager (see `replay`)."""
+
+    def __init__(self, model: nn.Module, plan: RoutePlan, *, expect_recompute: bool | None = None, track_flips: bool = False):
+        self.model = model
+        self.sites = find_routers(model)
+        _check_model(model, self.sites, plan.geometry)  # before any forward
+        device = next(model.parameters()).device
+        self.plan = plan.to(device)
+        self.ledger = RouteLedger(self.plan)
+        self.expect_recompute = expect_recompute
+        self.flips = FlipStats() if track_flips else None
+        self._routed_NK = None if self.plan.all_routed else self.plan.routed_N.unsqueeze(-1)
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """input_ids, attention_mask, position_ids of the plan's batch, on the model's device."""
+        return self.plan.model_inputs()
+
+    def _hook(self, site: RouterSite):
+        spec, rule = site.spec, GATE_RULES.get(site.spec.rule)
+        bias_fn, cast = site.adapter.selection_bias, site.adapter.weights_in_logits_dtype
+        layer_id, routed_NK, flips = site.layer_id, self._routed_NK, self.flips
+
+        def hook(module: nn.Module, args, output):
+            logits_NE, _, free_NK = output
+            ids_NK = self.ledger.take(layer_id, logits_NE.shape[0])
+            if routed_NK is not None:
+                ids_NK = torch.where(routed_NK, ids_NK, free_NK)
+            if flips is not None and not in_backward():
+                _count_flips(flips, layer_id, free_NK, ids_NK, self.plan.routed_N)
+            weights_NK = rule.weights(logits_NE, ids_NK, spec, bias_fn(module))
+            return logits_NE, weights_NK.to(logits_NE.dtype) if cast else weights_NK, ids_NK
+
+        return hook
+
+    def __enter__(self) -> "ReplaySession":
+        _claim(self.sites)
+        if self.expect_recompute is None:
+            self.expect_recompute = bool(
+                getattr(self.model, "is_gradient_checkpointing", False) and self.model.training and torch.is_grad_enabled()
+            )
+        try:
+            for site in self.sites.values():
+                self._handles.append(site.module.register_forward_hook(self._hook(site)))
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def _restore(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        _release(self.sites)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._restore()
+        if exc_type is None:
+            self.ledger.finish(expect_recompute=self.expect_recompute)
+
+
+def _count_flips(stats: FlipStats, layer_id: int, free_NK: torch.Tensor, ids_NK: torch.Tensor, routed_N: torch.Tensor) -> None:
+    differ_N = (free_NK.sort(-1).values != ids_NK.sort(-1).values).any(-1) & routed_N
+    stats.positions[layer_id] = stats.positions.get(layer_id, 0) + int(routed_N.sum())
+    stats.flips[layer_id] = stats.flips.get(layer_id, 0) + int(differ_N.sum())
+
+
+def replay(model: nn.Module, plan: RoutePlan, *, expect_recompute: bool | None = None, track_flips: bool = False) -> ReplaySession:
+    """Context manager: inside it, `model` routes every token with the plan's recorded expert ids.
+
+    Checks the model against the plan's geometry on creation, before any forward. With
+    activation checkpointing on (and training), run backward inside the context, or it raises.
+    `track_flips` counts positions where the trainer's own top-k set differs from the replayed one.
+
+        plan = build_plan(traces, model_geometry(model))
+        with replay(model, plan) as session:
+            logits = model(**session.model_inputs()).logits
+            scores = score_tokens(logits, session.plan)
+            loss = -(scores.logprobs_G * adv_G).mean()
+            loss.backward()
+    """
+    return ReplaySession(model, plan, expect_recompute=expect_recompute, track_flips=track_flips)
+
+
+class capture_routes:
+    """Context manager recording the model's own (free) routes: {layer id: ids [N, K]} of the last call.
+
+    The trainer-side mirror of engine capture; used to measure route flips and in tests.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.sites = find_routers(model)
+        self.ids: dict[int, torch.Tensor] = {}
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def __enter__(self) -> dict[int, torch.Tensor]:
+        _claim(self.sites)
+        for lid, site in self.sites.items():
+            def hook(module, args, output, lid=lid):
+                if not in_backward():
+                    self.ids[lid] = output[2].detach().clone()
+
+            self._handles.append(site.module.register_forward_hook(hook))
+        return self.ids
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        _release(self.sites)

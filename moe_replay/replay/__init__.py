@@ -1,0 +1,30 @@
+"""Replay semantics, engine-agnostic (pure torch): gate-weight rules, batch route plans,
+exactly-once accounting, support-renormalised scoring.
+
+Framework adapters (`moe_replay.integrations.hf`, `.megatron`) plug these into a model's routers.
+"""
+
+from .errors import BatchLayoutError, RouteConsumptionError, UnsupportedRouterError
+from .gates import GATE_RULES, GateSpec, gate_weights, select_experts
+from .ledger import RouteLedger, in_backward
+from .plan import PlanConfig, RoutePlan, build_plan
+from .support import TokenScores, masked_logprobs, score_tokens, support_mask_GV
+
+__all__ = [
+    "GATE_RULES",
+    "BatchLayoutError",
+    "GateSpec",
+    "PlanConfig",
+    "RouteConsumptionError",
+    "RouteLedger",
+    "RoutePlan",
+    "TokenScores",
+    "UnsupportedRouterError",
+    "build_plan",
+    "gate_weights",
+    "in_backward",
+    "masked_logprobs",
+    "score_tokens",
+    "select_experts",
+    "support_mask_GV",
+]

@@ -1,0 +1,143 @@
+"""Gate-weight rules: recompute routing weights from the trainer's own router logits at replayed ids.
+
+Invariant 4: weights are never replayed. Given router logits [T, E] and the engine's expert ids
+[T, K], each rule returns the weights [T, K] the family's router would have produced had it chosen
+those ids, in the ids' column order and differentiable w.r.t. the logits, so the router keeps its
+gradient even where it would have chosen other experts.
+
+Each rule also knows how to *select* (free routing), used to measure route flips and as the
+reference the rule is tested against. Selection-only inputs (DeepSeek-V3's correction bias, its
+expert groups) influence `select` and never `weights`.
+
+Legend: T tokens, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..registry import Registry
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    """What a family's router does, in numbers; read from the model by its adapter."""
+
+    rule: str
+    """Name in GATE_RULES."""
+    top_k: int
+    """Experts per token."""
+    renormalize: bool = True
+    """Divide the K weights by their sum (softmax_topk and sigmoid_bias_group)."""
+    routed_scaling_factor: float = 1.0
+    """Multiplier applied to the final weights (DeepSeek-V3: 2.5)."""
+    num_groups: int = 1
+    """Expert groups for group-limited selection (DeepSeek-V3 n_group)."""
+    topk_group: int = 1
+    """Groups kept per token before the expert top-k."""
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise ValueError(f"GateSpec.top_k must be >= 1, got {self.top_k}")
+        if self.num_groups < 1 or not 1 <= self.topk_group <= self.num_groups:
+            raise ValueError(
+                f"GateSpec needs 1 <= topk_group ({self.topk_group}) <= num_groups ({self.num_groups})"
+            )
+        if not self.routed_scaling_factor > 0:
+            raise ValueError(f"GateSpec.routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+
+
+class GateRule(Protocol):
+    def select(self, logits_TE: torch.Tensor, spec: GateSpec, bias_E: torch.Tensor | None = None) -> torch.Tensor:
+        """Free routing: expert ids [T, K] (int64)."""
+
+    def weights(
+        self, logits_TE: torch.Tensor, ids_TK: torch.Tensor, spec: GateSpec, bias_E: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Gate weights [T, K] (float32) at `ids_TK`, in its column order."""
+
+
+GATE_RULES: Registry[GateRule] = Registry("gate rule")
+
+
+class SoftmaxTopK:
+    """Softmax over all E experts in fp32, gather at the ids; renormalise over K when asked.
+
+    Qwen3-MoE / OLMoE (norm_topk_prob), Mixtral (always), Qwen2-MoE (norm_topk_prob=False).
+    """
+
+    def __init__(self, force_renormalize: bool | None = None) -> None:
+        self.force_renormalize = force_renormalize
+
+    def select(self, logits_TE, spec, bias_E=None):
+        probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        return torch.topk(probs_TE, spec.top_k, dim=-1).indices
+
+    def weights(self, logits_TE, ids_TK, spec, bias_E=None):
+        probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        w_TK = probs_TE.gather(1, ids_TK)
+        renorm = spec.renormalize if self.force_renormalize is None else self.force_renormalize
+        if renorm:
+            w_TK = w_TK / w_TK.sum(dim=-1, keepdim=True)
+        return w_TK * spec.routed_scaling_factor if spec.routed_scaling_factor != 1.0 else w_TK
+
+
+class TopKSoftmax:
+    """Top-k of the raw logits, then softmax over those K only (GPT-OSS; its router has a bias)."""
+
+    def select(self, logits_TE, spec, bias_E=None):
+        return torch.topk(logits_TE, spec.top_k, dim=-1).indices
+
+    def weights(self, logits_TE, ids_TK, spec, bias_E=None):
+        w_TK = torch.softmax(logits_TE.gather(1, ids_TK), dim=-1, dtype=torch.float32)
+        return w_TK * spec.routed_scaling_factor if spec.routed_scaling_factor != 1.0 else w_TK
+
+
+class SigmoidBiasGroup:
+    """DeepSeek-V3: sigmoid scores; the correction bias and expert groups choose, never weigh.
+
+    Selection: per group the sum of its top-2 `sigmoid + bias`, keep `topk_group` groups, top-k of
+    `sigmoid + bias` inside them. Weights: `sigmoid(logits)[ids]`, renormalised (+1e-20), times
+    routed_scaling_factor.
+    """
+
+    def select(self, logits_TE, spec, bias_E=None):
+        scores_TE = logits_TE.float().sigmoid()
+        choice_TE = scores_TE if bias_E is None else scores_TE + bias_E
+        t, e = choice_TE.shape
+        if spec.num_groups > 1:
+            group_TG = choice_TE.view(t, spec.num_groups, e // spec.num_groups).topk(2, dim=-1)[0].sum(dim=-1)
+            keep_TG = torch.zeros_like(group_TG)
+            keep_TG.scatter_(1, torch.topk(group_TG, spec.topk_group, dim=-1, sorted=False)[1], 1)
+            keep_TE = keep_TG.unsqueeze(-1).expand(t, spec.num_groups, e // spec.num_groups).reshape(t, e)
+            choice_TE = choice_TE.masked_fill(~keep_TE.bool(), float("-inf"))
+        return torch.topk(choice_TE, spec.top_k, dim=-1, sorted=False)[1]
+
+    def weights(self, logits_TE, ids_TK, spec, bias_E=None):
+        w_TK = logits_TE.float().sigmoid().gather(1, ids_TK)
+        if spec.renormalize:
+            w_TK = w_TK / (w_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        return w_TK * spec.routed_scaling_factor
+
+
+GATE_RULES.add("softmax_topk", SoftmaxTopK())
+"""Softmax before top-k; renormalisation as GateSpec.renormalize says."""
+GATE_RULES.add("softmax_topk_renorm", SoftmaxTopK(force_renormalize=True))
+"""Softmax before top-k, always renormalised (Mixtral)."""
+GATE_RULES.add("topk_softmax", TopKSoftmax())
+GATE_RULES.add("sigmoid_bias_group", SigmoidBiasGroup())
+
+
+def gate_weights(
+    logits_TE: torch.Tensor, ids_TK: torch.Tensor, spec: GateSpec, bias_E: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Weights [T, K] of `spec.rule` at `ids_TK` (float32, differentiable w.r.t. logits_TE)."""
+    return GATE_RULES.get(spec.rule).weights(logits_TE, ids_TK, spec, bias_E)
+
+
+def select_experts(logits_TE: torch.Tensor, spec: GateSpec, bias_E: torch.Tensor | None = None) -> torch.Tensor:
+    """Free top-k ids [T, K] of `spec.rule` (what the router picks without replay)."""
+    return GATE_RULES.get(spec.rule).select(logits_TE, spec, bias_E)
