@@ -1,0 +1,533 @@
+"""Off-policy corrections for the train/inference mismatch: IS weights and rejection masks.
+
+The engine samples with π_rollout, the trainer computes π_train on the same tokens; each
+correction turns the per-token log-ratio ``lr = log π_train - log π_rollout`` (verl's sign: the
+IS weight ρ = exp(lr) re-weights engine samples towards the trainer) into a token log-weight
+and/or a keep decision. A list of corrections runs in order through `apply_corrections`:
+
+* log-weights add (weights multiply), keep masks AND;
+* each correction sees only the tokens still kept by the ones before it: its sequence
+  statistics (sum, mean, any) are over those tokens. That is what makes order matter, e.g.
+  IcePop before a token veto removes the tokens the veto would have fired on;
+* sequence-level decisions keep or reject every token of the sequence;
+* weights are computed from detached logprobs (IS weights change the measure, not the
+  objective: no gradient may flow through them), in log space, with token log-ratios clamped to
+  ``±log_clamp`` and the summed log-weight clamped again before exp, so nothing overflows.
+  Tokens with a NaN log-ratio (both logprobs -inf, or a NaN) are rejected and counted.
+
+Rejected tokens leave the loss denominator: aggregate with `masked_mean` / `aggregate_loss` over
+``result.keep_BS``. (IcePop's paper and verl's IS-weight path instead zero the weight and keep
+the token in the denominator; rejection here follows verl's rejection-sampling path.)
+
+Shape legend: B batch, S sequence positions (response tokens, padded).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, ClassVar, Literal, Mapping, Sequence, TypeVar
+
+import torch
+
+from .metrics import LOG_CLAMP, normalized_ess
+from .registry import Registry
+
+__all__ = [
+    "CORRECTIONS",
+    "CorrectionConfig",
+    "CorrectionContext",
+    "CorrectionResult",
+    "Decision",
+    "TISConfig",
+    "MISConfig",
+    "IcePopConfig",
+    "OPSMConfig",
+    "GSPOConfig",
+    "GeoRSConfig",
+    "TokenVetoConfig",
+    "register_correction",
+    "build_correction",
+    "apply_corrections",
+    "masked_mean",
+    "aggregate_loss",
+    "reinforce_loss",
+]
+
+PREFIX = "moe_replay/corr"
+"""Prefix of every metric key `apply_corrections` returns."""
+
+Level = Literal["token", "sequence"]
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+
+
+# --------------------------------------------------------------------------- loss aggregation
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` over positions where ``mask`` is true; the denominator counts only those.
+
+    Masked-out positions are selected away with ``where`` (not multiplied by 0), so NaN/inf in
+    padding cannot leak in. An empty selection gives 0 (a loss that contributes nothing), not NaN.
+    """
+    keep = mask.bool()
+    kept = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    count = keep.sum() if dim is None else keep.sum(dim)
+    total = kept.sum() if dim is None else kept.sum(dim)
+    return total / count.clamp_min(1).to(values.dtype)
+
+
+def aggregate_loss(loss_BS: torch.Tensor, keep_BS: torch.Tensor, mode: LossAggregation = "token-mean") -> torch.Tensor:
+    """Reduce a per-token loss to a scalar over kept tokens only.
+
+    ``token-mean``: Σ loss / #kept tokens of the batch. ``seq-mean-token-mean``: each sequence's
+    mean over its kept tokens, averaged over sequences that keep at least one token.
+    ``seq-mean-token-sum``: each sequence's sum over kept tokens, averaged likewise. Fully rejected
+    sequences drop out of every denominator.
+    """
+    if loss_BS.shape != keep_BS.shape:
+        raise ValueError(f"loss_BS shape {list(loss_BS.shape)} != keep_BS shape {list(keep_BS.shape)}")
+    keep_BS = keep_BS.bool()
+    if mode == "token-mean":
+        return masked_mean(loss_BS, keep_BS)
+    has_B = keep_BS.any(-1)
+    if mode == "seq-mean-token-mean":
+        per_seq_B = masked_mean(loss_BS, keep_BS, dim=-1)
+    elif mode == "seq-mean-token-sum":
+        per_seq_B = torch.where(keep_BS, loss_BS, torch.zeros((), dtype=loss_BS.dtype, device=loss_BS.device)).sum(-1)
+    else:
+        raise ValueError(
+            f"unknown loss aggregation mode {mode!r}; supported: token-mean, seq-mean-token-mean, seq-mean-token-sum"
+        )
+    return masked_mean(per_seq_B, has_B)
+
+
+# --------------------------------------------------------------------------- context and results
+
+
+@dataclass(frozen=True)
+class CorrectionContext:
+    """What a correction sees: the detached, clamped log-ratios and the tokens still kept."""
+
+    log_ratio_BS: torch.Tensor
+    """float32 log π_train - log π_rollout, detached, clamped to ±log_clamp; 0 where not kept."""
+    keep_BS: torch.Tensor
+    """bool: response tokens not rejected by the corrections before this one."""
+    advantages_B: torch.Tensor | None
+    """float32 per-sequence advantage, when the caller gave advantages."""
+    log_clamp: float
+    """Bound used on log-ratios and log-weights before exp."""
+
+    def seq_sum_B(self) -> torch.Tensor:
+        """Σ of kept token log-ratios per sequence: the log of the sequence IS ratio Π ρ_t."""
+        return torch.where(self.keep_BS, self.log_ratio_BS, 0.0).sum(-1)
+
+    def seq_len_B(self) -> torch.Tensor:
+        """Number of kept tokens per sequence."""
+        return self.keep_BS.sum(-1)
+
+    def seq_mean_B(self) -> torch.Tensor:
+        """Mean kept token log-ratio per sequence (log of the geometric-mean ratio); 0 if none kept."""
+        return self.seq_sum_B() / self.seq_len_B().clamp_min(1).to(self.log_ratio_BS.dtype)
+
+    def token_frac(self, flag_BS: torch.Tensor) -> torch.Tensor:
+        """Fraction of the currently kept tokens where ``flag_BS`` holds."""
+        return masked_mean(flag_BS.to(torch.float32), self.keep_BS)
+
+    def seq_frac(self, flag_B: torch.Tensor) -> torch.Tensor:
+        """Fraction of the sequences that still keep a token where ``flag_B`` holds."""
+        return masked_mean(flag_B.to(torch.float32), self.keep_BS.any(-1))
+
+
+@dataclass
+class Decision:
+    """One correction's output; ``None`` means "no change" for that part.
+
+    Shapes: [B, S] for token-level decisions, [B] for sequence-level ones (broadcast over S).
+    """
+
+    log_weight: torch.Tensor | None = None
+    """Log of the multiplicative IS weight this correction contributes."""
+    keep: torch.Tensor | None = None
+    """bool: False rejects the token (or, for [B], the whole sequence)."""
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Scalar extras reported under ``moe_replay/corr/<name>/<key>``."""
+
+
+@dataclass
+class CorrectionResult:
+    """What the loss needs: detached token weights, the final keep mask, and metrics."""
+
+    weights_BS: torch.Tensor
+    """float32 IS weights, detached; 0 on rejected and padding tokens."""
+    keep_BS: torch.Tensor
+    """bool: tokens that stay in the loss, numerator and denominator."""
+    log_ratio_BS: torch.Tensor
+    """float32 clamped, detached log π_train - log π_rollout (0 on padding)."""
+    metrics: dict[str, float]
+    """Flat metrics, keys prefixed ``moe_replay/corr/``."""
+
+
+# --------------------------------------------------------------------------- configs and registry
+
+
+def _check_positive(cls_name: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{cls_name}.{name} must be a finite number > 0, got {value!r}")
+
+
+def _check_choice(cls_name: str, name: str, value: Any, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{cls_name}.{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def _check_bool(cls_name: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{cls_name}.{name} must be a bool, got {value!r}")
+
+
+class CorrectionConfig:
+    """Base of every correction: a frozen dataclass whose fields configure it and whose
+    `decide` maps a `CorrectionContext` to a `Decision`. ``name`` is set by registration."""
+
+    name: ClassVar[str] = ""
+
+    def decide(self, ctx: CorrectionContext) -> Decision:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+CORRECTIONS: Registry[type[CorrectionConfig]] = Registry("correction")
+"""Correction name -> config class. Register new ones with `register_correction`."""
+
+C = TypeVar("C", bound=type[CorrectionConfig])
+
+
+def register_correction(name: str) -> Callable[[C], C]:
+    """Class decorator: register a correction config under ``name`` (a second one fails)."""
+
+    def deco(cls: C) -> C:
+        CORRECTIONS.add(name, cls)
+        cls.name = name
+        return cls
+
+    return deco
+
+
+@register_correction("tis")
+@dataclass(frozen=True)
+class TISConfig(CorrectionConfig):
+    """Truncated IS: weight min(ρ, C). Keeps every token; bounds the variance, biased (IS-TIS)."""
+
+    threshold: float = 2.0
+    """C: the weight ceiling (verl's default rollout_is_threshold)."""
+    level: Level = "token"
+    """``token``: truncate each ρ_t; ``sequence``: truncate Π_t ρ_t and give it to every token."""
+
+    def __post_init__(self) -> None:
+        _check_positive(type(self).__name__, "threshold", self.threshold)
+        _check_choice(type(self).__name__, "level", self.level, ("token", "sequence"))
+
+    def decide(self, ctx: CorrectionContext) -> Decision:
+        log_c = math.log(self.threshold)
+        if self.level == "token":
+            lr = ctx.log_ratio_BS
+            return Decision(log_weight=lr.clamp(max=log_c), metrics={"truncated_fraction": ctx.token_frac(lr > log_c)})
+        s_B = ctx.seq_sum_B()
+        return Decision(log_weight=s_B.clamp(max=log_c), metrics={"truncated_fraction": ctx.seq_frac(s_B > log_c)})
+
+
+@register_correction("mis")
+@dataclass(frozen=True)
+class MISConfig(CorrectionConfig):
+    """Masked IS: reject where the ratio exceeds C instead of truncating it; keep ρ elsewhere."""
+
+    threshold: float = 2.0
+    """C: ratios above it are rejected."""
+    level: Level = "sequence"
+    """``sequence``: the ratio is Π_t ρ_t over the sequence's kept tokens; ``token``: each ρ_t."""
+    weight: bool = True
+    """Multiply kept tokens by their ratio (masked IS); False makes it pure rejection."""
+
+    def __post_init__(self) -> None:
+        _check_positive(type(self).__name__, "threshold", self.threshold)
+        _check_choice(type(self).__name__, "level", self.level, ("token", "sequence"))
+        _check_bool(type(self).__name__, "weight", self.weight)
+
+    def decide(self, ctx: CorrectionContext) -> Decision:
+        log_c = math.log(self.threshold)
+        lr = ctx.log_ratio_BS if self.level == "token" else ctx.seq_sum_B()
+        keep = lr <= log_c
+        return Decision(log_weight=lr if self.weight else None, keep=keep)
+
+
+@register_correction("icepop")
+@dataclass(frozen=True)
+class IcePopConfig(CorrectionConfig):
+    """IcePop: reject tokens whose ρ_t lies outside [low, high]; kept tokens keep weight ρ_t."""
+
+    low: float = 0.5
+    """α: tokens with ρ_t < α are rejected."""
+    high: float = 5.0
+    """β: tokens with ρ_t > β are rejected."""
+    weight: bool = True
+    """Multiply kept tokens by ρ_t (IcePop's masked IS); False makes it pure rejection."""
+
+    def __post_init__(self) -> None:
+        _check_positive(type(self).__name__, "low", self.low)
+        _check_positive(type(self).__name__, "high", self.high)
+        _check_bool(type(self).__name__, "weight", self.weight)
+        if self.low >= self.high:
+            raise ValueError(f"IcePopConfig needs low < high, got low={self.low!r}, high={self.high!r}")
+
+    def decide(self, ctx: CorrectionContext) -> Decision:
+        lr = ctx.log_ratio_BS
+        low, high = lr < math.log(self.low), lr > math.log(self.high)
+        return Decision(
+            log_weight=lr if self.weight else None,
+            keep=~(low | high),
+            metrics={"low_fraction": ctx.token_frac(low), "high_fraction": ctx.token_frac(high)},
+        )
+
+
+@register_correction("opsm")
+@dataclass(frozen=True)
+class OPSMConfig(CorrectionConfig):
+    """DeepSeek-V3.2 off-policy sequence masking: reject a sequence when its advantage is negative
+    and its length-normalised KL estimate mean_t(log π_rollout - log π_train) exceeds δ.
+
+    Negative-advantage samples that the policy has drifted away from push hardest in a bad
+    direction; positive ones are kept whatever their drift. The statistic has the sign of
+    ``rollout_corr/kl``. DeepSeek compares the sampling policy with the current policy, so pass
+    the current policy's logprobs as ``train_logprobs_BS`` when using it for that purpose.
+    """
+
+    delta: float = 1e-4
+    """δ: KL threshold (slime's default; tune it to the mismatch level of the run)."""
+
+    def __post_init__(self) -> None:
+        d = self.delta
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or d < 0:
+            raise ValueError(f"OPSMConfig.delta must be a finite number >= 0, got {d!r}")
+
+    def decide(self, ctx: CorrectionContext) -> Decision:
+        if ctx.advantages_B is None:
+            raise ValueError("correction 'opsm' needs advantages: pass advantages=[B] or [B, S] to apply_corrections")
+        kl_B = -ctx.seq_mean_B()
+        reject_B = (ctx.advantages_B < 0) & (kl_B > self.delta)
+        return Decision(keep=~reject_B)
+
+
+@register_correction("gspo")
+@dataclass(frozen=True)
+class GSPOConfig(CorrectionConfig):
+    """GSPO's sequence ratio as the IS weight: exp(mean_t lr_t) = (Π ρ_t)^(1/|y|), on every token.
+
+    Length normalisation keeps the ratio near 1 for long sequences where Π ρ_t would explode.
+    """
+
+    max_weight: float | None = None
+    """Optional ceiling on the sequence weight (truncation); None leaves it untruncated."""
+
+    def __post_init__(self) -> None:
+        if self.max_weight is not None:
+            _check_positive(type(self).__name__, "max_weight", self.max_weight)
+
+    def decide(self, ctx: CorrectionContext) -> Decision:
+        m_B = ctx.seq_mean_B()
+        if self.max_weight is not None:
+            m_B = m_B.clamp(max=math.log(self.max_weight))
+        return Decision(log_weight=m_B)
+
+
+@register_correction("geo_rs")
+@dataclass(frozen=True)
+class GeoRSConfig(CorrectionConfig):
+    """Geometric-mean rejection sampling: reject a sequence whose exp(mean_t lr_t) lies outside
+    [low, high]. Length-normalised, so a long sequence is not rejected just for being long."""
+
+    low: float = 0.999
+    """Lower bound on the geometric-mean ratio."""
+    high: float = 1.001
+    """Upper bound on the geometric-mean ratio."""
+
+    def __post_init__(self) -> None:
+        _check_positive(type(self).__name__, "low", self.low)
+        _check_positive(type(self).__name__, "high", self.high)
+        if self.low >= self.high:
+            raise ValueError(f"GeoRSConfig needs low < high, got low={self.low!r}, high={self.high!r}")
+
+    def decide(self, ctx: CorrectionContext) -> Decision:
+        m_B = ctx.seq_mean_B()
+        low_B, high_B = m_B < math.log(self.low), m_B > math.log(self.high)
+        return Decision(
+            keep=~(low_B | high_B),
+            metrics={"low_fraction": ctx.seq_frac(low_B), "high_fraction": ctx.seq_frac(high_B)},
+        )
+
+
+@register_correction("token_veto")
+@dataclass(frozen=True)
+class TokenVetoConfig(CorrectionConfig):
+    """Reject a whole sequence if any kept token has ρ_t below a threshold: one token the trainer
+    finds near-impossible means the engine sampled something the trainer would not have."""
+
+    threshold: float = 1e-4
+    """τ in (0, 1]: the veto fires on ρ_t < τ."""
+
+    def __post_init__(self) -> None:
+        _check_positive(type(self).__name__, "threshold", self.threshold)
+        if self.threshold > 1:
+            raise ValueError(f"TokenVetoConfig.threshold must be in (0, 1], got {self.threshold!r}")
+
+    def decide(self, ctx: CorrectionContext) -> Decision:
+        veto_B = (ctx.keep_BS & (ctx.log_ratio_BS < math.log(self.threshold))).any(-1)
+        return Decision(keep=~veto_B)
+
+
+def build_correction(spec: CorrectionConfig | str | Mapping[str, Any]) -> CorrectionConfig:
+    """A correction from a config object, a registered name (defaults), or ``{"name": ..., **fields}``."""
+    if isinstance(spec, CorrectionConfig):
+        return spec
+    if isinstance(spec, str):
+        return CORRECTIONS.get(spec)()
+    if isinstance(spec, Mapping):
+        if "name" not in spec:
+            supported = ", ".join(CORRECTIONS.names())
+            raise ValueError(f"correction spec {dict(spec)!r} has no 'name'; supported: {supported}")
+        cls = CORRECTIONS.get(spec["name"])
+        kwargs = {k: v for k, v in spec.items() if k != "name"}
+        allowed = [f.name for f in fields(cls)]
+        unknown = sorted(set(kwargs) - set(allowed))
+        if unknown:
+            raise ValueError(f"correction {spec['name']!r} has no field(s) {unknown}; its fields: {allowed}")
+        return cls(**kwargs)
+    raise ValueError(f"a correction spec is a CorrectionConfig, a name or a mapping, got {type(spec).__name__}")
+
+
+# --------------------------------------------------------------------------- composition
+
+
+def _advantages_B(advantages: torch.Tensor | None, mask_BS: torch.Tensor) -> torch.Tensor | None:
+    if advantages is None:
+        return None
+    adv = advantages.detach().to(device=mask_BS.device, dtype=torch.float32)
+    B, S = mask_BS.shape
+    if adv.shape == (B,):
+        return adv
+    if adv.shape == (B, S):  # GRPO broadcasts one value per sequence; take its mean over the response
+        return masked_mean(adv, mask_BS, dim=-1)
+    raise ValueError(f"advantages must be [B]=[{B}] or [B, S]=[{B}, {S}], got {list(adv.shape)}")
+
+
+def apply_corrections(
+    corrections: Sequence[CorrectionConfig | str | Mapping[str, Any]],
+    train_logprobs_BS: torch.Tensor,
+    rollout_logprobs_BS: torch.Tensor,
+    response_mask_BS: torch.Tensor,
+    *,
+    advantages: torch.Tensor | None = None,
+    log_clamp: float = LOG_CLAMP,
+) -> CorrectionResult:
+    """Run ``corrections`` in order and return token weights, the keep mask and metrics.
+
+    Args:
+        corrections: configs, registered names or ``{"name": ..., **fields}`` mappings.
+        train_logprobs_BS: the trainer's log π of each sampled token (detached here).
+        rollout_logprobs_BS: the engine's log π of the same tokens.
+        response_mask_BS: 1/True on response tokens; padding is never kept.
+        advantages: [B] or [B, S]; needed by corrections that read them (``opsm``).
+        log_clamp: bound on token log-ratios and on the summed log-weight before exp.
+
+    Metrics (fractions are of response tokens / of sequences with a response token):
+        moe_replay/corr/<name>/token_masked_fraction  tokens this correction rejected
+        moe_replay/corr/<name>/seq_masked_fraction    sequences it rejected a token of
+        moe_replay/corr/<name>/<extra>                correction-specific (truncated_fraction, ...)
+        moe_replay/corr/token_masked_fraction         1 - kept / response tokens
+        moe_replay/corr/seq_masked_fraction           sequences with >= 1 rejected token
+        moe_replay/corr/seq_rejected_fraction         sequences with every token rejected
+        moe_replay/corr/nonfinite_token_fraction      tokens rejected for a NaN log-ratio
+        moe_replay/corr/weight_{mean,min,max}         final weights over kept tokens (0 if none)
+        moe_replay/corr/weight_ess                    normalised ESS (Σw)²/(n Σw²) over kept tokens
+        moe_replay/corr/kept_tokens                   number of kept tokens
+    A name used twice in the list gets ``<name>.<index>`` keys from its second use on.
+    """
+    if train_logprobs_BS.dim() != 2:
+        raise ValueError(f"train_logprobs_BS must be [B, S], got shape {list(train_logprobs_BS.shape)}")
+    for arg, t in (("train_logprobs_BS", train_logprobs_BS), ("rollout_logprobs_BS", rollout_logprobs_BS)):
+        if t.shape != response_mask_BS.shape:
+            expected = list(response_mask_BS.shape)
+            raise ValueError(f"{arg} has shape {list(t.shape)}, expected {expected} (response_mask_BS)")
+    if not (isinstance(log_clamp, (int, float)) and 0 < log_clamp < 80):
+        raise ValueError(f"log_clamp must be in (0, 80) so exp stays finite in float32, got {log_clamp!r}")
+    configs = [build_correction(c) for c in corrections]
+
+    device = train_logprobs_BS.device
+    response_BS = response_mask_BS.bool().to(device)
+    raw_lr_BS = train_logprobs_BS.detach().float() - rollout_logprobs_BS.detach().to(device).float()
+    nonfinite_BS = response_BS & torch.isnan(raw_lr_BS)  # ±inf is a real (extreme) ratio; NaN is not
+    keep_BS = response_BS & ~nonfinite_BS
+    lr_BS = torch.where(keep_BS, torch.nan_to_num(raw_lr_BS, nan=0.0).clamp(-log_clamp, log_clamp), 0.0)
+    adv_B = _advantages_B(advantages, response_BS)
+    log_w_BS = torch.zeros_like(lr_BS)
+
+    n_resp = response_BS.sum().clamp_min(1).float()
+    valid_seq_B = response_BS.any(-1)
+    n_seq = valid_seq_B.sum().clamp_min(1).float()
+    m: dict[str, torch.Tensor] = {}
+    seen: dict[str, int] = {}
+    for index, cfg in enumerate(configs):
+        ctx = CorrectionContext(log_ratio_BS=lr_BS, keep_BS=keep_BS, advantages_B=adv_B, log_clamp=log_clamp)
+        d = cfg.decide(ctx)
+        key = cfg.name if cfg.name not in seen else f"{cfg.name}.{index}"
+        seen[cfg.name] = index
+        before_BS = keep_BS
+        if d.keep is not None:
+            step_keep = d.keep if d.keep.dim() == 2 else d.keep[:, None]
+            keep_BS = keep_BS & step_keep
+        if d.log_weight is not None:
+            step_lw = d.log_weight if d.log_weight.dim() == 2 else d.log_weight[:, None]
+            log_w_BS = log_w_BS + step_lw
+        dropped_BS = before_BS & ~keep_BS
+        m[f"{PREFIX}/{key}/token_masked_fraction"] = dropped_BS.sum() / n_resp
+        m[f"{PREFIX}/{key}/seq_masked_fraction"] = dropped_BS.any(-1).sum() / n_seq
+        for extra, value in d.metrics.items():
+            m[f"{PREFIX}/{key}/{extra}"] = value
+
+    weights_BS = torch.where(keep_BS, torch.exp(log_w_BS.clamp(-log_clamp, log_clamp)), 0.0).detach()
+    kept = keep_BS.sum()
+    w_kept = weights_BS[keep_BS]
+    has_kept = w_kept.numel() > 0
+    zero = torch.zeros((), device=device)
+    m[f"{PREFIX}/token_masked_fraction"] = 1.0 - kept / n_resp
+    m[f"{PREFIX}/seq_masked_fraction"] = (response_BS & ~keep_BS).any(-1).sum() / n_seq
+    m[f"{PREFIX}/seq_rejected_fraction"] = (valid_seq_B & ~keep_BS.any(-1)).sum() / n_seq
+    m[f"{PREFIX}/nonfinite_token_fraction"] = nonfinite_BS.sum() / n_resp
+    m[f"{PREFIX}/weight_mean"] = w_kept.mean() if has_kept else zero
+    m[f"{PREFIX}/weight_min"] = w_kept.min() if has_kept else zero
+    m[f"{PREFIX}/weight_max"] = w_kept.max() if has_kept else zero
+    m[f"{PREFIX}/weight_ess"] = normalized_ess(log_w_BS.clamp(-log_clamp, log_clamp), keep_BS) if has_kept else zero
+    m[f"{PREFIX}/kept_tokens"] = kept.float()
+
+    keys = list(m)
+    values = torch.stack([m[k].detach().double().reshape(()) for k in keys]).cpu().tolist()
+    return CorrectionResult(weights_BS=weights_BS, keep_BS=keep_BS, log_ratio_BS=lr_BS, metrics=dict(zip(keys, values)))
+
+
+def reinforce_loss(
+    policy_logprobs_BS: torch.Tensor,
+    advantages: torch.Tensor,
+    result: CorrectionResult,
+    mode: LossAggregation = "token-mean",
+) -> torch.Tensor:
+    """IS-corrected REINFORCE loss ``-agg(w_t · A_t · log π_θ(y_t))`` over kept tokens.
+
+    A reference use of a `CorrectionResult`: the weights are detached, so the gradient flows only
+    through ``policy_logprobs_BS``; rejected tokens are out of numerator and denominator.
+    ``advantages`` is [B] (broadcast over S) or [B, S].
+    """
+    adv = advantages.detach().to(policy_logprobs_BS.device)
+    if adv.dim() == 1:
+        adv = adv[:, None].expand_as(policy_logprobs_BS)
+    dtype = policy_logprobs_BS.dtype
+    per_token_BS = -(result.weights_BS.to(dtype) * adv.to(dtype) * policy_logprobs_BS)
+    return aggregate_loss(per_token_BS, result.keep_BS, mode)
