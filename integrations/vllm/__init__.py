@@ -1,1 +1,36 @@
-"""moe_replay vllm adapter."""
+"""vLLM adapter: capture routed experts, exact sampling support and sampled logprobs per request.
+
+Importing this package does not import vLLM; vLLM is imported when capture is attached.
+"""
+
+from __future__ import annotations
+
+from .config import CaptureConfig
+from .errors import (
+    CaptureAlignmentError,
+    CaptureError,
+    CaptureEvictedError,
+    CaptureHookError,
+    CollectError,
+    NoMoeLayersError,
+    RequestAbortedError,
+    SupportOverflowError,
+    UnknownRequestError,
+)
+
+__all__ = [
+    "AsyncVllmCapture", "CaptureAlignmentError", "CaptureConfig", "CaptureError", "CaptureEvictedError",
+    "CaptureHookError", "CollectError", "EXTENSION", "NoMoeLayersError", "RequestAbortedError",
+    "SupportOverflowError", "UnknownRequestError", "VllmCapture", "capture_engine_kwargs", "stitch",
+]
+
+_LAZY = {"VllmCapture": "api", "AsyncVllmCapture": "api", "capture_engine_kwargs": "api", "EXTENSION": "api",
+         "stitch": "assemble"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

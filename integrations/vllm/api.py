@@ -1,0 +1,200 @@
+"""Public API: attach capture to a vLLM engine, generate, collect one trace per sample.
+
+    from moe_replay.integrations.vllm import CaptureConfig, VllmCapture, capture_engine_kwargs
+    llm = LLM(model=path, **capture_engine_kwargs())       # or any LLM (in-process engine)
+    with VllmCapture(llm, CaptureConfig(max_support=4096)) as cap:
+        outputs, traces = cap.generate(prompts, SamplingParams(top_p=0.9, n=4))
+
+The engine talks to its workers through `collective_rpc`; the worker half lives in worker.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+from ...geometry import EngineInfo, ModelGeometry
+from ...trace import RolloutTrace
+from . import worker as W
+from .assemble import build_trace, completions_of, raise_install_error
+from .config import CaptureConfig
+from .errors import CaptureHookError, CollectError, UnknownRequestError
+
+EXTENSION = "moe_replay.integrations.vllm.worker.CaptureWorkerExtension"
+"""Qualified name to pass as vLLM's `worker_extension_cls`."""
+
+_BY_NAME = {"install": "moe_replay_install", "take": "moe_replay_take", "discard": "moe_replay_discard",
+            "stats": "moe_replay_stats", "uninstall": "moe_replay_uninstall"}
+_BY_FUNC = {"install": W.install_on_worker, "take": W.take_on_worker, "discard": W.discard_on_worker,
+            "stats": W.stats_on_worker, "uninstall": W.uninstall_on_worker}
+
+
+def capture_engine_kwargs(**engine_kwargs: Any) -> dict[str, Any]:
+    """Engine kwargs with the capture worker extension added (LLM(...), AsyncEngineArgs(...))."""
+    ext = engine_kwargs.get("worker_extension_cls")
+    if ext and ext != EXTENSION:
+        raise ValueError(f"worker_extension_cls is already set to {ext!r}; capture needs {EXTENSION!r}")
+    return {**engine_kwargs, "worker_extension_cls": EXTENSION}
+
+
+def _engine_info(model_config: Any) -> EngineInfo:
+    import vllm
+
+    dtype = str(model_config.dtype).removeprefix("torch.")
+    return EngineInfo(name="vllm", version=vllm.__version__, dtype=dtype, extra={"model": str(model_config.model)})
+
+
+class _CaptureBase:
+    """Shared logic of the sync and async front ends; `_rpc_*` differ only in how they call."""
+
+    config: CaptureConfig
+    geometry: ModelGeometry
+    engine_info: EngineInfo
+    _methods: dict[str, Any]
+
+    def _on_install(self, replies: list[dict[str, Any]], via: str) -> None:
+        bad = [r for r in replies if not r.get("ok")]
+        if bad:
+            raise_install_error(bad[0])
+        geoms = {tuple(sorted(r["geometry"].items(), key=lambda x: x[0])).__repr__() for r in replies}
+        if len(geoms) != 1:
+            raise CaptureHookError(f"workers disagree on the model geometry: {geoms}")
+        self.geometry = ModelGeometry.from_dict(replies[0]["geometry"])
+        self.prefix_routes = bool(replies[0]["slot_cache"])
+        self.via = via
+
+    def _requests(self, outputs: Iterable[Any]) -> list[tuple[str, str, Any, Any]]:
+        items = []
+        for out in outputs:
+            for key, wkey, comp in completions_of(out):
+                items.append((key, wkey, comp, out))
+        return items
+
+    def _assemble(self, items, payloads, store) -> list[RolloutTrace]:
+        traces, failures = [], {}
+        for (key, _, comp, out), payload in zip(items, payloads):
+            try:
+                if not out.finished:
+                    raise UnknownRequestError(f"request {key!r} has not finished; collect final outputs only")
+                traces.append(build_trace(key, out.prompt_token_ids, comp, payload, self.geometry, self.config, self.engine_info))
+            except Exception as e:  # one bad request never costs the others their traces
+                failures[key] = e
+        if store is not None:
+            for t in traces:
+                store.put(t)
+        if failures:
+            raise CollectError(traces, failures)
+        return traces
+
+
+class VllmCapture(_CaptureBase):
+    """Capture attached to one `vllm.LLM`; `uninstall()` (or leaving the `with`) detaches it.
+
+    The engine is best built with `capture_engine_kwargs()` (works in-process and multi-process);
+    an in-process LLM built without it is also accepted. The prefix cache is reset on attach so
+    every cached block's routes are known.
+    """
+
+    def __init__(self, llm: Any, config: CaptureConfig | None = None, *, reset_prefix_cache: bool = True) -> None:
+        self.llm, self.config = llm, config or CaptureConfig()
+        self.engine_info = _engine_info(llm.llm_engine.model_config)
+        replies, via = self._install()
+        self._on_install(replies, via)
+        if reset_prefix_cache:
+            llm.reset_prefix_cache()
+
+    def _install(self) -> tuple[list[dict[str, Any]], str]:
+        cfg = self.config.to_dict()
+        try:
+            replies = self.llm.collective_rpc(_BY_NAME["install"], args=(cfg,))
+            self._methods = _BY_NAME
+            return replies, "worker_extension_cls"
+        except Exception as e:
+            if "moe_replay_install" not in str(e):
+                raise
+        try:
+            replies = self.llm.collective_rpc(_BY_FUNC["install"], args=(cfg,))
+        except Exception as e:
+            raise CaptureHookError(
+                f"cannot reach the engine's workers to install capture ({type(e).__name__}: {e}); build the engine "
+                f"with LLM(..., **capture_engine_kwargs()) (worker_extension_cls={EXTENSION!r})"
+            ) from e
+        self._methods = _BY_FUNC
+        return replies, "callable"
+
+    def _rpc(self, name: str, *args: Any) -> Any:
+        return self.llm.collective_rpc(self._methods[name], args=args)[0]
+
+    def generate(self, prompts: Any, sampling_params: Any = None, *, store: Any = None, **kwargs: Any):
+        """`LLM.generate` then `collect`: returns (outputs, traces), traces in output/sample order."""
+        outputs = self.llm.generate(prompts, sampling_params, **kwargs)
+        return outputs, self.collect(outputs, store=store)
+
+    def collect(self, outputs: Sequence[Any], *, store: Any = None) -> list[RolloutTrace]:
+        """One trace per sample of each finished RequestOutput; the records leave the worker.
+
+        Raises CollectError (with `.traces` = every good trace, already put to `store`) when some
+        requests fail (aborted, unknown, evicted, support overflow under 'error', misaligned).
+        """
+        items = self._requests(outputs)
+        payloads = self._rpc("take", [wkey for _, wkey, _, _ in items]) if items else []
+        return self._assemble(items, payloads, store)
+
+    def discard(self, request_ids: Sequence[str]) -> int:
+        """Drop worker records (e.g. of aborted requests); returns how many were dropped."""
+        return int(self._rpc("discard", list(request_ids)))
+
+    def stats(self) -> dict[str, Any]:
+        return self._rpc("stats")
+
+    def uninstall(self) -> None:
+        self._rpc("uninstall")
+
+    def __enter__(self) -> "VllmCapture":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.uninstall()
+
+
+class AsyncVllmCapture(_CaptureBase):
+    """Capture for `vllm.v1.engine.async_llm.AsyncLLM`: `await AsyncVllmCapture.attach(engine)`.
+
+    The engine must be built with `capture_engine_kwargs()` (its workers live in other processes).
+    """
+
+    def __init__(self, engine: Any, config: CaptureConfig) -> None:
+        self.engine, self.config = engine, config
+        self.engine_info = _engine_info(engine.model_config)
+        self._methods = _BY_NAME
+
+    @classmethod
+    async def attach(cls, engine: Any, config: CaptureConfig | None = None, *, reset_prefix_cache: bool = True):
+        self = cls(engine, config or CaptureConfig())
+        try:
+            replies = await engine.collective_rpc(_BY_NAME["install"], args=(self.config.to_dict(),))
+        except Exception as e:
+            raise CaptureHookError(
+                f"cannot install capture on this AsyncLLM ({type(e).__name__}: {e}); build it with "
+                f"AsyncEngineArgs(..., **capture_engine_kwargs())"
+            ) from e
+        self._on_install(replies, "worker_extension_cls")
+        if reset_prefix_cache:
+            await engine.reset_prefix_cache()
+        return self
+
+    async def _rpc(self, name: str, *args: Any) -> Any:
+        return (await self.engine.collective_rpc(self._methods[name], args=args))[0]
+
+    async def collect(self, outputs: Sequence[Any], *, store: Any = None) -> list[RolloutTrace]:
+        items = self._requests(outputs)
+        payloads = await self._rpc("take", [wkey for _, wkey, _, _ in items]) if items else []
+        return self._assemble(items, payloads, store)
+
+    async def discard(self, request_ids: Sequence[str]) -> int:
+        return int(await self._rpc("discard", list(request_ids)))
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._rpc("stats")
+
+    async def uninstall(self) -> None:
+        await self._rpc("uninstall")

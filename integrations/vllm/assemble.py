@@ -1,0 +1,174 @@
+"""Client side: turn a finished vLLM RequestOutput plus the worker's record into RolloutTraces.
+
+The RequestOutput is the ground truth for the final tokens (stop strings and async scheduling can
+make the worker see more steps than the sequence keeps): routes are cut to S-1-route_start rows,
+sampling rows to G = len(completion.token_ids), and the worker's sampled tokens must equal the
+completion's tokens, row for row, or the trace is refused (CaptureAlignmentError).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ...errors import Where
+from ...geometry import EngineInfo, ModelGeometry
+from ...trace import RolloutTrace, SamplingSupport
+from .config import CaptureConfig
+from .errors import (
+    CaptureAlignmentError,
+    CaptureEvictedError,
+    CaptureHookError,
+    RequestAbortedError,
+    SupportOverflowError,
+    UnknownRequestError,
+)
+
+
+def trace_key(request_id: str, index: int, n: int) -> str:
+    """Store key of one sample: the request id for n == 1, '<request id>#<index>' for n > 1."""
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
+def worker_key(request_id: str, index: int, n: int) -> str:
+    """vLLM's engine-side id of one sample, without the random suffix (child ids are 'i_<id>')."""
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+def completions_of(output: Any) -> list[tuple[str, str, Any]]:
+    """(trace key, worker key, CompletionOutput) for every sample of one RequestOutput."""
+    n = len(output.outputs)
+    return [(trace_key(output.request_id, c.index, n), worker_key(output.request_id, c.index, n), c) for c in output.outputs]
+
+
+def check_payload(payload: dict[str, Any], key: str) -> None:
+    status = payload.get("status")
+    if status == "ok":
+        return
+    if status == "evicted":
+        raise CaptureEvictedError(
+            f"request {key!r}: its capture record was evicted on the worker before collection "
+            "(more finished requests than CaptureConfig.max_unclaimed were left uncollected)"
+        )
+    if status == "ambiguous":
+        raise UnknownRequestError(f"request {key!r} matches several engine requests {payload['matches']}; use unique request ids")
+    raise UnknownRequestError(
+        f"request {key!r}: no capture record on the worker ({payload.get('known', 0)} records held); "
+        "it was never run with capture installed, or was already collected"
+    )
+
+
+def build_trace(
+    key: str,
+    prompt_token_ids: list[int],
+    completion: Any,
+    payload: dict[str, Any],
+    geometry: ModelGeometry,
+    config: CaptureConfig,
+    engine: EngineInfo,
+) -> RolloutTrace:
+    """One RolloutTrace from one completion and its worker payload; raises a typed error on any gap."""
+    if getattr(completion, "finish_reason", None) == "abort":
+        raise RequestAbortedError(f"request {key!r} was aborted after {len(completion.token_ids)} tokens: no trace")
+    check_payload(payload, key)
+    if payload["problems"]:
+        raise CaptureAlignmentError(f"request {key!r}: {payload['problems'][0]}")
+    prompt = np.asarray(prompt_token_ids, dtype=np.int64)
+    gen = np.asarray(completion.token_ids, dtype=np.int64)
+    tokens_S = np.concatenate([prompt, gen])
+    P, G, S = len(prompt), len(gen), len(prompt) + len(gen)
+    if payload["prompt_len"] != P:
+        raise CaptureAlignmentError(f"request {key!r}: worker saw a prompt of {payload['prompt_len']} tokens, output has {P}")
+    route_start = int(payload["route_start"])
+    extra: dict[str, Any] = {}
+
+    routes = None
+    if config.routes:
+        need = max(S - 1 - route_start, 0)
+        filled = payload["routes_filled"][:need]
+        if len(filled) < need or not filled.all():
+            gap = int(np.flatnonzero(~filled)[0]) if len(filled) and not filled.all() else len(filled)
+            raise CaptureAlignmentError(
+                f"request {key!r}: routes cover {gap} of {need} positions from {route_start}; "
+                f"position {route_start + gap} was never captured"
+            )
+        routes = payload["routes"][:need]
+
+    support = logprobs = None
+    if config.support or config.logprobs:
+        got = payload["tokens"]
+        if len(got) < G or not np.array_equal(got[:G], gen):
+            bad = next((g for g in range(min(len(got), G)) if got[g] != gen[g]), min(len(got), G))
+            raise CaptureAlignmentError(
+                f"request {key!r}: sampler rows disagree with the output at generated token {bad} "
+                f"(captured {len(got)} samples, output has {G} tokens)"
+            )
+        if config.logprobs:
+            logprobs = payload["logprobs"][:G]
+        if config.support:
+            sizes = payload["support_sizes"][:G]
+            over = np.flatnonzero(sizes > config.max_support)
+            if len(over):
+                g = int(over[0])
+                msg = (f"request {key!r}: sampling support of generated token {g} has {int(sizes[g])} tokens, "
+                       f"above CaptureConfig.max_support={config.max_support}")
+                if config.on_support_overflow == "error":
+                    raise SupportOverflowError(msg + " (policy 'error'; raise max_support or use 'omit')")
+                extra["support_omitted"] = {"row": g, "size": int(sizes[g]), "max_support": config.max_support}
+            else:
+                off = payload["support_offsets"][: G + 1]
+                support = SamplingSupport(off.copy(), payload["support_ids"][: off[-1]].copy())
+    trace = RolloutTrace(
+        key=key,
+        token_ids_S=tokens_S,
+        prompt_len=P,
+        geometry=geometry,
+        routes_TLK=routes,
+        route_start=route_start,
+        support=support,
+        logprobs_G=logprobs,
+        engine=engine,
+        extra=extra,
+    )
+    return trace.validate(Where(record=key))
+
+
+def stitch(previous: RolloutTrace, turn: RolloutTrace) -> RolloutTrace:
+    """Join a multi-turn conversation: `turn` recorded only its new routes (route_start > 0).
+
+    `turn`'s tokens must extend `previous`'s, and its routes must start at or before the last token
+    of `previous` (that token was never forwarded in the previous turn). The result has the
+    earliest route_start and all routes; support and logprobs are those of the latest turn (the
+    format holds one contiguous generated span), the previous turn's key goes to extra['turns'].
+    """
+    where = Where(record=turn.key, field="route_start")
+    P = previous.num_tokens
+    if turn.num_tokens < P or not np.array_equal(turn.token_ids_S[:P], previous.token_ids_S):
+        raise CaptureAlignmentError(f"turn {turn.key!r} does not extend {previous.key!r}: token prefixes differ")
+    if previous.routes_TLK is None or turn.routes_TLK is None:
+        raise CaptureAlignmentError(f"stitching needs routes in both turns ({previous.key!r}, {turn.key!r})")
+    if not previous.route_start <= turn.route_start <= P - 1:
+        raise CaptureAlignmentError(
+            f"{where}: turn routes start at {turn.route_start}, expected in [{previous.route_start}, {P - 1}] "
+            f"(the previous turn covers positions up to {P - 2})"
+        )
+    previous.geometry.check_matches(turn.geometry, where)
+    head = previous.routes_TLK[: turn.route_start - previous.route_start]
+    routes = np.concatenate([head, turn.routes_TLK], axis=0)
+    extra = dict(turn.extra)
+    extra["turns"] = [*previous.extra.get("turns", []), previous.key]
+    return RolloutTrace(
+        key=turn.key, token_ids_S=turn.token_ids_S, prompt_len=turn.prompt_len, geometry=turn.geometry,
+        routes_TLK=routes, route_start=previous.route_start, support=turn.support, logprobs_G=turn.logprobs_G,
+        engine=turn.engine, extra=extra,
+    ).validate()
+
+
+def raise_install_error(reply: dict[str, Any]) -> None:
+    from . import errors
+
+    cls = getattr(errors, reply.get("kind", ""), None)
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        cls = CaptureHookError
+    raise cls(f"installing capture on the engine failed: {reply.get('error')}")
