@@ -1,0 +1,52 @@
+"""Trace stores: one interface (`TraceStore`), registered by name in `STORES`, opened by `open_store`.
+
+  "memory"     MemoryStore     encoded records in a dict (tests, one process)
+  "directory"  DirectoryStore  append-only segments + checksummed index, one writer, many readers
+"""
+
+from __future__ import annotations
+
+import os
+
+from .base import STORES, TraceStore
+from .directory import DirectoryStore, ReadOnlyStoreError, StoreLockedError, StoreNotFoundError
+from .memory import MemoryStore
+
+MEMORY_SCHEME = "memory://"
+DIRECTORY_SCHEMES = ("directory://", "file://")
+
+
+def open_store(uri_or_path: str | os.PathLike, **options) -> TraceStore:
+    """Open a store by URI: "memory://[name]" gives a new MemoryStore; "directory://PATH",
+    "file://PATH" or a plain path gives DirectoryStore(PATH, **options) (create, readonly,
+    segment_bytes, durable)."""
+    target = os.fspath(uri_or_path)
+    if target.startswith(MEMORY_SCHEME):
+        if options:
+            raise ValueError(f"a memory store takes no options, got {sorted(options)} for {target!r}")
+        return MemoryStore(target)
+    for scheme in DIRECTORY_SCHEMES:
+        if target.startswith(scheme):
+            target = target[len(scheme) :]
+            break
+    else:
+        if "://" in target:
+            raise ValueError(
+                f"unknown store scheme in {target!r}; supported: {MEMORY_SCHEME}, "
+                f"{', '.join(s + 'PATH' for s in DIRECTORY_SCHEMES)}, or a plain directory path"
+            )
+    if not target:
+        raise ValueError(f"store URI {os.fspath(uri_or_path)!r} names no directory")
+    return DirectoryStore(target, **options)
+
+
+__all__ = [
+    "STORES",
+    "DirectoryStore",
+    "MemoryStore",
+    "ReadOnlyStoreError",
+    "StoreLockedError",
+    "StoreNotFoundError",
+    "TraceStore",
+    "open_store",
+]

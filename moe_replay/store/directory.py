@@ -1,0 +1,680 @@
+"""Directory store: append-only segment files plus a checksummed index; one writer, many readers.
+
+Files of a store directory:
+  index.bin        header, then one entry per record, in insertion order
+  seg-000000.bin   header, then framed records (the bytes of codec.record.encode_trace), appended;
+  seg-000001.bin   a new segment starts when the next frame would pass `segment_bytes`
+  writer.lock      held with an exclusive flock by the one writer (it holds the writer's pid)
+
+Framing, little-endian:
+  file header   magic[8] version:u32 crc32:u32 (of the 12 bytes before it)            16 bytes
+  record frame  b"MRRF" length:u64 crc32:u32 (of length and payload) payload[length]   16 + length
+  index entry   b"MRIE" key_len:u32 segment:u32 offset:u64 length:u64 record_crc32:u32
+                key[key_len] (UTF-8) crc32:u32 (of every earlier byte of the entry)     36 + key_len
+
+Crash safety (architecture invariant 9). A commit writes its frames and syncs the segment, then
+appends the index entries and syncs the index. A record is visible only once its entry is complete
+with a matching CRC, and an entry only points at bytes made durable before it was written; so a
+crash leaves every committed record readable and a torn one invisible. Readers stop before a torn
+index tail; the next writer truncates it and any segment bytes past the last indexed record.
+Damage anywhere else (a bad entry followed by good ones, a record whose bytes fail their CRC) is a
+typed error naming the file, key and field, raised only for the record concerned.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import struct
+import threading
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, NamedTuple, Sequence
+
+from ..codec.record import decode_trace, encode_trace
+from ..errors import (
+    ChecksumError,
+    DuplicateKeyError,
+    MissingKeyError,
+    MoeReplayError,
+    SchemaVersionError,
+    TraceError,
+    TraceFormatError,
+    TruncatedRecordError,
+    Where,
+)
+from ..trace import RolloutTrace
+from .base import STORES, TraceStore
+from .memory import ErrorMode, OnError, check_error_mode, check_new_keys, handle_bad_record
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+"""Version of the directory layout and framing (not of the record schema, which records carry)."""
+INDEX_NAME, LOCK_NAME = "index.bin", "writer.lock"
+INDEX_MAGIC, SEGMENT_MAGIC = b"MRINDEX\x00", b"MRSEGMT\x00"
+FRAME_MAGIC, ENTRY_MAGIC = b"MRRF", b"MRIE"
+HEADER = struct.Struct("<8sII")
+FRAME = struct.Struct("<4sQI")
+ENTRY = struct.Struct("<4sIIQQI")
+CRC = struct.Struct("<I")
+MAX_KEY_BYTES = 1 << 16
+DEFAULT_SEGMENT_BYTES = 256 << 20
+MIN_SEGMENT_BYTES = 1 << 10
+COMMIT_BYTES = 64 << 20
+"""put_many commits (syncs segment, then index) at least every this many encoded bytes."""
+MAX_OPEN_SEGMENTS = 64
+_SEGMENT_RE = re.compile(r"^seg-(\d{6,})\.bin$")
+
+
+class StoreNotFoundError(MoeReplayError, FileNotFoundError):
+    """No store at the path given (missing, or a directory that is not a store) and none may be created."""
+
+
+class StoreLockedError(MoeReplayError, BlockingIOError):
+    """Another writer holds the store's lock (one writer per directory)."""
+
+
+class ReadOnlyStoreError(MoeReplayError, PermissionError):
+    """A write was attempted through a store opened with readonly=True."""
+
+
+@dataclass(frozen=True)
+class DirectoryStoreOptions:
+    """How a DirectoryStore is opened (validated here so a bad value fails before any file is touched)."""
+
+    create: bool = True
+    """Create the directory and an empty store if absent (ignored when readonly)."""
+    readonly: bool = False
+    """Open as a reader: no lock taken, nothing written or repaired; any number may coexist."""
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    """Size at which the writer starts a new segment file (a larger record gets a segment alone)."""
+    durable: bool = True
+    """fsync segments before index entries and the index after them (survives power loss);
+    False still survives a crash of the writing process, since the write order is the same."""
+
+    def __post_init__(self) -> None:
+        for name in ("create", "readonly", "durable"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"DirectoryStoreOptions.{name} must be a bool, got {getattr(self, name)!r}")
+        size = self.segment_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or size < MIN_SEGMENT_BYTES:
+            raise ValueError(f"DirectoryStoreOptions.segment_bytes must be an int >= {MIN_SEGMENT_BYTES}, got {size!r}")
+
+
+class Entry(NamedTuple):
+    """Where one record lives: its frame starts at `offset` of segment `segment`."""
+
+    segment: int
+    offset: int
+    length: int
+    """Payload bytes (the frame is FRAME.size longer)."""
+    crc: int
+    """CRC-32 of the frame (length and payload), repeated here so an entry pins its exact record."""
+
+
+# -- framing ---------------------------------------------------------------------------------------
+def pack_header(magic: bytes, version: int = FORMAT_VERSION) -> bytes:
+    head = HEADER.pack(magic, version, 0)[:8 + 4]
+    return head + CRC.pack(zlib.crc32(head))
+
+
+def check_header(data: bytes, magic: bytes, where: Where) -> None:
+    """Refuse a file that is not of this kind, is damaged, or has a layout version we cannot read."""
+    if len(data) < HEADER.size:
+        raise TruncatedRecordError(where.with_(field="header"), f"a {HEADER.size}-byte header", f"{len(data)} bytes")
+    found, version, crc = HEADER.unpack_from(data)
+    if found != magic:
+        raise TraceFormatError(
+            where.with_(field="header.magic"), repr(magic), repr(found), "not a moe_replay store file of this kind"
+        )
+    if zlib.crc32(data[:12]) != crc:
+        actual = zlib.crc32(data[:12])
+        raise ChecksumError(where.with_(field="header.crc32"), f"{crc:#010x}", f"{actual:#010x}", "file header is corrupt")
+    if version != FORMAT_VERSION:
+        raise SchemaVersionError(
+            where.with_(field="header.version"), f"store format version {FORMAT_VERSION}", version,
+            "written by a different moe_replay; upgrade the reader",
+        )
+
+
+def frame_crc(payload: bytes | memoryview) -> int:
+    return zlib.crc32(payload, zlib.crc32(struct.pack("<Q", len(payload))))
+
+
+def pack_entry(key_bytes: bytes, e: Entry) -> bytes:
+    head = ENTRY.pack(ENTRY_MAGIC, len(key_bytes), e.segment, e.offset, e.length, e.crc) + key_bytes
+    return head + CRC.pack(zlib.crc32(head))
+
+
+def _parse_entry(buf: bytes, pos: int, where: Where) -> tuple[str, Entry, int] | TraceError | None:
+    """The entry at `pos` as (key, entry, end); None if the bytes stop before it does; else a
+    TraceError (returned, not raised) saying what is wrong with it."""
+    if len(buf) - pos < ENTRY.size:
+        return None
+    magic, key_len, seg, off, length, rcrc = ENTRY.unpack_from(buf, pos)
+    if magic != ENTRY_MAGIC:
+        return TraceFormatError(where.with_(field="index entry magic"), repr(ENTRY_MAGIC), repr(magic))
+    if not 0 < key_len <= MAX_KEY_BYTES:
+        return TraceFormatError(where.with_(field="index entry key_len"), f"1..{MAX_KEY_BYTES}", key_len)
+    end = pos + ENTRY.size + key_len + CRC.size
+    if end > len(buf):
+        return None
+    key_b = buf[pos + ENTRY.size : end - CRC.size]
+    stored, actual = CRC.unpack_from(buf, end - CRC.size)[0], zlib.crc32(buf[pos : end - CRC.size])
+    if stored != actual:
+        key = key_b.decode("utf-8", errors="replace")
+        return ChecksumError(where.with_(record=key, field="index entry crc32"), f"{stored:#010x}", f"{actual:#010x}")
+    try:
+        key = key_b.decode("utf-8")
+    except UnicodeDecodeError:
+        return TraceFormatError(where.with_(field="index entry key"), "UTF-8 key", repr(key_b[:40]))
+    return key, Entry(seg, off, length, rcrc), end
+
+
+class _Parsed(NamedTuple):
+    entries: list[tuple[str, Entry]]
+    problems: list[tuple[int, TraceError]]
+    """(number of good entries before it, error) per damaged stretch of the index."""
+    end: int
+    """Offset (in buf) where parsing stopped: the end of the last good entry, or a torn tail."""
+
+
+def parse_index(buf: bytes, base: int, where: Where) -> _Parsed:
+    """Parse index bytes that start at file offset `base`. A bad entry followed by a good one is
+    damage (reported, skipped by resynchronising on the next good entry); a bad or short stretch
+    that no good entry follows is a torn tail (or one still being written): parsing stops there."""
+    entries: list[tuple[str, Entry]] = []
+    problems: list[tuple[int, TraceError]] = []
+    pos = 0
+    while pos < len(buf):
+        got = _parse_entry(buf, pos, where)
+        if isinstance(got, tuple):
+            entries.append(got[:2])
+            pos = got[2]
+            continue
+        nxt = _next_good(buf, pos + 1, where)
+        if nxt is None:
+            break
+        err = got or TruncatedRecordError(where.with_(field="index entry"), "a complete entry", "one overlapping the next")
+        detail = f"damaged index entry at byte {base + pos}: {nxt - pos} bytes skipped to the next good entry"
+        problems.append((len(entries), type(err)(err.where, err.expected, err.found, detail)))
+        pos = nxt
+    return _Parsed(entries, problems, pos)
+
+
+def _next_good(buf: bytes, start: int, where: Where) -> int | None:
+    pos = buf.find(ENTRY_MAGIC, start)
+    while pos != -1:
+        if isinstance(_parse_entry(buf, pos, where), tuple):
+            return pos
+        pos = buf.find(ENTRY_MAGIC, pos + 1)
+    return None
+
+
+# -- small I/O helpers (module level so tests can inject failures) ---------------------------------
+def _write_all(fd: int, data: bytes | bytearray) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _read_at(fd: int, size: int, offset: int) -> bytes:
+    """Up to `size` bytes at `offset` (fewer only at end of file)."""
+    parts, got = [], 0
+    while got < size:
+        chunk = os.pread(fd, size - got, offset + got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _sync(fd: int) -> None:
+    (getattr(os, "fdatasync", None) or os.fsync)(fd)
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def segment_name(n: int) -> str:
+    return f"seg-{n:06d}.bin"
+
+
+# -- the store -------------------------------------------------------------------------------------
+@STORES.register("directory")
+class DirectoryStore(TraceStore):
+    """Traces in a directory of append-only segments, indexed by key (see the module doc).
+
+    RAM holds only key -> Entry(segment, offset, length, crc); every read is a pread of one record.
+    A reader sees the records committed when it opened, plus those it picks up with `refresh()`.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, *, create: bool = True, readonly: bool = False,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES, durable: bool = True,
+    ) -> None:
+        self.options = DirectoryStoreOptions(create=create, readonly=readonly, segment_bytes=segment_bytes, durable=durable)
+        self.path = Path(path)
+        self.readonly = readonly
+        self.recovery: dict[str, object] = {}
+        """What the writer repaired on open (torn index tail, segment bytes, segment files removed)."""
+        self._entries: dict[str, Entry] = {}
+        self._problems: list[tuple[int, TraceError]] = []
+        self._damaged: dict[str, TraceError] = {}
+        self._fds: OrderedDict[int, int] = OrderedDict()
+        self._index_fd: int | None = None
+        self._index_end = HEADER.size
+        self._lock_fd: int | None = None
+        self._seg, self._seg_size = 0, HEADER.size
+        self._failed: BaseException | None = None
+        self._closed = False
+        self._mutex = threading.RLock()
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- opening -----------------------------------------------------------------------------
+    @property
+    def index_path(self) -> Path:
+        return self.path / INDEX_NAME
+
+    def segment_path(self, n: int) -> Path:
+        return self.path / segment_name(n)
+
+    def _open(self) -> None:
+        if not self.path.is_dir():
+            if self.path.exists():
+                raise StoreNotFoundError(f"store path {str(self.path)!r} is not a directory; give a store directory")
+            if self.readonly or not self.options.create:
+                how = "open a writer (readonly=False, create=True) to create it"
+                if not self.readonly:
+                    how = "pass create=True to create a new store"
+                raise StoreNotFoundError(f"store directory {str(self.path)!r} does not exist; {how}, or check the path")
+            self.path.mkdir(parents=True, exist_ok=True)
+        if not self.index_path.exists() and (self.readonly or not self.options.create):
+            how = "open it once with readonly=False" if self.readonly else "pass create=True"
+            raise StoreNotFoundError(
+                f"{str(self.path)!r} is not a moe_replay store (no {INDEX_NAME}); {how} to create one, or check the path"
+            )
+        if not self.readonly:
+            self._lock()
+            if not self.index_path.exists():
+                self._init_index()
+        flags = os.O_RDONLY if self.readonly else os.O_RDWR
+        self._index_fd = os.open(self.index_path, flags)
+        size = os.fstat(self._index_fd).st_size
+        data = _read_at(self._index_fd, size, 0)
+        check_header(data, INDEX_MAGIC, Where(file=str(self.index_path)))
+        self._index_end = HEADER.size
+        self._absorb(data[HEADER.size :])
+        if not self.readonly:
+            self._recover(size)
+
+    def _lock(self) -> None:
+        lock_path = self.path / LOCK_NAME
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_at(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StoreLockedError(
+                f"store directory {str(self.path)!r} is locked by another writer (pid {holder}); "
+                "only one writer per store: close it first, or open this one with readonly=True"
+            ) from None
+        self._lock_fd = fd
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+    def _init_index(self) -> None:
+        known = {LOCK_NAME} | {p.name for p in self.path.iterdir() if _SEGMENT_RE.match(p.name) or p.name.endswith(".tmp")}
+        foreign = sorted(p.name for p in self.path.iterdir() if p.name not in known)
+        if foreign:
+            raise StoreNotFoundError(
+                f"{str(self.path)!r} is not a moe_replay store (no {INDEX_NAME}) and is not empty "
+                f"(found {foreign[:3]}); give a new or empty directory"
+            )
+        tmp = self.path / (INDEX_NAME + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, pack_header(INDEX_MAGIC))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.index_path)  # all or nothing: the index never has a torn header
+        _sync_dir(self.path)
+
+    def _absorb(self, buf: bytes) -> int:
+        """Add the entries parsed from index bytes starting at self._index_end; return how many."""
+        parsed = parse_index(buf, self._index_end, Where(file=str(self.index_path)))
+        for before, err in parsed.problems:
+            self._problems.append((len(self._entries) + before, err))
+            if isinstance(err, ChecksumError) and err.where.record is not None:
+                self._damaged.setdefault(err.where.record, err)
+        added = 0
+        for key, entry in parsed.entries:
+            if key in self._entries:  # only a buggy writer could do this: keep the first, report
+                where = Where(file=str(self.index_path), record=key, field="index entry")
+                err = DuplicateKeyError(where, "one entry per key", "a second entry")
+                self._problems.append((len(self._entries), err))
+                continue
+            self._entries[key] = entry
+            self._damaged.pop(key, None)
+            added += 1
+        self._index_end += parsed.end
+        return added
+
+    def _recover(self, index_size: int) -> None:
+        """Writer only: cut the torn index tail and unindexed segment bytes, then pick the segment to
+        append to. Only bytes no complete entry points at are removed."""
+        if index_size > self._index_end:
+            self.recovery["index_bytes_truncated"] = index_size - self._index_end
+            os.ftruncate(self._index_fd, self._index_end)
+        os.lseek(self._index_fd, self._index_end, os.SEEK_SET)
+        last = max(self._entries.values(), default=None, key=lambda e: (e.segment, e.offset))
+        seg, end = (last.segment, last.offset + FRAME.size + last.length) if last else (0, HEADER.size)
+        removed = []
+        for p in sorted(self.path.iterdir()):
+            m = _SEGMENT_RE.match(p.name)
+            if (m and int(m.group(1)) > seg) or p.name.endswith(".tmp"):
+                removed.append(p.name)
+                p.unlink()
+        if removed:
+            self.recovery["files_removed"] = removed
+        path = self.segment_path(seg)
+        size = path.stat().st_size if path.exists() else -1
+        fd = None
+        if last is not None and size >= end:
+            try:
+                fd = self._segment_fd(seg)
+            except TraceError as err:
+                self.recovery["damaged_segment"] = str(err)
+        if last is None:  # nothing indexed: segment 0 starts afresh
+            if size > HEADER.size:
+                self.recovery["segment_bytes_truncated"] = size - HEADER.size
+            self._new_segment(0)
+        elif fd is None:  # indexed bytes are missing or damaged (possible only without durable=True):
+            self.recovery.setdefault("damaged_segment", f"{path.name} is shorter than its index says ({size} < {end} bytes)")
+            self._new_segment(seg + 1)  # never write over what the index still points at
+        else:
+            if size > end:
+                self.recovery["segment_bytes_truncated"] = size - end
+                os.ftruncate(fd, end)
+            os.lseek(fd, end, os.SEEK_SET)
+            self._seg, self._seg_size = seg, end
+        if self.options.durable and self.recovery:
+            _sync(self._index_fd)
+            _sync(self._fds[self._seg])
+            _sync_dir(self.path)
+        if self.recovery:
+            log.warning("store %s: recovered after an interrupted write: %s", self.path, self.recovery)
+
+    def _new_segment(self, n: int) -> None:
+        fd = os.open(self.segment_path(n), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._cache_fd(n, fd)
+        _write_all(fd, pack_header(SEGMENT_MAGIC))
+        if self.options.durable:
+            _sync(fd)
+            _sync_dir(self.path)
+        self._seg, self._seg_size = n, HEADER.size
+
+    def _cache_fd(self, n: int, fd: int) -> None:
+        self._fds[n] = fd
+        while len(self._fds) > MAX_OPEN_SEGMENTS:
+            old = next(k for k in self._fds if k != self._seg and k != n)
+            os.close(self._fds.pop(old))
+
+    def _segment_fd(self, n: int, key: str | None = None) -> int:
+        """Open (and check the header of) segment n, keeping a bounded number of descriptors."""
+        fd = self._fds.get(n)
+        if fd is not None:
+            self._fds.move_to_end(n)
+            return fd
+        path = self.segment_path(n)
+        try:
+            fd = os.open(path, os.O_RDONLY if self.readonly else os.O_RDWR)
+        except FileNotFoundError:
+            where = Where(file=str(path), record=key, field="segment")
+            raise TruncatedRecordError(where, "the segment file", "no such file") from None
+        try:
+            check_header(_read_at(fd, HEADER.size, 0), SEGMENT_MAGIC, Where(file=str(path), record=key))
+        except BaseException:
+            os.close(fd)
+            raise
+        self._cache_fd(n, fd)
+        return fd
+
+    # -- writing -----------------------------------------------------------------------------
+    def put(self, trace: RolloutTrace) -> None:
+        self.put_many([trace])
+
+    def put_many(self, traces: Iterable[RolloutTrace]) -> None:
+        """Append traces in order. A Sequence with a duplicate key is refused before anything is
+        written; otherwise records commit in order (one sync pair per COMMIT_BYTES), so a failure
+        part-way leaves a prefix of the batch stored and nothing torn."""
+        self._writable()
+        with self._mutex:
+            if isinstance(traces, Sequence):
+                check_new_keys((t.key for t in traces), self.__contains__, str(self.path))
+            batch: list[tuple[str, bytes, bytes]] = []
+            pending: set[str] = set()
+            batch_bytes = 0
+            for trace in traces:
+                check_new_keys([trace.key], lambda k: k in self._entries or k in pending, str(self.path))
+                key_b = trace.key.encode("utf-8") if isinstance(trace.key, str) else b""
+                if len(key_b) > MAX_KEY_BYTES:
+                    where = Where(file=str(self.path), record=trace.key[:64] + "...", field="key")
+                    raise TraceFormatError(where, f"<= {MAX_KEY_BYTES} UTF-8 bytes", len(key_b))
+                payload = encode_trace(trace)
+                batch.append((trace.key, key_b, payload))
+                pending.add(trace.key)
+                batch_bytes += len(payload)
+                if batch_bytes >= COMMIT_BYTES:
+                    self._commit(batch)
+                    batch, pending, batch_bytes = [], set(), 0
+            if batch:
+                self._commit(batch)
+
+    def _commit(self, batch: list[tuple[str, bytes, bytes]]) -> None:
+        """Frames first (synced), then their index entries (synced): the order crash safety rests on."""
+        durable = self.options.durable
+        try:
+            new: list[tuple[str, bytes, Entry]] = []
+            buf = bytearray()
+            for key, key_b, payload in batch:
+                size = FRAME.size + len(payload)
+                if self._seg_size + len(buf) + size > self.options.segment_bytes and self._seg_size + len(buf) > HEADER.size:
+                    self._flush_segment(buf)
+                    buf = bytearray()
+                    self._new_segment(self._seg + 1)
+                crc = frame_crc(payload)
+                new.append((key, key_b, Entry(self._seg, self._seg_size + len(buf), len(payload), crc)))
+                buf += FRAME.pack(FRAME_MAGIC, len(payload), crc)
+                buf += payload
+            self._flush_segment(buf)
+            index_bytes = b"".join(pack_entry(key_b, e) for _, key_b, e in new)
+            _write_all(self._index_fd, index_bytes)
+            if durable:
+                _sync(self._index_fd)
+        except BaseException as exc:
+            self._failed = exc  # state on disk is unknown until a reopen repairs it
+            raise
+        self._index_end += len(index_bytes)
+        for key, _, entry in new:
+            self._entries[key] = entry
+            self._damaged.pop(key, None)
+
+    def _flush_segment(self, buf: bytearray) -> None:
+        if not buf:
+            return
+        fd = self._fds[self._seg]
+        _write_all(fd, buf)
+        self._seg_size += len(buf)
+        if self.options.durable:
+            _sync(fd)
+
+    def _writable(self) -> None:
+        self._check_open()
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {str(self.path)!r} was opened with readonly=True; open a writer to add records")
+        if self._failed is not None:
+            raise MoeReplayError(
+                f"an earlier write to store {str(self.path)!r} failed ({type(self._failed).__name__}: {self._failed}); "
+                "close and reopen the store: committed records are intact and the reopen removes the partial write"
+            )
+
+    # -- reading -----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"store {str(self.path)!r} is closed")
+
+    def refresh(self) -> int:
+        """Reader: pick up records committed since open (or the last refresh); return how many.
+        A writer already sees everything it wrote (returns 0)."""
+        self._check_open()
+        if not self.readonly:
+            return 0
+        with self._mutex:
+            size = os.fstat(self._index_fd).st_size
+            if size < self._index_end:
+                raise TraceFormatError(
+                    Where(file=str(self.index_path)), f">= {self._index_end} bytes", f"{size} bytes",
+                    "the index shrank below records already read: the store was rewritten; reopen it",
+                )
+            if size == self._index_end:
+                return 0
+            return self._absorb(_read_at(self._index_fd, size - self._index_end, self._index_end))
+
+    def get(self, key: str) -> RolloutTrace:
+        self._check_open()
+        entry = self._entries.get(key)
+        if entry is None:
+            raise self._missing(key)
+        return self._read(key, entry)
+
+    def get_many(self, keys: Sequence[str]) -> list[RolloutTrace]:
+        """Traces for `keys`, in that order; read in file order (segment, offset) to keep I/O sequential."""
+        self._check_open()
+        entries = []
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None:
+                raise self._missing(key)
+            entries.append(entry)
+        out: list[RolloutTrace | None] = [None] * len(keys)
+        for i in sorted(range(len(keys)), key=lambda i: entries[i][:2]):
+            out[i] = self._read(keys[i], entries[i])
+        return out  # type: ignore[return-value]
+
+    def _missing(self, key: str) -> TraceError:
+        if key in self._damaged:
+            return self._damaged[key]
+        hints = [f"{len(self._entries)} records stored"]
+        if self._problems:
+            hints.append(f"{len(self._problems)} damaged index entries (see scan())")
+        if self.readonly:
+            hints.append("call refresh() to see records committed since this reader opened")
+        return MissingKeyError(Where(file=str(self.path), record=key), "a stored key", "absent", "; ".join(hints))
+
+    def _read(self, key: str, e: Entry) -> RolloutTrace:
+        """pread one frame, check it against the index entry, decode it (nothing else is read)."""
+        where = Where(file=str(self.segment_path(e.segment)), record=key)
+        with self._mutex:  # descriptors may be evicted by another thread
+            self._check_open()
+            data = _read_at(self._segment_fd(e.segment, key), FRAME.size + e.length, e.offset)
+        if len(data) < FRAME.size + e.length:
+            want = f"{FRAME.size + e.length} bytes at offset {e.offset}"
+            raise TruncatedRecordError(where.with_(field="frame"), want, f"{len(data)} bytes")
+        magic, length, crc = FRAME.unpack_from(data)
+        if magic != FRAME_MAGIC:
+            raise TraceFormatError(where.with_(field="frame.magic"), repr(FRAME_MAGIC), repr(magic), f"at offset {e.offset}")
+        if length != e.length:
+            raise TraceFormatError(where.with_(field="frame.length"), e.length, length, "frame and index disagree")
+        payload = memoryview(data)[FRAME.size :]
+        actual = frame_crc(payload)
+        if crc != e.crc or actual != crc:
+            found = f"{actual:#010x} (frame says {crc:#010x})"
+            raise ChecksumError(where.with_(field="frame.crc32"), f"{e.crc:#010x}", found, "record bytes are corrupt")
+        trace = decode_trace(payload, where)
+        if trace.key != key:
+            raise TraceFormatError(where.with_(field="key"), repr(key), repr(trace.key), "record is not this entry's")
+        return trace
+
+    def keys(self) -> list[str]:
+        self._check_open()
+        return list(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[RolloutTrace]:
+        return self.iter()
+
+    def iter(self, errors: ErrorMode = "raise", on_error: OnError | None = None) -> Iterator[RolloutTrace]:
+        """Traces in insertion order, one pread and decode at a time. Damaged index entries and bad
+        records raise at their place in the order (errors="raise") or are skipped and reported."""
+        check_error_mode(errors)
+        self._check_open()
+        snapshot, problems = list(self._entries.items()), list(self._problems)
+        p = 0
+        for i, (key, entry) in enumerate(snapshot):
+            while p < len(problems) and problems[p][0] <= i:
+                handle_bad_record(problems[p][1], errors, on_error)
+                p += 1
+            try:
+                trace = self._read(key, entry)
+            except TraceError as err:
+                handle_bad_record(err, errors, on_error)
+                continue
+            yield trace
+        for _, err in problems[p:]:
+            handle_bad_record(err, errors, on_error)
+
+    def scan(self) -> tuple[list[str], list[TraceError]]:
+        """(keys that read, checksum and validate, every error found): reads the whole store."""
+        bad: list[TraceError] = []
+        good = [t.key for t in self.iter(errors="skip", on_error=bad.append)]
+        return good, bad
+
+    # -- closing -----------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._mutex:
+            if self._closed:
+                return
+            self._closed = True
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+            if self._index_fd is not None:
+                os.close(self._index_fd)
+                self._index_fd = None
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # releases the flock
+                self._lock_fd = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        mode = "readonly" if self.readonly else "writer"
+        state = "closed" if self._closed else f"{len(self._entries)} records"
+        return f"DirectoryStore({str(self.path)!r}, {mode}, {state})"

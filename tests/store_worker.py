@@ -1,0 +1,81 @@
+"""The other process of the store tests (run as `python -m tests.store_worker MODE ...` from the repo root).
+
+  append DIR START COUNT BATCH DURABLE SEGMENT_BYTES [DIE_AT]
+      put_many the deterministic traces trace_for(START ...) in batches; after each put_many
+      returns, print the number of records committed so far. COUNT < 0 appends until killed.
+      DIE_AT = KIND:N (KIND one of frames, index, header): the N-th write of that kind by the
+      store writes half its bytes (plus one), then the process SIGKILLs itself: a crash at a
+      chosen point of a put_many (frames, index entries, a new segment's header) or of creating
+      the store (the first header written is the index's).
+  try-writer DIR
+      open DIR as a writer; exit 3 printing the error if another writer holds it, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from moe_replay.store import DirectoryStore, StoreLockedError
+from moe_replay.store import directory as dirmod
+from tests.trace_factory import trace_for
+
+
+def write_kind(data: bytes) -> str:
+    head = bytes(data[:8])
+    if len(data) == dirmod.HEADER.size and head in (dirmod.INDEX_MAGIC, dirmod.SEGMENT_MAGIC):
+        return "header"
+    return {dirmod.FRAME_MAGIC: "frames", dirmod.ENTRY_MAGIC: "index"}.get(head[:4], "other")
+
+
+def die_at(kind: str, n: int) -> None:
+    real, calls = dirmod._write_all, {}
+
+    def write(fd: int, data) -> None:
+        k = write_kind(data)
+        calls[k] = calls.get(k, 0) + 1
+        if k == kind and calls[k] == n:
+            real(fd, bytes(data)[: len(data) // 2 + 1])
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(fd, data)
+
+    dirmod._write_all = write
+
+
+def append(path: str, start: int, count: int, batch: int, durable: bool, segment_bytes: int) -> None:
+    with DirectoryStore(path, durable=durable, segment_bytes=segment_bytes) as store:
+        print(len(store), flush=True)
+        i = start
+        while count < 0 or i < start + count:
+            n = batch if count < 0 else min(batch, start + count - i)
+            store.put_many([trace_for(j) for j in range(i, i + n)])
+            i += n
+            print(i, flush=True)
+
+
+def try_writer(path: str) -> int:
+    try:
+        DirectoryStore(path).close()
+    except StoreLockedError as e:
+        print(e, flush=True)
+        return 3
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    mode, path, *rest = argv
+    if mode == "append":
+        if len(rest) > 5:
+            kind, n = rest.pop().split(":")
+            die_at(kind, int(n))
+        start, count, batch, durable, segment_bytes = (int(x) for x in rest)
+        append(path, start, count, batch, bool(durable), segment_bytes)
+        return 0
+    if mode == "try-writer":
+        return try_writer(path)
+    raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
