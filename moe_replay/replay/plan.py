@@ -110,6 +110,13 @@ class RoutePlan:
         """Replay ids [N, K] of one global layer id."""
         return self.ids_LNK[self.layer_index[layer_id]]
 
+    def per_token(self, values_B: Sequence[float]) -> torch.Tensor:
+        """Broadcast one value per row (e.g. each request's temperature) to the G scored tokens."""
+        if len(values_B) != self.batch_size:
+            raise ValueError(f"per_token needs {self.batch_size} values (one per row), got {len(values_B)}")
+        counts_B = torch.from_numpy(np.diff(self.gen_offsets_B1))
+        return torch.repeat_interleave(torch.as_tensor(values_B, dtype=torch.float32), counts_B)
+
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """Keyword arguments for an HF causal LM forward over this batch."""
         return {"input_ids": self.input_ids_BS, "attention_mask": self.attention_mask_BS, "position_ids": self.position_ids_BS}

@@ -61,12 +61,14 @@ def masked_logprobs(
     """log p(target) and entropy of softmax(logits / temperature) renormalised over `mask_GV`.
 
     Computed in float32 whatever the logits dtype (the engine's processed logprobs are fp32).
-    `temperature` is a float or a [G] tensor (per-token, e.g. per-request sampling params).
+    `temperature` is a float or a [G] tensor (per-token, e.g. per-request sampling params); 0 means
+    greedy and leaves the logits unscaled (its kept set is the argmax alone, so log p = 0).
     """
     x_GV = logits_GV.float()
-    if isinstance(temperature, torch.Tensor):
-        x_GV = x_GV / temperature.to(x_GV).reshape(-1, 1)
-    elif temperature != 1.0:
+    if isinstance(temperature, torch.Tensor):  # 0 = greedy: its support is one token, scale is moot
+        t_G = temperature.to(x_GV).reshape(-1, 1)
+        x_GV = x_GV / torch.where(t_G > 0, t_G, torch.ones_like(t_G))
+    elif temperature not in (0.0, 1.0):
         x_GV = x_GV / temperature
     if mask_GV is not None:
         x_GV = x_GV.masked_fill(~mask_GV, float("-inf"))
