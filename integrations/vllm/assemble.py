@@ -16,6 +16,7 @@ from ...errors import Where
 from ...geometry import EngineInfo, ModelGeometry
 from ...trace import RolloutTrace, SamplingSupport
 from .config import CaptureConfig
+from .records import unpack_array
 from .errors import (
     CaptureAlignmentError,
     CaptureEvictedError,
@@ -59,6 +60,18 @@ def check_payload(payload: dict[str, Any], key: str) -> None:
     )
 
 
+def normalise_payload(payload: dict[str, Any], geometry: ModelGeometry) -> dict[str, Any]:
+    """Arrays back to their dtypes and shapes (RPC serialisation may turn some into lists)."""
+    p = dict(payload)
+    L, K = geometry.num_moe_layers, geometry.top_k
+    p["routes"] = unpack_array(p["routes"]).astype(geometry.route_dtype, copy=False).reshape(-1, L, K)
+    p["routes_filled"] = unpack_array(p["routes_filled"]).astype(bool, copy=False).reshape(-1)
+    for name, dtype in (("tokens", np.int64), ("logprobs", np.float32), ("support_sizes", np.int64),
+                        ("support_offsets", np.int64), ("support_ids", np.int32)):
+        p[name] = unpack_array(p[name]).astype(dtype, copy=False).reshape(-1)
+    return p
+
+
 def build_trace(
     key: str,
     prompt_token_ids: list[int],
@@ -72,6 +85,7 @@ def build_trace(
     if getattr(completion, "finish_reason", None) == "abort":
         raise RequestAbortedError(f"request {key!r} was aborted after {len(completion.token_ids)} tokens: no trace")
     check_payload(payload, key)
+    payload = normalise_payload(payload, geometry)
     if payload["problems"]:
         raise CaptureAlignmentError(f"request {key!r}: {payload['problems'][0]}")
     prompt = np.asarray(prompt_token_ids, dtype=np.int64)

