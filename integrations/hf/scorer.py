@@ -1,10 +1,11 @@
 """Score rollouts' generated tokens with an HF causal LM (a BatchScorer for the π_old estimator).
 
-Batches are right-padded; position p's logits score token p+1. In bf16 on a GPU the padding and
-batch composition change the kernels' reduction order, which is real engine-like noise; in fp32
-on CPU scoring is deterministic.
+With `force_routes` the forward runs under the traces' recorded experts (replay), and with
+`use_support` each token is scored over its recorded sampling support, so the only thing left to
+vary between replicas is the kernels' numerics. In bf16 on a GPU, padding and batch composition
+change reduction order, which is real engine-like noise; fp32 on CPU is deterministic.
 
-Legend: B batch, S padded length, V vocab, G generated tokens of one rollout.
+Legend: B batch, S padded length, V vocab, G generated tokens.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ class HFScorerConfig:
     dtype: str = "float32"
     """torch dtype name of the model weights and compute."""
     device: str = "cpu"
-    renormalise_support: bool = False
-    """Score over each token's recorded sampling support (traces must carry it)."""
+    force_routes: bool = False
+    """Run the forward under each trace's recorded routes (traces must carry them)."""
+    use_support: bool = False
+    """Renormalise over each token's recorded sampling support (rows without one use all of V)."""
 
     def __post_init__(self) -> None:
         if not Path(self.model_dir).is_dir():
@@ -36,47 +39,46 @@ class HFScorerConfig:
 
 
 class HFScorer:
-    """`score_batch(traces) -> [logprobs_G]`, one forward per batch."""
+    """`score_batch(traces) -> [logprobs_G]`, one forward per batch (right-padded)."""
 
     def __init__(self, config: HFScorerConfig) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
+        from .replay import model_geometry
+
         self.config = config
         self._torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(config.model_dir, dtype=getattr(torch, config.dtype))
         self.model.to(config.device).eval()
+        self.geometry = model_geometry(self.model)
 
     def score_batch(self, traces: Sequence[RolloutTrace]) -> list[np.ndarray]:
-        torch = self._torch
+        import contextlib
+
+        from moe_replay.replay import build_plan, score_tokens
+
+        from .replay import replay
+
         if not traces:
             return []
-        lens = [t.num_tokens for t in traces]
-        ids_BS = torch.zeros(len(traces), max(lens), dtype=torch.long)
-        mask_BS = torch.zeros_like(ids_BS)
-        for b, t in enumerate(traces):
-            ids_BS[b, : lens[b]] = torch.from_numpy(t.token_ids_S)
-            mask_BS[b, : lens[b]] = 1
-        with torch.no_grad():
-            logits_BSV = self.model(input_ids=ids_BS.to(self.config.device), attention_mask=mask_BS.to(self.config.device)).logits
-        out = []
-        for b, t in enumerate(traces):
-            logits_GV = logits_BSV[b, t.prompt_len - 1 : lens[b] - 1].float()
-            if self.config.renormalise_support:
-                logits_GV = _mask_to_support(logits_GV, t)
-            logp_GV = torch.log_softmax(logits_GV, dim=-1)
-            target_G = torch.from_numpy(t.token_ids_S[t.prompt_len :]).to(logp_GV.device)
-            out.append(logp_GV.gather(1, target_G[:, None])[:, 0].double().cpu().numpy())
-        return out
+        if not self.config.force_routes:
+            # the plan only lays out the batch here; routes are not used without replay
+            traces = [_without_routes_needed(t, self.geometry) for t in traces]
+        plan = build_plan(traces, self.geometry).to(self.config.device)
+        ctx = replay(self.model, plan) if self.config.force_routes else contextlib.nullcontext()
+        with self._torch.no_grad(), ctx:
+            logits_BSV = self.model(**plan.model_inputs()).logits
+            scores = score_tokens(logits_BSV.float(), plan, use_support=self.config.use_support)
+        return [lp.double().cpu().numpy() for lp in scores.split(plan)]
 
 
-def _mask_to_support(logits_GV, trace: RolloutTrace):
-    import torch
+def _without_routes_needed(trace: RolloutTrace, geometry) -> RolloutTrace:
+    """A copy whose routes are placeholders when the trace has none (free routing ignores them)."""
+    if trace.routes_TLK is not None:
+        return trace
+    import dataclasses
 
-    if trace.support is None:
-        raise ValueError(f"rollout {trace.key!r}: renormalise_support=True but the trace has no sampling support")
-    sup = trace.support
-    keep_GV = torch.zeros_like(logits_GV, dtype=torch.bool)
-    rows = torch.from_numpy(np.repeat(np.arange(sup.num_rows), sup.sizes_G()))
-    keep_GV[rows, torch.from_numpy(sup.ids_N.astype(np.int64))] = True
-    return logits_GV.masked_fill(~keep_GV, float("-inf"))
+    k = geometry.top_k
+    dummy_TLK = np.broadcast_to(np.arange(k, dtype=geometry.route_dtype), (trace.num_route_rows, geometry.num_moe_layers, k))
+    return dataclasses.replace(trace, routes_TLK=np.ascontiguousarray(dummy_TLK), route_start=0)

@@ -1,0 +1,101 @@
+"""The π_old sidecar on a Ray actor pool with a real HF scorer: a killed worker loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import numpy as np
+import pytest
+
+from moe_replay.estimator import EstimatorConfig
+from moe_replay.estimator.service import EstimatorService, ServiceConfig
+from moe_replay.geometry import EngineInfo
+from moe_replay.integrations.hf.scorer import HFScorer, HFScorerConfig
+from moe_replay.models import geometry_of
+from moe_replay.store import DirectoryStore
+from moe_replay.trace import RolloutTrace
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model):
+    return tiny_model("qwen3_moe")
+
+
+def make_traces(model_dir, n: int, seed: int = 0) -> list[RolloutTrace]:
+    geometry = geometry_of(model_dir)
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        prompt, gen = int(rng.integers(4, 12)), int(rng.integers(3, 10))
+        ids = rng.integers(3, geometry.vocab_size, prompt + gen)
+        out.append(RolloutTrace(f"roll-{i}", ids, prompt, geometry, engine=EngineInfo("hf", dtype="float32")))
+    return out
+
+
+def run_service(pool, traces, *, kill_after_batches=None, n=2):
+    async def main():
+        cfg = ServiceConfig(batch_size=3, concurrency=2, max_attempts=4, retry_backoff_s=0.01)
+        async with EstimatorService(pool, EstimatorConfig(n=n), cfg) as svc:
+            async def killer():
+                while svc.stats["batches"] < kill_after_batches:
+                    await asyncio.sleep(0.005)
+                pool.kill_one(0)
+
+            k = asyncio.create_task(killer()) if kill_after_batches is not None else None
+            for t in traces:
+                await svc.submit(t)
+            svc.close()
+            out = {key: o async for key, o in svc.results()}
+            if k:
+                await k
+            return out, dict(svc.stats)
+
+    return asyncio.run(main())
+
+
+def test_killed_actor_is_replaced_and_every_rollout_gets_one_estimate(ray_session, model_dir):
+    from moe_replay.integrations.ray.pool import RayPoolConfig, RayScorerPool
+
+    traces = make_traces(model_dir, 12)
+    reference = HFScorer(HFScorerConfig(str(model_dir))).score_batch(traces)
+    factory = functools.partial(HFScorer, HFScorerConfig(str(model_dir)))
+    with RayScorerPool(factory, RayPoolConfig(num_actors=2)) as pool:
+        out, stats = run_service(pool, traces, kill_after_batches=2)
+        assert pool.replaced >= 1 and stats["retried"] >= 1
+    assert sorted(out) == sorted(t.key for t in traces)
+    for t, ref in zip(traces, reference):
+        est = out[t.key]
+        assert not isinstance(est, Exception), est
+        assert est.n == 2
+        # fp32 CPU scoring is deterministic: replicas agree and the mean is the single score
+        assert np.max(np.abs(est.logprob_G - ref)) < 1e-5
+
+
+def test_actors_read_traces_from_a_shared_directory_store(ray_session, model_dir, tmp_path):
+    from moe_replay.integrations.ray.pool import RayPoolConfig, RayScorerPool
+
+    traces = make_traces(model_dir, 5, seed=1)
+    with DirectoryStore(tmp_path / "store") as store:
+        store.put_many(traces[:2])
+        factory = functools.partial(HFScorer, HFScorerConfig(str(model_dir)))
+        with RayScorerPool(factory, RayPoolConfig(num_actors=1, store_uri=str(tmp_path / "store"))) as pool:
+            store.put_many(traces[2:])  # appended after the actor opened the store: it must refresh
+            out, _ = run_service(pool, traces, n=1)
+    assert all(out[t.key].n == 1 and out[t.key].logprob_G.shape == (t.num_generated,) for t in traces)
+
+
+def test_memory_store_uri_refused():
+    from moe_replay.integrations.ray.pool import RayPoolConfig
+
+    with pytest.raises(ValueError, match="directory store"):
+        RayPoolConfig(store_uri="memory://x")
