@@ -30,7 +30,7 @@ XGRAMMAR = "xgrammar==0.2.8"
 # Never installed: no CPU builds exist, and each would pull a CUDA torch.
 EXCLUDED = {"torch", "torchvision", "torchaudio", "torchcodec", "triton", "xgrammar"}
 EXTRA_PINS = ["ray==2.60.0"]
-PROJECT_EXTRAS = "hf,ray,dev"
+PROJECT_EXTRAS = "hf,ray,megatron,dev"
 
 
 def _run(cmd: list[str]) -> None:
