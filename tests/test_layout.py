@@ -19,8 +19,9 @@ def _source_packages() -> set[str]:
     found = set()
     for init in ROOT.glob("moe_replay/**/__init__.py"):
         found.add(".".join(init.parent.relative_to(ROOT).parts))
-    for init in ROOT.glob("integrations/**/__init__.py"):
-        found.add(".".join(("moe_replay",) + init.parent.relative_to(ROOT).parts))
+    for mapped in ("integrations", "configs"):  # package-dir mappings: installed under moe_replay.
+        for init in ROOT.glob(f"{mapped}/**/__init__.py"):
+            found.add(".".join(("moe_replay",) + init.parent.relative_to(ROOT).parts))
     return found
 
 
@@ -43,7 +44,9 @@ def test_core_imports_only_torch_numpy_msgpack():
     assert out == "", f"core import pulled in: {out}"
 
 
-def test_integrations_install_under_moe_replay_namespace():
+def test_integrations_and_configs_install_under_moe_replay_namespace():
+    import moe_replay.configs as configs
     import moe_replay.integrations as integ
 
     assert Path(integ.__file__).resolve().parent == ROOT / "integrations"
+    assert Path(configs.__file__).resolve().parent == ROOT / "configs"

@@ -1,0 +1,151 @@
+"""Presets: one YAML file switches capture, replay, π_old estimation and corrections on or off.
+
+Each section is validated by the configuration class of the part it drives, so there is one
+definition of every field: `capture` -> CaptureConfig (vLLM adapter), `replay` -> PlanConfig plus
+the two replay switches, `estimator` -> EstimatorConfig plus the scorer switches, `corrections`
+-> the correction registry. An unknown key or an invalid value is a ValueError that names the
+preset, the section and the key, and lists what is allowed.
+
+    preset = load_preset("r3_support")        # a shipped preset (configs/*.yaml), or a path
+    preset.replay.routes, preset.capture.support, preset.estimator.enabled
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping
+
+from .corrections import CorrectionConfig, build_correction
+from .estimator import EstimatorConfig
+from .replay import PlanConfig
+
+SECTIONS = ("name", "description", "capture", "replay", "estimator", "corrections")
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    """What the trainer replays from the traces."""
+
+    routes: bool = False
+    """Force the engine's experts (R3)."""
+    support: bool = False
+    """Score over the engine's kept sampling support."""
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    """Batch layout and unrouted-prefix policy."""
+
+
+@dataclass(frozen=True)
+class EstimatorSettings:
+    """Multi-sample π_old on the inference engine."""
+
+    enabled: bool = False
+    force_routes: bool = True
+    """Re-score under the trace's routes, so only engine noise is averaged."""
+    use_support: bool = True
+    """Renormalise re-scored tokens over the trace's support."""
+    config: EstimatorConfig = field(default_factory=EstimatorConfig)
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    capture: Any
+    """A `moe_replay.integrations.vllm.CaptureConfig`."""
+    replay: ReplaySettings = field(default_factory=ReplaySettings)
+    estimator: EstimatorSettings = field(default_factory=EstimatorSettings)
+    corrections: tuple[CorrectionConfig, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, for logs and report.json."""
+        out = dataclasses.asdict(self)
+        out["corrections"] = [{"name": c.name, **dataclasses.asdict(c)} for c in self.corrections]
+        return out
+
+
+def _split(where: str, section: Mapping[str, Any], own: set[str], target: type) -> tuple[dict, dict]:
+    """Keys of this section's own switches, and the rest for `target`; unknown keys are errors."""
+    if not isinstance(section, Mapping):
+        raise ValueError(f"{where}: expected a mapping, found {type(section).__name__}")
+    allowed = own | {f.name for f in dataclasses.fields(target)}
+    unknown = sorted(set(section) - allowed)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+    mine = {k: v for k, v in section.items() if k in own}
+    for k, v in mine.items():
+        if not isinstance(v, bool):
+            raise ValueError(f"{where}.{k}: expected true/false, found {v!r}")
+    return mine, {k: v for k, v in section.items() if k not in own}
+
+
+def _build(where: str, cls: type, kwargs: dict) -> Any:
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def preset_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Preset:
+    """Validate a preset's plain data (as loaded from YAML)."""
+    from .integrations.vllm.config import CaptureConfig  # pure-python config; no vLLM import
+
+    if not isinstance(data, Mapping):
+        raise ValueError(f"preset {source}: expected a mapping at the top level, found {type(data).__name__}")
+    unknown = sorted(set(data) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"preset {source}: unknown section(s) {unknown}; allowed: {list(SECTIONS)}")
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"preset {source}: 'name' must be a non-empty string, found {name!r}")
+    where = f"preset {name!r} ({source})"
+    capture_d = data.get("capture", {})
+    _split(f"{where} capture", capture_d, set(), CaptureConfig)
+    capture = _build(f"{where} capture", CaptureConfig, dict(capture_d))
+
+    switches, plan_kw = _split(f"{where} replay", data.get("replay", {}), {"routes", "support"}, PlanConfig)
+    replay = ReplaySettings(**switches, plan=_build(f"{where} replay", PlanConfig, plan_kw))
+    if (replay.routes and not capture.routes) or (replay.support and not capture.support):
+        raise ValueError(f"{where}: replay needs what it replays captured; set capture.routes/capture.support to true")
+
+    switches, est_kw = _split(f"{where} estimator", data.get("estimator", {}), {"enabled", "force_routes", "use_support"}, EstimatorConfig)
+    estimator = EstimatorSettings(**switches, config=_build(f"{where} estimator", EstimatorConfig, est_kw))
+
+    corr = data.get("corrections", []) or []
+    if not isinstance(corr, list):
+        raise ValueError(f"{where} corrections: expected a list, found {type(corr).__name__}")
+    corrections = []
+    for i, spec in enumerate(corr):
+        try:
+            corrections.append(build_correction(spec))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{where} corrections[{i}]: {e}") from None
+    return Preset(name, str(data.get("description", "")), capture, replay, estimator, tuple(corrections))
+
+
+def preset_names() -> list[str]:
+    """Presets shipped with the package (configs/*.yaml)."""
+    return sorted(p.name[: -len(".yaml")] for p in resources.files("moe_replay.configs").iterdir() if p.name.endswith(".yaml"))
+
+
+def load_preset(name_or_path: str | Path) -> Preset:
+    """A shipped preset by name, or a YAML file by path."""
+    import yaml
+
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise FileNotFoundError(f"preset file {str(path)!r} does not exist; shipped presets: {preset_names()}")
+        text, source = path.read_text(), str(path)
+    else:
+        res = resources.files("moe_replay.configs") / f"{name_or_path}.yaml"
+        if not res.is_file():
+            raise ValueError(f"unknown preset {str(name_or_path)!r}; shipped presets: {preset_names()} (or pass a YAML path)")
+        text, source = res.read_text(), f"configs/{name_or_path}.yaml"
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"preset {source}: not valid YAML ({e})") from None
+    return preset_from_dict(data, source)
