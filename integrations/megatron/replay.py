@@ -1,0 +1,208 @@
+"""Replay recorded routes in a Megatron-core MoE model through Megatron's own `RouterReplay`.
+
+`with replay(model, plan):` drives the per-router `RouterReplay` that Megatron builds when
+`TransformerConfig.moe_enable_routing_replay` is set (no class is patched, no class-level list is
+used). On entry, before any forward, it checks every `TopKRouter` against the plan's geometry
+(MoE layer ids = `layer_number - 1`, experts, top-k, layer count) and that its routing goes through
+RouterReplay; then, router by router in global-layer order, it queues each micro-batch's ids
+(converted to Megatron's sequence-first order, see `layout`) with `set_target_indices`.
+
+A forward pre-hook on each router picks the action per call:
+  * a forward outside backward -> REPLAY_FORWARD with that micro-batch's ids;
+  * a call inside backward (activation recompute: Megatron's `CheckpointFunction`, `recompute_granularity`
+    "full" or selective "moe") -> REPLAY_BACKWARD, which pops the same ids from the router's queue.
+So recompute needs no extra call: `loss.backward()` (or Megatron's schedule) inside the context
+is enough. Megatron gathers probabilities from its own scores at the replayed ids (softmax before
+or after top-k, sigmoid with the selection-only expert bias left out, top-k scaling), so the
+router keeps its gradient (invariant 4). The hook also does the exactly-once accounting
+(`RouteLedger`, invariant 6), keyed by layer id. On exit every router's RouterReplay state
+(action, targets, queue, recorded ids) is put back as it was.
+
+Legend: B batch rows, S padded length, M = S * B sequence-first positions, K top-k.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from moe_replay.errors import GeometryMismatchError, Where
+from moe_replay.replay.errors import RouteConsumptionError
+from moe_replay.replay.ledger import RouteLedger, in_backward
+from moe_replay.replay.plan import RoutePlan
+
+from .layout import sequence_first_ids
+from .routers import ModelOrRouters, RouterSite, check_geometry, check_replayable, find_routers
+
+_ACTIVE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+"""Routers currently under a replay session (sessions do not nest)."""
+
+
+def _actions():
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction  # lazy: megatron is optional
+
+    return RouterReplayAction
+
+
+def _recompute_configured(site: RouterSite) -> bool:
+    cfg = site.module.config
+    return cfg.recompute_granularity == "full" or (cfg.recompute_granularity == "selective" and "moe" in (cfg.recompute_modules or ()))
+
+
+class ReplaySession:
+    """A Megatron model under replay for one or more micro-batch plans. Use as a context manager."""
+
+    def __init__(
+        self,
+        model_or_routers: ModelOrRouters,
+        plans: RoutePlan | Sequence[RoutePlan],
+        *,
+        partial: bool = False,
+        expect_recompute: bool | None = None,
+    ) -> None:
+        self.plans: tuple[RoutePlan, ...] = (plans,) if isinstance(plans, RoutePlan) else tuple(plans)
+        if not self.plans:
+            raise ValueError("replay needs at least one RoutePlan, got 0")
+        geometry = self.plans[0].geometry
+        for m, plan in enumerate(self.plans[1:], 1):
+            if plan.geometry != geometry:
+                raise GeometryMismatchError(Where(field=f"plans[{m}].geometry"), geometry, plan.geometry, "micro-batch plans of one session")
+        self.sites = find_routers(model_or_routers)
+        for site in self.sites.values():
+            check_replayable(site)
+        vocab = getattr(model_or_routers, "vocab_size", None) if isinstance(model_or_routers, nn.Module) else None
+        check_geometry(self.sites, geometry, partial=partial, vocab_size=vocab)
+
+        self.ledgers = [RouteLedger(plan) for plan in self.plans]
+        if partial:  # a pipeline stage accounts for its own layers only
+            for ledger in self.ledgers:
+                ledger.forward_takes = {lid: 0 for lid in self.sites}
+                ledger.recompute_takes = {lid: 0 for lid in self.sites}
+        self.ids_MK: list[dict[int, torch.Tensor]] = [
+            {
+                lid: sequence_first_ids(
+                    plan.layer_ids(lid), plan.routed_N, plan.batch_size, plan.seq_len, geometry.num_experts
+                ).to(site.module.weight.device)
+                for lid, site in self.sites.items()
+            }
+            for plan in self.plans
+        ]
+        self.expect_recompute = expect_recompute
+        self.forwards = {lid: 0 for lid in self.sites}
+        self.recomputes = {lid: 0 for lid in self.sites}
+        self._saved: dict[int, tuple] = {}
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    @property
+    def plan(self) -> RoutePlan:
+        """The first (or only) micro-batch plan."""
+        return self.plans[0]
+
+    def _hook(self, site: RouterSite):
+        lid, actions = site.layer_id, _actions()
+
+        def pre_hook(module: nn.Module, args, kwargs):
+            hidden = args[0] if args else kwargs.get("input")
+            recompute = in_backward()
+            counter = self.recomputes if recompute else self.forwards
+            m = counter[lid]
+            what = "recompute" if recompute else "forward"
+            if m >= len(self.plans):
+                raise RouteConsumptionError(
+                    f"layer {lid}: {what} #{m + 1} of router {site.name!r}, but the session holds {len(self.plans)} "
+                    f"micro-batch plan(s) (requests {list(self.plans[-1].keys[:4])}...); one plan serves one forward "
+                    "(plus its recompute): pass one plan per micro-batch, in schedule order"
+                )
+            plan = self.plans[m]
+            if hidden is None or tuple(hidden.shape[:2]) != (plan.seq_len, plan.batch_size):
+                found = None if hidden is None else list(hidden.shape)
+                raise RouteConsumptionError(
+                    f"layer {lid}: router {site.name!r} got hidden states {found} in micro-batch {m}; the plan for "
+                    f"requests {list(plan.keys[:4])} expects [S, B, H] = [{plan.seq_len}, {plan.batch_size}, H] "
+                    "(Megatron is sequence-first; feed plan.input_ids_BS, without sequence packing)"
+                )
+            self.ledgers[m].take(lid, plan.num_positions)
+            ids_MK, rr = self.ids_MK[m][lid], module.router_replay
+            if recompute:
+                if not rr.replay_backward_list or rr.replay_backward_list[0] is not ids_MK:
+                    raise RouteConsumptionError(
+                        f"layer {lid}: recompute of micro-batch {m} but RouterReplay's backward queue of router "
+                        f"{site.name!r} does not hold its ids next (queue length {len(rr.replay_backward_list)}); "
+                        "was the queue changed outside this session?"
+                    )
+                rr.set_router_replay_action(actions.REPLAY_BACKWARD)
+            else:
+                rr.target_topk_idx = ids_MK
+                rr.set_router_replay_action(actions.REPLAY_FORWARD)
+            counter[lid] = m + 1
+
+        return pre_hook
+
+    def __enter__(self) -> "ReplaySession":
+        busy = [s.name for s in self.sites.values() if s.module in _ACTIVE]
+        if busy:
+            raise RouteConsumptionError(f"routers {busy[:4]} are already under a replay session; sessions do not nest")
+        if self.expect_recompute is None:
+            self.expect_recompute = torch.is_grad_enabled() and any(
+                _recompute_configured(s) and s.module.training for s in self.sites.values()
+            )
+        try:
+            for lid, site in self.sites.items():  # global-layer order, never creation order
+                _ACTIVE.add(site.module)
+                rr = site.module.router_replay
+                self._saved[lid] = (rr.router_replay_action, rr.target_topk_idx, rr.recorded_topk_idx, list(rr.replay_backward_list))
+                rr.clear_indices()
+                for ids_by_layer in self.ids_MK:  # micro-batches in schedule order: REPLAY_BACKWARD pops FIFO
+                    rr.set_target_indices(ids_by_layer[lid])
+                rr.set_router_replay_action(_actions().REPLAY_FORWARD)
+                rr.target_topk_idx = self.ids_MK[0][lid]
+                self._handles.append(site.module.register_forward_pre_hook(self._hook(site), with_kwargs=True))
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def _restore(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for lid, (action, target, recorded, queue) in self._saved.items():
+            rr = self.sites[lid].module.router_replay
+            rr.router_replay_action, rr.target_topk_idx, rr.recorded_topk_idx = action, target, recorded
+            rr.replay_backward_list = queue
+        self._saved.clear()
+        for site in self.sites.values():
+            _ACTIVE.discard(site.module)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._restore()
+        if exc_type is None:
+            for ledger in self.ledgers:
+                ledger.finish(expect_recompute=bool(self.expect_recompute))
+
+
+def replay(
+    model_or_routers: ModelOrRouters,
+    plan: RoutePlan | Sequence[RoutePlan],
+    *,
+    partial: bool = False,
+    expect_recompute: bool | None = None,
+) -> ReplaySession:
+    """Context manager: inside it, every Megatron TopKRouter routes with the plan's recorded experts.
+
+    `model_or_routers`: a Megatron model (e.g. GPTModel), its virtual-pipeline chunks, or routers.
+    `plan`: one RoutePlan, or one per micro-batch in schedule order (each serves one forward and
+    one activation recompute). `partial=True` on a pipeline stage that holds only some MoE layers.
+    With recompute configured (and training with grad), backward must run inside the context.
+    Requires `moe_enable_routing_replay=True`; checks run on creation, before any forward.
+
+        plan = build_plan(traces, model_geometry(model))
+        with replay(model, plan):
+            logits_BSV = model(**megatron_inputs(plan))
+            loss = ...
+            loss.backward()
+    """
+    return ReplaySession(model_or_routers, plan, partial=partial, expect_recompute=expect_recompute)

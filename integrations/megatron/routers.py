@@ -1,0 +1,142 @@
+"""Find Megatron-core `TopKRouter` modules, key them by global layer id, check what replay needs.
+
+Megatron numbers decoder layers from 1 across pipeline stages (`TransformerLayer.layer_number`
+includes the stage offset) and hands that number to its MoE router; our global layer id
+(invariant 2) is `layer_number - 1`. Routers are never matched by creation order.
+
+Everything here runs before any forward: a router whose routing would bypass `RouterReplay`
+(fused TE top-k, sinkhorn), or whose tokens are split across ranks (sequence/context parallel),
+is refused with the setting to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Union
+
+from torch import nn
+
+from moe_replay.errors import GeometryMismatchError, Where
+from moe_replay.geometry import ModelGeometry
+from moe_replay.replay.errors import UnsupportedRouterError
+
+ModelOrRouters = Union[nn.Module, Iterable[nn.Module]]
+"""A Megatron model, a list of model chunks (virtual pipeline), or the routers themselves."""
+
+
+def _topk_router_class() -> type:
+    from megatron.core.transformer.moe.router import TopKRouter  # lazy: megatron is optional
+
+    return TopKRouter
+
+
+@dataclass(frozen=True)
+class RouterSite:
+    """One Megatron router and the global layer id it routes."""
+
+    layer_id: int
+    name: str
+    module: nn.Module
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.module.config.num_moe_experts)
+
+    @property
+    def top_k(self) -> int:
+        return int(self.module.topk)
+
+
+def find_routers(model_or_routers: ModelOrRouters) -> dict[int, RouterSite]:
+    """{global layer id: RouterSite} in increasing layer order, for every TopKRouter found."""
+    topk_router = _topk_router_class()
+    roots = [model_or_routers] if isinstance(model_or_routers, nn.Module) else list(model_or_routers)
+    sites: dict[int, RouterSite] = {}
+    for c, root in enumerate(roots):
+        if not isinstance(root, nn.Module):
+            raise TypeError(f"replay needs a Megatron model, model chunks or routers (nn.Module), got {type(root).__name__} at {c}")
+        prefix = f"chunk{c}." if len(roots) > 1 else ""
+        for name, module in root.named_modules():
+            if not isinstance(module, topk_router):
+                continue
+            where = f"{prefix}{name or type(module).__name__}"
+            if module.layer_number is None:
+                raise UnsupportedRouterError(
+                    f"router {where!r} has no layer_number; Megatron sets it through MoELayer.set_layer_number "
+                    "(TransformerLayer does this) and replay keys routes by it"
+                )
+            lid = int(module.layer_number) - 1
+            if lid in sites:
+                raise UnsupportedRouterError(
+                    f"routers {sites[lid].name!r} and {where!r} both claim global layer {lid} (layer_number {lid + 1}); "
+                    "one router per decoder layer is required (MTP layers are not supported)"
+                )
+            sites[lid] = RouterSite(lid, where, module)
+    if not sites:
+        raise UnsupportedRouterError(f"no megatron TopKRouter found in {type(model_or_routers).__name__}; is this an MoE model?")
+    return dict(sorted(sites.items()))
+
+
+def check_replayable(site: RouterSite) -> None:
+    """Refuse routers whose routing would not go through RouterReplay or sees a slice of the tokens."""
+    cfg, m = site.module.config, site.module
+
+    def refuse(setting: str, found, why: str) -> None:
+        raise UnsupportedRouterError(f"router {site.name!r} (layer {site.layer_id}): {setting}={found!r} {why}")
+
+    if m.router_replay is None:
+        refuse("moe_enable_routing_replay", cfg.moe_enable_routing_replay, "gives the router no RouterReplay; set it True in TransformerConfig")
+    if cfg.moe_router_fusion:
+        refuse("moe_router_fusion", True, "routes through TE's fused top-k, which bypasses RouterReplay; set it False")
+    if m.routing_type == "sinkhorn":
+        refuse("moe_router_load_balancing_type", "sinkhorn", "picks experts without RouterReplay")
+    if cfg.moe_expert_capacity_factor is not None:
+        refuse("moe_expert_capacity_factor", cfg.moe_expert_capacity_factor, "may drop replayed tokens the engine kept; set it None")
+    if cfg.sequence_parallel and m.tp_group.size() > 1:
+        refuse("sequence_parallel", True, f"splits each micro-batch over {m.tp_group.size()} TP ranks; not supported yet")
+    if m.cp_group.size() > 1:
+        refuse("context_parallel_size", m.cp_group.size(), "splits each sequence over ranks; not supported yet")
+
+
+def model_geometry(model_or_routers: ModelOrRouters, *, vocab_size: int | None = None, family: str = "megatron") -> ModelGeometry:
+    """The ModelGeometry of a Megatron MoE model (all its MoE layers on this rank), for build_plan."""
+    sites = find_routers(model_or_routers)
+    first = next(iter(sites.values()))
+    if vocab_size is None:
+        vocab_size = getattr(model_or_routers, "vocab_size", None)
+    if vocab_size is None:
+        raise ValueError(f"model_geometry needs vocab_size for a {type(model_or_routers).__name__} (no .vocab_size attribute)")
+    return ModelGeometry(
+        num_layers=int(first.module.config.num_layers),
+        moe_layer_ids=tuple(sites),
+        num_experts=first.num_experts,
+        top_k=first.top_k,
+        vocab_size=int(vocab_size),
+        family=family,
+    )
+
+
+def check_geometry(sites: dict[int, RouterSite], geometry: ModelGeometry, *, partial: bool, vocab_size: int | None) -> None:
+    """Compare the routers with the plan's geometry; `partial` allows a pipeline stage's subset of layers."""
+    found = tuple(sites)
+    expected = geometry.moe_layer_ids
+    if (not partial and found != expected) or (partial and not set(found) <= set(expected)):
+        raise GeometryMismatchError(
+            Where(field="geometry.moe_layer_ids"),
+            f"{'a subset of ' if partial else ''}{expected}",
+            found,
+            "Megatron routers (layer_number - 1) vs plan" + ("" if partial else "; a pipeline stage passes partial=True"),
+        )
+    for lid, site in sites.items():
+        if (site.num_experts, site.top_k) != (geometry.num_experts, geometry.top_k):
+            raise GeometryMismatchError(
+                Where(field=f"layer {lid} (num_experts, top_k)"),
+                (geometry.num_experts, geometry.top_k),
+                (site.num_experts, site.top_k),
+                f"Megatron router {site.name!r} vs plan",
+            )
+    num_layers = int(next(iter(sites.values())).module.config.num_layers)
+    if num_layers != geometry.num_layers:
+        raise GeometryMismatchError(Where(field="geometry.num_layers"), geometry.num_layers, num_layers, "Megatron config.num_layers vs plan")
+    if vocab_size is not None and int(vocab_size) != geometry.vocab_size:
+        raise GeometryMismatchError(Where(field="geometry.vocab_size"), geometry.vocab_size, int(vocab_size), "Megatron model vs plan")
