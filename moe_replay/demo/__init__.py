@@ -1,0 +1,10 @@
+"""The end-to-end demo: GRPO on a toy arithmetic task, real vLLM rollouts (bf16) and HF training
+(fp32), three arms (no fix; R3 + support; R3 + support + multi-sample π_old), one report.
+
+Imports vLLM/transformers lazily; `run_demo(DemoConfig(), out_dir)` does everything.
+"""
+
+from .config import DEFAULT_ARMS, DemoConfig
+from .loop import run_demo
+
+__all__ = ["DEFAULT_ARMS", "DemoConfig", "run_demo"]

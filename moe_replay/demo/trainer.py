@@ -1,0 +1,160 @@
+"""The HF trainer side of the demo: one GRPO step under a preset, and its mismatch measurements.
+
+Legend: R rollouts in the step, G generated tokens (all rollouts, flat), Gm longest rollout,
+N flat batch positions, K top-k, L MoE layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..corrections import aggregate_loss, apply_corrections
+from ..metrics import mismatch_metrics
+from ..presets import Preset
+from ..replay import build_plan, score_tokens
+from ..trace import RolloutTrace
+
+HIST_EDGES = [0.0] + [float(x) for x in np.logspace(-8, 1, 28)]
+"""|Δ logprob| histogram bins: [0, 1e-8) catches exact agreement, then log-spaced to 10 nats."""
+
+
+@dataclass
+class StepResult:
+    loss: float
+    metrics: dict[str, Any]
+
+
+class ExpertsUsed:
+    """Records the expert ids each MoE layer's experts module actually receives (after replay).
+
+    Why not the router's output: that is what replay rewrites; the experts' input is the ground
+    truth of which experts ran.
+    """
+
+    def __init__(self, model: torch.nn.Module, layer_ids: Sequence[int]) -> None:
+        self.ids: dict[int, torch.Tensor] = {}
+        self._handles = []
+        for lid in layer_ids:
+            experts = model.model.layers[lid].mlp.experts
+
+            def pre_hook(module, args, lid=lid):
+                self.ids[lid] = args[1].detach().reshape(-1, args[1].shape[-1]).clone()
+
+            self._handles.append(experts.register_forward_pre_hook(pre_hook))
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+class Policy:
+    """An HF causal LM being trained with GRPO (one gradient step per batch of rollouts)."""
+
+    def __init__(self, model_dir: str, *, lr: float, dtype: str = "float32", seed: int = 0) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from ..integrations.hf.replay import model_geometry
+
+        torch.manual_seed(seed)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.geometry = model_geometry(self.model)
+
+    def step(self, traces: Sequence[RolloutTrace], advantages_R: np.ndarray, preset: Preset, *,
+             temperature: float, clip_eps: float, pi_old_G: np.ndarray | None = None) -> StepResult:
+        """One GRPO update. π_old is the trainer's own recompute unless the estimator provides it."""
+        from ..integrations.hf.replay import replay
+
+        plan = build_plan(traces, self.geometry, config=preset.replay.plan)
+        used = ExpertsUsed(self.model, self.geometry.moe_layer_ids)
+        session = None
+        try:
+            with contextlib.ExitStack() as stack:
+                if preset.replay.routes:
+                    session = stack.enter_context(replay(self.model, plan, track_flips=True))
+                logits_BSV = self.model(**plan.model_inputs()).logits
+                scores = score_tokens(logits_BSV.float(), plan, temperature=temperature, use_support=preset.replay.support)
+                logp_G = scores.logprobs_G
+                rollout_G = plan.engine_logprobs_G.double()
+                old_G = torch.from_numpy(pi_old_G) if pi_old_G is not None else logp_G.detach().double()
+                adv_G = torch.from_numpy(np.repeat(advantages_R, np.diff(plan.gen_offsets_B1)))
+
+                to_BS = _padder(plan.gen_offsets_B1)
+                corr = apply_corrections(preset.corrections, to_BS(old_G), to_BS(rollout_G), to_BS(torch.ones_like(old_G)) > 0)
+                ratio_G = torch.exp(logp_G.double() - old_G)
+                surrogate_G = torch.minimum(ratio_G * adv_G, ratio_G.clamp(1 - clip_eps, 1 + clip_eps) * adv_G)
+                loss_BS = -to_BS(surrogate_G) * corr.weights_BS
+                loss = aggregate_loss(loss_BS, corr.keep_BS)
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.opt.step()
+        finally:
+            used.close()
+
+        metrics = _mismatch(plan, logp_G.detach().double(), rollout_G, used.ids, to_BS)
+        if session is not None and session.flips is not None:
+            pos = sum(session.flips.positions.values())
+            metrics["free_route_flip_rate"] = sum(session.flips.flips.values()) / max(pos, 1)
+        else:
+            metrics["free_route_flip_rate"] = metrics["route_flip_rate"]
+        if pi_old_G is not None:
+            metrics["k3_kl_vs_pi_old"] = float(_k3(logp_G.detach().double(), torch.from_numpy(pi_old_G)))
+        metrics.update({k: float(v) for k, v in corr.metrics.items() if k.endswith("masked_fraction")})
+        metrics["loss"] = float(loss.detach())
+        return StepResult(float(loss.detach()), metrics)
+
+
+def _padder(gen_offsets_B1: np.ndarray):
+    """Flat [G] -> padded [R, Gm] (zeros in the padding; masks carry validity)."""
+    lengths = np.diff(gen_offsets_B1)
+    r, gm = len(lengths), int(lengths.max())
+    rows = torch.from_numpy(np.repeat(np.arange(r), lengths))
+    cols = torch.from_numpy(np.concatenate([np.arange(n) for n in lengths]))
+
+    def to_BS(x_G: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros((r, gm), dtype=x_G.dtype)
+        return out.index_put((rows, cols), x_G)
+
+    return to_BS
+
+
+def _k3(train_G: torch.Tensor, ref_G: torch.Tensor) -> torch.Tensor:
+    lr = (train_G - ref_G).clamp(-20, 20)
+    return (torch.exp(lr) - 1 - lr).mean()
+
+
+def _mismatch(plan, train_G, rollout_G, used_ids: dict[int, torch.Tensor], to_BS) -> dict[str, Any]:
+    mask_BS = to_BS(torch.ones_like(train_G)) > 0
+    m = mismatch_metrics(to_BS(train_G), to_BS(rollout_G), mask_BS)
+    diff_G = (train_G - rollout_G).abs().numpy()
+    counts, _ = np.histogram(diff_G, bins=HIST_EDGES)
+
+    # route flips: experts that ran in the trainer vs the engine's, on positions the trace routes
+    routed_N = plan.routed_N
+    per_layer, flips, total = {}, 0, 0
+    for lid in plan.geometry.moe_layer_ids:
+        trace_NK = plan.layer_ids(lid)[routed_N]
+        ran_NK = used_ids[lid][routed_N]
+        differ = (trace_NK.sort(-1).values != ran_NK.sort(-1).values).any(-1)
+        per_layer[str(lid)] = 1.0 - float(differ.float().mean())
+        flips += int(differ.sum())
+        total += int(differ.numel())
+    return {
+        "route_flip_rate": flips / max(total, 1),
+        "route_agreement_per_layer": per_layer,
+        "k3_kl": float(m["rollout_corr/k3_kl"]),
+        "kl": float(m["rollout_corr/kl"]),
+        "max_abs_logprob_diff": float(diff_G.max()),
+        "mean_abs_logprob_diff": float(diff_G.mean()),
+        "ppl_ratio": float(m["rollout_corr/ppl_ratio"]),
+        "chi2_token": float(m["rollout_corr/chi2_token"]),
+        "is_ess": float(m["rollout_corr/rollout_is_eff_sample_size"]),
+        "abs_logprob_diff_hist": {"edges": HIST_EDGES, "counts": counts.tolist()},
+    }
