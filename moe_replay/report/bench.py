@@ -1,0 +1,132 @@
+"""`moe-replay bench`: run the benchmark scripts of a source checkout one after another, each in a
+fresh Python process (`python benchmarks/<name>.py --json`), and collect their JSON objects into
+one, keyed by benchmark name. A failing benchmark is recorded (exit code, stderr tail), not fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import moe_replay
+
+KNOWN_ORDER = ("store", "capture", "replay", "estimator")
+"""Run order of the project's benchmarks; other scripts in the folder run after these, by name."""
+STDERR_TAIL_CHARS = 4000
+
+
+class BenchmarksNotFoundError(FileNotFoundError):
+    """No benchmarks folder where one was looked for (e.g. a wheel install, which ships none)."""
+
+
+def default_benchmarks_dir() -> Path:
+    """benchmarks/ of the source checkout this moe_replay was imported from."""
+    return Path(moe_replay.__file__).resolve().parent.parent / "benchmarks"
+
+
+def available(bench_dir: Path) -> list[str]:
+    """Benchmark names (script stems) in `bench_dir`: KNOWN_ORDER first, then the rest sorted."""
+    if not bench_dir.is_dir():
+        raise BenchmarksNotFoundError(
+            f"no benchmarks folder at {str(bench_dir)!r}: `moe-replay bench` runs the scripts of a source "
+            "checkout (git clone the repository and install it with `pip install -e .`), a wheel install "
+            "does not ship them; or pass --benchmarks-dir DIR"
+        )
+    names = sorted(p.stem for p in bench_dir.glob("*.py") if not p.name.startswith("_"))
+    return [n for n in KNOWN_ORDER if n in names] + [n for n in names if n not in KNOWN_ORDER]
+
+
+def select(bench_dir: Path, only: Sequence[str] | None) -> list[str]:
+    """The names to run, in order; an unknown name in `only` raises ValueError listing what exists."""
+    names = available(bench_dir)
+    if not only:
+        return names
+    missing = [n for n in only if n not in names]
+    if missing:
+        raise ValueError(
+            f"no benchmark script for {', '.join(map(repr, missing))} in {str(bench_dir)!r}; "
+            f"available: {', '.join(names) or '(none)'}"
+        )
+    return list(dict.fromkeys(only))
+
+
+@dataclass
+class BenchResult:
+    name: str
+    ok: bool
+    wall_s: float
+    value: dict[str, Any]
+    """The benchmark's JSON object, or a failure record (failed, returncode, error, stderr_tail)."""
+
+
+def _parse(stdout: str) -> dict[str, Any] | None:
+    """The JSON object a benchmark printed: all of stdout, else its last line that is one."""
+    text = stdout.strip()
+    candidates = [text] + [line.strip() for line in reversed(text.splitlines()) if line.strip().startswith("{")]
+    for c in candidates:
+        try:
+            value = json.loads(c)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return None
+
+
+def _tail(text: str) -> str:
+    return text if len(text) <= STDERR_TAIL_CHARS else "..." + text[-STDERR_TAIL_CHARS:]
+
+
+def run_one(name: str, bench_dir: Path, *, timeout_s: float | None = None, python: str = sys.executable) -> BenchResult:
+    """Run benchmarks/<name>.py --json in a fresh process from the checkout root."""
+    script = bench_dir / f"{name}.py"
+    root = bench_dir.resolve().parent
+    env = dict(os.environ)
+    # the same moe_replay as this process, even if the checkout is not installed
+    pkg_root = str(Path(moe_replay.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [python, str(script), "--json"], cwd=root, env=env, stdin=subprocess.DEVNULL,
+            capture_output=True, text=True, timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired as exc:
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        wall = time.perf_counter() - t0
+        return BenchResult(name, False, wall, {
+            "failed": True, "returncode": None, "wall_s": wall,
+            "error": f"timed out after {timeout_s} s", "stderr_tail": _tail(err),
+        })
+    wall = time.perf_counter() - t0
+    value = _parse(proc.stdout) if proc.returncode == 0 else None
+    if value is not None:
+        return BenchResult(name, True, wall, value)
+    error = (f"exited with code {proc.returncode}" if proc.returncode != 0
+             else "exited 0 but printed no JSON object on stdout")
+    return BenchResult(name, False, wall, {
+        "failed": True, "returncode": proc.returncode, "wall_s": wall, "error": error,
+        "stderr_tail": _tail(proc.stderr), "stdout_tail": _tail(proc.stdout) if proc.returncode == 0 else "",
+    })
+
+
+def run_benchmarks(
+    names: Sequence[str], bench_dir: Path, *, timeout_s: float | None = None,
+    on_start: Callable[[str], None] | None = None, on_done: Callable[[BenchResult], None] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Run `names` in order; returns {name: benchmark JSON or failure record}."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        if on_start is not None:
+            on_start(name)
+        result = run_one(name, bench_dir, timeout_s=timeout_s)
+        out[name] = result.value
+        if on_done is not None:
+            on_done(result)
+    return out

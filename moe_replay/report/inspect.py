@@ -1,0 +1,247 @@
+"""`moe-replay inspect`: what a trace store holds, what it costs on disk, and what is damaged.
+
+One pass over the store (each record read, checksummed and decoded once, as `scan()` does), with
+bounded memory: support sizes go into a histogram, and only a strided sample of records is
+re-encoded with every route codec to compare bytes per token-layer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ..codec import ROUTE_CODECS, bound_bits_per_token_layer
+from ..errors import TraceError
+from ..store import TraceStore
+from ..trace import RolloutTrace
+
+DEFAULT_SAMPLE = 64
+"""Records re-encoded with each route codec (evenly spaced over the store)."""
+
+
+class _Stats:
+    """Running totals over the records of a store."""
+
+    def __init__(self, num_records: int, sample: int) -> None:
+        self.records = 0
+        self.tokens = self.generated = self.token_layers = 0
+        self.geometries: Counter[str] = Counter()
+        self.engines: Counter[tuple[str, str, str]] = Counter()
+        self.parts = {"routes": 0, "support": 0, "logprobs": 0}
+        self.support_hist = np.zeros(0, dtype=np.int64)
+        self.stride = max(1, math.ceil(num_records / sample)) if sample > 0 else 0
+        self.codec_bytes: Counter[str] = Counter()
+        self.codec_token_layers = 0
+        self.codec_records = 0
+        self.bound_bits = 0.0
+        self.route_dtypes: set[str] = set()
+
+    def add(self, trace: RolloutTrace, index: int) -> None:
+        g = trace.geometry
+        self.records += 1
+        self.tokens += trace.num_tokens
+        self.generated += trace.num_generated
+        self.geometries[json.dumps(g.to_dict(), sort_keys=True)] += 1
+        self.engines[(trace.engine.name, trace.engine.version, trace.engine.dtype)] += 1
+        if trace.routes_TLK is not None:
+            self.parts["routes"] += 1
+            t, l, _ = trace.routes_TLK.shape
+            self.token_layers += t * l
+            if self.stride and index % self.stride == 0 and t * l:
+                self._encode_sample(trace)
+        if trace.support is not None:
+            self.parts["support"] += 1
+            sizes = trace.support.sizes_G()
+            if len(sizes):
+                counts = np.bincount(sizes)
+                if len(counts) > len(self.support_hist):
+                    self.support_hist = np.pad(self.support_hist, (0, len(counts) - len(self.support_hist)))
+                self.support_hist[: len(counts)] += counts
+        if trace.logprobs_G is not None:
+            self.parts["logprobs"] += 1
+
+    def _encode_sample(self, trace: RolloutTrace) -> None:
+        g = trace.geometry
+        t, l, _ = trace.routes_TLK.shape
+        for name in ROUTE_CODECS.names():
+            data, _ = ROUTE_CODECS.get(name).encode(trace.routes_TLK, g.num_experts)
+            self.codec_bytes[name] += len(data)
+        self.codec_token_layers += t * l
+        self.codec_records += 1
+        self.bound_bits += bound_bits_per_token_layer(g.num_experts, g.top_k) * t * l
+        self.route_dtypes.add(str(g.route_dtype))
+
+
+def _hist_stats(hist: np.ndarray) -> dict[str, Any] | None:
+    n = int(hist.sum())
+    if n == 0:
+        return None
+    values = np.arange(len(hist))
+    cum = np.cumsum(hist)
+
+    def pct(q: float) -> int:
+        return int(np.searchsorted(cum, q * n, side="left"))
+
+    return {
+        "rows": n,
+        "mean": float((hist * values).sum() / n),
+        "p50": pct(0.5),
+        "p99": pct(0.99),
+        "max": int(values[hist > 0].max()),
+    }
+
+
+def store_disk_bytes(store: TraceStore) -> dict[str, Any] | None:
+    """Bytes of the store's files (index, segments, other) or None for a store with no directory."""
+    path = getattr(store, "path", None)
+    if path is None or not Path(path).is_dir():
+        return None
+    index = segments = other = 0
+    num_segments = 0
+    for p in Path(path).iterdir():
+        if not p.is_file():
+            continue
+        size = p.stat().st_size
+        if p.name == "index.bin":
+            index += size
+        elif p.name.startswith("seg-") and p.name.endswith(".bin"):
+            segments += size
+            num_segments += 1
+        else:
+            other += size
+    return {"bytes": index + segments + other, "index_bytes": index, "segment_bytes": segments,
+            "segments": num_segments, "other_bytes": other}
+
+
+def summarize_store(
+    store: TraceStore, *, sample: int = DEFAULT_SAMPLE, progress: Callable[[int, int], None] | None = None
+) -> dict[str, Any]:
+    """A JSON-able summary of `store` (see `moe-replay inspect --help` for the fields)."""
+    if sample < 0:
+        raise ValueError(f"sample must be >= 0 records, got {sample}")
+    total = len(store)
+    bad: list[TraceError] = []
+    stats = _Stats(total, sample)
+    if hasattr(store, "iter"):
+        traces = store.iter(errors="skip", on_error=bad.append)
+    else:  # a store without skip-and-report iteration: scan() first for the errors, then read the good keys
+        good, bad = store.scan()
+        traces = (store.get(k) for k in good)
+    for i, trace in enumerate(traces):
+        stats.add(trace, i)
+        if progress is not None:
+            progress(i + 1 + len(bad), total)
+
+    disk = store_disk_bytes(store)
+    if disk is not None:
+        disk["bytes_per_token"] = disk["bytes"] / stats.tokens if stats.tokens else None
+        disk["bytes_per_token_layer"] = disk["bytes"] / stats.token_layers if stats.token_layers else None
+
+    codecs = None
+    if stats.codec_token_layers:
+        tl = stats.codec_token_layers
+        # largest first (int32 ... entropy coded), the bound last
+        names = sorted(ROUTE_CODECS.names(), key=lambda n: -stats.codec_bytes[n])
+        per = {name: stats.codec_bytes[name] / tl for name in names}
+        per["bound"] = stats.bound_bits / tl / 8
+        base = per.get("int32")
+        codecs = {
+            "sample_records": stats.codec_records,
+            "sample_token_layers": tl,
+            "narrow_dtype": ",".join(sorted(stats.route_dtypes)),
+            "bytes_per_token_layer": per,
+            "ratio_vs_int32": {k: (v / base if base else None) for k, v in per.items()},
+        }
+
+    return {
+        "store": str(getattr(store, "path", getattr(store, "name", repr(store)))),
+        "kind": type(store).__name__,
+        "records": stats.records,
+        "records_indexed": total,
+        "tokens": {"total": stats.tokens, "prompt": stats.tokens - stats.generated, "generated": stats.generated},
+        "token_layers": stats.token_layers,
+        "geometries": [{"records": n, "geometry": json.loads(g)} for g, n in stats.geometries.most_common()],
+        "engines": [
+            {"records": n, "name": name, "version": version, "dtype": dtype}
+            for (name, version, dtype), n in stats.engines.most_common()
+        ],
+        "parts": stats.parts,
+        "support_size": _hist_stats(stats.support_hist),
+        "disk": disk,
+        "route_codecs": codecs,
+        "damaged": [
+            {"record": err.where.record, "file": err.where.file, "field": err.where.field,
+             "error": type(err).__name__, "message": str(err)}
+            for err in bad
+        ],
+    }
+
+
+def _mib(n: int) -> str:
+    return f"{n:,} B ({n / 2**20:.2f} MiB)"
+
+
+def print_store_summary(summary: dict[str, Any], file=None) -> None:
+    """The summary as rich tables (plain text without rich)."""
+    from .tables import fmt, print_table
+
+    s = summary
+    tok = s["tokens"]
+    rows: list[list[Any]] = [
+        ["store", f"{s['store']} ({s['kind']})"],
+        ["records", f"{s['records']:,} readable of {s['records_indexed']:,} indexed"
+                    + (f", {len(s['damaged'])} damaged" if s["damaged"] else "")],
+        ["tokens", f"{tok['total']:,} ({tok['prompt']:,} prompt, {tok['generated']:,} generated)"],
+        ["routed token-layers", f"{s['token_layers']:,}"],
+        ["parts present", ", ".join(f"{k} {v:,}/{s['records']:,}" for k, v in s["parts"].items())],
+    ]
+    if s["support_size"]:
+        ss = s["support_size"]
+        rows.append(["support size (tokens kept per row)",
+                     f"mean {ss['mean']:.2f}, p50 {ss['p50']}, p99 {ss['p99']}, max {ss['max']} over {ss['rows']:,} rows"])
+    if s["disk"]:
+        d = s["disk"]
+        rows.append(["on disk", f"{_mib(d['bytes'])}: index {d['index_bytes']:,} B, {d['segments']} segment(s) "
+                                f"{d['segment_bytes']:,} B" + (f", other {d['other_bytes']:,} B" if d["other_bytes"] else "")])
+        if d["bytes_per_token"] is not None:
+            rows.append(["on disk per token", f"{d['bytes_per_token']:.2f} B (all parts)"])
+        if d["bytes_per_token_layer"] is not None:
+            rows.append(["on disk per token-layer", f"{d['bytes_per_token_layer']:.3f} B (all parts)"])
+    print_table("trace store", ["", "value"], rows, file=file, numeric=[False, False])
+
+    if s["geometries"]:
+        print_table(
+            "geometries", ["records", "family", "layers", "MoE layers", "experts", "top-k", "vocab"],
+            [[g["records"], g["geometry"]["family"] or "-", g["geometry"]["num_layers"], _layers(g["geometry"]["moe_layer_ids"]),
+              g["geometry"]["num_experts"], g["geometry"]["top_k"], g["geometry"]["vocab_size"]] for g in s["geometries"]],
+            file=file, numeric=[True, False, True, False, True, True, True],
+        )
+    if s["engines"]:
+        print_table("engines", ["records", "engine", "version", "dtype"],
+                    [[e["records"], e["name"], e["version"] or "-", e["dtype"]] for e in s["engines"]],
+                    file=file, numeric=[True, False, False, False])
+    if s["route_codecs"]:
+        c = s["route_codecs"]
+        labels = {"narrow": f"narrow ({c['narrow_dtype']} ids)", "bound": "bound log2(E!/(E-K)!)/8"}
+        print_table(
+            f"route bytes per token-layer (re-encoded sample: {c['sample_records']:,} records, "
+            f"{c['sample_token_layers']:,} token-layers)",
+            ["codec", "B / token-layer", "vs int32"],
+            [[labels.get(k, k), fmt(v), f"{c['ratio_vs_int32'][k]:.3f}x"] for k, v in c["bytes_per_token_layer"].items()],
+            file=file, numeric=[False, True, True],
+        )
+    if s["damaged"]:
+        print_table("damaged records", ["record", "error", "message"],
+                    [[d["record"] or "(index entry)", d["error"], d["message"]] for d in s["damaged"]],
+                    file=file, numeric=[False, False, False])
+
+
+def _layers(ids: list[int]) -> str:
+    if len(ids) > 1 and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}..{ids[-1]} ({len(ids)})"
+    return ",".join(map(str, ids)) if len(ids) <= 8 else f"{ids[0]},{ids[1]},..,{ids[-1]} ({len(ids)})"
