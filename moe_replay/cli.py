@@ -79,56 +79,78 @@ def make_model(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# demo (placeholder until the end-to-end capture -> replay -> GRPO demo exists)
+# demo: the main job (GRPO with real vLLM rollouts in bf16, HF training in fp32, three arms)
 
 
 def _configure_demo(p: argparse.ArgumentParser) -> None:
-    from .models import DEFAULT_FAMILY, FAMILIES
+    from .demo import DemoConfig
 
-    p.add_argument("--out", default="runs/demo", help="where the demo model is built")
-    p.add_argument("--family", default=DEFAULT_FAMILY, choices=FAMILIES.names())
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=12)
+    d = DemoConfig()
+    p.add_argument("--out", default="runs/demo", help="output folder: model/, report.json, plots, report.html")
+    p.add_argument("--family", default=d.family, help="tiny model family (see make-model)")
+    p.add_argument("--steps", type=int, default=d.steps, help="GRPO steps per arm")
+    p.add_argument("--prompts", type=int, default=d.prompts_per_step, help="prompts per step")
+    p.add_argument("--samples", type=int, default=d.samples_per_prompt, help="GRPO group size")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--estimator-n", type=int, default=None, help="replicas of the multi-sample arm (preset's n if unset)")
+    p.add_argument("--arms", default=",".join(d.arms), help="comma-separated arm=preset (or preset) list")
+    p.add_argument("--seed", type=int, default=d.seed)
 
 
-@command("demo", "placeholder demo: build the default tiny model and generate with HF transformers", _configure_demo)
+def _parse_arms(text: str) -> dict[str, str]:
+    arms = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        arm, _, preset = item.partition("=")
+        arms[arm] = preset or arm
+    return arms
+
+
+@command("demo", "run the end-to-end GRPO demo (real vLLM rollouts, HF training, three arms) and write its report",
+         _configure_demo)
 def demo(args: argparse.Namespace) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from pathlib import Path
 
-    from .models import build_tiny_model, geometry_of, parse_answer, sample_problems
+    from .demo import DemoConfig, check_presets, run_demo
+    from .report import print_arm_table, render_report
 
-    if args.num_prompts < 1 or args.max_new_tokens < 1:
-        raise SystemExit(f"--num-prompts ({args.num_prompts}) and --max-new-tokens ({args.max_new_tokens}) must be >= 1")
-    _log("moe-replay demo (placeholder): the longest path that exists so far is")
-    _log("  build a tiny local MoE model -> generate with HF transformers.")
-    _log("  Not yet wired: vLLM capture, trace store, replay in the trainer, GRPO.")
-    t0 = time.perf_counter()
-    path = build_tiny_model(args.family, args.out, seed=args.seed)
-    geometry = geometry_of(path)
-    _log(f"[1/2] built {args.family} at {path} in {time.perf_counter() - t0:.1f} s: {json.dumps(geometry.to_dict())}")
-
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    problems = sample_problems(args.num_prompts, seed=args.seed)
-    batch = tok([p.prompt for p in problems], return_tensors="pt", padding=True)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            **batch, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id
-        )
-    completions = tok.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
-    _log(f"[2/2] greedy HF generation of {args.max_new_tokens} tokens x {len(problems)} prompts "
-         f"in {time.perf_counter() - t0:.1f} s (random weights: answers are noise)")
-    correct = 0
-    for p, c in zip(problems, completions):
-        ok = parse_answer(c) == p.answer
-        correct += ok
-        print(f"{p.prompt!r} -> {c!r}  (expected {p.answer}{', correct' if ok else ''})")
-    print(json.dumps({"model": str(path), "family": args.family, "prompts": len(problems),
-                      "correct": correct, "geometry": geometry.to_dict()}))
+    try:
+        cfg = DemoConfig(family=args.family, seed=args.seed, steps=args.steps, prompts_per_step=args.prompts,
+                         samples_per_prompt=args.samples, max_tokens=args.max_tokens,
+                         estimator_n=args.estimator_n, arms=_parse_arms(args.arms))
+        check_presets(cfg)
+    except ValueError as e:
+        _log(f"moe-replay demo: {e}")
+        return 2
+    out = Path(args.out)
+    _log(f"moe-replay demo: {len(cfg.arms)} arms x {cfg.steps} steps, {cfg.prompts_per_step}x{cfg.samples_per_prompt} "
+         f"rollouts per step, vLLM {cfg.engine_dtype} rollouts -> HF {cfg.trainer_dtype} training; output in {out}")
+    with _progress(len(cfg.arms) * cfg.steps) as advance:
+        report = run_demo(cfg, out, progress=lambda arm, step, total: advance(f"{arm}: step {step}/{total}"))
+    print_arm_table(report)
+    paths = render_report(report, out)
+    _log(f"wall {report['wall_s']:.0f} s; report: {out / 'report.json'}, page: {paths['html']}")
+    print(json.dumps({arm: a["mean"] for arm, a in report["arms"].items()}))
     return 0
+
+
+def _progress(total: int):
+    """A progress bar on stderr (rich when available, plain lines otherwise); yields advance(msg)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def bar():
+        try:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        except ImportError:
+            yield lambda msg: _log(msg)
+            return
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=Console(stderr=True)) as prog:
+            task = prog.add_task("starting (build model, start vLLM)", total=total)
+            yield lambda msg: prog.update(task, advance=1, description=msg)
+
+    return bar()
 
 
 # ---------------------------------------------------------------------------------------------

