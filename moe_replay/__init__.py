@@ -1,2 +1,17 @@
-"""moe_replay: record and replay what a Mixture-of-Experts model did during RL rollouts."""
+"""moe_replay: record and replay what a Mixture-of-Experts model did during RL rollouts.
+
+    import moe_replay
+    mr = moe_replay.enable("r3_support", llm=llm, model=model)   # see moe_replay.enablement
+
+`import moe_replay` needs only torch, numpy and msgpack; adapters load their framework lazily.
+"""
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in ("enable", "Enabled", "TrainBatch"):
+        from . import enablement as _enable_module
+
+        return getattr(_enable_module, name)
+    raise AttributeError(f"module 'moe_replay' has no attribute {name!r}")

@@ -71,7 +71,7 @@ def run_demo(cfg: DemoConfig, out_dir: Path, progress: Callable[[str, int, int],
     try:
         for arm, preset in presets.items():
             engine.load_weights(model_dir)  # every arm starts from the same weights
-            policy = Policy(str(model_dir), lr=cfg.lr, dtype=cfg.trainer_dtype, seed=cfg.seed)
+            policy = Policy(str(model_dir), preset, lr=cfg.lr, dtype=cfg.trainer_dtype, seed=cfg.seed)
             estimator = PiOldEstimator(engine, preset, cfg) if preset.estimator.enabled else None
             steps = []
             for step in range(cfg.steps):
@@ -81,7 +81,7 @@ def run_demo(cfg: DemoConfig, out_dir: Path, progress: Callable[[str, int, int],
                 rewards_PN = np.array([[reward(p, c) for c in comps] for p, comps in zip(problems, completions)])
                 adv_R = group_advantages(rewards_PN).reshape(-1)
                 pi_old_G = estimator.pi_old_G(traces) if estimator is not None else None
-                result = policy.step(traces, adv_R, preset, temperature=cfg.temperature, clip_eps=cfg.clip_eps, pi_old_G=pi_old_G)
+                result = policy.step(traces, adv_R, temperature=cfg.temperature, clip_eps=cfg.clip_eps, pi_old_G=pi_old_G)
                 engine.sync_from(policy.model, out_dir / "sync")
                 row = {"step": step, **result.metrics, "reward": float(rewards_PN.mean()), "wall_s": time.perf_counter() - ts}
                 steps.append(row)

@@ -6,17 +6,15 @@ N flat batch positions, K top-k, L MoE layers.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from ..corrections import aggregate_loss, apply_corrections
+from ..corrections import aggregate_loss
 from ..metrics import mismatch_metrics
 from ..presets import Preset
-from ..replay import build_plan, score_tokens
 from ..trace import RolloutTrace
 
 HIST_EDGES = [0.0] + [float(x) for x in np.logspace(-8, 1, 28)]
@@ -55,42 +53,32 @@ class ExpertsUsed:
 class Policy:
     """An HF causal LM being trained with GRPO (one gradient step per batch of rollouts)."""
 
-    def __init__(self, model_dir: str, *, lr: float, dtype: str = "float32", seed: int = 0) -> None:
+    def __init__(self, model_dir: str, preset: Preset, *, lr: float, dtype: str = "float32", seed: int = 0) -> None:
         from transformers import AutoModelForCausalLM
 
-        from ..integrations.hf.replay import model_geometry
+        from ..enablement import enable
 
         torch.manual_seed(seed)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
-        self.geometry = model_geometry(self.model)
+        self.mr = enable(preset, model=self.model)  # the trainer half of the preset
+        self.geometry = self.mr.geometry
 
-    def step(self, traces: Sequence[RolloutTrace], advantages_R: np.ndarray, preset: Preset, *,
-             temperature: float, clip_eps: float, pi_old_G: np.ndarray | None = None) -> StepResult:
+    def step(self, traces: Sequence[RolloutTrace], advantages_R: np.ndarray, *, temperature: float,
+             clip_eps: float, pi_old_G: np.ndarray | None = None) -> StepResult:
         """One GRPO update. π_old is the trainer's own recompute unless the estimator provides it."""
-        from ..integrations.hf.replay import replay
-
-        plan = build_plan(traces, self.geometry, config=preset.replay.plan)
         used = ExpertsUsed(self.model, self.geometry.moe_layer_ids)
-        session = None
         try:
-            with contextlib.ExitStack() as stack:
-                if preset.replay.routes:
-                    session = stack.enter_context(replay(self.model, plan, track_flips=True))
-                logits_BSV = self.model(**plan.model_inputs()).logits
-                scores = score_tokens(logits_BSV.float(), plan, temperature=temperature, use_support=preset.replay.support)
-                logp_G = scores.logprobs_G
-                rollout_G = plan.engine_logprobs_G.double()
+            with self.mr.train_batch(traces, track_flips=True) as batch:
+                logits_BSV = self.model(**batch.model_inputs()).logits
+                logp_G = batch.logprobs(logits_BSV, temperature)
                 old_G = torch.from_numpy(pi_old_G) if pi_old_G is not None else logp_G.detach().double()
-                adv_G = torch.from_numpy(np.repeat(advantages_R, np.diff(plan.gen_offsets_B1)))
-
-                to_BS = _padder(plan.gen_offsets_B1)
-                corr = apply_corrections(preset.corrections, to_BS(old_G), to_BS(rollout_G), to_BS(torch.ones_like(old_G)) > 0)
+                adv_G = torch.from_numpy(np.repeat(advantages_R, np.diff(batch.plan.gen_offsets_B1)))
+                corr = batch.corrections(old_G)  # IS weights of π_old against the engine's rollout
                 ratio_G = torch.exp(logp_G.double() - old_G)
                 surrogate_G = torch.minimum(ratio_G * adv_G, ratio_G.clamp(1 - clip_eps, 1 + clip_eps) * adv_G)
-                loss_BS = -to_BS(surrogate_G) * corr.weights_BS
-                loss = aggregate_loss(loss_BS, corr.keep_BS)
+                loss = aggregate_loss(-batch.to_rows(surrogate_G) * corr.weights_BS, corr.keep_BS)
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -98,10 +86,10 @@ class Policy:
         finally:
             used.close()
 
-        metrics = _mismatch(plan, logp_G.detach().double(), rollout_G, used.ids, to_BS)
-        if session is not None and session.flips is not None:
-            pos = sum(session.flips.positions.values())
-            metrics["free_route_flip_rate"] = sum(session.flips.flips.values()) / max(pos, 1)
+        metrics = _mismatch(batch, logp_G.detach().double(), used.ids)
+        if batch.session is not None:
+            flips = batch.session.flips
+            metrics["free_route_flip_rate"] = sum(flips.flips.values()) / max(sum(flips.positions.values()), 1)
         else:
             metrics["free_route_flip_rate"] = metrics["route_flip_rate"]
         if pi_old_G is not None:
@@ -111,28 +99,14 @@ class Policy:
         return StepResult(float(loss.detach()), metrics)
 
 
-def _padder(gen_offsets_B1: np.ndarray):
-    """Flat [G] -> padded [R, Gm] (zeros in the padding; masks carry validity)."""
-    lengths = np.diff(gen_offsets_B1)
-    r, gm = len(lengths), int(lengths.max())
-    rows = torch.from_numpy(np.repeat(np.arange(r), lengths))
-    cols = torch.from_numpy(np.concatenate([np.arange(n) for n in lengths]))
-
-    def to_BS(x_G: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros((r, gm), dtype=x_G.dtype)
-        return out.index_put((rows, cols), x_G)
-
-    return to_BS
-
-
 def _k3(train_G: torch.Tensor, ref_G: torch.Tensor) -> torch.Tensor:
     lr = (train_G - ref_G).clamp(-20, 20)
     return (torch.exp(lr) - 1 - lr).mean()
 
 
-def _mismatch(plan, train_G, rollout_G, used_ids: dict[int, torch.Tensor], to_BS) -> dict[str, Any]:
-    mask_BS = to_BS(torch.ones_like(train_G)) > 0
-    m = mismatch_metrics(to_BS(train_G), to_BS(rollout_G), mask_BS)
+def _mismatch(batch, train_G, used_ids: dict[int, torch.Tensor]) -> dict[str, Any]:
+    plan, rollout_G = batch.plan, batch.rollout_logprobs
+    m = mismatch_metrics(batch.to_rows(train_G), batch.to_rows(rollout_G), batch.row_mask())
     diff_G = (train_G - rollout_G).abs().numpy()
     counts, _ = np.histogram(diff_G, bins=HIST_EDGES)
 

@@ -1,0 +1,160 @@
+"""One call switches a preset on for a rollout engine and a trainer.
+
+    import moe_replay
+    mr = moe_replay.enable("r3_support", llm=llm, model=model)   # vllm.LLM and an HF MoE model
+    outputs, traces = mr.generate(prompts, sampling_params)       # capture on
+    pi_old_G = mr.pi_old(traces)                                  # multi-sample π_old (or None)
+    with mr.train_batch(traces) as batch:                         # replay on (or free routing)
+        logits = model(**batch.model_inputs()).logits
+        logp_G = batch.logprobs(logits, temperature=1.0)          # over the kept support if enabled
+        fix = batch.corrections(logp_G.detach())                  # the preset's IS weights / masks
+        loss = ...; loss.backward()                               # inside the `with`
+
+Whatever the preset leaves off is a no-op, so one training loop serves every preset. vLLM and
+transformers are imported only when an engine or a model is given.
+
+Legend: G generated tokens of the batch (flat, trace order), B rows, Gm longest row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .corrections import CorrectionResult, apply_corrections
+from .presets import Preset, load_preset
+from .replay import RoutePlan, build_plan, score_tokens
+from .trace import RolloutTrace
+
+
+@dataclass
+class TrainBatch:
+    """One micro-batch of traces under the preset: model inputs, scoring, corrections."""
+
+    preset: Preset
+    plan: RoutePlan
+    session: Any = None
+    """The HF replay session when the preset replays routes (its `.flips` counts what the
+    trainer's router would have chosen differently)."""
+    _rows: tuple[torch.Tensor, torch.Tensor] = field(default=None, repr=False)
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """input_ids / attention_mask / position_ids of the padded batch the plan laid out."""
+        return self.plan.model_inputs()
+
+    def logprobs(self, logits_BSV: torch.Tensor, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
+        """Logprobs [G] of every generated token, renormalised over the kept support if enabled."""
+        return score_tokens(logits_BSV.float(), self.plan, temperature=temperature, use_support=self.preset.replay.support).logprobs_G
+
+    @property
+    def rollout_logprobs(self) -> torch.Tensor:
+        """The engine's logprobs [G] of the same tokens (float64)."""
+        if self.plan.engine_logprobs_G is None:
+            raise ValueError(f"traces {list(self.plan.keys)[:3]} carry no engine logprobs; capture them (capture.logprobs: true)")
+        return self.plan.engine_logprobs_G.double()
+
+    def to_rows(self, x_G: torch.Tensor) -> torch.Tensor:
+        """Flat [G] -> padded [B, Gm] (zeros in padding), the layout corrections and metrics take."""
+        lengths = np.diff(self.plan.gen_offsets_B1)
+        rows = torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths))
+        cols = torch.from_numpy(np.concatenate([np.arange(n) for n in lengths]))
+        out = torch.zeros((len(lengths), int(lengths.max())), dtype=x_G.dtype, device=x_G.device)
+        return out.index_put((rows.to(x_G.device), cols.to(x_G.device)), x_G)
+
+    def row_mask(self) -> torch.Tensor:
+        """bool [B, Gm]: True on real generated tokens."""
+        return self.to_rows(torch.ones(int(self.plan.gen_offsets_B1[-1]))) > 0
+
+    def corrections(self, train_logprobs_G: torch.Tensor, *, reference_G: torch.Tensor | None = None,
+                    advantages: torch.Tensor | None = None) -> CorrectionResult:
+        """The preset's corrections of `train_logprobs_G` against the engine's (or `reference_G`)."""
+        ref = self.rollout_logprobs if reference_G is None else reference_G.double()
+        return apply_corrections(self.preset.corrections, self.to_rows(train_logprobs_G.double()), self.to_rows(ref),
+                                 self.row_mask(), advantages=advantages)
+
+
+class Enabled:
+    """A preset switched on for an engine (capture, π_old) and/or a trainer model (replay)."""
+
+    def __init__(self, preset: Preset, *, llm: Any = None, model: Any = None) -> None:
+        self.preset, self.llm, self.model = preset, llm, model
+        self.capture = self.scorer = None
+        self.geometry = None
+        if model is not None:
+            self.geometry = _trainer_geometry(model, preset)
+        if llm is not None:
+            from .integrations.vllm import VllmCapture
+
+            self.capture = VllmCapture(llm, preset.capture)
+            if preset.estimator.enabled:
+                from .integrations.vllm.scorer import VllmScorer, VllmScorerConfig
+
+                self.scorer = VllmScorer(llm, VllmScorerConfig(force_routes=preset.estimator.force_routes,
+                                                               use_support=preset.estimator.use_support))
+            if self.geometry is not None:
+                self.geometry.check_matches(self.capture.geometry)
+
+    # -- rollout side ----------------------------------------------------------------------------
+    def generate(self, prompts: Any, sampling_params: Any = None, *, store: Any = None, **kwargs: Any):
+        """`LLM.generate` with capture: (outputs, traces), one trace per sample."""
+        if self.capture is None:
+            raise ValueError("enable(...) was given no llm: nothing to generate or capture with")
+        return self.capture.generate(prompts, sampling_params, store=store, **kwargs)
+
+    def pi_old(self, traces: Sequence[RolloutTrace], *, batch_size: int = 64) -> np.ndarray | None:
+        """Flat [G] log π_old from n engine re-scorings (None when the preset has no estimator)."""
+        if self.scorer is None:
+            return None
+        from .estimator import estimate
+
+        ests = estimate(traces, self.scorer, self.preset.estimator.config, batch_size=batch_size)
+        return np.concatenate([e.logprob_G for e in ests])
+
+    # -- trainer side ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def train_batch(self, traces: Sequence[RolloutTrace], *, input_ids_BS: torch.Tensor | None = None,
+                    attention_mask_BS: torch.Tensor | None = None, track_flips: bool = False) -> Iterator[TrainBatch]:
+        """Replay the traces' routes (if the preset says so) around forward and backward."""
+        if self.model is None:
+            raise ValueError("enable(...) was given no model: nothing to train")
+        plan = build_plan(traces, self.geometry, input_ids_BS=input_ids_BS, attention_mask_BS=attention_mask_BS,
+                          config=self.preset.replay.plan)
+        if not self.preset.replay.routes:
+            yield TrainBatch(self.preset, plan)
+            return
+        from .integrations.hf.replay import replay
+
+        with replay(self.model, plan, track_flips=track_flips) as session:
+            yield TrainBatch(self.preset, session.plan, session)
+
+    def close(self) -> None:
+        """Detach capture and scoring hooks from the engine."""
+        for part in (self.scorer, self.capture):
+            if part is not None:
+                part.uninstall()
+        self.capture = self.scorer = None
+
+
+def _trainer_geometry(model: Any, preset: Preset):
+    from .integrations.hf.replay import model_geometry
+    from .replay.errors import UnsupportedRouterError
+
+    try:
+        return model_geometry(model)
+    except UnsupportedRouterError as e:
+        family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        need = "replays routes" if preset.replay.routes else "needs the MoE geometry for its traces"
+        raise ValueError(f"preset {preset.name!r} {need}, but model family {family!r} has no supported MoE router: {e}. "
+                         f"Add a RouterAdapter (moe_replay.integrations.hf.register_router) or train without moe_replay.") from None
+
+
+def enable(preset: str | Path | Preset, *, llm: Any = None, model: Any = None) -> Enabled:
+    """Switch `preset` (a name from configs/, a YAML path, or a Preset) on for `llm` and/or `model`."""
+    if llm is None and model is None:
+        raise ValueError("enable(...) needs an llm (rollout engine), a model (trainer), or both")
+    return Enabled(preset if isinstance(preset, Preset) else load_preset(preset), llm=llm, model=model)

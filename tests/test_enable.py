@@ -1,0 +1,79 @@
+"""`moe_replay.enable`: one call switches a preset on for a real vLLM engine and an HF trainer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import moe_replay
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["Q: 3+4=? A:", "Q: 9-2=? A:", "the cat sees a red ball"]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model):
+    import vllm
+    from transformers import AutoModelForCausalLM
+
+    from moe_replay.integrations.vllm import capture_engine_kwargs
+
+    from .conftest import VLLM_TEST_ARGS, shutdown_llm
+
+    model_dir = tiny_model("qwen3_moe")
+    llm = vllm.LLM(**capture_engine_kwargs(model=str(model_dir), **{**VLLM_TEST_ARGS, "enable_prefix_caching": False}))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    yield llm, model
+    shutdown_llm(llm)
+
+
+@pytest.mark.parametrize("preset", ["none", "r3_support", "r3_support_multisample"])
+def test_one_training_loop_serves_every_preset(setup, preset):
+    from vllm import SamplingParams
+
+    llm, model = setup
+    mr = moe_replay.enable(preset, llm=llm, model=model)
+    try:
+        _, traces = mr.generate(PROMPTS, SamplingParams(n=2, top_p=0.9, max_tokens=6, seed=1), use_tqdm=False)
+        assert len(traces) == 6 and all(t.routes_TLK is not None and t.support is not None for t in traces)
+        pi_old = mr.pi_old(traces)
+        with mr.train_batch(traces, track_flips=True) as batch:
+            logits = model(**batch.model_inputs()).logits
+            logp_G = batch.logprobs(logits)
+            fix = batch.corrections(logp_G.detach())
+            loss = -(batch.to_rows(logp_G) * fix.weights_BS).sum() / fix.keep_BS.sum()
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        gap = float((logp_G.detach().double() - batch.rollout_logprobs).abs().max())
+        if preset == "none":
+            assert pi_old is None and batch.session is None
+            assert gap > 1e-3  # full-vocabulary scores vs the engine's truncated (top-p) distribution
+        else:
+            assert gap < 1e-4  # fp32 engine: replayed routes + kept support reproduce its logprobs
+        if preset == "r3_support_multisample":
+            assert pi_old is not None and np.max(np.abs(pi_old - batch.rollout_logprobs.numpy())) < 1e-4
+    finally:
+        mr.close()
+
+
+def test_errors_name_what_to_do(setup):
+    llm, model = setup
+    with pytest.raises(ValueError, match="needs an llm"):
+        moe_replay.enable("r3")
+    with pytest.raises(ValueError, match=r"unknown preset 'r9'"):
+        moe_replay.enable("r9", model=model)
+    trainer_only = moe_replay.enable("r3", model=model)
+    with pytest.raises(ValueError, match="no llm"):
+        trainer_only.generate(["x"])
+
+
+def test_a_model_without_moe_routers_is_refused_with_the_family():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dense = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    with pytest.raises(ValueError, match=r"preset 'r3_support' replays routes, but model family 'llama' has no supported MoE router"):
+        moe_replay.enable("r3_support", model=dense)
