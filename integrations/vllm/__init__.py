@@ -1,6 +1,7 @@
-"""vLLM adapter: capture routed experts, exact sampling support and sampled logprobs per request.
+"""vLLM adapter: capture routed experts, exact sampling support and sampled logprobs per request,
+and re-score traces under their routes and support (π_old replicas: VllmScorer, AsyncVllmScorer).
 
-Importing this package does not import vLLM; vLLM is imported when capture is attached.
+Importing this package does not import vLLM; vLLM is imported when capture or scoring is attached.
 """
 
 from __future__ import annotations
@@ -22,10 +23,14 @@ __all__ = [
     "AsyncVllmCapture", "CaptureAlignmentError", "CaptureConfig", "CaptureError", "CaptureEvictedError",
     "CaptureHookError", "CollectError", "EXTENSION", "NoMoeLayersError", "RequestAbortedError",
     "SupportOverflowError", "UnknownRequestError", "VllmCapture", "capture_engine_kwargs", "stitch",
+    "AsyncVllmScorer", "ForceRouteError", "ScoreAlignmentError", "ScoringError", "VllmScorer", "VllmScorerConfig",
+    "scoring_engine_kwargs",
 ]
 
 _LAZY = {"VllmCapture": "api", "AsyncVllmCapture": "api", "capture_engine_kwargs": "api", "EXTENSION": "api",
-         "stitch": "assemble"}
+         "stitch": "assemble", "VllmScorer": "scorer", "AsyncVllmScorer": "scorer", "VllmScorerConfig": "scorer",
+         "scoring_engine_kwargs": "scorer", "ForceRouteError": "force", "ScoreAlignmentError": "force",
+         "ScoringError": "force"}
 
 
 def __getattr__(name: str):

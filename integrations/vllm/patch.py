@@ -1,12 +1,15 @@
 """THE patch file of the vLLM adapter: every change to a vLLM object lives here, and is undoable.
 
 vLLM 0.32 has an official hook for routes (BaseRouter.set_capture_fn, used in route_hook.py) but
-none for the sampler's truncation or for "which request owns which row of this step". We wrap, on
-the *instances* of one model runner only (never on classes):
+none for the sampler's truncation, for "which request owns which row of this step" or for forcing
+routes. We wrap, on the *instances* of one model runner only (never on classes):
 
-  * runner.execute_model                       -> step bookkeeping before/after the forward;
-  * runner.sampler.forward                      -> sampled tokens of the step;
-  * runner.sampler.topk_topp_sampler.forward    -> the kept set, where truncation happens.
+  * runner.execute_model                       -> step bookkeeping before/after the forward, once
+                                                  per runner, shared by listeners (StepBracket);
+  * runner.sampler.forward                      -> sampled tokens of the step (capture);
+  * runner.sampler.topk_topp_sampler.forward    -> the kept set, where truncation happens (capture);
+  * <MoE layer>.router._compute_routing         -> forced expert ids per request row (scoring,
+                                                  force.py), one wrapper per CPURouter instance.
 
 `InstancePatches.undo()` restores the original attributes (instance attributes are deleted when
 the original was the class's method, reassigned when it was already an instance attribute).
@@ -26,6 +29,11 @@ class InstancePatches:
 
     def __init__(self) -> None:
         self._saved: list[tuple[Any, str, Any]] = []
+        self._on_undo: list[Callable[[], None]] = []
+
+    def on_undo(self, fn: Callable[[], None]) -> None:
+        """Run `fn` at undo(), after every attribute is restored (e.g. leave the step bracket)."""
+        self._on_undo.append(fn)
 
     def wrap(self, obj: Any, name: str, make: Callable[[Callable], Callable]) -> None:
         if not hasattr(obj, name):
@@ -50,28 +58,81 @@ class InstancePatches:
                 obj.__dict__.pop(name, None)
             else:
                 setattr(obj, name, before)
+        while self._on_undo:
+            self._on_undo.pop()()
 
 
-def patch_runner(runner: Any, capture: Any) -> InstancePatches:
-    """Install the three wrappers of `capture` (a worker.WorkerCapture) on one model runner."""
-    patches = InstancePatches()
-    try:
+class StepBracket:
+    """THE execute_model wrapper of one runner, shared by every moe_replay listener on it.
+
+    vLLM takes one worker_extension_cls and an instance attribute can be wrapped once, so capture
+    (worker.WorkerCapture) and scoring (force.WorkerScoring) do not each wrap execute_model: they
+    register here. Per step, listeners' `before_step(scheduler_output)` run before the original
+    (input batch not yet updated) and `after_forward(scheduler_output)` after it (batch, positions
+    and the step's hidden states in place). Seconds spent in each listener go to its `hook_s`.
+    The wrapper is removed when the last listener leaves (`remove`).
+    """
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.listeners: list[Any] = []
+        self.in_step = False
+        """True between before_step and after_forward of a real engine step (never in dummy runs)."""
+        self._patches = InstancePatches()
 
         def make_execute(orig):
             def execute_model(scheduler_output, *args, **kwargs):
-                t0 = time.perf_counter()
-                capture.before_step(scheduler_output)
-                t1 = time.perf_counter()
-                out = orig(scheduler_output, *args, **kwargs)
-                t2 = time.perf_counter()
-                capture.after_forward(scheduler_output)
-                capture.hook_s += (t1 - t0) + (time.perf_counter() - t2)
+                for lst in list(self.listeners):
+                    t0 = time.perf_counter()
+                    lst.before_step(scheduler_output)
+                    lst.hook_s += time.perf_counter() - t0
+                self.in_step = True
+                try:
+                    out = orig(scheduler_output, *args, **kwargs)
+                finally:
+                    self.in_step = False
+                for lst in list(self.listeners):
+                    t0 = time.perf_counter()
+                    lst.after_forward(scheduler_output)
+                    lst.hook_s += time.perf_counter() - t0
                 return out
 
             return execute_model
 
-        patches.wrap(runner, "execute_model", make_execute)
+        self._patches.wrap(runner, "execute_model", make_execute)
 
+    def remove(self, listener: Any) -> None:
+        if listener in self.listeners:
+            self.listeners.remove(listener)
+        if not self.listeners:
+            self._patches.undo()
+            if getattr(self.runner, "_moe_replay_bracket", None) is self:
+                self.runner._moe_replay_bracket = None
+
+
+def step_bracket(runner: Any, listener: Any) -> StepBracket:
+    """Register `listener` on the runner's StepBracket, installing the bracket if needed."""
+    bracket = getattr(runner, "_moe_replay_bracket", None)
+    if bracket is None:
+        bracket = StepBracket(runner)
+        runner._moe_replay_bracket = bracket
+    if listener in bracket.listeners:
+        from .errors import CaptureHookError
+
+        raise CaptureHookError(f"{type(listener).__name__} is already registered on this runner's step bracket")
+    bracket.listeners.append(listener)
+    return bracket
+
+
+def patch_runner(runner: Any, capture: Any) -> InstancePatches:
+    """Install capture on one model runner: the step bracket plus the two sampler wrappers.
+
+    The returned patches' undo() also leaves the step bracket.
+    """
+    patches = InstancePatches()
+    bracket = step_bracket(runner, capture)
+    patches.on_undo(lambda: bracket.remove(capture))
+    try:
         if capture.config.support or capture.config.logprobs:
             sampler = runner.sampler
             support = capture.support
@@ -98,6 +159,23 @@ def patch_runner(runner: Any, capture: Any) -> InstancePatches:
 
             patches.wrap(sampler, "forward", make_sampler)
             patches.wrap(sampler.topk_topp_sampler, "forward", make_topk)
+    except Exception:
+        patches.undo()
+        raise
+    return patches
+
+
+def patch_routers(routers: list[Any], make: Callable[[int, Callable], Callable]) -> InstancePatches:
+    """Wrap `_compute_routing` on each router *instance* (CPURouter); make(j, orig) -> replacement.
+
+    This is the forcing point of scoring (force.py): BaseRouter.select_experts calls
+    self._compute_routing(hidden_states, router_logits, indices_type, input_ids=...) and feeds its
+    (weights fp32 [T, K], ids int32 [T, K]) to the experts kernel and to set_capture_fn.
+    """
+    patches = InstancePatches()
+    try:
+        for j, router in enumerate(routers):
+            patches.wrap(router, "_compute_routing", lambda orig, j=j: make(j, orig))
     except Exception:
         patches.undo()
         raise

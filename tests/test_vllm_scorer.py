@@ -1,0 +1,194 @@
+"""vLLM scorer: re-scoring traces inside the real CPU engine under forced routes and support.
+
+One fp32 engine (chunked prefill: 64-token steps; prefix caching ON to prove scoring bypasses it)
+holds capture and scoring at once; rollouts of different lengths are captured on it and scored
+back. What each test proves is in its docstring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from moe_replay.estimator.core import EstimatorConfig, estimate  # noqa: E402
+from moe_replay.estimator.service import ServiceConfig, estimate_stream  # noqa: E402
+from moe_replay.integrations.hf.scorer import HFScorer, HFScorerConfig  # noqa: E402
+from moe_replay.integrations.vllm import (  # noqa: E402
+    AsyncVllmScorer,
+    ForceRouteError,
+    VllmCapture,
+    VllmScorer,
+    VllmScorerConfig,
+    scoring_engine_kwargs,
+)
+
+from .test_vllm_capture import check_against_hf, prompt_text, sampling_params  # noqa: E402
+
+TOL = 2e-5  # fp32 engine vs fp32 HF (observed <= 1e-5)
+WORDS_LENS = [3, 40, 110, 9, 25]  # 110 words > 64 tokens: chunk-prefilled; all share steps
+MAX_TOKENS = [6, 12, 8, 10, 16]
+
+
+def engine_kwargs(model_dir, **over):
+    kw = dict(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8,
+              max_num_batched_tokens=64, seed=0, distributed_executor_backend="uni", block_size=32,
+              enable_prefix_caching=True)
+    kw.update(over)
+    return scoring_engine_kwargs(**kw)
+
+
+def shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def rollouts(cap, seed=0):
+    prompts = [prompt_text(n, seed=seed + i) for i, n in enumerate(WORDS_LENS)]
+    sps = [sampling_params(1.0, -1, 0.9, 0.0, max_tokens=m) for m in MAX_TOKENS]
+    return cap.generate(prompts, sps)[1]
+
+
+def test_bf16_forced_equals_free_and_replicas_agree(tiny_model):
+    """(Runs first: two in-process engines must not be alive at once.) bf16 engine: forcing the captured routes reproduces free scoring bit for bit, replicas in
+    different batches are identical (CPU bf16 is batch-invariant too). The bf16 gap between
+    prefill scoring and the rollout's decode-time logprobs is printed (it is systematic, the same
+    for every replica, so averaging cannot remove it)."""
+    from vllm import LLM
+
+    llm = LLM(**engine_kwargs(tiny_model("qwen3_moe"), dtype="bfloat16", enable_prefix_caching=False))
+    try:
+        cap = VllmCapture(llm)
+        traces = rollouts(cap, seed=10)[:4]
+        cap.uninstall()
+        scorer = VllmScorer(llm, VllmScorerConfig())
+        forced = scorer.score_batch(traces)
+        free = scorer.with_config(VllmScorerConfig(force_routes=False)).score_batch(traces)
+        est = estimate(traces, scorer, EstimatorConfig(n=3), batch_size=2, keep_replicas=True)
+        for f, u, e in zip(forced, free, est):
+            assert np.array_equal(f, u)
+            assert np.abs(e.replicas_RG - f).max() == 0.0
+        gap = max(np.abs(f - t.logprobs_G).max() for f, t in zip(forced, traces))
+        print(f"bf16: prefill scoring vs decode-time sampled logprobs, max |diff| = {gap:.4f}")
+    finally:
+        shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def fp32(tiny_model):
+    from vllm import LLM
+
+    model_dir = tiny_model("qwen3_moe")
+    llm = LLM(**engine_kwargs(model_dir))
+    cap = VllmCapture(llm)
+    traces = rollouts(cap)
+    scorer = VllmScorer(llm, VllmScorerConfig())  # installed beside capture: both share the step bracket
+    hf = HFScorer(HFScorerConfig(str(model_dir), force_routes=True, use_support=True))
+    yield {"llm": llm, "cap": cap, "traces": traces, "scorer": scorer, "hf": hf, "model_dir": model_dir}
+    scorer.uninstall()
+    cap.uninstall()
+    shutdown(llm)
+
+
+def test_scores_line_up_and_match_hf_replay(fp32):
+    """All rollouts scored in one engine batch (shared, chunk-prefilled steps): one score per
+    generated token, equal to HF replay + support scoring and to the engine's own sampled
+    logprobs to ~1e-5; without support, equal to HF's full-softmax replay. Capture stays correct
+    beside scoring and records nothing for scoring requests."""
+    traces, scorer, cap = fp32["traces"], fp32["scorer"], fp32["cap"]
+    before = cap.stats()["unclaimed"]
+    out = scorer.score_batch(traces)
+    assert cap.stats()["unclaimed"] == before, "scoring requests must not leave capture records"
+    ref = fp32["hf"].score_batch(traces)
+    for t, lp, r in zip(traces, out, ref):
+        assert lp.shape == (t.num_generated,) == (len(t.token_ids_S[t.prompt_len:]),)
+        assert np.abs(lp - r).max() < TOL, f"{t.key}: vs HF replay+support {np.abs(lp - r).max()}"
+        assert np.abs(lp - t.logprobs_G).max() < TOL, f"{t.key}: vs engine sampled logprobs"
+    full = scorer.with_config(VllmScorerConfig(use_support=False)).score_batch(traces)
+    hf_full = dataclasses.replace(fp32["hf"].config, use_support=False)
+    ref_full = HFScorer(hf_full).score_batch(traces)
+    for t, lp, r, s in zip(traces, full, ref_full, out):
+        assert np.abs(lp - r).max() < TOL
+        assert np.all(lp <= s + 1e-6), "renormalising over the kept set can only raise a logprob"
+    # capture still works with scoring installed
+    (t_new,) = cap.generate([prompt_text(20, seed=77)], sampling_params(1.0, -1, 0.9, 0.0, max_tokens=5))[1]
+    check_against_hf(t_new, fp32["model_dir"], (1.0, -1, 0.9, 0.0))
+
+
+def test_replicas_agree_and_give_the_single_score(fp32):
+    """n = 4 replicas in rotated batch placements (prefix caching is on, scoring bypasses it):
+    replicas are identical and the estimate equals the single score to 1e-6."""
+    traces, scorer = fp32["traces"], fp32["scorer"]
+    single = scorer.score_batch(traces)
+    est = estimate(traces, scorer, EstimatorConfig(n=4), batch_size=3, keep_replicas=True)
+    for t, e, s in zip(traces, est, single):
+        assert e.key == t.key and e.n == 4 and e.replicas_RG.shape == (4, t.num_generated)
+        assert np.abs(e.replicas_RG - s).max() <= 1e-6
+        assert np.abs(e.logprob_G - s).max() <= 1e-6
+
+
+def test_forced_routes_are_honoured_per_request(fp32):
+    """Forcing the engine's own routes reproduces the free-routing score bit for bit; one changed
+    expert in one request changes its scores from that position on (not before), while a
+    neighbour in the same steps is untouched; fully random routes for another request match HF
+    replay of the same random routes (per-request row mapping under chunked prefill)."""
+    traces, scorer, hf = fp32["traces"], fp32["scorer"], fp32["hf"]
+    forced = scorer.score_batch(traces)
+    free = scorer.with_config(VllmScorerConfig(force_routes=False)).score_batch(traces)
+    for f, u in zip(forced, free):
+        assert np.array_equal(f, u)
+
+    a, b, c = traces[2], traces[1], traces[4]  # a is chunk-prefilled
+    routes = a.routes_TLK.copy()
+    p = a.prompt_len + 2  # forward at p produces the logits of generated token g = 3
+    routes[p, 0, 0] = next(e for e in range(a.geometry.num_experts) if e not in routes[p, 0])
+    a2 = dataclasses.replace(a, key="a-changed", routes_TLK=routes)
+    rng = np.random.default_rng(0)
+    E, K = b.geometry.num_experts, b.geometry.top_k
+    rand = np.stack([[rng.permutation(E)[:K] for _ in range(b.geometry.num_moe_layers)] for _ in range(b.num_route_rows)])
+    b2 = dataclasses.replace(b, key="b-random", routes_TLK=rand.astype(b.routes_TLK.dtype))
+    out_a, out_b, out_c = scorer.score_batch([a2, b2, c])
+    base_a, base_c = forced[2], forced[4]
+    g = p + 1 - a.prompt_len
+    assert np.array_equal(out_a[:g], base_a[:g]), "scores before the changed position must not move"
+    assert np.abs(out_a[g:] - base_a[g:]).max() > 1e-3, "a changed expert must change the score"
+    assert np.array_equal(out_c, base_c), "a neighbour's routes must not leak into others' rows"
+    ref_a, ref_b = hf.score_batch([a2, b2])
+    assert np.abs(out_a - ref_a).max() < TOL and np.abs(out_b - ref_b).max() < TOL
+    with pytest.raises(ForceRouteError, match="no routes"):
+        scorer.score_batch([dataclasses.replace(c, key="none", routes_TLK=None)])
+
+
+def test_async_backend_under_estimator_service(fp32):
+    """AsyncLLM (engine core in its own process) as the EstimatorService backend: n = 2,
+    two batches in flight; every estimate equals the sync scorer's score to 1e-6."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    traces = fp32["traces"]
+    single = fp32["scorer"].score_batch(traces)
+
+    async def run():
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(fp32["model_dir"])))
+        try:
+            backend = await AsyncVllmScorer.attach(engine, VllmScorerConfig())
+            return await estimate_stream(traces, backend, EstimatorConfig(n=2), ServiceConfig(batch_size=2, concurrency=2))
+        finally:
+            engine.shutdown()
+
+    out = asyncio.run(run())
+    for t, s in zip(traces, single):
+        e = out[t.key]
+        assert not isinstance(e, Exception), e
+        assert e.n == 2 and np.abs(e.logprob_G - s).max() <= 1e-6
