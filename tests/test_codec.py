@@ -130,6 +130,27 @@ def test_route_codec_sizes_on_skewed_routing():
     assert sizes["moe_replay"] < bound_bits_per_token_layer(e, k) / 8
 
 
+@pytest.mark.parametrize("t,l,e,k", [(1, 1, 8, 2), (21, 2, 8, 2), (100, 2, 8, 2), (4, 48, 128, 8), (10, 2, 16, 4)])
+def test_short_records_cost_at_most_the_bound_rounded_up_to_a_byte(t, l, e, k):
+    """Huffman tables do not amortise on short records: enum mode keeps them at the bound."""
+    routes = random_routes(np.random.default_rng(t), t, l, e, k)
+    data, params = ROUTE_CODECS.get("moe_replay").encode(routes, e)
+    assert params["mode"] == "enum"
+    assert len(data) <= math.ceil(t * l * bound_bits_per_token_layer(e, k) / 8)
+    assert np.array_equal(ROUTE_CODECS.get("moe_replay").decode(data, routes.shape, e, params), routes)
+
+
+def test_enum_decode_refuses_damaged_bytes():
+    c = ROUTE_CODECS.get("moe_replay")
+    routes = random_routes(np.random.default_rng(3), 20, 2, 8, 2)
+    data, params = c.encode(routes, 8)
+    assert params["mode"] == "enum"
+    with pytest.raises(ValueError, match="expected"):
+        c.decode(data[:-1], routes.shape, 8, params)
+    with pytest.raises(ValueError, match="out of range"):
+        c.decode(b"\xff" * len(data), routes.shape, 8, params)
+
+
 @pytest.mark.parametrize("name", ["narrow", "int32", "moe_replay"])
 def test_route_decode_refuses_wrong_length(name):
     routes = random_routes(np.random.default_rng(1), 10, 2, 8, 2)

@@ -11,8 +11,11 @@ expert popularity):
     each token-layer becomes its permutation rank (lexicographic over ordered K-permutations),
     so the coder sees the joint distribution of the tuple and never pays for impossible repeats;
   * id mode otherwise: the ids themselves, one byte plane per id byte.
+  * enum mode for short records (at most ENUM_MAX_BITS), where Huffman tables do not
+    amortise: all token-layers' permutation ranks as one mixed-radix integer, i.e. the bound
+    rounded up to a whole byte per record; the encoder keeps whichever of the two is smaller.
 The order-preserving bound log2(E!/(E-K)!) is what a uniform coder over valid tuples needs;
-routing is skewed, so a per-layer entropy coder goes below it.
+routing is skewed, so a per-layer entropy coder goes below it on records of useful length.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from . import entropy
 # Streams shorter than this share one Huffman table across layers: a table costs ~40-100 bytes,
 # which would outweigh the gain of per-layer tables on short sequences.
 MIN_SYMBOLS_PER_TABLE = 2048
+# Enum mode is tried only when Huffman lands above the bound and the whole record's rank fits
+# this many bits (Python big-integer division is quadratic: ~1 ms at the limit).
+ENUM_MAX_BITS = 1 << 15
 
 
 def bound_bits_per_token_layer(num_experts: int, top_k: int) -> float:
@@ -104,6 +110,74 @@ def perm_rank(routes_NK: np.ndarray, num_experts: int) -> np.ndarray:
     return rank
 
 
+def _digits_to_int(d: list[int], base: int) -> int:
+    """sum(d[i] * base**i), by halving so big-integer products stay balanced."""
+    pows: dict[int, int] = {}
+
+    def rec(lo: int, hi: int) -> int:
+        if hi - lo <= 32:
+            v = 0
+            for x in reversed(d[lo:hi]):
+                v = v * base + x
+            return v
+        mid = (lo + hi) // 2
+        p = pows.setdefault(mid - lo, base ** (mid - lo))
+        return rec(lo, mid) + rec(mid, hi) * p
+
+    return rec(0, len(d)) if d else 0
+
+
+def _int_to_digits(v: int, n: int, base: int) -> list[int]:
+    """Inverse of _digits_to_int for exactly n digits."""
+    if n <= 32:
+        out = []
+        for _ in range(n):
+            v, r = divmod(v, base)
+            out.append(r)
+        return out
+    h = n // 2
+    q, r = divmod(v, base**h)
+    return _int_to_digits(r, h, base) + _int_to_digits(q, n - h, base)
+
+
+def perm_unrank(rank_N: np.ndarray, num_experts: int, top_k: int) -> np.ndarray:
+    """Inverse of perm_rank: [N] ranks -> [N, K] ordered tuples of distinct ids."""
+    rank = rank_N.astype(np.int64).copy()
+    reduced = np.empty((len(rank), top_k), dtype=np.int64)
+    for k in range(top_k - 1, -1, -1):
+        rank, reduced[:, k] = np.divmod(rank, num_experts - k)
+    ids = np.empty_like(reduced)
+    for k in range(top_k):
+        idk = reduced[:, k].copy()
+        for prev in np.sort(ids[:, :k], axis=1).T:  # skip the ids already taken, smallest first
+            idk += prev <= idk
+        ids[:, k] = idk
+    return ids
+
+
+def _enum_ok(num_experts: int, top_k: int, token_layers: int) -> bool:
+    return 0 < token_layers and token_layers * bound_bits_per_token_layer(num_experts, top_k) <= ENUM_MAX_BITS
+
+
+def _enum_encode(routes_NK: np.ndarray, num_experts: int) -> bytes:
+    p = math.perm(num_experts, routes_NK.shape[1])
+    n = routes_NK.shape[0]
+    value = _digits_to_int(perm_rank(routes_NK, num_experts).tolist(), p)
+    return value.to_bytes(((p**n - 1).bit_length() + 7) // 8, "little")
+
+
+def _enum_decode(data: bytes, n: int, num_experts: int, top_k: int) -> np.ndarray:
+    p = math.perm(num_experts, top_k)
+    want = ((p**n - 1).bit_length() + 7) // 8
+    if len(data) != want:
+        raise ValueError(f"enum routes: expected {want} bytes, found {len(data)}")
+    value = int.from_bytes(data, "little")
+    if value >= p**n:
+        raise ValueError(f"enum routes: value out of range for {n} token-layers of {p} tuples")
+    ranks = np.array(_int_to_digits(value, n, p), dtype=np.int64)
+    return perm_unrank(ranks, num_experts, top_k).astype(route_dtype(num_experts))
+
+
 @dataclass(frozen=True)
 class EntropyCodec:
     """Layer-major, per-layer-table Huffman coding of joint ranks or id bytes (see module doc)."""
@@ -125,12 +199,23 @@ class EntropyCodec:
             planes = [flat] if dt.itemsize == 1 else [((flat >> (8 * b)) & 0xFF).astype(np.uint8) for b in range(dt.itemsize)]
         per_layer = planes[0].shape[1] >= MIN_SYMBOLS_PER_TABLE
         streams = [p[i].data for p in planes for i in range(l)] if per_layer else [p.data for p in planes]
-        return entropy.compress(streams, "huffman"), {"mode": mode, "tables": "layer" if per_layer else "shared"}
+        data = entropy.compress(streams, "huffman")
+        over_bound = 8 * len(data) > t * l * bound_bits_per_token_layer(num_experts, k)
+        if over_bound and _enum_ok(num_experts, k, t * l):
+            enum = _enum_encode(routes_LTK.reshape(-1, k), num_experts)
+            if len(enum) < len(data):
+                return enum, {"mode": "enum"}
+        return data, {"mode": mode, "tables": "layer" if per_layer else "shared"}
 
     def decode(self, data, shape_TLK, num_experts, params):
         t, l, k = shape_TLK
         mode = params.get("mode")
-        if mode == "joint":
+        if mode == "enum":
+            if not _enum_ok(num_experts, k, t * l):
+                raise ValueError(f"enum route mode: expected at most {ENUM_MAX_BITS} bits of ranks, "
+                                 f"found {t * l} token-layers at E={num_experts}, K={k}")
+            routes_LTK = _enum_decode(data, t * l, num_experts, k).reshape(l, t, k)
+        elif mode == "joint":
             if not _joint_ok(num_experts, k):
                 raise ValueError(f"joint route mode needs E!/(E-K)! <= 256, found E={num_experts}, K={k}")
             sym = np.frombuffer(entropy.decompress(data, l * t), dtype=np.uint8)
@@ -151,7 +236,7 @@ class EntropyCodec:
                     flat |= planes[b] << (8 * b)
                 routes_LTK = flat.reshape(l, t, k)
         else:
-            raise ValueError(f"route codec mode: expected 'joint' or 'ids', found {mode!r}")
+            raise ValueError(f"route codec mode: expected 'joint', 'ids' or 'enum', found {mode!r}")
         return routes_LTK.transpose(1, 0, 2)  # a view: no copy back to token-major
 
 
