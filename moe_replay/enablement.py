@@ -19,7 +19,7 @@ Legend: G generated tokens of the batch (flat, trace order), B rows, Gm longest 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -38,18 +38,28 @@ class TrainBatch:
 
     preset: Preset
     plan: RoutePlan
+    traces: Sequence[RolloutTrace]
     session: Any = None
     """The HF replay session when the preset replays routes (its `.flips` counts what the
     trainer's router would have chosen differently)."""
-    _rows: tuple[torch.Tensor, torch.Tensor] = field(default=None, repr=False)
-
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """input_ids / attention_mask / position_ids of the padded batch the plan laid out."""
         return self.plan.model_inputs()
 
-    def logprobs(self, logits_BSV: torch.Tensor, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
-        """Logprobs [G] of every generated token, renormalised over the kept support if enabled."""
+    def logprobs(self, logits_BSV: torch.Tensor, temperature: float | torch.Tensor | None = None) -> torch.Tensor:
+        """Logprobs [G] of every generated token, renormalised over the kept support if enabled.
+
+        The temperature defaults to each trace's recorded one (extra["sampling"], written by
+        capture); traces without it are scored at temperature 1.
+        """
+        if temperature is None:
+            temperature = self.plan.per_token(self.trace_temperatures)
         return score_tokens(logits_BSV.float(), self.plan, temperature=temperature, use_support=self.preset.replay.support).logprobs_G
+
+    @property
+    def trace_temperatures(self) -> list[float]:
+        """Per row: the sampling temperature its trace recorded (1.0 where none was recorded)."""
+        return [float(t.extra.get("sampling", {}).get("temperature", 1.0)) for t in self.traces]
 
     @property
     def rollout_logprobs(self) -> torch.Tensor:
@@ -125,12 +135,12 @@ class Enabled:
         plan = build_plan(traces, self.geometry, input_ids_BS=input_ids_BS, attention_mask_BS=attention_mask_BS,
                           config=self.preset.replay.plan)
         if not self.preset.replay.routes:
-            yield TrainBatch(self.preset, plan)
+            yield TrainBatch(self.preset, plan, traces)
             return
         from .integrations.hf.replay import replay
 
         with replay(self.model, plan, track_flips=track_flips) as session:
-            yield TrainBatch(self.preset, session.plan, session)
+            yield TrainBatch(self.preset, session.plan, traces, session)
 
     def close(self) -> None:
         """Detach capture and scoring hooks from the engine."""

@@ -77,3 +77,23 @@ def test_a_model_without_moe_routers_is_refused_with_the_family():
                                          num_attention_heads=2, num_key_value_heads=2))
     with pytest.raises(ValueError, match=r"preset 'r3_support' replays routes, but model family 'llama' has no supported MoE router"):
         moe_replay.enable("r3_support", model=dense)
+
+
+def test_traces_record_sampling_params_and_the_trainer_uses_their_temperature(setup):
+    from vllm import SamplingParams
+
+    llm, model = setup
+    mr = moe_replay.enable("r3_support", llm=llm, model=model)
+    try:
+        _, traces = mr.generate(PROMPTS[:2], SamplingParams(n=2, temperature=0.7, top_p=0.9, max_tokens=6, seed=3),
+                                use_tqdm=False)
+        assert all(t.extra["sampling"]["temperature"] == pytest.approx(0.7) for t in traces)
+        assert all(t.extra["sampling"]["top_p"] == pytest.approx(0.9) for t in traces)
+        with torch.no_grad(), mr.train_batch(traces) as batch:
+            logits = model(**batch.model_inputs()).logits
+            recorded = batch.logprobs(logits)  # temperature read from the traces
+            at_one = batch.logprobs(logits, temperature=1.0)
+        assert float((recorded.double() - batch.rollout_logprobs).abs().max()) < 1e-4
+        assert float((at_one.double() - batch.rollout_logprobs).abs().max()) > 1e-3
+    finally:
+        mr.close()

@@ -36,6 +36,17 @@ def capture_engine_kwargs(**engine_kwargs: Any) -> dict[str, Any]:
     return {**engine_kwargs, "worker_extension_cls": EXTENSION}
 
 
+def sampling_summary(params: Any) -> dict[str, Any]:
+    """The sampling parameters a trainer needs to score like the sampler did (msgpack-able)."""
+    return {
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        "top_k": int(params.top_k if params.top_k is not None else -1),
+        "min_p": float(params.min_p),
+        "seed": params.seed,
+    }
+
+
 def _engine_info(model_config: Any) -> EngineInfo:
     import vllm
 
@@ -69,13 +80,16 @@ class _CaptureBase:
                 items.append((key, wkey, comp, out))
         return items
 
-    def _assemble(self, items, payloads, store) -> list[RolloutTrace]:
+    def _assemble(self, items, payloads, store, sampling: dict[str, dict[str, Any]] | None = None) -> list[RolloutTrace]:
         traces, failures = [], {}
         for (key, _, comp, out), payload in zip(items, payloads):
             try:
                 if not out.finished:
                     raise UnknownRequestError(f"request {key!r} has not finished; collect final outputs only")
-                traces.append(build_trace(key, out.prompt_token_ids, comp, payload, self.geometry, self.config, self.engine_info))
+                trace = build_trace(key, out.prompt_token_ids, comp, payload, self.geometry, self.config, self.engine_info)
+                if sampling and out.request_id in sampling:
+                    trace.extra["sampling"] = sampling[out.request_id]
+                traces.append(trace)
             except Exception as e:  # one bad request never costs the others their traces
                 failures[key] = e
         if store is not None:
@@ -125,19 +139,29 @@ class VllmCapture(_CaptureBase):
         return self.llm.collective_rpc(self._methods[name], args=args)[0]
 
     def generate(self, prompts: Any, sampling_params: Any = None, *, store: Any = None, **kwargs: Any):
-        """`LLM.generate` then `collect`: returns (outputs, traces), traces in output/sample order."""
-        outputs = self.llm.generate(prompts, sampling_params, **kwargs)
-        return outputs, self.collect(outputs, store=store)
+        """`LLM.generate` then `collect`: returns (outputs, traces), traces in output/sample order.
 
-    def collect(self, outputs: Sequence[Any], *, store: Any = None) -> list[RolloutTrace]:
+        Each trace's `extra["sampling"]` records its request's sampling parameters (temperature,
+        top_p, top_k, min_p, seed), so a trainer or scorer reads them from the trace.
+        """
+        outputs = self.llm.generate(prompts, sampling_params, **kwargs)
+        if sampling_params is None:
+            sampling_params = self.llm.get_default_sampling_params()
+        per_prompt = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(outputs)
+        sampling = {out.request_id: sampling_summary(sp) for out, sp in zip(outputs, per_prompt)}
+        return outputs, self.collect(outputs, store=store, sampling=sampling)
+
+    def collect(self, outputs: Sequence[Any], *, store: Any = None,
+                sampling: dict[str, dict[str, Any]] | None = None) -> list[RolloutTrace]:
         """One trace per sample of each finished RequestOutput; the records leave the worker.
 
+        `sampling` (request id -> sampling_summary(params)) goes into each trace's extra.
         Raises CollectError (with `.traces` = every good trace, already put to `store`) when some
         requests fail (aborted, unknown, evicted, support overflow under 'error', misaligned).
         """
         items = self._requests(outputs)
         payloads = self._rpc("take", [wkey for _, wkey, _, _ in items]) if items else []
-        return self._assemble(items, payloads, store)
+        return self._assemble(items, payloads, store, sampling)
 
     def discard(self, request_ids: Sequence[str]) -> int:
         """Drop worker records (e.g. of aborted requests); returns how many were dropped."""
@@ -185,10 +209,13 @@ class AsyncVllmCapture(_CaptureBase):
     async def _rpc(self, name: str, *args: Any) -> Any:
         return (await self.engine.collective_rpc(self._methods[name], args=args))[0]
 
-    async def collect(self, outputs: Sequence[Any], *, store: Any = None) -> list[RolloutTrace]:
+    async def collect(self, outputs: Sequence[Any], *, store: Any = None,
+                      sampling: dict[str, dict[str, Any]] | None = None) -> list[RolloutTrace]:
+        """As VllmCapture.collect; pass `sampling` ({request id: sampling_summary(params)}) to record
+        each request's sampling parameters in its traces."""
         items = self._requests(outputs)
         payloads = await self._rpc("take", [wkey for _, wkey, _, _ in items]) if items else []
-        return self._assemble(items, payloads, store)
+        return self._assemble(items, payloads, store, sampling)
 
     async def discard(self, request_ids: Sequence[str]) -> int:
         return int(await self._rpc("discard", list(request_ids)))

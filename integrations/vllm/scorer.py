@@ -49,7 +49,8 @@ class VllmScorerConfig:
     use_support: bool = True
     """Renormalise over each token's recorded kept set (traces without one use the vocabulary)."""
     temperature: float = 1.0
-    """The rollouts' sampling temperature; scores are of softmax(logits / temperature). 0 = 1."""
+    """Sampling temperature for traces that do not record one (capture records it in
+    extra["sampling"]); scores are of softmax(logits / temperature). 0 = 1."""
     request_prefix: str = "moe-score"
     """Prefix of the engine request ids of scoring requests."""
     max_jobs: int = 65536
@@ -90,6 +91,10 @@ class _ScorerBase:
 
         return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=True)
 
+    def _temperature(self, trace: RolloutTrace) -> float:
+        """The trace's recorded sampling temperature (capture writes extra["sampling"]), else the config's."""
+        return float(trace.extra.get("sampling", {}).get("temperature", self.config.temperature))
+
     def _requests(self, traces: Sequence[RolloutTrace]) -> tuple[list[str | None], list[dict[str, Any]]]:
         """Engine request id per trace (None when it has no generated token) and worker payloads."""
         ids: list[str | None] = []
@@ -107,7 +112,7 @@ class _ScorerBase:
                 raise ScoringError(f"trace {t.key!r}: expected a prompt of >= 1 token, found prompt_len={t.prompt_len}")
             rid = f"{self.config.request_prefix}:{next(self._counter)}:{tag}"
             p: dict[str, Any] = {"key": rid, "tokens": pack_array(t.token_ids_S.astype(np.int64)),
-                                 "prompt_len": t.prompt_len, "temperature": float(self.config.temperature)}
+                                 "prompt_len": t.prompt_len, "temperature": self._temperature(t)}
             if self.config.force_routes:
                 if t.routes_TLK is None:
                     raise ForceRouteError(f"trace {t.key!r} has no routes; force_routes=True needs them")
