@@ -132,8 +132,10 @@ class Enabled:
         """Replay the traces' routes (if the preset says so) around forward and backward."""
         if self.model is None:
             raise ValueError("enable(...) was given no model: nothing to train")
+        # routes are laid out whenever the traces carry them (free-routing presets still measure flips)
+        with_routes = self.preset.replay.routes or all(t.routes_TLK is not None for t in traces)
         plan = build_plan(traces, self.geometry, input_ids_BS=input_ids_BS, attention_mask_BS=attention_mask_BS,
-                          config=self.preset.replay.plan)
+                          config=self.preset.replay.plan, routes=with_routes)
         if not self.preset.replay.routes:
             yield TrainBatch(self.preset, plan, traces)
             return

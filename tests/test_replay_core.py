@@ -128,6 +128,18 @@ def test_plan_layout_final_position_and_pads(side):
     assert plan.target_G[:6].tolist() == traces[0].token_ids_S[3:].tolist()
 
 
+def test_plan_without_routes_lays_out_the_batch_for_free_routing():
+    import dataclasses
+
+    traces = [dataclasses.replace(make_trace("a", 9, seed=1), routes_TLK=None), make_trace("b", 6, seed=2)]
+    with pytest.raises(TraceFormatError, match="routes_TLK"):
+        build_plan(traces, GEOM)
+    plan = build_plan(traces, GEOM, routes=False)
+    assert not plan.routed_N.any() and (plan.ids_LNK == -1).all()
+    assert plan.gen_offsets_B1.tolist() == [0, 6, 9]
+    assert plan.target_G[:6].tolist() == traces[0].token_ids_S[3:].tolist()
+
+
 def test_plan_accepts_trainer_batch_and_refuses_bad_ones():
     traces = [make_trace("a", 7, seed=1), make_trace("b", 5, seed=2)]
     ref = build_plan(traces, GEOM, config=PlanConfig(padding_side="left"))

@@ -62,23 +62,9 @@ class HFScorer:
 
         if not traces:
             return []
-        if not self.config.force_routes:
-            # the plan only lays out the batch here; routes are not used without replay
-            traces = [_without_routes_needed(t, self.geometry) for t in traces]
-        plan = build_plan(traces, self.geometry).to(self.config.device)
+        plan = build_plan(traces, self.geometry, routes=self.config.force_routes).to(self.config.device)
         ctx = replay(self.model, plan) if self.config.force_routes else contextlib.nullcontext()
         with self._torch.no_grad(), ctx:
             logits_BSV = self.model(**plan.model_inputs()).logits
             scores = score_tokens(logits_BSV.float(), plan, use_support=self.config.use_support)
         return [lp.double().cpu().numpy() for lp in scores.split(plan)]
-
-
-def _without_routes_needed(trace: RolloutTrace, geometry) -> RolloutTrace:
-    """A copy whose routes are placeholders when the trace has none (free routing ignores them)."""
-    if trace.routes_TLK is not None:
-        return trace
-    import dataclasses
-
-    k = geometry.top_k
-    dummy_TLK = np.broadcast_to(np.arange(k, dtype=geometry.route_dtype), (trace.num_route_rows, geometry.num_moe_layers, k))
-    return dataclasses.replace(trace, routes_TLK=np.ascontiguousarray(dummy_TLK), route_start=0)

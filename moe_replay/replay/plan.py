@@ -138,8 +138,12 @@ def build_plan(
     input_ids_BS: torch.Tensor | None = None,
     attention_mask_BS: torch.Tensor | None = None,
     config: PlanConfig = PlanConfig(),
+    routes: bool = True,
 ) -> RoutePlan:
     """Validate `traces` against the model's `geometry` and the batch, and lay their routes out.
+
+    With `routes=False` the plan only lays out the batch and the scored tokens (every position
+    unrouted, traces need not carry routes): scoring under the trainer's own free routing.
 
     Without `input_ids_BS` the plan builds the padded batch (config.padding_side). With it, row b
     must hold exactly trace b's tokens (left or right padded, as `attention_mask_BS` says).
@@ -153,7 +157,7 @@ def build_plan(
             raise BatchLayoutError(Where(record=key), "distinct trace keys in one batch", f"rows {seen[key]} and {b}")
         seen[key] = b
     for trace in traces:
-        _check_trace(trace, geometry, config)
+        _check_trace(trace, geometry, config, routes)
 
     lengths_B = np.array([t.num_tokens for t in traces], dtype=np.int64)
     if input_ids_BS is None:
@@ -168,8 +172,9 @@ def build_plan(
     score_pos, targets, gen_offsets = [], [], [0]
     for b, trace in enumerate(traces):
         base = b * s_len + int(offsets_B[b])
-        rows_T = base + trace.route_start + np.arange(trace.num_route_rows)
-        ids_LNK[:, rows_T, :] = np.transpose(trace.routes_TLK, (1, 0, 2))
+        if routes:
+            rows_T = base + trace.route_start + np.arange(trace.num_route_rows)
+            ids_LNK[:, rows_T, :] = np.transpose(trace.routes_TLK, (1, 0, 2))
         gen_J = np.arange(trace.prompt_len, trace.num_tokens)
         score_pos.append(base + gen_J - 1)
         targets.append(trace.token_ids_S[gen_J])
@@ -199,15 +204,15 @@ def build_plan(
     )
 
 
-def _check_trace(trace: RolloutTrace, geometry: ModelGeometry, config: PlanConfig) -> None:
+def _check_trace(trace: RolloutTrace, geometry: ModelGeometry, config: PlanConfig, routes: bool = True) -> None:
     where = Where(record=trace.key)
     geometry.check_matches(trace.geometry, where)
-    if trace.routes_TLK is None:
+    if routes and trace.routes_TLK is None:
         raise TraceFormatError(where.with_(field="routes_TLK"), "recorded routes", None, "nothing to replay")
     trace.validate(where)
     if trace.prompt_len < 1:
         raise TraceFormatError(where.with_(field="prompt_len"), ">= 1 (token 0 has no logits to score it)", trace.prompt_len)
-    if trace.route_start > 0 and config.unrouted_prefix == "error":
+    if routes and trace.route_start > 0 and config.unrouted_prefix == "error":
         raise BatchLayoutError(
             where.with_(field="route_start"),
             "routes from token 0 (or PlanConfig.unrouted_prefix='free')",
