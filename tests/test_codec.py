@@ -106,7 +106,7 @@ def test_bound_matches_definition():
     codec=st.sampled_from(ROUTE_CODECS.names()),
     t=st.integers(0, 40),
     l=st.integers(1, 4),
-    ek=st.sampled_from([(2, 1), (8, 2), (8, 8), (16, 2), (60, 4), (128, 8), (256, 3), (300, 2), (1000, 4)]),
+    ek=st.sampled_from([(2, 1), (8, 2), (8, 8), (16, 2), (60, 4), (128, 8), (256, 3), (300, 2), (1000, 4), (300, 8), (256, 12)]),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_route_codec_round_trip_keeps_column_order(codec, t, l, ek, seed):

@@ -156,6 +156,9 @@ def perm_unrank(rank_N: np.ndarray, num_experts: int, top_k: int) -> np.ndarray:
 
 
 def _enum_ok(num_experts: int, top_k: int, token_layers: int) -> bool:
+    # ranks are computed in int64 (perm_rank), so the tuple count must stay below 2^62
+    if math.perm(num_experts, top_k) >= 2**62:
+        return False
     return 0 < token_layers and token_layers * bound_bits_per_token_layer(num_experts, top_k) <= ENUM_MAX_BITS
 
 

@@ -1,8 +1,9 @@
 """The toy verifiable task and GRPO's group-normalised advantages.
 
 Reward: 1 for the right answer (the first integer of the completion, as `parse_answer` reads
-it), plus a small shaping term, the fraction of completion characters that are digits, so a
-random tiny model gets a learning signal inside each GRPO group from the first step.
+it, which must open the completion); 0.2 for a wrong number in that place, so a
+random tiny model gets a learning signal inside each GRPO group early, but cannot saturate the
+reward by emitting digits: past the format, only correct answers pay.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from ..models.prompts import ArithmeticProblem, parse_answer, sample_problems
 
 
 def reward(problem: ArithmeticProblem, completion: str) -> float:
-    shaping = sum(c.isdigit() for c in completion) / max(len(completion), 1)
-    return float(parse_answer(completion) == problem.answer) + 0.5 * shaping
+    text = completion.lstrip()
+    if not text[:1].isdigit():  # the answer must come first
+        return 0.0
+    return 1.0 if parse_answer(text) == problem.answer else 0.2
 
 
 def problems_for_step(step: int, count: int, seed: int, max_operand: int) -> list[ArithmeticProblem]:

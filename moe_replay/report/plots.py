@@ -48,7 +48,9 @@ def _legend(fig, ax) -> None:
     """Legend below the axes, one row per three arms, so it never covers data."""
     handles, labels = ax.get_legend_handles_labels()
     if handles:
-        fig.legend(handles, labels, loc="outside lower center", ncols=min(3, len(handles)), fontsize=9, frameon=False)
+        # long labels (arm names + notes) wrap to fewer columns so the legend stays inside the figure
+        ncols = min(3, len(handles)) if max(len(x) for x in labels) <= 28 else min(2, len(handles))
+        fig.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=9, frameon=False)
 
 
 def layer_agreement(arm: dict) -> dict[int, float]:
