@@ -1,19 +1,44 @@
 """Multi-sample π_old on the vLLM engine: cost of n re-scorings, overlap with rollouts, variance.
 
-On the `bench` qwen3_moe model (8 MoE layers, 32 experts top-4, hidden 512), one in-process
-vLLM-CPU engine holds capture and scoring; `--requests` rollouts of `--tokens` tokens (top_p 0.9)
-are sampled and captured, then re-scored under their routes and kept sets (VllmScorer).
+On the `bench` qwen3_moe model (8 MoE layers, 32 experts top-4, hidden 512), `--requests`
+rollouts of `--tokens` tokens (top_p 0.9) are sampled and captured, then re-scored under their
+routes and kept sets.
+
+Sidecar layout (the deployment the overlap figures use; described in the JSON's `sidecar`): two
+vLLM AsyncLLM engines, each with its engine core (and, with the uni executor, its model) in its
+own process, each pinned to its own core by CPU affinity inherited at spawn:
+  rollout engine   capture extension (AsyncVllmCapture), engine-core process on core A;
+  scoring engine   scoring extension (AsyncVllmScorer under an EstimatorService, n = 4),
+                   engine-core process on core B;
+  client           this process (asyncio loop: request streams, trace collection, the service),
+                   pinned to core B so the rollout core only decodes.
+The client's own threads run on core B with one torch thread during these figures; for the
+single-engine figures below it is unpinned again with torch's default threads, as before.
+Both engines use the uni executor, so vLLM's VLLM_CPU_OMP_THREADS_BIND (read only by the mp
+executor's OMPProcessManager) never binds anything; it is set to 'nobind' to say so, and each
+engine process is spawned with OMP_NUM_THREADS=1 under its 1-core affinity mask. The affinity of every
+thread of every process is read back from /proc and recorded (`sidecar.processes`).
 
 Timings (median of `--repeats`, all variants interleaved in one process, after a warm-up; `min_s`
 and `raw_s` are kept too, since the 2-core machine is shared and one repeat can be hit hard):
-  rollout_s        the rollouts alone (generate + collect traces);
-  estimator_s[n]   estimate(traces, VllmScorer, n) for n = 1, 2, 4, 8 (each replica round is one
-                   engine batch of every rollout, placements rotated);
+  rollout_s        sidecar layout: the rollouts alone (AsyncLLM generate + collect traces);
+  serial_s         sidecar layout: rollouts, then the EstimatorService estimates them (n = 4);
+  pipelined_s      sidecar layout, overlapped: as each rollout finishes its trace is collected and
+                   submitted to the service; from the start of the rollouts to the last estimate
+                   (`sidecar.pipelined_rollouts_done_s`: when the last trace was submitted;
+                   `sidecar.pipelined_tail_s`: the scoring left after it);
+  estimator_s[n]   estimate(traces, VllmScorer, n) for n = 1, 2, 4, 8 on an in-process engine
+                   (each replica round is one engine batch of every rollout, placements rotated);
   hf_recompute_s   the trainer recomputing π_old for the same batch: one HF fp32 forward with
                    replay + support scoring (no grad);
-  serial_s         rollouts, then estimate with n = 4;
-  pipelined_s      the same on one engine, overlapped: as each rollout finishes, its 4 scoring
-                   replicas join the engine's running batches (continuous batching).
+  *_same_engine_s  the earlier single-engine figures, kept: rollouts, serial and pipelined on ONE
+                   in-process engine (pipelined: each finished rollout's 4 scoring replicas join
+                   the engine's running batches), so scoring and decode share the same compute.
+With `--tokens` fixed for every request (`--lengths fixed`), all rollouts finish in the same
+engine step, so nothing can overlap: the last estimate comes one scoring pass after the rollouts.
+`--lengths spread` (default) gives request i max_tokens = round(tokens * (0.25 + 1.5 i/(R-1)))
+(mean `--tokens`, ignore_eos), as variable-length RL rollouts finish at different times; the
+`sidecar.fixed_lengths` section measures the fixed-length case in the same layout too.
 
 Noise (printed as `noise`): CPU scoring was found deterministic and batch-invariant (fp32 and
 bf16: scoring alone, in batches, reversed, in other chunk sizes gives identical logprobs), so the
@@ -25,13 +50,19 @@ measures engine noise only (`kind == "engine"`; variance_ratio is null when repl
 variance_ratio[n] = sum over tokens of Var(estimate with n) / sum of Var(single score), over
 `--variance-repeats` independent estimates; the expected value under iid replica noise is 1/n.
 
+Correctness, checked every run (`sidecar.check`): every sidecar estimate lines up with its trace
+(same key, n = 4, one value per generated token) and equals the scoring engine's single score to
+1e-6 (deterministic CPU engine), which also equals the in-process engine's score.
+
 Usage: python benchmarks/estimator.py --json [--requests 8] [--tokens 32] [--repeats 5]
-       [--dtype float32|bfloat16] [--inject-noise auto|SIGMA] [--variance-repeats 16]
+       [--dtype float32|bfloat16] [--lengths spread|fixed] [--inject-noise auto|SIGMA]
+       [--variance-repeats 16]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import os
@@ -39,10 +70,14 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+# Both engines use the uni executor, which never reads this; 'nobind' states that binding here is
+# done by CPU affinity (inherited by each engine-core process at spawn), not by vLLM's OMP setup.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 import numpy as np  # noqa: E402
 
@@ -52,10 +87,17 @@ from moe_replay.models import build_tiny_model  # noqa: E402
 WORDS = "the cat route token model expert layer sample mixture alpha beta dog".split()
 NS = (1, 2, 4, 8)
 DEFAULT_SIGMA = 0.05
+SIDECAR_N = 4
 
 
 def prompts(n: int) -> list[str]:
     return [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(6 + 3 * i)) for i in range(n)]
+
+
+def lengths(requests: int, tokens: int, kind: str) -> list[int]:
+    if kind == "fixed" or requests == 1:
+        return [tokens] * requests
+    return [max(1, round(tokens * (0.25 + 1.5 * i / (requests - 1)))) for i in range(requests)]
 
 
 class NoisyScorer:
@@ -70,6 +112,175 @@ class NoisyScorer:
         return [np.minimum(lp + self.rng.normal(0.0, self.sigma, lp.shape), 0.0) for lp in out]
 
 
+# -- CPU affinity -----------------------------------------------------------------------------------
+def pin_process(cpus: set[int]) -> None:
+    """Pin every thread of this process (sched_setaffinity(0) would pin the calling thread only);
+    threads and processes started afterwards inherit the mask."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that just exited
+            pass
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d))
+    return out
+
+
+def affinity_tree(pid: int) -> list[dict]:
+    """This process and its descendants: name, thread count, the union of its threads' CPU masks."""
+    rows, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        try:
+            name = Path(f"/proc/{p}/comm").read_text().strip()
+            cpus: set[int] = set()
+            tids = os.listdir(f"/proc/{p}/task")
+            for tid in tids:
+                try:
+                    cpus |= os.sched_getaffinity(int(tid))
+                except OSError:
+                    pass
+        except OSError:
+            continue
+        rows.append({"pid": p, "name": name, "threads": len(tids), "cpus": sorted(cpus)})
+        todo += _children(p)
+    return rows
+
+
+# -- the sidecar layout ----------------------------------------------------------------------------
+class Sidecar:
+    """Rollout AsyncLLM on one core, scoring AsyncLLM + EstimatorService on the other."""
+
+    def __init__(self, model_dir: str, dtype: str, requests: int) -> None:
+        self.model_dir, self.dtype, self.requests = model_dir, dtype, requests
+        self.engine_kw = dict(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=512,
+                              max_num_seqs=max(8, requests * SIDECAR_N), max_num_batched_tokens=2048, seed=0,
+                              distributed_executor_backend="uni")
+        self.loop = asyncio.new_event_loop()
+        self.rollouts_done_s: dict[str, list[float]] = {}
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def start(self, rollout_cpus: set[int], scoring_cpus: set[int]) -> None:
+        self.run(self._start(rollout_cpus, scoring_cpus))
+
+    async def _start(self, rollout_cpus, scoring_cpus) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from moe_replay.estimator.service import ServiceConfig
+        from moe_replay.integrations.vllm import (AsyncVllmCapture, AsyncVllmScorer, CaptureConfig, VllmScorerConfig,
+                                                  capture_engine_kwargs, scoring_engine_kwargs)
+
+        pid = os.getpid()
+        before = {r["pid"] for r in affinity_tree(pid)}
+        # one OpenMP thread per engine process (each owns one core; two spinning OMP threads on one
+        # core are ~10x slower); read by each engine process when it imports torch
+        omp = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        pin_process(rollout_cpus)  # the rollout engine core is spawned under this mask
+        self.roll = AsyncLLM.from_engine_args(AsyncEngineArgs(**capture_engine_kwargs(**self.engine_kw)))
+        roll_pids = {r["pid"] for r in affinity_tree(pid)} - before
+        pin_process(scoring_cpus)  # the scoring engine core, and this client from here on
+        self.score_engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**scoring_engine_kwargs(**self.engine_kw)))
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
+        score_pids = {r["pid"] for r in affinity_tree(pid)} - before - roll_pids
+        self.roles = {pid: "client (asyncio: streams, collect, EstimatorService)"}
+        for pids, role in ((roll_pids, "rollout engine core (AsyncLLM, capture)"),
+                           (score_pids, "scoring engine core (AsyncLLM, AsyncVllmScorer)")):
+            for r in affinity_tree(pid):
+                if r["pid"] in pids:
+                    self.roles[r["pid"]] = role if "EngineCor" in r["name"] else "helper (multiprocessing resource tracker)"
+        self.cap = await AsyncVllmCapture.attach(self.roll, CaptureConfig())
+        self.backend = await AsyncVllmScorer.attach(self.score_engine, VllmScorerConfig(force_routes=True, use_support=True))
+        self.est_cfg = EstimatorConfig(n=SIDECAR_N)
+        # every replica of one rollout in flight at once (one per concurrent batch); vLLM batches them
+        self.svc_cfg = ServiceConfig(batch_size=self.requests, concurrency=SIDECAR_N)
+
+    async def _one(self, prompt: str, sp) -> object:
+        from moe_replay.integrations.vllm.api import sampling_summary
+
+        rid = f"roll-{uuid.uuid4().hex[:10]}"
+        final = None
+        async for o in self.roll.generate(prompt, sp, request_id=rid):
+            final = o
+        (t,) = await self.cap.collect([final], sampling={rid: sampling_summary(sp)})
+        return t
+
+    async def rollout(self, P, sps) -> list:
+        return list(await asyncio.gather(*(self._one(p, sp) for p, sp in zip(P, sps))))
+
+    async def serial(self, P, sps):
+        from moe_replay.estimator.service import estimate_stream
+
+        traces = await self.rollout(P, sps)
+        return traces, await estimate_stream(traces, self.backend, self.est_cfg, self.svc_cfg)
+
+    async def pipelined(self, P, sps, tag: str = ""):
+        from moe_replay.estimator.service import EstimatorService
+
+        t0 = time.perf_counter()
+        async with EstimatorService(self.backend, self.est_cfg, self.svc_cfg) as svc:
+            async def one(p, sp):
+                t = await self._one(p, sp)
+                await svc.submit(t)  # streamed in as it finishes
+                return t
+
+            traces = list(await asyncio.gather(*(one(p, sp) for p, sp in zip(P, sps))))
+            self.rollouts_done_s.setdefault(tag, []).append(time.perf_counter() - t0)  # every trace collected and submitted
+            svc.close()
+            out = {k: e async for k, e in svc.results()}  # ends with the last estimate
+        return traces, out
+
+    def check(self, traces, out, sync_scorer) -> dict:
+        """Estimates line up with the traces and equal the single score (deterministic engine)."""
+        single = self.run(self.backend.score(traces))
+        inproc = sync_scorer.score_batch(traces)
+        assert set(out) == {t.key for t in traces}, "estimates do not line up with the traces"
+        dev, cross = 0.0, 0.0
+        for t, s, s2 in zip(traces, single, inproc):
+            e = out[t.key]
+            assert not isinstance(e, Exception), f"{t.key}: {e!r}"
+            assert e.key == t.key and e.n == SIDECAR_N and e.logprob_G.shape == (t.num_generated,), \
+                (e.key, e.n, e.logprob_G.shape)
+            dev = max(dev, float(np.abs(e.logprob_G - s).max()))
+            cross = max(cross, float(np.abs(s - s2).max()))
+        assert dev <= 1e-6, f"sidecar estimate differs from the single score by {dev}"
+        return {"estimates": len(out), "max_abs_estimate_vs_single_score": dev,
+                "max_abs_scoring_engine_vs_in_process_engine": cross, "tol": 1e-6, "ok": True}
+
+    def describe(self) -> dict:
+        rows = affinity_tree(os.getpid())
+        for r in rows:
+            r["role"] = self.roles.get(r["pid"], "other (vLLM helper / earlier engine)")
+        return rows
+
+    def shutdown(self) -> None:
+        for eng in (self.roll, self.score_engine):
+            eng.shutdown()
+        self.roll = self.score_engine = self.cap = self.backend = None  # not left to __del__ at exit
+        gc.collect()
+        pending = asyncio.all_tasks(self.loop)  # the engines' output handlers
+        for t in pending:
+            t.cancel()
+        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.loop.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
@@ -77,12 +288,33 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--lengths", default="spread", choices=["spread", "fixed"],
+                    help="max_tokens per rollout in the sidecar figures: 'spread' (0.25x..1.75x --tokens) or all --tokens")
     ap.add_argument("--inject-noise", default="auto", help="'auto' (inject sigma 0.05 only if the engine has no "
                     "replica noise), or a sigma >= 0 (0: engine noise only)")
     ap.add_argument("--variance-repeats", type=int, default=16)
     args = ap.parse_args()
     if args.inject_noise != "auto" and float(args.inject_noise) < 0:
         ap.error("--inject-noise must be 'auto' or >= 0")
+
+    import torch
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        sys.exit("the sidecar layout needs 2 cores (rollout engine, scoring engine); found " + str(cores))
+    rollout_cpus, scoring_cpus = {cores[0]}, {cores[1]}
+    all_threads = torch.get_num_threads()
+    set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op in this process
+
+    def layout(kind: str) -> None:
+        """This process: 'sidecar' = the client on the scoring core, one OpenMP thread; 'single' = the
+        earlier single-engine setup (in-process engine and HF on every core, torch's default threads)."""
+        if kind == "sidecar":
+            pin_process(scoring_cpus)
+            set_threads(1)
+        else:
+            pin_process(set(cores))
+            set_threads(all_threads)
 
     from vllm import LLM, SamplingParams
 
@@ -91,6 +323,11 @@ def main() -> None:
 
     tmp = tempfile.TemporaryDirectory()
     model_dir = build_tiny_model("qwen3_moe", Path(tmp.name) / "bench", size="bench", seed=0)
+    L = lengths(args.requests, args.tokens, args.lengths)
+    side = Sidecar(str(model_dir), args.dtype, args.requests)
+    side.start(rollout_cpus, scoring_cpus)
+    layout("single")
+
     llm = LLM(**scoring_engine_kwargs(model=str(model_dir), dtype=args.dtype, enforce_eager=True, max_model_len=512,
                                       max_num_seqs=max(8, args.requests * 5), max_num_batched_tokens=2048, seed=0,
                                       distributed_executor_backend="uni"))
@@ -99,6 +336,8 @@ def main() -> None:
     hf = HFScorer(HFScorerConfig(str(model_dir), dtype="float32", force_routes=True, use_support=True))
     sps = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=args.tokens, ignore_eos=True)
     P = prompts(args.requests)
+    sps_side = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=n, ignore_eos=True) for n in L]
+    sps_fixed = [sps] * args.requests
 
     def rollout():
         return cap.generate(P, sps, use_tqdm=False)[1]
@@ -129,6 +368,12 @@ def main() -> None:
         estimate(traces, scorer, EstimatorConfig(n=1), batch_size=args.requests)
         hf.score_batch(traces)
     pipelined()
+    layout("sidecar")
+    for _ in range(2):
+        side.run(side.serial(P, sps_side))
+    check = side.check(*side.run(side.pipelined(P, sps_side)), scorer)
+    check_fixed = side.check(*side.run(side.pipelined(P, sps_fixed)), scorer)
+    layout("single")
 
     # -- noise: does the engine itself give different replicas? ---------------------------------
     single = scorer.score_batch(traces)
@@ -142,21 +387,35 @@ def main() -> None:
              if sigma > 0 else {"kind": "engine", "engine_replica_spread": spread})
 
     # -- timings, interleaved -------------------------------------------------------------------
-    times: dict[str, list[float]] = {k: [] for k in ["rollout", "hf", "serial", "pipelined", *[f"est{n}" for n in NS]]}
+    times: dict[str, list[float]] = {}
 
     def timed(name, fn):
+        layout("sidecar" if name in SIDECAR_JOBS else "single")
         t0 = time.perf_counter()
         fn()
-        times[name].append(time.perf_counter() - t0)
+        times.setdefault(name, []).append(time.perf_counter() - t0)
 
-    jobs = [("rollout", rollout), ("hf", lambda: hf.score_batch(traces)),
-            ("serial", lambda: estimate(rollout(), scorer, EstimatorConfig(n=4), batch_size=args.requests)),
-            ("pipelined", pipelined)]
+    jobs = [("rollout", lambda: side.run(side.rollout(P, sps_side))),
+            ("serial", lambda: side.run(side.serial(P, sps_side))),
+            ("pipelined", lambda: side.run(side.pipelined(P, sps_side, "spread"))),
+            ("rollout_fixed", lambda: side.run(side.rollout(P, sps_fixed))),
+            ("serial_fixed", lambda: side.run(side.serial(P, sps_fixed))),
+            ("pipelined_fixed", lambda: side.run(side.pipelined(P, sps_fixed, "fixed"))),
+            ("rollout_same_engine", rollout), ("hf", lambda: hf.score_batch(traces)),
+            ("serial_same_engine", lambda: estimate(rollout(), scorer, EstimatorConfig(n=4), batch_size=args.requests)),
+            ("pipelined_same_engine", pipelined)]
     jobs += [(f"est{n}", lambda n=n: estimate(traces, scorer, EstimatorConfig(n=n), batch_size=args.requests)) for n in NS]
+    SIDECAR_JOBS = {"rollout", "serial", "pipelined", "rollout_fixed", "serial_fixed", "pipelined_fixed"}
+    side.rollouts_done_s.clear()
     for r in range(args.repeats):
         for name, fn in (jobs[r % len(jobs):] + jobs[: r % len(jobs)]):
             timed(name, fn)
+    layout("single")
     med = {k: statistics.median(v) for k, v in times.items()}
+    done_s = {k: statistics.median(v) for k, v in side.rollouts_done_s.items()}
+    layout("sidecar")
+    processes = side.describe()
+    layout("single")
 
     # -- variance ratio -----------------------------------------------------------------------------
     variance_ratio = None
@@ -170,6 +429,34 @@ def main() -> None:
         var = {n: np.stack(probs[n]).var(axis=0, ddof=1).sum() for n in NS}
         variance_ratio = {str(n): float(var[n] / var[1]) if var[1] > 0 else None for n in NS}
 
+    sidecar = {
+        "layout": "two AsyncLLM engines (uni executor: model in each engine-core process), one core each; "
+                  "finished rollouts streamed into an EstimatorService over the scoring engine",
+        "rollout_engine": {"kind": "vllm AsyncLLM + AsyncVllmCapture", "cpus": sorted(rollout_cpus), "dtype": args.dtype},
+        "scoring_engine": {"kind": "vllm AsyncLLM + AsyncVllmScorer (force_routes, use_support)",
+                           "cpus": sorted(scoring_cpus), "dtype": args.dtype},
+        "client": {"kind": "this process: asyncio loop, AsyncLLM front ends, EstimatorService "
+                           "(the in-process engine and HF of the other figures live here too, idle meanwhile)",
+                   "cpus": sorted(scoring_cpus), "torch_threads": 1},
+        "engine_torch_threads": "1 (OMP_NUM_THREADS=1 at spawn, 1-core affinity)",
+        "single_engine_figures": {"note": "estimator_s, hf_recompute_s and *_same_engine_s: the in-process engine and HF "
+                                          "in this process, unpinned", "cpus": cores, "torch_threads": all_threads},
+        "pipelined_rollouts_done_s": done_s["spread"],
+        "pipelined_tail_s": med["pipelined"] - done_s["spread"],
+        "binding": "CPU affinity (sched_setaffinity on every thread) set before each engine is spawned and inherited; "
+                   f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')!r} "
+                   "(not read by the uni executor)",
+        "estimator": {"n": SIDECAR_N,
+                      "service": {"batch_size": side.svc_cfg.batch_size, "concurrency": side.svc_cfg.concurrency}},
+        "lengths": args.lengths, "max_tokens": L,
+        "fixed_lengths": {"max_tokens": [args.tokens] * args.requests, "rollout_s": med["rollout_fixed"],
+                          "serial_s": med["serial_fixed"], "pipelined_s": med["pipelined_fixed"],
+                          "pipelined_overhead": med["pipelined_fixed"] / med["rollout_fixed"] - 1.0,
+                          "pipelined_rollouts_done_s": done_s["fixed"],
+                          "check": check_fixed},
+        "processes": processes,
+        "check": check,
+    }
     result = {
         "model": "qwen3_moe/bench", "engine_dtype": args.dtype, "requests": args.requests, "tokens": args.tokens,
         "scored_tokens": int(sum(t.num_generated for t in traces)),
@@ -179,16 +466,23 @@ def main() -> None:
         "serial_s": med["serial"],
         "pipelined_s": med["pipelined"],
         "pipelined_overhead": med["pipelined"] / med["rollout"] - 1.0,
+        "pipelined_overhead_target": 0.10,
+        "rollout_same_engine_s": med["rollout_same_engine"],
+        "serial_same_engine_s": med["serial_same_engine"],
+        "pipelined_same_engine_s": med["pipelined_same_engine"],
+        "pipelined_same_engine_overhead": med["pipelined_same_engine"] / med["rollout_same_engine"] - 1.0,
         "n4_over_hf_recompute": med["est4"] / med["hf"],
         "variance_ratio": variance_ratio,
         "variance_ratio_target": {str(n): 1.0 / n for n in NS},
         "variance_repeats": args.variance_repeats,
         "noise": noise,
         "prefill_score_vs_rollout_logprob_max_abs": prefill_vs_decode,
+        "sidecar": sidecar,
         "repeats": args.repeats,
         "min_s": {k: min(v) for k, v in times.items()},
         "raw_s": times,
     }
+    side.shutdown()
     scorer.uninstall()
     cap.uninstall()
     llm.llm_engine.engine_core.shutdown()
