@@ -18,7 +18,7 @@ class DemoConfig:
     family: str = "qwen3_moe"
     """Tiny model family built by moe_replay.models (the embedded default)."""
     seed: int = 0
-    steps: int = 12
+    steps: int = 16
     """GRPO steps per arm."""
     prompts_per_step: int = 8
     samples_per_prompt: int = 4
@@ -26,7 +26,7 @@ class DemoConfig:
     max_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 0.9
-    lr: float = 5e-3
+    lr: float = 1e-3
     clip_eps: float = 0.2
     engine_dtype: str = "bfloat16"
     """The rollout engine's precision: bf16 against an fp32 trainer is the mismatch to remove."""
