@@ -10,7 +10,7 @@ The engine talks to its workers through `collective_rpc`; the worker half lives 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from ...geometry import EngineInfo, ModelGeometry
 from ...trace import RolloutTrace

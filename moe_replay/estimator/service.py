@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence
+from typing import AsyncIterator, Callable, Protocol, Sequence
 
 import numpy as np
 
