@@ -63,11 +63,16 @@ def model_dirs(tmp_path_factory):
     return {f: build_tiny_model(f, root / f, seed=0) for f in FAMILIES}
 
 
+# Capture batches steps and flushes when a staging buffer would overflow (or at collect). A zero
+# budget leaves room for exactly one step, so that family flushes on every step: both paths run.
+FLUSH_BYTES = {"qwen3_moe": CaptureConfig().flush_bytes, "mixtral": 0, "olmoe": 3000}
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def engine(request, model_dirs):
     family = request.param
     llm = make_engine(model_dirs[family])
-    cap = VllmCapture(llm, CaptureConfig())
+    cap = VllmCapture(llm, CaptureConfig(flush_bytes=FLUSH_BYTES[family]))
     yield family, llm, cap, model_dirs[family]
     cap.uninstall()
     shutdown(llm)
@@ -179,7 +184,10 @@ def test_routes_support_logprobs_match_hf(engine):
         prompts.append(prompt_text([3, 9, 40, 110, 6, 25, 70, 14][i], seed=i))
         params.append(prm)
         sps.append(sampling_params(*prm))
+    flushes = cap.stats()["flushes"]
     outputs, traces = cap.generate(prompts, sps)
+    steps_flushed = cap.stats()["flushes"] - flushes
+    assert steps_flushed >= (5 if FLUSH_BYTES[family] < 4096 else 1), steps_flushed
     assert [t.key for t in traces] == [o.request_id for o in outputs]
     assert max(len(o.prompt_token_ids) for o in outputs) > BATCHED  # chunked prefill happened
     order = []
@@ -204,6 +212,15 @@ def test_prefix_cache_hit_gets_full_routes(engine):
     assert np.array_equal(t1.routes_TLK[: len(o1.prompt_token_ids)], t2.routes_TLK[: len(o2.prompt_token_ids)])
     assert n > 0
     check_against_hf(t2, model_dir, SAMPLING[0])
+    # Both requests inside one flush window: the hit reads slots written earlier in the same window.
+    other = prompt_text(60, seed=101)
+    o3 = llm.generate([other], sp, use_tqdm=False)
+    o4 = llm.generate([other], sp, use_tqdm=False)
+    assert o4[0].num_cached_tokens >= BLOCK, "expected a prefix-cache hit"
+    t3, t4 = cap.collect(o3 + o4)
+    P = len(o3[0].prompt_token_ids)
+    assert np.array_equal(t3.routes_TLK[:P], t4.routes_TLK[:P])
+    check_against_hf(t4, model_dir, SAMPLING[0])
 
 
 def test_n_samples_each_get_a_trace(engine):
@@ -291,13 +308,15 @@ def test_support_overflow_policies(engine):
         cap.__dict__.update(engine_cap.__dict__)
 
 
-def test_preemption_keeps_traces_exact(model_dirs):
+@pytest.mark.parametrize("flush_bytes", [CaptureConfig().flush_bytes, 0])
+def test_preemption_keeps_traces_exact(model_dirs, flush_bytes):
     """A KV cache too small for the batch forces the scheduler to preempt and recompute requests;
-    every trace still equals HF's routing and the reference support."""
+    every trace still equals HF's routing and the reference support, whether the recomputed rows
+    land in the same flush as the first computation or in a later one."""
     model_dir = model_dirs["qwen3_moe"]
     llm = make_engine(model_dir, num_gpu_blocks_override=12, max_num_seqs=6, max_model_len=256)
     try:
-        cap = VllmCapture(llm)
+        cap = VllmCapture(llm, CaptureConfig(flush_bytes=flush_bytes))
         prm = SAMPLING[0]
         prompts = [prompt_text(30 + 3 * i, seed=50 + i) for i in range(6)]
         outputs, traces = cap.generate(prompts, sampling_params(*prm, max_tokens=40))

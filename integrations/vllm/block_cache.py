@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .records import last_occurrence
+
 
 class SlotRouteCache:
     """routes_SLK[num_slots, L, K] mirror of the KV cache plus a per-slot written flag."""
@@ -24,10 +26,12 @@ class SlotRouteCache:
         self._routes_np = self.routes_SLK.numpy()
         self._valid_np = self.valid_S.numpy()
 
-    def write(self, slots_T: torch.Tensor, routes_TLK: torch.Tensor) -> None:
-        """Store this step's routes at the KV slots the same forward wrote."""
-        self.routes_SLK.index_copy_(0, slots_T, routes_TLK)
-        self.valid_S.index_fill_(0, slots_T, True)
+    def write(self, slots_T: np.ndarray, routes_TLK: np.ndarray) -> None:
+        """Store routes at the KV slots their forwards wrote (rows in step order: a slot reused by a
+        later step keeps the later routes)."""
+        last = last_occurrence(slots_T)
+        self._routes_np[slots_T[last]] = routes_TLK[last]
+        self._valid_np[slots_T[last]] = True
 
     def read(self, block_ids: np.ndarray, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Routes of positions [start, stop) of a request whose block table is block_ids.

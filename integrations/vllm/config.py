@@ -30,6 +30,10 @@ class CaptureConfig:
     first overflowing row and its size. Rows are never truncated."""
     prefix_cache_routes: bool = True
     """Keep routes per KV slot so requests that hit the prefix cache still get full routes."""
+    flush_bytes: int = 16 << 20
+    """Budget of each per-step staging buffer (route arena, truncated logit rows): steps accumulate
+    until one would overflow, then a flush maps them to requests in one batched pass. Each buffer
+    always holds at least one full step, whatever the budget."""
     max_unclaimed: int = 65536
     """Finished requests held on the worker until collected; beyond it the oldest is dropped and
     collecting it raises CaptureEvictedError (never a silent gap)."""
@@ -41,6 +45,8 @@ class CaptureConfig:
             raise ValueError(
                 f"CaptureConfig.on_support_overflow must be 'error' or 'omit', got {self.on_support_overflow!r}"
             )
+        if not isinstance(self.flush_bytes, int) or self.flush_bytes < 0:
+            raise ValueError(f"CaptureConfig.flush_bytes must be a non-negative int, got {self.flush_bytes!r}")
         if not isinstance(self.max_unclaimed, int) or self.max_unclaimed < 1:
             raise ValueError(f"CaptureConfig.max_unclaimed must be a positive int, got {self.max_unclaimed!r}")
         if not (self.routes or self.support or self.logprobs):

@@ -8,6 +8,7 @@ so a late take says "evicted" instead of returning a gap.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
 from typing import Any
 
@@ -32,74 +33,120 @@ def external_id(internal_id: str) -> str:
     return head if sep and len(tail) == 8 else internal_id
 
 
+_UIDS = itertools.count()
+
+
 class RequestRecord:
-    """Captured rows of one engine request (child requests of n > 1 are separate records)."""
+    """Captured rows of one engine request (child requests of n > 1 are separate records).
+
+    The worker hands rows over in pieces, one per flush (worker.py); `payload()` assembles them
+    once, when the client takes the record. Later pieces win where positions repeat (a request
+    preempted and recomputed writes the same positions again; the newest draw is the kept one).
+    """
 
     def __init__(self, req_id: str, prompt_len: int, route_start: int, L: int, K: int, route_dtype: np.dtype) -> None:
         self.req_id = req_id
         self.prompt_len = prompt_len
         self.route_start = route_start
-        self.routes_PLK = np.zeros((max(prompt_len + 16 - route_start, 16), L, K), dtype=route_dtype)
-        self.filled_P = np.zeros(len(self.routes_PLK), dtype=bool)
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.sizes: list[int] = []
-        self.support_rows: list[np.ndarray] = []
+        self.L, self.K, self.route_dtype = L, K, np.dtype(route_dtype)
+        self.uid = next(_UIDS)
+        """Process-unique integer: how flushes group rows by record with array ops."""
+        self._route_pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
+        """(positions [T], routes [T, L, K], valid [T] or None) in arrival order."""
+        self._sample_pieces: list[tuple[np.ndarray, np.ndarray, Any]] = []
+        """(generated index g [X], stage rows [X], StagedSamples of that flush) in arrival order."""
         self.problems: list[str] = []
 
-    def _grow(self, stop_row: int) -> None:
-        if stop_row > len(self.routes_PLK):
-            new = max(stop_row, 2 * len(self.routes_PLK))
-            routes = np.zeros((new, *self.routes_PLK.shape[1:]), dtype=self.routes_PLK.dtype)
-            routes[: len(self.routes_PLK)] = self.routes_PLK
-            filled = np.zeros(new, dtype=bool)
-            filled[: len(self.filled_P)] = self.filled_P
-            self.routes_PLK, self.filled_P = routes, filled
-
     def write_routes(self, start_pos: int, rows_TLK: np.ndarray, valid_T: np.ndarray | None = None) -> None:
-        lo = max(start_pos, self.route_start)
-        if lo >= start_pos + len(rows_TLK):
-            return
-        rows_TLK = rows_TLK[lo - start_pos :]
-        r0 = lo - self.route_start
-        self._grow(r0 + len(rows_TLK))
-        self.routes_PLK[r0 : r0 + len(rows_TLK)] = rows_TLK
-        self.filled_P[r0 : r0 + len(rows_TLK)] = True if valid_T is None else valid_T[lo - start_pos :]
+        """Rows of consecutive positions start_pos, start_pos + 1, ... (prefix-cache reads)."""
+        self.write_routes_at(np.arange(start_pos, start_pos + len(rows_TLK)), rows_TLK, valid_T)
 
-    def write_sample(self, g: int, token: int, logprob: float, size: int, ids: np.ndarray) -> None:
-        if g == len(self.tokens):
-            self.tokens.append(token)
-            self.logprobs.append(logprob)
-            self.sizes.append(size)
-            self.support_rows.append(ids)
-        elif g < len(self.tokens):  # re-sampled after preemption: the newest draw is the kept one
-            self.tokens[g], self.logprobs[g], self.sizes[g], self.support_rows[g] = token, logprob, size, ids
-        else:
-            self.problems.append(f"sample for generated token {g} arrived after only {len(self.tokens)} samples")
+    def write_routes_at(self, pos_T: np.ndarray, rows_TLK: np.ndarray, valid_T: np.ndarray | None = None) -> None:
+        self._route_pieces.append((pos_T, rows_TLK, valid_T))
+
+    def write_samples(self, g_X: np.ndarray, rows_X: np.ndarray, staged: Any) -> None:
+        self._sample_pieces.append((g_X, rows_X, staged))
+
+    def _routes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(routes [P, L, K], filled [P]) indexed by position - route_start, P = last filled + 1."""
+        pos = [p for p, _, _ in self._route_pieces]
+        stop = max((int(p.max()) + 1 for p in pos if len(p)), default=self.route_start)
+        n = max(stop - self.route_start, 0)
+        routes = np.zeros((n, self.L, self.K), dtype=self.route_dtype)
+        filled = np.zeros(n, dtype=bool)
+        for pos_T, rows_TLK, valid_T in self._route_pieces:
+            keep = pos_T >= self.route_start
+            if not keep.all():
+                pos_T, rows_TLK = pos_T[keep], rows_TLK[keep]
+                valid_T = None if valid_T is None else valid_T[keep]
+            r = pos_T - self.route_start
+            last = last_occurrence(r)  # a piece may repeat a position (recompute after preemption)
+            routes[r[last]] = rows_TLK[last]
+            filled[r[last]] = True if valid_T is None else valid_T[last]
+        n_rows = int(np.flatnonzero(filled)[-1]) + 1 if filled.any() else 0
+        return routes[:n_rows], filled[:n_rows]
+
+    def _samples(self) -> dict[str, np.ndarray]:
+        """Per generated index g: token, logprob, support size and CSR ids (newest draw wins)."""
+        if not self._sample_pieces:
+            cols = {"tokens": np.zeros(0, np.int64), "logprobs": np.zeros(0, np.float32),
+                    "sizes": np.zeros(0, np.int64)}
+            return {**cols, "offsets": np.zeros(1, np.int64), "ids": np.zeros(0, np.int32)}
+        g_all = np.concatenate([g for g, _, _ in self._sample_pieces])
+        last = last_occurrence(g_all)
+        order = last[np.argsort(g_all[last], kind="stable")]
+        G = int(g_all.max()) + 1
+        if len(order) != G:
+            missing = sorted(set(range(G)) - set(g_all.tolist()))[:1]
+            self.problems.append(f"sample for generated token {missing[0]} never arrived ({len(order)} of {G})")
+            order = order[: int(np.searchsorted(g_all[order], missing[0]))]
+        piece_of = np.concatenate([np.full(len(g), i) for i, (g, _, _) in enumerate(self._sample_pieces)])
+        row_of = np.concatenate([r for _, r, _ in self._sample_pieces])
+        piece_X, row_X = piece_of[order], row_of[order]  # X: kept entries, in g order
+        X = len(order)
+        tokens, lps = np.zeros(X, np.int64), np.zeros(X, np.float32)
+        sizes, counts = np.zeros(X, np.int64), np.zeros(X, np.int64)
+        for i, (_, _, staged) in enumerate(self._sample_pieces):
+            m = piece_X == i
+            rows = row_X[m]
+            tokens[m], lps[m], sizes[m] = staged.tokens_R[rows], staged.logprobs_R[rows], staged.sizes_R[rows]
+            counts[m] = staged.offsets_R1[rows + 1] - staged.offsets_R1[rows]
+        offsets = np.zeros(X + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        ids = np.zeros(int(offsets[-1]), dtype=np.int32)
+        for i, (_, _, staged) in enumerate(self._sample_pieces):
+            m = np.flatnonzero(piece_X == i)
+            c = counts[m]
+            within = np.arange(int(c.sum())) - np.repeat(np.cumsum(c) - c, c)
+            ids[np.repeat(offsets[m], c) + within] = staged.ids_N[np.repeat(staged.offsets_R1[row_X[m]], c) + within]
+        return {"tokens": tokens, "logprobs": lps, "sizes": sizes, "offsets": offsets, "ids": ids}
 
     def payload(self) -> dict[str, Any]:
         """Plain arrays for the RPC reply; the client cuts them to the final sequence length."""
-        sizes = np.asarray(self.sizes, dtype=np.int64)
-        counts = np.array([len(r) for r in self.support_rows], dtype=np.int64)
-        offsets = np.zeros(len(counts) + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        ids = np.concatenate(self.support_rows).astype(np.int32) if self.support_rows else np.zeros(0, np.int32)
-        filled = self.filled_P
-        n_rows = int(np.flatnonzero(filled)[-1]) + 1 if filled.any() else 0
+        routes, filled = self._routes()
+        s = self._samples()
         return {
             "status": "ok",
             "req_id": self.req_id,
             "prompt_len": self.prompt_len,
             "route_start": self.route_start,
-            "routes": pack_array(self.routes_PLK[:n_rows]),
-            "routes_filled": pack_array(filled[:n_rows]),
-            "tokens": pack_array(np.asarray(self.tokens, dtype=np.int64)),
-            "logprobs": pack_array(np.asarray(self.logprobs, dtype=np.float32)),
-            "support_sizes": pack_array(sizes),
-            "support_offsets": pack_array(offsets),
-            "support_ids": pack_array(ids),
+            "routes": pack_array(routes),
+            "routes_filled": pack_array(filled),
+            "tokens": pack_array(s["tokens"]),
+            "logprobs": pack_array(s["logprobs"]),
+            "support_sizes": pack_array(s["sizes"]),
+            "support_offsets": pack_array(s["offsets"]),
+            "support_ids": pack_array(s["ids"]),
             "problems": list(self.problems),
         }
+
+
+def last_occurrence(keys: np.ndarray) -> np.ndarray:
+    """Ascending indices of the last occurrence of each distinct key (the newest write wins)."""
+    if len(keys) < 2:
+        return np.arange(len(keys))
+    _, first_in_reversed = np.unique(keys[::-1], return_index=True)
+    return np.sort(len(keys) - 1 - first_in_reversed)
 
 
 class RecordBook:

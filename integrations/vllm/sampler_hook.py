@@ -1,15 +1,23 @@
-"""Sampling-support capture at the exact point where vLLM truncates.
+"""Sampling-support capture at the exact point where vLLM truncates, processed in batches.
 
 vLLM's sampler applies temperature and min-p, then `TopKTopPSampler.forward` calls
 `apply_top_k_top_p(logits, k, p)` (removed tokens become -inf) and draws from what is left. Our
-wrapper runs that same truncation first, reads the kept set off the truncated logits, then hands the
-already-truncated logits to the original forward with k=p=None (the truncation is idempotent and
+wrapper runs that same truncation first, copies the truncated rows into a staging buffer, then hands
+the already-truncated logits to the original forward with k=p=None (the truncation is idempotent and
 runs once). The kept set is therefore exactly the finite entries the sample was drawn from,
 whatever produced the -inf (top-k, top-p, min-p, allowed/bad words, logits processors).
+
+Why staged: at small batch sizes each tensor op costs a fixed ~10-70 us inside a busy engine, far
+more than the work itself. A step only does one row copy; `compute()` turns every staged row of
+many steps into sparse data with one op each (isfinite, logsumexp, gather, nonzero). The stage
+holds at most `capacity` rows (a byte budget, at least one full batch); the worker flushes before
+it could overflow, so the full-vocabulary rows never outlive a flush and never leave the worker.
 
 Only sparse data leaves this module: per row the sorted kept ids (CSR), and the sampled token's
 logprob log softmax(truncated logits)[token]. Rows above max_support keep no ids (policy decides).
 Greedy rows (temperature 0) have support {argmax} and logprob 0: a point mass.
+
+Shape legend: B rows sampled in one step, R staged rows (many steps), V vocabulary, N kept ids.
 """
 
 from __future__ import annotations
@@ -24,31 +32,53 @@ _SAMPLING_EPS = 1e-5  # vllm.v1.sample.sampler._SAMPLING_EPS: below it a row is 
 
 
 @dataclass
-class StepSamples:
-    """Sampler outcome of one engine step, rows in input-batch order (B rows)."""
+class StagedSamples:
+    """Sampler outcome of every staged row (R rows, in the order the steps sampled them)."""
 
-    tokens_B: np.ndarray
+    tokens_R: np.ndarray
     """int64 sampled token per row."""
-    offsets_B1: np.ndarray
+    offsets_R1: np.ndarray
     """int64 CSR offsets into ids_N; overflowing rows are empty."""
     ids_N: np.ndarray
     """int32 kept token ids, sorted within each row."""
-    sizes_B: np.ndarray
+    sizes_R: np.ndarray
     """int64 true support size per row (also for rows whose ids were not kept)."""
-    logprobs_B: np.ndarray
+    logprobs_R: np.ndarray
     """float32 logprob of the sampled token under the truncated distribution."""
 
 
-class SupportCapture:
-    """Wraps one Sampler instance; `last` holds the most recent StepSamples."""
+class SupportStage:
+    """Wraps one Sampler instance's truncation; rows wait here until the worker flushes."""
 
-    def __init__(self, max_support: int, want_support: bool, want_logprobs: bool) -> None:
+    def __init__(self, max_support: int, want_support: bool, want_logprobs: bool,
+                 budget_bytes: int, min_rows: int) -> None:
         self.max_support = max_support
         self.want_support = want_support
         self.want_logprobs = want_logprobs
-        self._observed: tuple | None = None
+        self.budget_bytes = budget_bytes
+        self.min_rows = min_rows
+        self.capacity = min_rows
+        self.rows = 0
+        """Rows committed so far (since the last reset)."""
+        self.logits_RV: torch.Tensor | None = None
+        self.tokens_R = np.zeros(0, dtype=np.int64)
+        self.temps_R = np.zeros(0, dtype=np.float32)
+        self.staged_R = np.zeros(0, dtype=bool)
+        self._pending: int | None = None
+        """Rows staged by the truncation of the current step, not yet committed by `commit`."""
         self.orig_s = 0.0
-        self.last: StepSamples | None = None
+
+    def _allocate(self, logits_BV: torch.Tensor) -> None:
+        V = logits_BV.shape[1]
+        row_bytes = V * logits_BV.element_size()
+        self.capacity = max(self.min_rows, self.budget_bytes // max(row_bytes, 1))
+        self.logits_RV = torch.empty((self.capacity, V), dtype=logits_BV.dtype, device=logits_BV.device)
+        self.tokens_R = np.zeros(self.capacity, dtype=np.int64)
+        self.temps_R = np.zeros(self.capacity, dtype=np.float32)
+        self.staged_R = np.zeros(self.capacity, dtype=bool)
+
+    def room_for(self, rows: int) -> bool:
+        return self.rows + rows <= self.capacity
 
     # -- called by the TopKTopPSampler wrapper (random rows exist) -----------------------------
     def truncate_and_observe(self, orig_forward, logits_BV, generators, k, p):
@@ -57,67 +87,81 @@ class SupportCapture:
         t0 = time.perf_counter()
         logits_BV = apply_top_k_top_p(logits_BV, k, p)  # work the original would do itself
         truncate_s = time.perf_counter() - t0
-        kept_BV = torch.isfinite(logits_BV)
-        sizes_B = kept_BV.sum(dim=1)
-        lse_B = torch.logsumexp(logits_BV, dim=1) if self.want_logprobs else None
-        # Read the logits we need before sampling: the sampler may work in place.
+        B = logits_BV.shape[0]
+        if self.logits_RV is None or self.logits_RV.shape[1] != logits_BV.shape[1]:
+            if self.rows:
+                raise RuntimeError("sampler vocabulary changed while rows were staged")
+            self._allocate(logits_BV)
+        if self.rows + B > self.capacity:
+            raise RuntimeError(f"support stage overflow: {self.rows} + {B} rows > {self.capacity} (flush missed)")
+        # Copy before sampling: the sampler may work in place.
+        self.logits_RV[self.rows : self.rows + B].copy_(logits_BV)
+        self._pending = B
         t0 = time.perf_counter()
-        sampled_random_B, processed = orig_forward(logits_BV, generators, None, None)
+        out = orig_forward(logits_BV, generators, None, None)
         self.orig_s = time.perf_counter() - t0 + truncate_s
-        lp_B = None
-        if self.want_logprobs:
-            lp_B = logits_BV.gather(1, sampled_random_B.view(-1, 1).long()).view(-1) - lse_B
-        offsets, ids = None, None
-        if self.want_support:
-            over_B = sizes_B > self.max_support
-            if bool(over_B.any()):
-                kept_BV[over_B] = False
-            nz_N2 = kept_BV.nonzero()
-            ids = nz_N2[:, 1].to(torch.int32).numpy()
-            counts_B = torch.where(over_B, 0, sizes_B)
-            offsets = np.zeros(len(sizes_B) + 1, dtype=np.int64)
-            np.cumsum(counts_B.numpy(), out=offsets[1:])
-        self._observed = (offsets, ids, sizes_B.numpy().astype(np.int64), lp_B)
-        return sampled_random_B, processed
+        return out
 
-    # -- called by the Sampler wrapper after sampling -----------------------------------------
-    def finish(self, sampled_B1: torch.Tensor, sampling_metadata) -> StepSamples:
-        tokens_B = sampled_B1.view(-1).numpy().astype(np.int64)
+    # -- called by the worker after the Sampler ran -------------------------------------------
+    def commit(self, sampled_B1: torch.Tensor, sampling_metadata) -> int:
+        """Record this step's sampled tokens; returns the first stage row of the step."""
+        tokens_B = sampled_B1.view(-1).numpy()
         B = len(tokens_B)
-        observed, self._observed = self._observed, None
-        if observed is None:  # all greedy: topk/topp never ran
-            greedy_B = np.ones(B, dtype=bool)
-            offsets = np.zeros(B + 1, dtype=np.int64)
-            ids = np.zeros(0, dtype=np.int32)
-            sizes = np.ones(B, dtype=np.int64)
-            lps = np.zeros(B, dtype=np.float32)
-        else:
-            offsets, ids, sizes, lp_B = observed
-            temp = sampling_metadata.temperature
-            greedy_B = (temp < _SAMPLING_EPS).numpy() if temp is not None else np.zeros(B, dtype=bool)
-            lps = lp_B.numpy().astype(np.float32) if lp_B is not None else np.zeros(B, dtype=np.float32)
-            if offsets is None:
-                offsets, ids = np.zeros(B + 1, dtype=np.int64), np.zeros(0, dtype=np.int32)
-        if greedy_B.any():
-            offsets, ids, sizes = _replace_rows_with_token(offsets, ids, sizes, greedy_B, tokens_B)
-            lps = np.where(greedy_B, np.float32(0.0), lps).astype(np.float32)
-        if not self.want_support:
-            offsets, ids = np.zeros(B + 1, dtype=np.int64), np.zeros(0, dtype=np.int32)
-        self.last = StepSamples(tokens_B, offsets, ids, sizes, lps)
-        return self.last
+        r0, r1 = self.rows, self.rows + B
+        if r1 > len(self.tokens_R):  # all-greedy steps before any truncation allocated the stage
+            grow = max(r1, self.capacity)
+            self.tokens_R = np.resize(self.tokens_R, grow)
+            self.temps_R = np.resize(self.temps_R, grow)
+            self.staged_R = np.resize(self.staged_R, grow)
+        self.tokens_R[r0:r1] = tokens_B
+        staged, self._pending = self._pending is not None, None
+        self.staged_R[r0:r1] = staged
+        if not staged:  # all greedy: top-k/top-p never ran
+            self.temps_R[r0:r1] = 0.0
+        elif sampling_metadata.all_random or sampling_metadata.temperature is None:
+            self.temps_R[r0:r1] = 1.0
+        else:  # mixed batch: greedy rows are the ones below vLLM's epsilon
+            self.temps_R[r0:r1] = sampling_metadata.temperature.numpy()
+        self.rows = r1
+        return r0
 
+    def drop_pending(self) -> None:
+        """A dummy/profile sampler run: forget what its truncation staged."""
+        self._pending = None
 
-def _replace_rows_with_token(offsets, ids, sizes, rows_B, tokens_B):
-    """Rows flagged in rows_B become the single sampled token (greedy rows)."""
-    B = len(rows_B)
-    parts, counts = [], np.empty(B, dtype=np.int64)
-    for b in range(B):
-        if rows_B[b]:
-            parts.append(np.array([tokens_B[b]], dtype=np.int32))
-        else:
-            parts.append(ids[offsets[b] : offsets[b + 1]])
-        counts[b] = len(parts[-1])
-    new_offsets = np.zeros(B + 1, dtype=np.int64)
-    np.cumsum(counts, out=new_offsets[1:])
-    new_sizes = np.where(rows_B, 1, sizes)
-    return new_offsets, (np.concatenate(parts) if parts else ids), new_sizes
+    def compute(self) -> StagedSamples:
+        """Sparse support and logprobs of every committed row; the stage is empty afterwards."""
+        R = self.rows
+        tokens_R = self.tokens_R[:R].copy()
+        greedy_R = ~self.staged_R[:R] | (self.temps_R[:R] < _SAMPLING_EPS)
+        sizes_R = np.ones(R, dtype=np.int64)
+        logprobs_R = np.zeros(R, dtype=np.float32)
+        offsets_R1 = np.zeros(R + 1, dtype=np.int64)
+        ids_N = np.zeros(0, dtype=np.int32)
+        live = np.flatnonzero(~greedy_R)
+        if self.logits_RV is not None and len(live):
+            logits_XV = self.logits_RV[:R][torch.from_numpy(live)]  # X: non-greedy rows
+            kept_XV = torch.isfinite(logits_XV)
+            sizes_X = kept_XV.sum(dim=1).numpy()
+            sizes_R[live] = sizes_X
+            if self.want_logprobs:
+                tok_X1 = torch.from_numpy(tokens_R[live]).view(-1, 1)
+                lp_X = logits_XV.gather(1, tok_X1).view(-1) - torch.logsumexp(logits_XV, dim=1)
+                logprobs_R[live] = lp_X.float().numpy()
+        if self.want_support:
+            counts_R = np.where(greedy_R, 1, np.where(sizes_R > self.max_support, 0, sizes_R))
+            np.cumsum(counts_R, out=offsets_R1[1:])
+            ids_N = np.empty(int(offsets_R1[-1]), dtype=np.int32)
+            g = np.flatnonzero(greedy_R)
+            ids_N[offsets_R1[g]] = tokens_R[g]
+            if self.logits_RV is not None and len(live):
+                ok_X = sizes_R[live] <= self.max_support
+                if ok_X.any():
+                    nz_M2 = kept_XV[torch.from_numpy(ok_X)].nonzero().numpy()  # rows in order, ids sorted
+                    rows_ok = live[ok_X]
+                    starts = np.repeat(offsets_R1[rows_ok], counts_R[rows_ok])
+                    within = np.arange(len(nz_M2)) - np.repeat(np.cumsum(counts_R[rows_ok]) - counts_R[rows_ok],
+                                                               counts_R[rows_ok])
+                    ids_N[starts + within] = nz_M2[:, 1]
+        self.rows = 0
+        return StagedSamples(tokens_R, offsets_R1, ids_N, sizes_R, logprobs_R)

@@ -1,14 +1,22 @@
-"""Worker side: ties route buffer, sampler hook, slot cache and records to one model runner.
+"""Worker side: ties route arena, sampler stage, slot cache and records to one model runner.
 
-Per engine step (see patch.py for the wrappers):
-  before_step   finished requests move to the unclaimed pool; per-layer row counters reset;
-  forward       routers copy ids into routes_TLK (route_hook.py);
-  after_forward rows -> requests: request i of input_batch owns rows query_start_loc[i:i+2] at
-                positions[...]; rows go to the slot cache (block_cache.py) and to each record;
-                a request seen for the first time whose first position is past its route_start
-                hit the prefix cache: its cached rows are read back from the slot cache;
-  after_sample  sampler row i belongs to input_batch.req_ids[i]; rows the runner discards (a
-                chunked prefill that has not reached the end of the prompt) are skipped.
+Per engine step (see patch.py for the wrappers) only cheap snapshots happen:
+  before_step   finished requests move to the unclaimed pool; flush first if the route arena or the
+                support stage could not hold another full step; per-layer row counters reset;
+  forward       routers copy ids into the route arena at this step's offset (route_hook.py);
+  after_forward the step's layout is snapshotted: which records own the input batch's rows (looked
+                up only when the batch changes), query_start_loc, positions, the discard mask and
+                the KV slots; a request seen for the first time whose first position is past its
+                route_start hit the prefix cache: a slot-cache read is queued for the flush;
+  after_sample  the step's sampled tokens are committed to the support stage (sampler_hook.py).
+
+`flush()` then maps every pending step's rows to records with a handful of array ops: slot-cache
+writes and prefix reads in step order (block_cache.py), routes grouped by record, sampler rows
+grouped by record (rows the runner discards, a chunked prefill not yet at the end of its prompt,
+are skipped). Records receive pieces and assemble them when taken (records.py). A flush runs when a
+buffer is about to fill, and before every take/discard/stats, so the client never sees a partial
+record. Why: per step, each small tensor or Python operation inside a busy engine costs ~10-70 us;
+batching many steps into one pass is what keeps capture near free (benchmarks/capture.py).
 
 `CaptureWorkerExtension` exposes this through collective_rpc (vLLM's worker_extension_cls), which
 works the same in the in-process and the multi-process engine. vLLM takes one extension class, so
@@ -19,6 +27,8 @@ registered for scoring.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,7 +38,35 @@ from .config import CaptureConfig
 from .errors import CaptureHookError
 from .records import RecordBook, RequestRecord
 from .route_hook import RouteCapture, geometry_from_runner
-from .sampler_hook import SupportCapture
+from .sampler_hook import SupportStage
+
+
+@dataclass
+class _Batch:
+    """Records owning the rows of one input-batch composition (B requests, in batch order)."""
+
+    req_ids: list[str]
+    records: list[RequestRecord | None]
+    uid_B: np.ndarray
+    """int64 record uid per request, -1 where nothing is captured (scoring or already taken)."""
+    prompt_len_B: np.ndarray
+
+
+@dataclass
+class _Step:
+    """Snapshot of one engine step, enough to map its rows to records at the next flush."""
+
+    batch: _Batch
+    qsl_B1: np.ndarray
+    pos_T: np.ndarray
+    keep_B: np.ndarray
+    arena_row: int
+    slots_T: np.ndarray | None
+    problem: str | None
+    reads: list[tuple[RequestRecord, np.ndarray, int, int]] = field(default_factory=list)
+    """Prefix-cache hits: (record, block table row, route_start, first forwarded position)."""
+    sample_row: int | None = None
+    """First support-stage row of this step's samples (None until the sampler ran)."""
 
 
 class WorkerCapture:
@@ -41,7 +79,8 @@ class WorkerCapture:
         _check_runner(runner)
         self.geometry = geometry_from_runner(runner)
         self.book = RecordBook(config.max_unclaimed)
-        self.routes: RouteCapture | None = RouteCapture(runner, self.geometry) if config.routes else None
+        self.routes: RouteCapture | None = (
+            RouteCapture(runner, self.geometry, config.flush_bytes) if config.routes else None)
         self.slot_cache: SlotRouteCache | None = None
         if self.routes is not None and config.prefix_cache_routes and runner.cache_config.enable_prefix_caching:
             bt = runner.input_batch.block_table.block_tables[0]
@@ -52,12 +91,19 @@ class WorkerCapture:
                 self.geometry.top_k,
                 self.routes.dtype,
             )
-        self.support = SupportCapture(config.max_support, config.support, config.logprobs)
-        self._step: dict[str, Any] | None = None
+        self.max_rows = int(runner.input_batch.max_num_reqs)
+        self.support = SupportStage(config.max_support, config.support, config.logprobs,
+                                    config.flush_bytes, self.max_rows)
+        self.pending: list[_Step] = []
+        self._step: _Step | None = None
+        self._batch: _Batch | None = None
+        self._arena_row = 0
+        self._positions: tuple[Any, np.ndarray | None] = (None, None)
         self.steps = 0
+        self.flushes = 0
         self.preemptions = 0
         self.hook_s = 0.0
-        """Seconds spent in capture code outside the forward (bookkeeping, support extraction)."""
+        """Seconds spent in capture code outside the forward (snapshots, flushes, support staging)."""
         try:
             self._patches = patch_runner(runner, self)
         except Exception:
@@ -71,8 +117,11 @@ class WorkerCapture:
             self.book.finish(rid)
         self.preemptions += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
         self._step = None
+        if (self.routes is not None and not self.routes.room_for_step(self._arena_row)) or not self.support.room_for(
+                self.max_rows):
+            self.flush()
         if self.routes is not None:
-            self.routes.reset_step()
+            self.routes.reset_step(self._arena_row)
 
     def after_forward(self, scheduler_output: Any) -> None:
         n = scheduler_output.total_num_scheduled_tokens
@@ -80,49 +129,55 @@ class WorkerCapture:
             return
         r = self.runner
         num_reqs = r.input_batch.num_reqs
-        req_ids = list(r.input_batch.req_ids[:num_reqs])
-        qsl = r.query_start_loc.np[: num_reqs + 1].astype(np.int64)
-        pos_T = r.positions[:n].numpy()
-        records: list[RequestRecord | None] = []
-        route_problem = self.routes.check_step(n) if self.routes is not None else None
-        if self.routes is not None and route_problem is None and self.slot_cache is not None:
-            slots_T = r.input_batch.block_table.block_tables[0].slot_mapping.cpu[:n]
-            self.slot_cache.write(slots_T, self.routes.routes_TLK[:n])
-        scoring = getattr(r, "_moe_replay_scoring", None)
-        for i, rid in enumerate(req_ids):
-            rec = self.book.get(rid)
-            first = int(pos_T[qsl[i]]) if qsl[i + 1] > qsl[i] else 0
-            if rec is None and scoring is not None and scoring.owns(rid):
-                records.append(None)  # a scoring request: its routes are forced, not captured
-                continue
-            if rec is None:
-                rec = self._new_record(rid, i, first)
-            records.append(rec)
-            if rec is None or self.routes is None:
-                continue
-            if route_problem is not None:
-                rec.problems.append(f"engine step {self.steps}: {route_problem}")
-                continue
-            rec.write_routes(first, self.routes.routes_np[qsl[i] : qsl[i + 1]])
-        keep_B = ~r.discard_request_mask.np[:num_reqs].copy()
-        last_pos_B = np.array([int(pos_T[qsl[i + 1] - 1]) for i in range(num_reqs)], dtype=np.int64)
-        self._step = {"records": records, "keep": keep_B, "sample_pos": last_pos_B + 1}
+        req_ids = r.input_batch.req_ids[:num_reqs]
+        qsl = r.query_start_loc.np[: num_reqs + 1].copy()
+        if r.positions is not self._positions[0]:  # the runner's persistent buffer; view it once
+            self._positions = (r.positions, r.positions.numpy())
+        pos_T = self._positions[1][:n].copy()
+        batch = self._batch
+        reads: list[tuple[RequestRecord, np.ndarray, int, int]] = []
+        if batch is None or batch.req_ids != req_ids:
+            batch = self._batch = self._resolve_batch(req_ids, qsl, pos_T, reads)
+        problem, slots_T = None, None
+        if self.routes is not None:
+            problem = self.routes.check_step(n)
+            if problem is None and self.slot_cache is not None:
+                slots_T = r.input_batch.block_table.block_tables[0].slot_mapping.np[:n].copy()
+        step = _Step(batch, qsl, pos_T, ~r.discard_request_mask.np[:num_reqs], self._arena_row, slots_T,
+                     problem, reads)
+        if self.routes is not None and problem is None:
+            self._arena_row += n
+        self.pending.append(step)
+        self._step = step
         self.steps += 1
 
     def after_sample(self, sampled_B1: Any, sampling_metadata: Any) -> None:
         step, self._step = self._step, None
         if step is None:  # dummy/profile sampler runs have no requests
-            self.support._observed = None
+            self.support.drop_pending()
             return
-        s = self.support.finish(sampled_B1, sampling_metadata)
-        for i, rec in enumerate(step["records"]):
-            if rec is None or not step["keep"][i]:
-                continue
-            g = int(step["sample_pos"][i]) - rec.prompt_len
-            ids = s.ids_N[s.offsets_B1[i] : s.offsets_B1[i + 1]]
-            rec.write_sample(g, int(s.tokens_B[i]), float(s.logprobs_B[i]), int(s.sizes_B[i]), ids)
+        step.sample_row = self.support.commit(sampled_B1, sampling_metadata)
 
-    def _new_record(self, rid: str, row: int, first_pos: int) -> RequestRecord | None:
+    def _resolve_batch(self, req_ids: list[str], qsl: np.ndarray, pos_T: np.ndarray,
+                       reads: list[tuple[RequestRecord, np.ndarray, int, int]]) -> _Batch:
+        """Records of a new batch composition; new requests get a record (and a queued prefix read)."""
+        scoring = getattr(self.runner, "_moe_replay_scoring", None)
+        records: list[RequestRecord | None] = []
+        for i, rid in enumerate(req_ids):
+            rec = self.book.get(rid)
+            if rec is None and scoring is not None and scoring.owns(rid):
+                records.append(None)  # a scoring request: its routes are forced, not captured
+                continue
+            if rec is None:
+                first = int(pos_T[qsl[i]]) if qsl[i + 1] > qsl[i] else 0
+                rec = self._new_record(rid, i, first, reads)
+            records.append(rec)
+        uid_B = np.array([-1 if rec is None else rec.uid for rec in records], dtype=np.int64)
+        prompt_B = np.array([0 if rec is None else rec.prompt_len for rec in records], dtype=np.int64)
+        return _Batch(list(req_ids), records, uid_B, prompt_B)
+
+    def _new_record(self, rid: str, row: int, first_pos: int,
+                    reads: list[tuple[RequestRecord, np.ndarray, int, int]]) -> RequestRecord | None:
         state = self.runner.requests[rid]
         prompt_len = int(state.num_prompt_tokens)
         sp = state.sampling_params
@@ -138,30 +193,105 @@ class WorkerCapture:
                 "(prefix_cache_routes=False or prefix caching off): routes before it are missing"
             )
             return rec
-        block_ids = self.runner.input_batch.block_table.block_tables[0].block_table.np[row]
-        rows, valid = self.slot_cache.read(block_ids, route_start, first_pos)
-        if not valid.all():
-            bad = int(np.flatnonzero(~valid)[0]) + route_start
-            rec.problems.append(
-                f"prefix-cache hit: routes of cached position {bad} were computed while capture was off; "
-                "reset the prefix cache (llm.reset_prefix_cache()) after installing capture"
-            )
-        rec.write_routes(route_start, rows, valid)
+        block_ids = self.runner.input_batch.block_table.block_tables[0].block_table.np[row].copy()
+        reads.append((rec, block_ids, route_start, first_pos))
         return rec
+
+    # -- flush --------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Map every pending step's rows to their records (see the module docstring)."""
+        steps, self.pending = self.pending, []
+        if self._step is not None:  # a step between forward and sampler stays pending
+            steps.remove(self._step)
+            self.pending.append(self._step)
+        if not steps:
+            return
+        t0 = time.perf_counter()
+        self.flushes += 1
+        chunk_TLK = None
+        if self.routes is not None:
+            last = steps[-1]
+            stop = last.arena_row + (len(last.pos_T) if last.problem is None else 0)
+            chunk_TLK = self.routes.routes_np[:stop].copy()
+            if self._step is None:
+                self._arena_row = 0
+            for st in steps:
+                if st.problem is not None:
+                    for rec in st.batch.records:
+                        if rec is not None:
+                            rec.problems.append(f"engine step: {st.problem}")
+            if self.slot_cache is not None:
+                self._slot_cache_pass(steps, chunk_TLK)
+            self._distribute_routes(steps, chunk_TLK)
+        sampled = [st for st in steps if st.sample_row is not None]
+        if sampled:
+            self._distribute_samples(sampled, self.support.compute())
+        self.hook_s += time.perf_counter() - t0
+
+    def _slot_cache_pass(self, steps: list[_Step], chunk_TLK: np.ndarray) -> None:
+        """Slot-cache writes and prefix reads in step order (a read sees every earlier write)."""
+        assert self.slot_cache is not None
+        seg: list[_Step] = []
+        for st in steps:
+            if st.slots_T is not None:
+                seg.append(st)
+            if st.reads:
+                self._write_slots(seg, chunk_TLK)
+                seg = []
+                for rec, block_ids, start, stop in st.reads:
+                    rows, valid = self.slot_cache.read(block_ids, start, stop)
+                    if not valid.all():
+                        bad = int(np.flatnonzero(~valid)[0]) + start
+                        rec.problems.append(
+                            f"prefix-cache hit: routes of cached position {bad} were computed while capture was "
+                            "off; reset the prefix cache (llm.reset_prefix_cache()) after installing capture"
+                        )
+                    rec.write_routes(start, rows, valid)
+        self._write_slots(seg, chunk_TLK)
+
+    def _write_slots(self, seg: list[_Step], chunk_TLK: np.ndarray) -> None:
+        if not seg:
+            return
+        slots = np.concatenate([st.slots_T for st in seg])
+        rows = np.concatenate([np.arange(st.arena_row, st.arena_row + len(st.pos_T)) for st in seg])
+        self.slot_cache.write(slots, chunk_TLK[rows])
+
+    def _distribute_routes(self, steps: list[_Step], chunk_TLK: np.ndarray) -> None:
+        routed = [st for st in steps if st.problem is None]
+        if not routed:
+            return
+        uid_T = np.concatenate([np.repeat(st.batch.uid_B, np.diff(st.qsl_B1)) for st in routed])
+        pos_T = np.concatenate([st.pos_T for st in routed])
+        row_T = np.concatenate([np.arange(st.arena_row, st.arena_row + len(st.pos_T)) for st in routed])
+        for rec, sel in _group(uid_T, _records_of(routed)):
+            rec.write_routes_at(pos_T[sel], chunk_TLK[row_T[sel]])
+
+    def _distribute_samples(self, steps: list[_Step], staged: Any) -> None:
+        uid_X = np.concatenate([np.where(st.keep_B, st.batch.uid_B, -1) for st in steps])
+        g_X = np.concatenate([st.pos_T[st.qsl_B1[1:] - 1] + 1 - st.batch.prompt_len_B for st in steps])
+        row_X = np.concatenate([np.arange(st.sample_row, st.sample_row + len(st.keep_B)) for st in steps])
+        for rec, sel in _group(uid_X, _records_of(steps)):
+            rec.write_samples(g_X[sel], row_X[sel], staged)
 
     # -- control ------------------------------------------------------------------------------
     def take(self, keys: list[str]) -> list[dict[str, Any]]:
+        self.flush()
+        self._batch = None  # a taken live request gets no record on its next step
         return [self.book.take(k) for k in keys]
 
     def discard(self, keys: list[str]) -> int:
+        self.flush()
+        self._batch = None
         return sum(self.book.discard(k) for k in keys)
 
     def stats(self) -> dict[str, Any]:
+        self.flush()
         return {
             "live": len(self.book.live),
             "unclaimed": len(self.book.finished),
             "evicted": len(self.book.evicted),
             "steps": self.steps,
+            "flushes": self.flushes,
             "preemptions": self.preemptions,
             "hook_s": self.hook_s,
         }
@@ -170,6 +300,25 @@ class WorkerCapture:
         self._patches.undo()
         if self.routes is not None:
             self.routes.uninstall()
+
+
+def _records_of(steps: list[_Step]) -> dict[int, RequestRecord]:
+    """uid -> record over the distinct batch compositions of `steps`."""
+    out: dict[int, RequestRecord] = {}
+    for batch in {id(st.batch): st.batch for st in steps}.values():
+        out.update((rec.uid, rec) for rec in batch.records if rec is not None)
+    return out
+
+
+def _group(uid_X: np.ndarray, records: dict[int, RequestRecord]):
+    """(record, indices of its entries in arrival order) for every uid >= 0 in uid_X."""
+    live = np.flatnonzero(uid_X >= 0)
+    if not len(live):
+        return
+    order = live[np.argsort(uid_X[live], kind="stable")]
+    cuts = np.flatnonzero(np.diff(uid_X[order])) + 1
+    for sel in np.split(order, cuts):
+        yield records[int(uid_X[sel[0]])], sel
 
 
 def _check_runner(runner: Any) -> None:
