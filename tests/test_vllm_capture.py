@@ -277,6 +277,38 @@ def _aborted_output(done, rid):
                          outputs=[comp], finished=True)
 
 
+def test_each_part_alone(engine):
+    """Routes only, or support + logprobs only: each part alone is captured completely (the last
+    forwarded position included) and equals the HF references; the other part is absent."""
+    family, llm, cap, model_dir = engine
+    if family != "qwen3_moe":
+        pytest.skip("family-independent; run once")
+    cap.uninstall()
+    prm = SAMPLING[0]
+    try:
+        for cfg in (CaptureConfig(support=False, logprobs=False), CaptureConfig(routes=False)):
+            part = VllmCapture(llm, cfg)
+            try:
+                outs = llm.generate([prompt_text(12, 3), prompt_text(30, 4)], sampling_params(*prm, max_tokens=7),
+                                    use_tqdm=False)
+                for t in part.collect(outs):
+                    routes_hf, logits = hf_forward(model_dir, t.token_ids_S)
+                    if cfg.routes:
+                        assert t.support is None
+                        assert t.routes_TLK.shape == routes_hf.shape
+                        assert np.array_equal(np.sort(t.routes_TLK, -1), np.sort(routes_hf, -1))
+                    else:
+                        assert t.routes_TLK is None
+                        P, G = t.prompt_len, t.num_generated
+                        ref = reference_support(logits[P - 1 : P - 1 + G], *prm)
+                        assert all(np.array_equal(t.support.row(g), ref[g]) for g in range(G))
+            finally:
+                part.uninstall()
+    finally:
+        engine_cap = VllmCapture(llm, CaptureConfig())
+        cap.__dict__.update(engine_cap.__dict__)
+
+
 def test_support_overflow_policies(engine):
     """Support rows above max_support: 'error' raises SupportOverflowError for that request only;
     'omit' returns the trace with support=None and says which row overflowed. Never truncated."""

@@ -1,14 +1,16 @@
 """Route capture through vLLM's official hook, `BaseRouter.set_capture_fn`.
 
 Each MoE layer's router calls our function with its logical top-k ids [T, K] (before any EPLB
-remap, in the column order the experts kernel consumes). The function only copies them into one
-preallocated narrow arena routes_TLK[capacity, L, K], at the current step's offset: consecutive
-steps fill consecutive rows, and mapping rows to requests happens in batches, when the worker
-flushes the arena (see worker.py), never inside the forward.
+remap, in the column order the experts kernel consumes). On a CPU engine the function only holds a
+reference to them; after the forward, `land` stacks every layer's ids into one preallocated narrow
+arena routes_TLK[capacity, L, K] at the step's offset (on other devices each layer copies its own
+slice). Consecutive steps fill consecutive rows, and mapping rows to requests happens in batches,
+when the worker flushes the arena (see worker.py), never inside the forward.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -84,6 +86,9 @@ class RouteCapture:
         self.offset = 0
         """First arena row of the current step."""
         self._base = [0]  # what the capture closures read: the offset of the running forward
+        self._copy_s = [0.0]
+        self._held_L: list[torch.Tensor | None] = [None] * geometry.num_moe_layers
+        """Each layer's top-k ids of the running forward (CPU engines), copied by `land`."""
         self.rows_seen_L = [0] * geometry.num_moe_layers
         """Rows written by each layer in the current forward (reset per step)."""
         self._routers: list[Any] = []
@@ -103,33 +108,60 @@ class RouteCapture:
             self._routers.append(router)
 
     def _make_fn(self, j: int):
-        buf_TLK, buf_np, cap, seen, base = self.routes_TLK, self.routes_np, self.capacity, self.rows_seen_L, self._base
+        buf_TLK, cap, seen, base, held = self.routes_TLK, self.capacity, self.rows_seen_L, self._base, self._held_L
+        spent, clock = self._copy_s, time.perf_counter
 
         def capture(topk_ids_TK: torch.Tensor) -> None:
+            t0 = clock()
             n = topk_ids_TK.shape[0]
-            b = base[0]
-            m = n if b + n <= cap else cap - b  # padded dummy steps may exceed; check_step reports real ones
-            if topk_ids_TK.is_cpu:  # a numpy copy skips torch dispatch: ~3x cheaper at decode sizes
-                buf_np[b : b + m, j] = topk_ids_TK.numpy()[:m]
+            if topk_ids_TK.is_cpu:
+                # Hold the router's own output until the forward ends (`land`): one stacked copy per
+                # step instead of one small copy per layer, each ~10 us inside a busy CPU engine.
+                held[j] = topk_ids_TK
             else:
+                b = base[0]
+                m = n if b + n <= cap else cap - b  # padded dummy steps may exceed; check_step reports real ones
                 buf_TLK[b : b + m, j].copy_(topk_ids_TK[:m])
             seen[j] = n
+            spent[0] += clock() - t0
 
         return capture
+
+    def land(self, num_tokens: int) -> None:
+        """Copy the ids held during this step's forward into arena rows [offset, offset + num_tokens).
+
+        Called after `check_step` passed. The held tensors are the routers' fresh top-k outputs
+        (vLLM's CPU router allocates them per call and nothing writes to them afterwards; the
+        capture tests compare every captured route with HF's routing).
+        """
+        held = self._held_L
+        if held[0] is None:
+            return
+        n, o = num_tokens, self.offset
+        rows = [h if h.shape[0] == n else h[:n] for h in held]
+        self.routes_TLK[o : o + n].copy_(torch.stack(rows, dim=1))
+        for j in range(len(held)):
+            held[j] = None
+
+    @property
+    def copy_s(self) -> float:
+        """Seconds spent inside the forward by the capture functions (all layers, all steps)."""
+        return self._copy_s[0]
 
     def reset_step(self, offset: int) -> None:
         """Start a step whose rows go to arena rows [offset, offset + tokens)."""
         self.offset = self._base[0] = offset
         for j in range(len(self.rows_seen_L)):
             self.rows_seen_L[j] = -1
+            self._held_L[j] = None
 
     def room_for_step(self, offset: int) -> bool:
         return offset + self.step_rows <= self.capacity
 
     def check_step(self, num_tokens: int) -> str | None:
         """None when every layer wrote exactly num_tokens rows this step, else what went wrong."""
-        bad = [(self.geometry.moe_layer_ids[j], n) for j, n in enumerate(self.rows_seen_L) if n < num_tokens]
-        if bad:
+        if min(self.rows_seen_L) < num_tokens:
+            bad = [(self.geometry.moe_layer_ids[j], n) for j, n in enumerate(self.rows_seen_L) if n < num_tokens]
             return f"layers (id, rows) {bad} routed fewer than the {num_tokens} scheduled tokens"
         if self.offset + num_tokens > self.capacity:
             return f"step of {num_tokens} tokens at row {self.offset} exceeds the route arena ({self.capacity} rows)"

@@ -141,6 +141,8 @@ class WorkerCapture:
         problem, slots_T = None, None
         if self.routes is not None:
             problem = self.routes.check_step(n)
+            if problem is None:
+                self.routes.land(n)
             if problem is None and self.slot_cache is not None:
                 slots_T = r.input_batch.block_table.block_tables[0].slot_mapping.np[:n].copy()
         step = _Step(batch, qsl, pos_T, ~r.discard_request_mask.np[:num_reqs], self._arena_row, slots_T,
@@ -200,10 +202,9 @@ class WorkerCapture:
     # -- flush --------------------------------------------------------------------------------
     def flush(self) -> None:
         """Map every pending step's rows to their records (see the module docstring)."""
+        # Flushes run between engine steps (before_step, or an RPC, which the engine serves between
+        # steps), so every pending step has had its sampler call, if it has one.
         steps, self.pending = self.pending, []
-        if self._step is not None:  # a step between forward and sampler stays pending
-            steps.remove(self._step)
-            self.pending.append(self._step)
         if not steps:
             return
         t0 = time.perf_counter()
@@ -213,8 +214,7 @@ class WorkerCapture:
             last = steps[-1]
             stop = last.arena_row + (len(last.pos_T) if last.problem is None else 0)
             chunk_TLK = self.routes.routes_np[:stop].copy()
-            if self._step is None:
-                self._arena_row = 0
+            self._arena_row = 0
             for st in steps:
                 if st.problem is not None:
                     for rec in st.batch.records:
@@ -294,6 +294,7 @@ class WorkerCapture:
             "flushes": self.flushes,
             "preemptions": self.preemptions,
             "hook_s": self.hook_s,
+            "route_copy_s": self.routes.copy_s if self.routes is not None else 0.0,
         }
 
     def uninstall(self) -> None:
