@@ -1,11 +1,10 @@
 """Route capture through vLLM's official hook, `BaseRouter.set_capture_fn`.
 
 Each MoE layer's router calls our function with its logical top-k ids [T, K] (before any EPLB
-remap, in the column order the experts kernel consumes). On a CPU engine the function only holds a
-reference to them; after the forward, `land` stacks every layer's ids into one preallocated narrow
-arena routes_TLK[capacity, L, K] at the step's offset (on other devices each layer copies its own
-slice). Consecutive steps fill consecutive rows, and mapping rows to requests happens in batches,
-when the worker flushes the arena (see worker.py), never inside the forward.
+remap, in the column order the experts kernel consumes). Inside the forward the function only keeps
+them (a reference on CPU engines, a copy into a preallocated narrow arena elsewhere); rows of many
+steps are stacked and mapped to requests in one pass when the worker flushes (see worker.py).
+Why: each small op costs ~10 us inside a busy CPU engine, and a step has one call per MoE layer.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...geometry import ModelGeometry
@@ -67,29 +67,39 @@ def geometry_from_runner(runner: Any) -> ModelGeometry:
 
 
 class RouteCapture:
-    """Preallocated routes_TLK arena plus one capture function per MoE layer.
+    """Route rows of recent steps (`capacity` rows at most) plus one capture function per MoE layer.
 
-    The arena holds `capacity` rows: at least one full step (max_num_tokens), else as many as
-    `budget_bytes` allows. `offset` is where the current step's rows go.
+    Two ways to hold them until the worker flushes (worker.py), chosen by the runner's device:
+      hold  (CPU)   each layer's top-k output tensor is kept as is; `land` files the step's tensors
+                    and `chunk` stacks every held step in one pass at the flush. vLLM's CPU router
+                    allocates these per call and nothing writes to them afterwards (the capture
+                    tests compare every captured route with HF's routing);
+      arena (other) each layer copies its ids into a preallocated narrow arena routes_TLK at the
+                    step's offset (buffers a graph-captured forward reuses must be copied at once).
+    Either way `capacity` is at least one full step (max_num_tokens), else what `budget_bytes`
+    allows; rows are numbered from 0 since the last flush, and `offset` is the current step's first.
     """
 
     def __init__(self, runner: Any, geometry: ModelGeometry, budget_bytes: int = 0) -> None:
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
         self.geometry = geometry
+        L, K = geometry.num_moe_layers, geometry.top_k
         self.step_rows = int(runner.max_num_tokens)
         self.dtype = torch_route_dtype(geometry.num_experts)
-        row_bytes = geometry.num_moe_layers * geometry.top_k * torch.empty(0, dtype=self.dtype).element_size()
-        self.capacity = max(self.step_rows, budget_bytes // row_bytes)
-        self.routes_TLK = torch.zeros((self.capacity, geometry.num_moe_layers, geometry.top_k), dtype=self.dtype)
-        self.routes_np = self.routes_TLK.numpy()
+        self.hold = torch.device(runner.device).type == "cpu"
+        id_bytes = 8 if self.hold else torch.empty(0, dtype=self.dtype).element_size()  # held: router's int32/64
+        self.capacity = max(self.step_rows, budget_bytes // (L * K * id_bytes))
+        self.routes_TLK = None if self.hold else torch.zeros((self.capacity, L, K), dtype=self.dtype)
         self.offset = 0
-        """First arena row of the current step."""
+        """First row of the current step."""
         self._base = [0]  # what the capture closures read: the offset of the running forward
         self._copy_s = [0.0]
-        self._held_L: list[torch.Tensor | None] = [None] * geometry.num_moe_layers
-        """Each layer's top-k ids of the running forward (CPU engines), copied by `land`."""
-        self.rows_seen_L = [0] * geometry.num_moe_layers
+        self._held_L: list[torch.Tensor | None] = [None] * L
+        """Each layer's top-k ids of the running forward (hold mode)."""
+        self._landed: list[list[torch.Tensor]] = []
+        """Per landed step (hold mode), its layers' ids, [rows, K] each."""
+        self.rows_seen_L = [0] * L
         """Rows written by each layer in the current forward (reset per step)."""
         self._routers: list[Any] = []
         for j, (layer_id, moe) in enumerate(find_moe_layers(runner.model)):
@@ -109,14 +119,12 @@ class RouteCapture:
 
     def _make_fn(self, j: int):
         buf_TLK, cap, seen, base, held = self.routes_TLK, self.capacity, self.rows_seen_L, self._base, self._held_L
-        spent, clock = self._copy_s, time.perf_counter
+        spent, clock, hold = self._copy_s, time.perf_counter, self.hold
 
         def capture(topk_ids_TK: torch.Tensor) -> None:
             t0 = clock()
             n = topk_ids_TK.shape[0]
-            if topk_ids_TK.is_cpu:
-                # Hold the router's own output until the forward ends (`land`): one stacked copy per
-                # step instead of one small copy per layer, each ~10 us inside a busy CPU engine.
+            if hold:
                 held[j] = topk_ids_TK
             else:
                 b = base[0]
@@ -128,20 +136,27 @@ class RouteCapture:
         return capture
 
     def land(self, num_tokens: int) -> None:
-        """Copy the ids held during this step's forward into arena rows [offset, offset + num_tokens).
-
-        Called after `check_step` passed. The held tensors are the routers' fresh top-k outputs
-        (vLLM's CPU router allocates them per call and nothing writes to them afterwards; the
-        capture tests compare every captured route with HF's routing).
-        """
-        held = self._held_L
-        if held[0] is None:
+        """File this step's rows (called once `check_step` passed): rows [offset, offset + num_tokens)."""
+        if not self.hold:
             return
-        n, o = num_tokens, self.offset
-        rows = [h if h.shape[0] == n else h[:n] for h in held]
-        self.routes_TLK[o : o + n].copy_(torch.stack(rows, dim=1))
+        held, n = self._held_L, num_tokens
+        self._landed.append([h if h.shape[0] == n else h[:n] for h in held])
         for j in range(len(held)):
             held[j] = None
+
+    def chunk(self, stop: int) -> np.ndarray:
+        """Rows [0, stop) of every landed step as one narrow array [stop, L, K]; starts a new window."""
+        if not self.hold:
+            return self.routes_TLK[:stop].numpy().copy()
+        landed, self._landed = self._landed, []
+        L, K = self.geometry.num_moe_layers, self.geometry.top_k
+        if not landed:
+            return np.zeros((0, L, K), dtype=torch.empty(0, dtype=self.dtype).numpy().dtype)
+        per_layer = [torch.cat([step[j] for step in landed]) for j in range(L)]
+        out = torch.stack(per_layer, dim=1).to(self.dtype).numpy()
+        if len(out) != stop:
+            raise CaptureHookError(f"route window holds {len(out)} rows, expected {stop}")
+        return out
 
     @property
     def copy_s(self) -> float:
@@ -153,7 +168,7 @@ class RouteCapture:
         self.offset = self._base[0] = offset
         for j in range(len(self.rows_seen_L)):
             self.rows_seen_L[j] = -1
-            self._held_L[j] = None
+            self._held_L[j] = None  # ids of a forward that never landed (a dummy run) are dropped
 
     def room_for_step(self, offset: int) -> bool:
         return offset + self.step_rows <= self.capacity

@@ -61,7 +61,8 @@ class SupportStage:
         self.rows = 0
         """Rows committed so far (since the last reset)."""
         self.logits_RV: torch.Tensor | None = None
-        self.tokens_R = np.zeros(0, dtype=np.int64)
+        self._sampled: list[torch.Tensor] = []
+        """Each committed step's sampled token ids [B, 1], as the sampler returned them."""
         self.temps_R = np.zeros(0, dtype=np.float32)
         self.staged_R = np.zeros(0, dtype=bool)
         self._pending: int | None = None
@@ -73,7 +74,6 @@ class SupportStage:
         row_bytes = V * logits_BV.element_size()
         self.capacity = max(self.min_rows, self.budget_bytes // max(row_bytes, 1))
         self.logits_RV = torch.empty((self.capacity, V), dtype=logits_BV.dtype, device=logits_BV.device)
-        self.tokens_R = np.zeros(self.capacity, dtype=np.int64)
         self.temps_R = np.zeros(self.capacity, dtype=np.float32)
         self.staged_R = np.zeros(self.capacity, dtype=bool)
 
@@ -105,15 +105,13 @@ class SupportStage:
     # -- called by the worker after the Sampler ran -------------------------------------------
     def commit(self, sampled_B1: torch.Tensor, sampling_metadata) -> int:
         """Record this step's sampled tokens; returns the first stage row of the step."""
-        tokens_B = sampled_B1.view(-1).numpy()
-        B = len(tokens_B)
+        B = sampled_B1.shape[0]
         r0, r1 = self.rows, self.rows + B
-        if r1 > len(self.tokens_R):  # all-greedy steps before any truncation allocated the stage
+        if r1 > len(self.staged_R):  # all-greedy steps before any truncation allocated the stage
             grow = max(r1, self.capacity)
-            self.tokens_R = np.resize(self.tokens_R, grow)
             self.temps_R = np.resize(self.temps_R, grow)
             self.staged_R = np.resize(self.staged_R, grow)
-        self.tokens_R[r0:r1] = tokens_B
+        self._sampled.append(sampled_B1)  # the sampler's fresh output; read at compute()
         staged, self._pending = self._pending is not None, None
         self.staged_R[r0:r1] = staged
         if not staged:  # all greedy: top-k/top-p never ran
@@ -132,7 +130,8 @@ class SupportStage:
     def compute(self) -> StagedSamples:
         """Sparse support and logprobs of every committed row; the stage is empty afterwards."""
         R = self.rows
-        tokens_R = self.tokens_R[:R].copy()
+        sampled, self._sampled = self._sampled, []
+        tokens_R = torch.cat(sampled).view(-1).numpy().astype(np.int64) if sampled else np.zeros(0, np.int64)
         greedy_R = ~self.staged_R[:R] | (self.temps_R[:R] < _SAMPLING_EPS)
         sizes_R = np.ones(R, dtype=np.int64)
         logprobs_R = np.zeros(R, dtype=np.float32)

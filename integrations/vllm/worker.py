@@ -213,7 +213,7 @@ class WorkerCapture:
         if self.routes is not None:
             last = steps[-1]
             stop = last.arena_row + (len(last.pos_T) if last.problem is None else 0)
-            chunk_TLK = self.routes.routes_np[:stop].copy()
+            chunk_TLK = self.routes.chunk(stop)
             self._arena_row = 0
             for st in steps:
                 if st.problem is not None:
