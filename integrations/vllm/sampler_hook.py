@@ -145,9 +145,10 @@ class SupportStage:
             sizes_R[live] = sizes_X
             if self.want_logprobs:
                 tok_X1 = torch.from_numpy(tokens_R[live]).view(-1, 1)
-                # log_softmax handles -inf rows as fast as finite ones (logsumexp is ~5x slower on CPU)
-                lp_X = torch.log_softmax(logits_XV.float(), dim=1).gather(1, tok_X1).view(-1)
-                logprobs_R[live] = lp_X.numpy()
+                # x[token] - logsumexp(x): the same expression the scorer (force.py) uses, so a rollout's
+                # logprob and its re-score agree to the bit on a deterministic engine
+                lp_X = logits_XV.gather(1, tok_X1).view(-1) - torch.logsumexp(logits_XV, dim=1)
+                logprobs_R[live] = lp_X.float().numpy()
         if self.want_support:
             counts_R = np.where(greedy_R, 1, np.where(sizes_R > self.max_support, 0, sizes_R))
             np.cumsum(counts_R, out=offsets_R1[1:])
