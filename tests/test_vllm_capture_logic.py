@@ -1,0 +1,97 @@
+"""Pure logic of the batched capture path: record assembly from pieces and the support stage.
+
+The real-engine behaviour is proven in test_vllm_capture.py; these pin the array bookkeeping
+(newest write wins, gaps are reported, CSR rows are gathered exactly) on hand-made inputs.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from moe_replay.integrations.vllm.records import RequestRecord, last_occurrence, unpack_array
+from moe_replay.integrations.vllm.sampler_hook import StagedSamples, SupportStage
+
+
+def test_last_occurrence_keeps_the_newest_write():
+    keys = np.array([5, 3, 5, 7, 3, 5])
+    assert last_occurrence(keys).tolist() == [3, 4, 5]
+    assert last_occurrence(np.array([2])).tolist() == [0]
+    assert last_occurrence(np.zeros(0, dtype=np.int64)).tolist() == []
+
+
+def _record() -> RequestRecord:
+    return RequestRecord("r-1", prompt_len=3, route_start=0, L=2, K=2, route_dtype=np.uint8)
+
+
+def test_routes_from_pieces_newest_wins_and_prefix_reads_count():
+    rec = _record()
+    rows = lambda v, n: np.full((n, 2, 2), v, dtype=np.uint8)  # noqa: E731
+    rec.write_routes(0, rows(1, 2), np.array([True, False]))  # prefix read: position 1 invalid
+    rec.write_routes_at(np.array([2, 3, 3]), rows(2, 3) + np.arange(3, dtype=np.uint8)[:, None, None])
+    rec.write_routes_at(np.array([1]), rows(9, 1))  # recomputed later (preemption): newest wins
+    p = rec.payload()
+    routes, filled = unpack_array(p["routes"]), unpack_array(p["routes_filled"])
+    assert filled.tolist() == [True, True, True, True]
+    assert routes[:, 0, 0].tolist() == [1, 9, 2, 4]  # position 3 written twice in one piece: last kept
+
+
+def _staged(tokens, sizes, rows_ids, lps) -> StagedSamples:
+    counts = np.array([len(r) for r in rows_ids])
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    ids = np.concatenate(rows_ids).astype(np.int32) if rows_ids else np.zeros(0, np.int32)
+    return StagedSamples(np.asarray(tokens, np.int64), offsets, ids, np.asarray(sizes, np.int64),
+                         np.asarray(lps, np.float32))
+
+
+def test_samples_gathered_across_flushes_in_g_order():
+    rec = _record()
+    a = _staged([10, 11, 12], [2, 1, 3], [[10, 40], [11], [5, 12, 30]], [-0.5, 0.0, -1.0])
+    b = _staged([20, 21], [1, 2], [[20], [1, 21]], [-0.1, -0.2])
+    rec.write_samples(np.array([1, 0]), np.array([2, 0]), a)  # g=1 from row 2, g=0 from row 0
+    rec.write_samples(np.array([2, 1]), np.array([0, 1]), b)  # g=1 drawn again: newest wins
+    p = rec.payload()
+    assert unpack_array(p["tokens"]).tolist() == [10, 21, 20]
+    assert unpack_array(p["support_sizes"]).tolist() == [2, 2, 1]
+    off, ids = unpack_array(p["support_offsets"]), unpack_array(p["support_ids"])
+    assert [ids[off[g]:off[g + 1]].tolist() for g in range(3)] == [[10, 40], [1, 21], [20]]
+    assert np.allclose(unpack_array(p["logprobs"]), [-0.5, -0.2, -0.1])
+    assert p["problems"] == []
+
+
+def test_a_missing_sample_is_reported_not_skipped():
+    rec = _record()
+    s = _staged([1, 2], [1, 1], [[1], [2]], [0.0, 0.0])
+    rec.write_samples(np.array([0, 2]), np.array([0, 1]), s)
+    p = rec.payload()
+    assert unpack_array(p["tokens"]).tolist() == [1]
+    assert "generated token 1 never arrived" in p["problems"][0]
+
+
+def _meta(temperature=None, all_random=True):
+    return SimpleNamespace(temperature=temperature, all_random=all_random)
+
+
+def test_support_stage_batches_steps_and_handles_greedy_and_overflow():
+    stage = SupportStage(max_support=3, want_support=True, want_logprobs=True, budget_bytes=0, min_rows=4)
+    neg = float("-inf")
+    step1 = torch.tensor([[0.0, 1.0, neg, neg, 2.0], [neg, 0.5, neg, neg, neg]])
+    step2 = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0], [3.0, neg, 1.0, neg, neg]])
+
+    def sample(logits, tokens, meta):
+        stage.truncate_and_observe(lambda x, g, k, p: (torch.tensor(tokens), None), logits, {}, None, None)
+        return stage.commit(torch.tensor(tokens).view(-1, 1), meta)
+
+    assert sample(step1, [4, 1], _meta()) == 0
+    assert sample(step2, [2, 0], _meta(torch.tensor([1.0, 0.0]), all_random=False)) == 2  # row 3 greedy
+    assert stage.commit(torch.tensor([[7]]), _meta()) == 4 and stage.rows == 5  # an all-greedy step
+    out = stage.compute()
+    assert stage.rows == 0
+    assert out.tokens_R.tolist() == [4, 1, 2, 0, 7]
+    assert out.sizes_R.tolist() == [3, 1, 5, 1, 1]  # row 2 keeps 5 > max_support: size kept, ids not
+    rows = [out.ids_N[out.offsets_R1[r]:out.offsets_R1[r + 1]].tolist() for r in range(5)]
+    assert rows == [[0, 1, 4], [1], [], [0], [7]]
+    want0 = float(step1[0, 4] - torch.logsumexp(step1[0], 0))
+    assert np.allclose(out.logprobs_R, [want0, 0.0, float(-np.log(5)), 0.0, 0.0], atol=1e-6)
