@@ -33,7 +33,9 @@ class CaptureConfig:
     flush_bytes: int = 16 << 20
     """Budget of each per-step staging buffer (route arena, truncated logit rows): steps accumulate
     until one would overflow, then a flush maps them to requests in one batched pass. Each buffer
-    always holds at least one full step, whatever the budget."""
+    always holds at least one full step, whatever the budget: with a large vocabulary the logit stage
+    is max_num_seqs x V x 4 bytes on the logits' device (e.g. 256 x 152k -> 155 MB), flushed every
+    step, where per-op overhead no longer matters."""
     max_unclaimed: int = 65536
     """Finished requests held on the worker until collected; beyond it the oldest is dropped and
     collecting it raises CaptureEvictedError (never a silent gap)."""

@@ -207,7 +207,6 @@ class WorkerCapture:
         steps, self.pending = self.pending, []
         if not steps:
             return
-        t0 = time.perf_counter()
         self.flushes += 1
         chunk_TLK = None
         if self.routes is not None:
@@ -226,6 +225,12 @@ class WorkerCapture:
         sampled = [st for st in steps if st.sample_row is not None]
         if sampled:
             self._distribute_samples(sampled, self.support.compute())
+
+    def _flush_between_steps(self) -> None:
+        """Flush for an RPC (discard/stats): its time counts as capture time too (inside a step, the
+        step bracket times before_step, flush included)."""
+        t0 = time.perf_counter()
+        self.flush()
         self.hook_s += time.perf_counter() - t0
 
     def _slot_cache_pass(self, steps: list[_Step], chunk_TLK: np.ndarray) -> None:
@@ -275,17 +280,20 @@ class WorkerCapture:
 
     # -- control ------------------------------------------------------------------------------
     def take(self, keys: list[str]) -> list[dict[str, Any]]:
+        t0 = time.perf_counter()
         self.flush()
         self._batch = None  # a taken live request gets no record on its next step
-        return [self.book.take(k) for k in keys]
+        out = [self.book.take(k) for k in keys]
+        self.hook_s += time.perf_counter() - t0  # flush + assembling the records: capture work too
+        return out
 
     def discard(self, keys: list[str]) -> int:
-        self.flush()
+        self._flush_between_steps()
         self._batch = None
         return sum(self.book.discard(k) for k in keys)
 
     def stats(self) -> dict[str, Any]:
-        self.flush()
+        self._flush_between_steps()
         return {
             "live": len(self.book.live),
             "unclaimed": len(self.book.finished),
@@ -328,7 +336,8 @@ def _check_runner(runner: Any) -> None:
     if missing:
         raise CaptureHookError(
             f"model runner {type(runner).__name__} lacks {missing}: capture hooks the V1 CPU/GPU model runner "
-            "(on GPU Model Runner V2 use LLM(enable_return_routed_experts=True); collect() reads it)"
+            "(GPU Model Runner V2 has its own routed-expert output, RequestOutput routed_experts with "
+            "enable_return_routed_experts; moe_replay does not read it yet: it needs a GPU vLLM build to test)"
         )
     if getattr(runner, "speculative_config", None) is not None:
         raise CaptureHookError("speculative decoding is on: per-token sampling capture does not support draft tokens")
