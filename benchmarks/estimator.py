@@ -54,6 +54,10 @@ measures engine noise only (`kind == "engine"`; variance_ratio is null when repl
 variance_ratio[n] = sum over tokens of Var(estimate with n) / sum of Var(single score), over
 `--variance-repeats` independent estimates; the expected value under iid replica noise is 1/n.
 
+Real noise (`real_noise`): the HF scorer in bf16 on this CPU scores a rollout differently beside
+different neighbours (up to ~0.08 nats; a repeat of the same batch is bit-identical), so the script
+also measures variance_ratio with that scorer and random batch placements, nothing injected.
+
 Correctness, checked every run (`sidecar.check`): every sidecar estimate lines up with its trace
 (same key, n = 4, one value per generated token) and equals the scoring engine's single score to
 1e-6 (deterministic CPU engine), which also equals the in-process engine's score.
@@ -117,6 +121,44 @@ class NoisyScorer:
     def score_batch(self, traces):
         out = self.scorer.score_batch(traces)
         return [np.minimum(lp + self.rng.normal(0.0, self.sigma, lp.shape), 0.0) for lp in out]
+
+
+def measure_real_noise(traces, model_dir: str, repeats: int, batch_size: int = 4) -> dict:
+    """Variance ratio under a noise source this CPU really has: HF bf16 scoring depends on the batch.
+
+    The HF scorer (force_routes, use_support) in bf16 gives a rollout a different score beside
+    different neighbours (padding and the GEMMs' row count change the kernels' blocking), while a
+    repeat of the same batch is bit-identical. Replicas placed in random batches ('shuffle',
+    `batch_size` rollouts per batch, a new seed per repeat) therefore carry real batch-composition
+    noise, like a GPU engine's; nothing is injected.
+    """
+    from moe_replay.integrations.hf.scorer import HFScorer, HFScorerConfig
+
+    hf = HFScorer(HFScorerConfig(model_dir, dtype="bfloat16", force_routes=True, use_support=True))
+
+    def gap(a, b):
+        return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+    full = hf.score_batch(traces)
+    spread = {"repeat_same_batch": gap(full, hf.score_batch(traces)),
+              "alone_vs_full_batch": gap(full, [hf.score_batch([t])[0] for t in traces]),
+              "reversed_batch": gap(full, hf.score_batch(traces[::-1])[::-1])}
+    probs = {n: [] for n in NS}
+    for k in range(repeats):
+        for n in NS:
+            cfg = EstimatorConfig(n=n, batch_placement="shuffle", seed=1000 * k + 17 * n)
+            probs[n].append(np.concatenate([e.prob_G for e in estimate(traces, hf, cfg, batch_size=batch_size)]))
+    var = {n: float(np.stack(probs[n]).var(axis=0, ddof=1).sum()) for n in NS}
+    return {
+        "kind": "real (not injected)",
+        "scorer": "HFScorer bf16 on CPU, force_routes + use_support",
+        "source": "batch composition: each replica scored in a random batch of "
+                  f"{batch_size} of the {len(traces)} rollouts (placement 'shuffle')",
+        "spread_max_abs_logprob": spread,
+        "variance_ratio": {str(n): var[n] / var[1] if var[1] > 0 else None for n in NS},
+        "variance_ratio_target": {str(n): 1.0 / n for n in NS},
+        "repeats": repeats,
+    }
 
 
 # -- CPU affinity -----------------------------------------------------------------------------------
@@ -300,6 +342,8 @@ def main() -> None:
     ap.add_argument("--inject-noise", default="auto", help="'auto' (inject sigma 0.05 only if the engine has no "
                     "replica noise), or a sigma >= 0 (0: engine noise only)")
     ap.add_argument("--variance-repeats", type=int, default=16)
+    ap.add_argument("--real-noise-repeats", type=int, default=32,
+                    help="independent estimates per n for the real-noise variance ratio (HF bf16 scorer)")
     args = ap.parse_args()
     if args.inject_noise != "auto" and float(args.inject_noise) < 0:
         ap.error("--inject-noise must be 'auto' or >= 0")
@@ -442,6 +486,8 @@ def main() -> None:
         var = {n: np.stack(probs[n]).var(axis=0, ddof=1).sum() for n in NS}
         variance_ratio = {str(n): float(var[n] / var[1]) if var[1] > 0 else None for n in NS}
 
+    real_noise = measure_real_noise(traces, str(model_dir), args.real_noise_repeats)
+
     sidecar = {
         "layout": "two AsyncLLM engines (uni executor: model in each engine-core process), one core each; "
                   "finished rollouts streamed into an EstimatorService over the scoring engine",
@@ -498,6 +544,7 @@ def main() -> None:
         "variance_ratio_target": {str(n): 1.0 / n for n in NS},
         "variance_repeats": args.variance_repeats,
         "noise": noise,
+        "real_noise": real_noise,
         "prefill_score_vs_rollout_logprob_max_abs": prefill_vs_decode,
         "sidecar": sidecar,
         "repeats": args.repeats,
