@@ -95,3 +95,14 @@ def test_support_stage_batches_steps_and_handles_greedy_and_overflow():
     assert rows == [[0, 1, 4], [1], [], [0], [7]]
     want0 = float(step1[0, 4] - torch.logsumexp(step1[0], 0))
     assert np.allclose(out.logprobs_R, [want0, 0.0, float(-np.log(5)), 0.0, 0.0], atol=1e-6)
+
+
+def test_greedy_rows_before_the_first_truncation_survive_allocation():
+    stage = SupportStage(max_support=8, want_support=True, want_logprobs=True, budget_bytes=1 << 16, min_rows=2)
+    assert stage.commit(torch.tensor([[3], [5]]), _meta()) == 0  # all greedy: nothing staged yet
+    logits = torch.tensor([[0.0, 1.0, float("-inf")]])
+    stage.truncate_and_observe(lambda x, g, k, p: (torch.tensor([1]), None), logits, {}, None, None)
+    assert stage.commit(torch.tensor([[1]]), _meta()) == 2
+    out = stage.compute()
+    assert out.tokens_R.tolist() == [3, 5, 1] and out.sizes_R.tolist() == [1, 1, 2]
+    assert [out.ids_N[out.offsets_R1[r]:out.offsets_R1[r + 1]].tolist() for r in range(3)] == [[3], [5], [0, 1]]

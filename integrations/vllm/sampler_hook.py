@@ -74,8 +74,9 @@ class SupportStage:
         row_bytes = V * logits_BV.element_size()
         self.capacity = max(self.min_rows, self.budget_bytes // max(row_bytes, 1))
         self.logits_RV = torch.empty((self.capacity, V), dtype=logits_BV.dtype, device=logits_BV.device)
-        self.temps_R = np.zeros(self.capacity, dtype=np.float32)
-        self.staged_R = np.zeros(self.capacity, dtype=bool)
+        r = self.rows  # rows of all-greedy steps committed before any truncation keep their flags
+        self.temps_R = np.concatenate([self.temps_R[:r], np.zeros(self.capacity - r, dtype=np.float32)])
+        self.staged_R = np.concatenate([self.staged_R[:r], np.zeros(self.capacity - r, dtype=bool)])
 
     def room_for(self, rows: int) -> bool:
         return self.rows + rows <= self.capacity
@@ -88,10 +89,10 @@ class SupportStage:
         logits_BV = apply_top_k_top_p(logits_BV, k, p)  # work the original would do itself
         truncate_s = time.perf_counter() - t0
         B = logits_BV.shape[0]
-        if self.logits_RV is None or self.logits_RV.shape[1] != logits_BV.shape[1]:
-            if self.rows:
-                raise RuntimeError("sampler vocabulary changed while rows were staged")
+        if self.logits_RV is None:
             self._allocate(logits_BV)
+        elif self.logits_RV.shape[1] != logits_BV.shape[1]:
+            raise RuntimeError(f"sampler vocabulary changed from {self.logits_RV.shape[1]} to {logits_BV.shape[1]}")
         if self.rows + B > self.capacity:
             raise RuntimeError(f"support stage overflow: {self.rows} + {B} rows > {self.capacity} (flush missed)")
         # Copy before sampling: the sampler may work in place.

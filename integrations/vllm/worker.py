@@ -257,9 +257,7 @@ class WorkerCapture:
     def _write_slots(self, seg: list[_Step], chunk_TLK: np.ndarray) -> None:
         if not seg:
             return
-        slots = np.concatenate([st.slots_T for st in seg])
-        rows = np.concatenate([np.arange(st.arena_row, st.arena_row + len(st.pos_T)) for st in seg])
-        self.slot_cache.write(slots, chunk_TLK[rows])
+        self.slot_cache.write(np.concatenate([st.slots_T for st in seg]), chunk_TLK[_route_rows(seg)])
 
     def _distribute_routes(self, steps: list[_Step], chunk_TLK: np.ndarray) -> None:
         routed = [st for st in steps if st.problem is None]
@@ -267,7 +265,7 @@ class WorkerCapture:
             return
         uid_T = np.concatenate([np.repeat(st.batch.uid_B, np.diff(st.qsl_B1)) for st in routed])
         pos_T = np.concatenate([st.pos_T for st in routed])
-        row_T = np.concatenate([np.arange(st.arena_row, st.arena_row + len(st.pos_T)) for st in routed])
+        row_T = _route_rows(routed)
         for rec, sel in _group(uid_T, _records_of(routed)):
             rec.write_routes_at(pos_T[sel], chunk_TLK[row_T[sel]])
 
@@ -309,6 +307,11 @@ class WorkerCapture:
         self._patches.undo()
         if self.routes is not None:
             self.routes.uninstall()
+
+
+def _route_rows(steps: list[_Step]) -> np.ndarray:
+    """Rows of the route window (RouteCapture.chunk) that the given steps' tokens occupy."""
+    return np.concatenate([np.arange(st.arena_row, st.arena_row + len(st.pos_T)) for st in steps])
 
 
 def _records_of(steps: list[_Step]) -> dict[int, RequestRecord]:
