@@ -117,7 +117,7 @@ class RequestRecord:
         for i, (_, _, staged) in enumerate(self._sample_pieces):
             m = np.flatnonzero(piece_X == i)
             c = counts[m]
-            within = np.arange(int(c.sum())) - np.repeat(np.cumsum(c) - c, c)
+            within = ranks_within(c)
             ids[np.repeat(offsets[m], c) + within] = staged.ids_N[np.repeat(staged.offsets_R1[row_X[m]], c) + within]
         return {"tokens": tokens, "logprobs": lps, "sizes": sizes, "offsets": offsets, "ids": ids}
 
@@ -139,6 +139,11 @@ class RequestRecord:
             "support_ids": pack_array(s["ids"]),
             "problems": list(self.problems),
         }
+
+
+def ranks_within(counts: np.ndarray) -> np.ndarray:
+    """For segments of these lengths laid end to end, each element's index inside its segment."""
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def last_occurrence(keys: np.ndarray) -> np.ndarray:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .records import ranks_within
+
 _SAMPLING_EPS = 1e-5  # vllm.v1.sample.sampler._SAMPLING_EPS: below it a row is greedy
 
 
@@ -161,9 +163,7 @@ class SupportStage:
                 if ok_X.any():
                     nz_M2 = kept_XV[torch.from_numpy(ok_X)].nonzero().numpy()  # rows in order, ids sorted
                     rows_ok = live[ok_X]
-                    starts = np.repeat(offsets_R1[rows_ok], counts_R[rows_ok])
-                    within = np.arange(len(nz_M2)) - np.repeat(np.cumsum(counts_R[rows_ok]) - counts_R[rows_ok],
-                                                               counts_R[rows_ok])
-                    ids_N[starts + within] = nz_M2[:, 1]
+                    c = counts_R[rows_ok]
+                    ids_N[np.repeat(offsets_R1[rows_ok], c) + ranks_within(c)] = nz_M2[:, 1]
         self.rows = 0
         return StagedSamples(tokens_R, offsets_R1, ids_N, sizes_R, logprobs_R)
