@@ -88,7 +88,7 @@ class RouteCapture:
         self.step_rows = int(runner.max_num_tokens)
         self.dtype = torch_route_dtype(geometry.num_experts)
         self.hold = torch.device(runner.device).type == "cpu"
-        id_bytes = 8 if self.hold else torch.empty(0, dtype=self.dtype).element_size()  # held: router's int32/64
+        id_bytes = 8 if self.hold else self.dtype.itemsize  # held: the router's own int32/int64 ids
         self.capacity = max(self.step_rows, budget_bytes // (L * K * id_bytes))
         self.routes_TLK = None if self.hold else torch.zeros((self.capacity, L, K), dtype=self.dtype)
         self.offset = 0
@@ -151,7 +151,7 @@ class RouteCapture:
         landed, self._landed = self._landed, []
         L, K = self.geometry.num_moe_layers, self.geometry.top_k
         if not landed:
-            return np.zeros((0, L, K), dtype=torch.empty(0, dtype=self.dtype).numpy().dtype)
+            return torch.empty((0, L, K), dtype=self.dtype).numpy()
         per_layer = [torch.cat([step[j] for step in landed]) for j in range(L)]
         out = torch.stack(per_layer, dim=1).to(self.dtype).numpy()
         if len(out) != stop:
