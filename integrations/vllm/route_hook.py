@@ -97,10 +97,11 @@ class RouteCapture:
         self._copy_s = [0.0]
         self._held_L: list[torch.Tensor | None] = [None] * L
         """Each layer's top-k ids of the running forward (hold mode)."""
-        self._landed: list[list[torch.Tensor]] = []
-        """Per landed step (hold mode), its layers' ids, [rows, K] each."""
+        self._landed: list[tuple[int, list[torch.Tensor]]] = []
+        """Per landed step (hold mode): its token count and its layers' ids, [>= count, K] each."""
         self.rows_seen_L = [0] * L
         """Rows written by each layer in the current forward (reset per step)."""
+        self._unseen_L = [-1] * L
         self._routers: list[Any] = []
         for j, (layer_id, moe) in enumerate(find_moe_layers(runner.model)):
             router = getattr(moe, "router", None)
@@ -137,12 +138,8 @@ class RouteCapture:
 
     def land(self, num_tokens: int) -> None:
         """File this step's rows (called once `check_step` passed): rows [offset, offset + num_tokens)."""
-        if not self.hold:
-            return
-        held, n = self._held_L, num_tokens
-        self._landed.append([h if h.shape[0] == n else h[:n] for h in held])
-        for j in range(len(held)):
-            held[j] = None
+        if self.hold:
+            self._landed.append((num_tokens, self._held_L[:]))  # one list copy; trimmed at chunk()
 
     def chunk(self, stop: int) -> np.ndarray:
         """Rows [0, stop) of every landed step as one narrow array [stop, L, K]; starts a new window."""
@@ -152,7 +149,9 @@ class RouteCapture:
         L, K = self.geometry.num_moe_layers, self.geometry.top_k
         if not landed:
             return torch.empty((0, L, K), dtype=self.dtype).numpy()
-        per_layer = [torch.cat([step[j] for step in landed]) for j in range(L)]
+        if any(held[0].shape[0] != n for n, held in landed):  # a padded forward routed extra rows
+            landed = [(n, [h[:n] for h in held]) for n, held in landed]
+        per_layer = [torch.cat([held[j] for _, held in landed]) for j in range(L)]
         out = torch.stack(per_layer, dim=1).to(self.dtype).numpy()
         if len(out) != stop:
             raise CaptureHookError(f"route window holds {len(out)} rows, expected {stop}")
@@ -166,9 +165,10 @@ class RouteCapture:
     def reset_step(self, offset: int) -> None:
         """Start a step whose rows go to arena rows [offset, offset + tokens)."""
         self.offset = self._base[0] = offset
-        for j in range(len(self.rows_seen_L)):
-            self.rows_seen_L[j] = -1
-            self._held_L[j] = None  # ids of a forward that never landed (a dummy run) are dropped
+        # In place (the capture closures hold these lists). Held ids of a forward that never landed
+        # (a dummy run) need no clearing: every layer of the next forward replaces its entry, and
+        # check_step refuses a step where some layer did not.
+        self.rows_seen_L[:] = self._unseen_L
 
     def room_for_step(self, offset: int) -> bool:
         return offset + self.step_rows <= self.capacity

@@ -53,13 +53,25 @@ class _Batch:
 
 
 @dataclass
+class _RunnerViews:
+    """The runner's per-step input buffers, viewed once: after each forward only slices are copied."""
+
+    input_batch: Any
+    qsl: np.ndarray | None
+    positions: np.ndarray | None
+    discard: np.ndarray | None
+    slots: np.ndarray | None
+
+
+@dataclass
 class _Step:
     """Snapshot of one engine step, enough to map its rows to records at the next flush."""
 
     batch: _Batch
     qsl_B1: np.ndarray
     pos_T: np.ndarray
-    keep_B: np.ndarray
+    discard_B: np.ndarray
+    """True where the runner throws the row's sample away (a chunked prefill short of its prompt end)."""
     arena_row: int
     slots_T: np.ndarray | None
     problem: str | None
@@ -67,6 +79,40 @@ class _Step:
     """Prefix-cache hits: (record, block table row, route_start, first forwarded position)."""
     sample_row: int | None = None
     """First support-stage row of this step's samples (None until the sampler ran)."""
+
+
+@dataclass
+class _Window:
+    """Pending steps laid end to end: S steps, B rows (requests) and T tokens in all."""
+
+    n_S: np.ndarray
+    """Tokens forwarded per step."""
+    b_S: np.ndarray
+    """Rows per step."""
+    step_B: np.ndarray
+    step_T: np.ndarray
+    uid_B: np.ndarray
+    prompt_B: np.ndarray
+    discard_B: np.ndarray
+    last_pos_B: np.ndarray
+    """Position of each row's last forwarded token (its sample is the token after it)."""
+    uid_T: np.ndarray
+    pos_T: np.ndarray
+
+    @classmethod
+    def of(cls, steps: list[_Step]) -> "_Window":
+        n_S = np.array([len(st.pos_T) for st in steps])
+        b_S = np.array([len(st.discard_B) for st in steps])
+        S = np.arange(len(steps))
+        tok0_B = np.repeat(np.cumsum(n_S) - n_S, b_S)  # first window token of each row's step
+        start_B = np.concatenate([st.qsl_B1[:-1] for st in steps]) + tok0_B
+        stop_B = np.concatenate([st.qsl_B1[1:] for st in steps]) + tok0_B
+        uid_B = np.concatenate([st.batch.uid_B for st in steps])
+        pos_T = np.concatenate([st.pos_T for st in steps])
+        return cls(n_S, b_S, np.repeat(S, b_S), np.repeat(S, n_S), uid_B,
+                   np.concatenate([st.batch.prompt_len_B for st in steps]),
+                   np.concatenate([st.discard_B for st in steps]),
+                   pos_T[stop_B - 1], np.repeat(uid_B, stop_B - start_B), pos_T)
 
 
 class WorkerCapture:
@@ -98,7 +144,7 @@ class WorkerCapture:
         self._step: _Step | None = None
         self._batch: _Batch | None = None
         self._arena_row = 0
-        self._positions: tuple[Any, np.ndarray | None] = (None, None)
+        self._views = _RunnerViews(None, None, None, None, None)
         self.steps = 0
         self.flushes = 0
         self.preemptions = 0
@@ -128,30 +174,36 @@ class WorkerCapture:
         if not n:
             return
         r = self.runner
+        views = self._views if self._views.input_batch is r.input_batch else self._bind_views()
         num_reqs = r.input_batch.num_reqs
         req_ids = r.input_batch.req_ids[:num_reqs]
-        qsl = r.query_start_loc.np[: num_reqs + 1].copy()
-        if r.positions is not self._positions[0]:  # the runner's persistent buffer; view it once
-            self._positions = (r.positions, r.positions.numpy())
-        pos_T = self._positions[1][:n].copy()
+        qsl = views.qsl[: num_reqs + 1].copy()
+        pos_T = views.positions[:n].copy()
         batch = self._batch
         reads: list[tuple[RequestRecord, np.ndarray, int, int]] = []
         if batch is None or batch.req_ids != req_ids:
             batch = self._batch = self._resolve_batch(req_ids, qsl, pos_T, reads)
-        problem, slots_T = None, None
-        if self.routes is not None:
-            problem = self.routes.check_step(n)
+        problem, slots_T, row0 = None, None, self._arena_row
+        routes = self.routes
+        if routes is not None:
+            problem = routes.check_step(n)
             if problem is None:
-                self.routes.land(n)
-            if problem is None and self.slot_cache is not None:
-                slots_T = r.input_batch.block_table.block_tables[0].slot_mapping.np[:n].copy()
-        step = _Step(batch, qsl, pos_T, ~r.discard_request_mask.np[:num_reqs], self._arena_row, slots_T,
-                     problem, reads)
-        if self.routes is not None and problem is None:
-            self._arena_row += n
+                routes.land(n)
+                self._arena_row += n
+                if views.slots is not None:
+                    slots_T = views.slots[:n].copy()
+        step = _Step(batch, qsl, pos_T, views.discard[:num_reqs].copy(), row0, slots_T, problem, reads)
         self.pending.append(step)
         self._step = step
         self.steps += 1
+
+    def _bind_views(self) -> "_RunnerViews":
+        """Numpy views of the runner's persistent step buffers (re-bound if the input batch is rebuilt)."""
+        r = self.runner
+        slots = r.input_batch.block_table.block_tables[0].slot_mapping.np if self.slot_cache is not None else None
+        self._views = _RunnerViews(r.input_batch, r.query_start_loc.np, r.positions.numpy(),
+                                   r.discard_request_mask.np, slots)
+        return self._views
 
     def after_sample(self, sampled_B1: Any, sampling_metadata: Any) -> None:
         step, self._step = self._step, None
@@ -208,11 +260,11 @@ class WorkerCapture:
         if not steps:
             return
         self.flushes += 1
-        chunk_TLK = None
+        win = _Window.of(steps)
+        records = _records_of(steps)
         if self.routes is not None:
-            last = steps[-1]
-            stop = last.arena_row + (len(last.pos_T) if last.problem is None else 0)
-            chunk_TLK = self.routes.chunk(stop)
+            routed_S = np.array([st.problem is None for st in steps])
+            chunk_TLK = self.routes.chunk(int(win.n_S[routed_S].sum()))
             self._arena_row = 0
             for st in steps:
                 if st.problem is not None:
@@ -221,10 +273,28 @@ class WorkerCapture:
                             rec.problems.append(f"engine step: {st.problem}")
             if self.slot_cache is not None:
                 self._slot_cache_pass(steps, chunk_TLK)
-            self._distribute_routes(steps, chunk_TLK)
-        sampled = [st for st in steps if st.sample_row is not None]
-        if sampled:
-            self._distribute_samples(sampled, self.support.compute())
+            # routed steps hold consecutive route rows 0, 1, ... in step order (route_hook.RouteCapture)
+            routed_T = routed_S[win.step_T]
+            for rec, sel in _group(win.uid_T[routed_T], records):
+                rec.write_routes_at(win.pos_T[routed_T][sel], chunk_TLK[sel])
+        sampled_S = np.array([st.sample_row is not None for st in steps])
+        if sampled_S.any():
+            self._distribute_samples(steps, win, sampled_S, records)
+
+    def _distribute_samples(self, steps: list[_Step], win: "_Window", sampled_S: np.ndarray,
+                            records: dict[int, RequestRecord]) -> None:
+        """Sampler rows of the sampled steps occupy stage rows 0, 1, ... in step order (one commit per
+        step, sampler_hook.SupportStage), so row x of the window's sampled rows is stage row x."""
+        first_S = np.array([st.sample_row for st in steps if st.sample_row is not None])
+        size_S = win.b_S[sampled_S]
+        if not np.array_equal(first_S, np.cumsum(size_S) - size_S):
+            raise CaptureHookError(f"support stage rows {first_S.tolist()} do not follow the steps' sizes {size_S}")
+        sampled_B = sampled_S[win.step_B]
+        uid_X = np.where(win.discard_B, -1, win.uid_B)[sampled_B]
+        g_X = (win.last_pos_B + 1 - win.prompt_B)[sampled_B]
+        staged = self.support.compute()
+        for rec, sel in _group(uid_X, records):
+            rec.write_samples(g_X[sel], sel, staged)
 
     def _flush_between_steps(self) -> None:
         """Flush for an RPC (discard/stats): its time counts as capture time too (inside a step, the
@@ -255,26 +325,11 @@ class WorkerCapture:
         self._write_slots(seg, chunk_TLK)
 
     def _write_slots(self, seg: list[_Step], chunk_TLK: np.ndarray) -> None:
+        """Steps with slots are routed steps, so their route rows are one consecutive range."""
         if not seg:
             return
-        self.slot_cache.write(np.concatenate([st.slots_T for st in seg]), chunk_TLK[_route_rows(seg)])
-
-    def _distribute_routes(self, steps: list[_Step], chunk_TLK: np.ndarray) -> None:
-        routed = [st for st in steps if st.problem is None]
-        if not routed:
-            return
-        uid_T = np.concatenate([np.repeat(st.batch.uid_B, np.diff(st.qsl_B1)) for st in routed])
-        pos_T = np.concatenate([st.pos_T for st in routed])
-        row_T = _route_rows(routed)
-        for rec, sel in _group(uid_T, _records_of(routed)):
-            rec.write_routes_at(pos_T[sel], chunk_TLK[row_T[sel]])
-
-    def _distribute_samples(self, steps: list[_Step], staged: Any) -> None:
-        uid_X = np.concatenate([np.where(st.keep_B, st.batch.uid_B, -1) for st in steps])
-        g_X = np.concatenate([st.pos_T[st.qsl_B1[1:] - 1] + 1 - st.batch.prompt_len_B for st in steps])
-        row_X = np.concatenate([np.arange(st.sample_row, st.sample_row + len(st.keep_B)) for st in steps])
-        for rec, sel in _group(uid_X, _records_of(steps)):
-            rec.write_samples(g_X[sel], row_X[sel], staged)
+        rows = slice(seg[0].arena_row, seg[-1].arena_row + len(seg[-1].pos_T))
+        self.slot_cache.write(np.concatenate([st.slots_T for st in seg]), chunk_TLK[rows])
 
     # -- control ------------------------------------------------------------------------------
     def take(self, keys: list[str]) -> list[dict[str, Any]]:
@@ -307,11 +362,6 @@ class WorkerCapture:
         self._patches.undo()
         if self.routes is not None:
             self.routes.uninstall()
-
-
-def _route_rows(steps: list[_Step]) -> np.ndarray:
-    """Rows of the route window (RouteCapture.chunk) that the given steps' tokens occupy."""
-    return np.concatenate([np.arange(st.arena_row, st.arena_row + len(st.pos_T)) for st in steps])
 
 
 def _records_of(steps: list[_Step]) -> dict[int, RequestRecord]:
