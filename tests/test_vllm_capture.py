@@ -357,3 +357,47 @@ def test_preemption_keeps_traces_exact(model_dirs, flush_bytes):
             check_against_hf(t, model_dir, prm)
     finally:
         shutdown(llm)
+
+
+def test_device_runner_path_on_cpu(engine, monkeypatch):
+    """The path a GPU runner takes (routes copied into a device arena, positions and KV slots derived
+    from the host mirrors instead of read from host buffers), run on the CPU engine: for the same
+    sampled tokens (torch RNG reseeded) every trace equals the host path's, bit for bit, through
+    chunked prefill, mixed sampling and a prefix-cache hit; and it matches HF."""
+    from moe_replay.integrations.vllm import route_hook, worker
+
+    family, llm, cap, model_dir = engine
+    if family != "qwen3_moe":
+        pytest.skip("family-independent; run once")
+    prompts = [prompt_text(n, seed=200 + n) for n in (5, 90, 30, 60)]
+    sps = [sampling_params(*SAMPLING[i % len(SAMPLING)]) for i in range(len(prompts))]
+    repeat = sampling_params(*SAMPLING[0], max_tokens=6)
+
+    def run(c):
+        llm.reset_prefix_cache()
+        torch.manual_seed(7)
+        _, traces = c.generate(prompts, sps)
+        outs, (hit,) = c.generate([prompts[3]], repeat)  # prompt blocks cached by the first call
+        assert outs[0].num_cached_tokens >= BLOCK
+        return traces + [hit]
+
+    host = run(cap)
+    cap.uninstall()
+    monkeypatch.setattr(route_hook, "HOLD_DEVICES", set())
+    monkeypatch.setattr(worker, "HOST_MIRROR_DEVICES", set())
+    try:
+        dev = VllmCapture(llm, CaptureConfig(flush_bytes=3000))  # and flushes every few steps
+        try:
+            assert not llm.llm_engine.model_executor.driver_worker.worker.model_runner._moe_replay_capture.routes.hold
+            derived = run(dev)
+        finally:
+            dev.uninstall()
+    finally:
+        monkeypatch.undo()
+        engine_cap = VllmCapture(llm, CaptureConfig())
+        cap.__dict__.update(engine_cap.__dict__)
+    for a, b in zip(host, derived, strict=True):
+        assert np.array_equal(a.token_ids_S, b.token_ids_S) and np.array_equal(a.routes_TLK, b.routes_TLK)
+        assert np.array_equal(a.logprobs_G, b.logprobs_G)
+        assert all(np.array_equal(a.support.row(g), b.support.row(g)) for g in range(a.num_generated))
+    check_against_hf(derived[-1], model_dir, SAMPLING[0])

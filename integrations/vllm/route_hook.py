@@ -18,6 +18,10 @@ import torch
 from ...geometry import ModelGeometry
 from .errors import CaptureHookError, NoMoeLayersError
 
+HOLD_DEVICES = {"cpu"}
+"""Runner device types whose router ids are held by reference (fresh per call, never overwritten);
+every other device copies them into an arena on the device."""
+
 
 def torch_route_dtype(num_experts: int) -> torch.dtype:
     """Narrowest torch integer dtype that holds every expert id and supports copy_/index_copy_."""
@@ -74,8 +78,10 @@ class RouteCapture:
                     and `chunk` stacks every held step in one pass at the flush. vLLM's CPU router
                     allocates these per call and nothing writes to them afterwards (the capture
                     tests compare every captured route with HF's routing);
-      arena (other) each layer copies its ids into a preallocated narrow arena routes_TLK at the
-                    step's offset (buffers a graph-captured forward reuses must be copied at once).
+      arena (other) each layer copies its ids into a preallocated narrow arena routes_TLK on the
+                    runner's device at the step's offset (an async device copy; the buffers a
+                    device kernel reuses must be copied at once); `chunk` moves the window to the
+                    host once per flush. The capture tests run this mode on the CPU engine too.
     Either way `capacity` is at least one full step (max_num_tokens), else what `budget_bytes`
     allows; rows are numbered from 0 since the last flush, and `offset` is the current step's first.
     """
@@ -87,10 +93,11 @@ class RouteCapture:
         L, K = geometry.num_moe_layers, geometry.top_k
         self.step_rows = int(runner.max_num_tokens)
         self.dtype = torch_route_dtype(geometry.num_experts)
-        self.hold = torch.device(runner.device).type == "cpu"
+        self.hold = torch.device(runner.device).type in HOLD_DEVICES
         id_bytes = 8 if self.hold else self.dtype.itemsize  # held: the router's own int32/int64 ids
         self.capacity = max(self.step_rows, budget_bytes // (L * K * id_bytes))
-        self.routes_TLK = None if self.hold else torch.zeros((self.capacity, L, K), dtype=self.dtype)
+        self.routes_TLK = None if self.hold else torch.zeros((self.capacity, L, K), dtype=self.dtype,
+                                                             device=runner.device)
         self.offset = 0
         """First row of the current step."""
         self._base = [0]  # what the capture closures read: the offset of the running forward
@@ -143,8 +150,8 @@ class RouteCapture:
 
     def chunk(self, stop: int) -> np.ndarray:
         """Rows [0, stop) of every landed step as one narrow array [stop, L, K]; starts a new window."""
-        if not self.hold:
-            return self.routes_TLK[:stop].numpy().copy()
+        if not self.hold:  # one device-to-host copy per flush
+            return self.routes_TLK[:stop].cpu().numpy().copy()
         landed, self._landed = self._landed, []
         L, K = self.geometry.num_moe_layers, self.geometry.top_k
         if not landed:

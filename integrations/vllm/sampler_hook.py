@@ -124,7 +124,7 @@ class SupportStage:
         elif sampling_metadata.all_random or sampling_metadata.temperature is None:
             temps = 1.0
         else:  # mixed batch: greedy rows are the ones below vLLM's epsilon (a persistent buffer: copy)
-            temps = sampling_metadata.temperature.numpy().copy()
+            temps = sampling_metadata.temperature.cpu().numpy().copy()
         self._sampled.append(sampled_B1)  # the sampler's fresh output; read at compute()
         self._commits.append((B, staged, temps))
         self.rows = r0 + B
@@ -139,7 +139,7 @@ class SupportStage:
         R = self.rows
         sampled, self._sampled = self._sampled, []
         commits, self._commits = self._commits, []
-        tokens_R = torch.cat(sampled).view(-1).numpy().astype(np.int64) if sampled else np.zeros(0, np.int64)
+        tokens_R = torch.cat(sampled).view(-1).cpu().numpy().astype(np.int64) if sampled else np.zeros(0, np.int64)
         greedy_R = _greedy_rows(commits, R)
         sizes_R = np.ones(R, dtype=np.int64)
         logprobs_R = np.zeros(R, dtype=np.float32)
@@ -147,16 +147,16 @@ class SupportStage:
         ids_N = np.zeros(0, dtype=np.int32)
         live = np.flatnonzero(~greedy_R)
         if self.logits_RV is not None and len(live):
-            logits_XV = self.logits_RV[:R][torch.from_numpy(live)]  # X: non-greedy rows
+            logits_XV = self.logits_RV[:R][torch.from_numpy(live).to(self.logits_RV.device)]  # X: non-greedy rows
             kept_XV = torch.isfinite(logits_XV)
-            sizes_X = kept_XV.sum(dim=1).numpy()
+            sizes_X = kept_XV.sum(dim=1).cpu().numpy()
             sizes_R[live] = sizes_X
             if self.want_logprobs:
-                tok_X1 = torch.from_numpy(tokens_R[live]).view(-1, 1)
+                tok_X1 = torch.from_numpy(tokens_R[live]).view(-1, 1).to(logits_XV.device)
                 # x[token] - logsumexp(x): the same expression the scorer (force.py) uses, so a rollout's
                 # logprob and its re-score agree to the bit on a deterministic engine
                 lp_X = logits_XV.gather(1, tok_X1).view(-1) - torch.logsumexp(logits_XV, dim=1)
-                logprobs_R[live] = lp_X.float().numpy()
+                logprobs_R[live] = lp_X.float().cpu().numpy()
         if self.want_support:
             counts_R = np.where(greedy_R, 1, np.where(sizes_R > self.max_support, 0, sizes_R))
             np.cumsum(counts_R, out=offsets_R1[1:])
@@ -166,7 +166,8 @@ class SupportStage:
             if self.logits_RV is not None and len(live):
                 ok_X = sizes_R[live] <= self.max_support
                 if ok_X.any():
-                    nz_M2 = kept_XV[torch.from_numpy(ok_X)].nonzero().numpy()  # rows in order, ids sorted
+                    ok = torch.from_numpy(ok_X).to(kept_XV.device)
+                    nz_M2 = kept_XV[ok].nonzero().cpu().numpy()  # rows in order, ids sorted
                     rows_ok = live[ok_X]
                     c = counts_R[rows_ok]
                     ids_N[np.repeat(offsets_R1[rows_ok], c) + ranks_within(c)] = nz_M2[:, 1]

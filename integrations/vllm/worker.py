@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from .block_cache import SlotRouteCache
 from .config import CaptureConfig
@@ -52,15 +53,38 @@ class _Batch:
     prompt_len_B: np.ndarray
 
 
+HOST_MIRROR_DEVICES = {"cpu"}
+"""Runner device types whose `positions` and slot mapping are host tensors, read as they are. Other
+runners (GPU) fill those on the device; their positions and slots are derived from host mirrors
+(num_computed_tokens_cpu, query_start_loc, the block table), the same way vLLM computes them."""
+
+
 @dataclass
 class _RunnerViews:
-    """The runner's per-step input buffers, viewed once: after each forward only slices are copied."""
+    """The runner's per-step host buffers, viewed once: after each forward only slices are copied."""
 
     input_batch: Any
-    qsl: np.ndarray | None
-    positions: np.ndarray | None
-    discard: np.ndarray | None
-    slots: np.ndarray | None
+    qsl: np.ndarray | None = None
+    discard: np.ndarray | None = None
+    positions: np.ndarray | None = None
+    """Host positions (HOST_MIRROR_DEVICES), else None: derived from num_computed."""
+    slots: np.ndarray | None = None
+    """Host slot mapping (HOST_MIRROR_DEVICES, slot cache on), else None."""
+    num_computed: np.ndarray | None = None
+    block_ids: np.ndarray | None = None
+    """Host block table [max_reqs, max_blocks] (kernel blocks of block_size tokens)."""
+    block_size: int = 0
+
+    def positions_and_slots(self, num_reqs: int, qsl_B1: np.ndarray, n: int,
+                            want_slots: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        if self.positions is not None:
+            return self.positions[:n].copy(), self.slots[:n].copy() if want_slots else None
+        row_T = np.repeat(np.arange(num_reqs), np.diff(qsl_B1))
+        pos_T = self.num_computed[row_T].astype(np.int64) + np.arange(n) - qsl_B1[row_T]
+        if not want_slots:
+            return pos_T, None
+        bs = self.block_size
+        return pos_T, self.block_ids[row_T, pos_T // bs].astype(np.int64) * bs + pos_T % bs
 
 
 @dataclass
@@ -144,7 +168,7 @@ class WorkerCapture:
         self._step: _Step | None = None
         self._batch: _Batch | None = None
         self._arena_row = 0
-        self._views = _RunnerViews(None, None, None, None, None)
+        self._views = _RunnerViews(None)
         self.steps = 0
         self.flushes = 0
         self.preemptions = 0
@@ -178,32 +202,35 @@ class WorkerCapture:
         num_reqs = r.input_batch.num_reqs
         req_ids = r.input_batch.req_ids[:num_reqs]
         qsl = views.qsl[: num_reqs + 1].copy()
-        pos_T = views.positions[:n].copy()
+        routes, problem, row0 = self.routes, None, self._arena_row
+        if routes is not None:
+            problem = routes.check_step(n)
+        pos_T, slots_T = views.positions_and_slots(num_reqs, qsl, n, problem is None and self.slot_cache is not None)
         batch = self._batch
         reads: list[tuple[RequestRecord, np.ndarray, int, int]] = []
         if batch is None or batch.req_ids != req_ids:
             batch = self._batch = self._resolve_batch(req_ids, qsl, pos_T, reads)
-        problem, slots_T, row0 = None, None, self._arena_row
-        routes = self.routes
-        if routes is not None:
-            problem = routes.check_step(n)
-            if problem is None:
-                routes.land(n)
-                self._arena_row += n
-                if views.slots is not None:
-                    slots_T = views.slots[:n].copy()
+        if routes is not None and problem is None:
+            routes.land(n)
+            self._arena_row += n
         step = _Step(batch, qsl, pos_T, views.discard[:num_reqs].copy(), row0, slots_T, problem, reads)
         self.pending.append(step)
         self._step = step
         self.steps += 1
 
-    def _bind_views(self) -> "_RunnerViews":
-        """Numpy views of the runner's persistent step buffers (re-bound if the input batch is rebuilt)."""
+    def _bind_views(self) -> _RunnerViews:
+        """Views of the runner's persistent host buffers (re-bound if the input batch is rebuilt)."""
         r = self.runner
-        slots = r.input_batch.block_table.block_tables[0].slot_mapping.np if self.slot_cache is not None else None
-        self._views = _RunnerViews(r.input_batch, r.query_start_loc.np, r.positions.numpy(),
-                                   r.discard_request_mask.np, slots)
-        return self._views
+        ib = r.input_batch
+        bt = ib.block_table.block_tables[0]
+        v = _RunnerViews(ib, r.query_start_loc.np, r.discard_request_mask.np)
+        if torch.device(r.device).type in HOST_MIRROR_DEVICES:
+            v.positions = r.positions.numpy()
+            v.slots = bt.slot_mapping.np
+        else:
+            v.num_computed, v.block_ids, v.block_size = ib.num_computed_tokens_cpu, bt.block_table.np, int(bt.block_size)
+        self._views = v
+        return v
 
     def after_sample(self, sampled_B1: Any, sampling_metadata: Any) -> None:
         step, self._step = self._step, None
@@ -391,6 +418,12 @@ def _check_runner(runner: Any) -> None:
             f"model runner {type(runner).__name__} lacks {missing}: capture hooks the V1 CPU/GPU model runner "
             "(GPU Model Runner V2 has its own routed-expert output, RequestOutput routed_experts with "
             "enable_return_routed_experts; moe_replay does not read it yet: it needs a GPU vLLM build to test)"
+        )
+    device = torch.device(runner.device).type
+    if device not in HOST_MIRROR_DEVICES and not runner.model_config.enforce_eager:
+        raise CaptureHookError(
+            f"the {device} runner replays CUDA graphs, and graph replay skips the Python route hooks (their ids "
+            "would come from the capture pass): build the engine with enforce_eager=True to capture routes"
         )
     if getattr(runner, "speculative_config", None) is not None:
         raise CaptureHookError("speculative decoding is on: per-token sampling capture does not support draft tokens")
