@@ -3,11 +3,14 @@
 Per engine step (see patch.py for the wrappers) only cheap snapshots happen:
   before_step   finished requests move to the unclaimed pool; flush first if the route arena or the
                 support stage could not hold another full step; per-layer row counters reset;
-  forward       routers copy ids into the route arena at this step's offset (route_hook.py);
+  forward       routers hand their ids to the route capture (held on CPU, copied to an arena on
+                other devices: route_hook.py);
   after_forward the step's layout is snapshotted: which records own the input batch's rows (looked
                 up only when the batch changes), query_start_loc, positions, the discard mask and
-                the KV slots; a request seen for the first time whose first position is past its
-                route_start hit the prefix cache: a slot-cache read is queued for the flush;
+                the KV slots (read from host buffers on CPU runners, derived from host mirrors on
+                device runners: _RunnerViews); a request seen for the first time whose first
+                position is past its route_start hit the prefix cache: a slot-cache read is
+                queued for the flush;
   after_sample  the step's sampled tokens are committed to the support stage (sampler_hook.py).
 
 `flush()` then maps every pending step's rows to records with a handful of array ops: slot-cache
