@@ -15,6 +15,12 @@ import torch
 from .records import last_occurrence
 
 
+def kv_slots(block_ids_T: np.ndarray, pos_T: np.ndarray, block_size: int) -> np.ndarray:
+    """KV slot of each position, given the id of the block holding it (vLLM's slot mapping without
+    context parallelism): the one formula for prefix reads and for runners whose mapping is on the device."""
+    return block_ids_T.astype(np.int64) * block_size + pos_T % block_size
+
+
 class SlotRouteCache:
     """routes_SLK[num_slots, L, K] mirror of the KV cache plus a per-slot written flag."""
 
@@ -40,7 +46,7 @@ class SlotRouteCache:
         while capture was installed.
         """
         pos = np.arange(start, stop)
-        slots = block_ids[pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
+        slots = kv_slots(block_ids[pos // self.block_size], pos, self.block_size)
         return self._routes_np[slots].copy(), self._valid_np[slots].copy()
 
     def clear(self) -> None:

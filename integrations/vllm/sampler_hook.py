@@ -179,6 +179,6 @@ def _greedy_rows(commits: list[tuple[int, bool, float | np.ndarray]], R: int) ->
     """bool [R]: rows whose sample was an argmax (nothing staged, or temperature below epsilon)."""
     if all(staged and isinstance(t, float) and t >= _SAMPLING_EPS for _, staged, t in commits):
         return np.zeros(R, dtype=bool)  # the common case: every step all random
-    parts = [np.full(b, not staged or t < _SAMPLING_EPS) if isinstance(t, float)
-             else (t < _SAMPLING_EPS) | (not staged) for b, staged, t in commits]
+    parts = [np.full(b, not staged or t < _SAMPLING_EPS) if isinstance(t, float) else t < _SAMPLING_EPS
+             for b, staged, t in commits]  # per-row temperatures come only from staged (mixed) steps
     return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .block_cache import SlotRouteCache
+from .block_cache import SlotRouteCache, kv_slots
 from .config import CaptureConfig
 from .errors import CaptureHookError
 from .records import RecordBook, RequestRecord
@@ -86,8 +86,7 @@ class _RunnerViews:
         pos_T = self.num_computed[row_T].astype(np.int64) + np.arange(n) - qsl_B1[row_T]
         if not want_slots:
             return pos_T, None
-        bs = self.block_size
-        return pos_T, self.block_ids[row_T, pos_T // bs].astype(np.int64) * bs + pos_T % bs
+        return pos_T, kv_slots(self.block_ids[row_T, pos_T // self.block_size], pos_T, self.block_size)
 
 
 @dataclass
