@@ -48,8 +48,11 @@ def test_multisample_pi_old_is_the_engine_score_on_a_deterministic_cpu_engine(re
     steps = report["arms"]["r3_support_multisample"]["steps"]
     same_arm = report["arms"]["r3_support"]["steps"]
     for s, r in zip(steps, same_arm):
-        # π_old re-scored on the engine under forced routes + support equals its rollout logprobs
-        assert s["k3_kl_vs_pi_old"] == pytest.approx(s["k3_kl"], rel=1e-6, abs=1e-12)
+        # π_old re-scored on the engine under forced routes + support equals its rollout logprobs,
+        # up to the bf16 engine's prefill-vs-decode floor: <= 1e-6 nats per token (docs/findings.md),
+        # which moves k3 by at most max|δ|·mean|1 - e^d| ~ 1e-7 here (seen: 2.6e-9). A wrong route or
+        # support moves a token by > 1e-2 nats and k3 by far more.
+        assert s["k3_kl_vs_pi_old"] == pytest.approx(s["k3_kl"], rel=0, abs=1e-7)
         assert s["k3_kl"] == pytest.approx(r["k3_kl"], rel=1e-6)
 
 
