@@ -129,6 +129,6 @@ def _mismatch(batch, train_G, used_ids: dict[int, torch.Tensor]) -> dict[str, An
         "mean_abs_logprob_diff": float(diff_G.mean()),
         "ppl_ratio": float(m["rollout_corr/ppl_ratio"]),
         "chi2_token": float(m["rollout_corr/chi2_token"]),
-        "is_ess": float(m["rollout_corr/rollout_is_eff_sample_size"]),
+        "is_ess": float(m["moe_replay/is_ess_token"]),
         "abs_logprob_diff_hist": {"edges": HIST_EDGES, "counts": counts.tolist()},
     }
