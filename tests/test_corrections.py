@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from moe_replay.corrections import (
     CORRECTIONS,
     CorrectionConfig,
+    BatchSkipConfig,
     GeoRSConfig,
     GSPOConfig,
     IcePopConfig,
@@ -459,3 +460,51 @@ def test_icepop_paper_normaliser_keeps_rejected_tokens_in_denominator():
     drop = run([IcePopConfig(rejected="drop")])
     assert torch.equal(drop.keep_BS, keep_of([[1, 0, 1], [1, 1, 0]]))
     assert reinforce_loss(lp, torch.ones(2), drop).item() == pytest.approx(29 / 4)
+
+
+# ----------------------------------------------------------------------------- batch skip, two-sided MIS
+
+
+def test_batch_skip_below_threshold_changes_nothing_and_reports_vllm_kl():
+    from moe_replay.metrics import logprob_mismatch_metrics
+
+    train, rollout = base_case(pad=0.0)
+    k3 = logprob_mismatch_metrics(train.double(), rollout.double(), MASK)["rollout_corr/k3_kl"]
+    assert k3 == pytest.approx((1 - math.log(2) + 0.25 - 1 + math.log(4) + 0 + 0 + 3 - math.log(4)) / 5)
+    r = apply_corrections([BatchSkipConfig(threshold=k3 * 1.01), "tis"], train, rollout, MASK)
+    assert r.metrics["moe_replay/corr/batch_skip/vllm_kl"] == pytest.approx(k3, rel=1e-6)
+    assert r.metrics["moe_replay/corr/batch_skip/skipped"] == 0.0
+    assert torch.equal(r.keep_BS, MASK.bool()) and not r.skip_update
+    torch.testing.assert_close(r.weights_BS, run(["tis"]).weights_BS)
+
+
+def test_batch_skip_above_threshold_skips_the_update():
+    r = run([BatchSkipConfig(threshold=0.1), "tis"])  # vllm-kl ≈ 0.511 here
+    assert r.metrics["moe_replay/corr/batch_skip/skipped"] == 1.0
+    assert not r.keep_BS.any() and (r.weights_BS == 0).all() and r.skip_update
+    assert r.metrics["moe_replay/corr/token_masked_fraction"] == 1.0
+    lp = torch.tensor([[-1.0, -2.0, -3.0], [-4.0, -5.0, 0.0]], requires_grad=True)
+    loss = reinforce_loss(lp, torch.ones(2), r)
+    loss.backward()
+    assert loss.item() == 0.0 and (lp.grad == 0).all()
+    assert BatchSkipConfig().threshold == 0.1
+    with pytest.raises(ValueError, match="BatchSkipConfig.threshold must be a finite number > 0, got 0"):
+        BatchSkipConfig(threshold=0)
+
+
+def test_batch_skip_preset_is_opt_in():
+    from moe_replay.presets import load_preset, preset_names
+
+    names = [c.name for c in load_preset("r3_support_batch_skip").corrections]
+    assert names == ["batch_skip", "tis"]
+    others = [n for n in preset_names() if n != "r3_support_batch_skip"]
+    assert all("batch_skip" not in [c.name for c in load_preset(n).corrections] for n in others)
+
+
+def test_mis_two_sided_like_verls_seq_mis():
+    r = run([MISConfig(threshold=2.0, low=0.6)])  # Π ρ = [0.5, 4]: both sequences out
+    assert not r.keep_BS.any()
+    one_sided = run([MISConfig(threshold=5.0, low=0.6)])
+    assert torch.equal(one_sided.keep_BS, keep_of([[0, 0, 0], [1, 1, 0]]))
+    with pytest.raises(ValueError, match="MISConfig needs low < threshold, got low=2.0, threshold=2.0"):
+        MISConfig(threshold=2.0, low=2.0)
