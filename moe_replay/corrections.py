@@ -115,7 +115,8 @@ class CorrectionContext:
     """What a correction sees: the detached raw log-ratios and the tokens still kept."""
 
     log_ratio_BS: torch.Tensor
-    """float32 log π_train - log π_rollout, detached, unclamped and finite; 0 where not kept.
+    """log π_train - log π_rollout, detached, unclamped and finite, 0 where not kept; float32
+    (float64 when an input is float64).
     Compare it with thresholds as is; clamp only what goes into an exp."""
     keep_BS: torch.Tensor
     """bool: response tokens not rejected (nor zero-weighted) by the corrections before this one."""
@@ -173,7 +174,8 @@ class CorrectionResult:
     keep_BS: torch.Tensor
     """bool: tokens that count in the loss denominator (zero-weighted ones included)."""
     log_ratio_BS: torch.Tensor
-    """float32 raw, detached log π_train - log π_rollout (0 on padding and non-finite tokens)."""
+    """raw, detached log π_train - log π_rollout (0 on padding and non-finite tokens); float32, or
+    float64 when an input is float64."""
     metrics: dict[str, float]
     """Flat metrics, keys prefixed ``moe_replay/corr/``."""
 
@@ -537,8 +539,11 @@ def apply_corrections(
     response_BS = response_mask_BS.bool().to(device)
     if not bool(response_BS.any()):
         raise ValueError(f"response_mask_BS selects no token (shape {list(response_BS.shape)})")
-    train_f = train_logprobs_BS.detach().float()
-    rollout_f = rollout_logprobs_BS.detach().to(device).float()
+    # float64 inputs keep float64 statistics (a float32 sum of 256 log-ratios is off by ~1e-5)
+    wide = torch.float64 in (train_logprobs_BS.dtype, rollout_logprobs_BS.dtype)
+    work = torch.float64 if wide else torch.float32
+    train_f = train_logprobs_BS.detach().to(work)
+    rollout_f = rollout_logprobs_BS.detach().to(device=device, dtype=work)
     raw_lr_BS = train_f - rollout_f
     finite_BS = torch.isfinite(train_f) & torch.isfinite(rollout_f) & torch.isfinite(raw_lr_BS)
     nonfinite_BS = response_BS & ~finite_BS  # the same rule as the metrics' exclusion
@@ -548,9 +553,9 @@ def apply_corrections(
     adv_BS = _advantages_BS(advantages, response_BS)
     log_w_BS = torch.zeros_like(lr_BS)
 
-    n_resp = response_BS.sum().float()
+    n_resp = response_BS.sum().double()  # counts as float64: 1 - kept/n in float32 loses 6 digits
     valid_seq_B = response_BS.any(-1)
-    n_seq = valid_seq_B.sum().float()
+    n_seq = valid_seq_B.sum().double()
     m: dict[str, torch.Tensor] = {}
     seen: dict[str, int] = {}
     for index, cfg in enumerate(configs):
@@ -573,12 +578,12 @@ def apply_corrections(
         for extra, value in d.metrics.items():
             m[f"{PREFIX}/{key}/{extra}"] = value
 
-    weights_BS = torch.where(keep_BS, torch.exp(log_w_BS.clamp(-log_clamp, log_clamp)), 0.0).detach()
+    weights_BS = torch.where(keep_BS, torch.exp(log_w_BS.clamp(-log_clamp, log_clamp)), 0.0).float().detach()
     kept = keep_BS.sum()
     w_kept = weights_BS[keep_BS]
     has_kept = w_kept.numel() > 0
     zero = torch.zeros((), device=device)
-    m[f"{PREFIX}/token_masked_fraction"] = 1.0 - kept / n_resp
+    m[f"{PREFIX}/token_masked_fraction"] = (n_resp - kept) / n_resp
     m[f"{PREFIX}/seq_masked_fraction"] = (response_BS & ~keep_BS).any(-1).sum() / n_seq
     m[f"{PREFIX}/seq_rejected_fraction"] = (valid_seq_B & ~keep_BS.any(-1)).sum() / n_seq
     m[f"{PREFIX}/nonfinite_token_fraction"] = nonfinite_BS.sum() / n_resp
