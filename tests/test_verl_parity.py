@@ -221,3 +221,32 @@ def test_order_geo_rs_then_icepop_equals_verl_and_the_reverse_does_not(dtype):
         reverse = apply_corrections([ice, geo], train, rollout, mask)
         reverse_differs += int((reverse.keep_BS != v_mask).any(-1).sum())
     assert reverse_differs > 0
+
+
+# ----------------------------------------------------------------------------- the install itself
+
+
+def test_verl_install_keeps_the_project_pins_and_stays_on_cpu():
+    """verl comes in with --no-deps (its metadata pins transformers<5.11): what it needs is the
+    `verl` extra's pins, the project's own pins still hold, and its import starts no CUDA."""
+    import subprocess
+    import sys
+    import sysconfig
+    import tomllib
+    from importlib.metadata import version
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for name in ("verl", "hf", "megatron"):
+        for req in map(Requirement, extras[name]):
+            assert req.specifier.contains(version(req.name), prereleases=True), (name, str(req), version(req.name))
+    assert not Path(sysconfig.get_paths()["purelib"], "tests", "__init__.py").exists()  # verl's stray package
+    code = (
+        "import sys, torch, verl.trainer.ppo.rollout_corr_helper\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'nvidia', 'triton', 'wandb', 'datasets'))\n"
+        "print(torch.cuda.is_initialized(), bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False []"
