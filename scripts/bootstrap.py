@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import tomllib
 import zipfile
 from pathlib import Path
 
@@ -78,6 +77,8 @@ def _inputs_hash() -> str:
 
 
 def _no_deps_requirements() -> list[str]:
+    import tomllib  # here, so Python < 3.11 still reaches main()'s version message
+
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     return [req for name in NO_DEPS_EXTRAS for req in extras[name]]
 
