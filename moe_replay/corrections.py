@@ -11,13 +11,17 @@ and/or a keep decision. A list of corrections runs in order through `apply_corre
   IcePop before a token veto removes the tokens the veto would have fired on;
 * sequence-level decisions keep or reject every token of the sequence;
 * weights are computed from detached logprobs (IS weights change the measure, not the
-  objective: no gradient may flow through them), in log space, with token log-ratios clamped to
-  ``±log_clamp`` and the summed log-weight clamped again before exp, so nothing overflows.
-  Tokens with a NaN log-ratio (both logprobs -inf, or a NaN) are rejected and counted.
+  objective: no gradient may flow through them), in log space; decisions compare the raw
+  log-ratio with their thresholds, and only the summed log-weight is clamped to ``±log_clamp``
+  before exp, so nothing overflows and no threshold has a dead zone beyond e^±log_clamp;
+* a token whose logprob is NaN or ±inf on either side (a rollout logprob of -inf is a token the
+  engine gave probability 0: a broken sample) is rejected and counted, as the metrics do.
 
-Rejected tokens leave the loss denominator: aggregate with `masked_mean` / `aggregate_loss` over
-``result.keep_BS``. (IcePop's paper and verl's IS-weight path instead zero the weight and keep
-the token in the denominator; rejection here follows verl's rejection-sampling path.)
+A rejected token either leaves the loss denominator (rejection sampling, verl's
+``rollout_rs`` path) or stays in it with weight 0 (IcePop's paper and verl's IS-weight path);
+each correction's decision says which. Aggregate with `aggregate_loss` over ``result.keep_BS``,
+the tokens that count in the denominator; ``result.weights_BS`` is 0 on the zero-weighted ones.
+Porting from verl and the papers, and where this differs on purpose: docs/corrections.md.
 
 Shape legend: B batch, S sequence positions (response tokens, padded).
 """
@@ -30,7 +34,7 @@ from typing import Any, Callable, ClassVar, Literal, Mapping, Sequence, TypeVar
 
 import torch
 
-from .metrics import LOG_CLAMP, normalized_ess
+from .metrics import LOG_CLAMP, check_log_clamp, k3_terms, normalized_ess
 from .registry import Registry
 
 __all__ = [
@@ -46,6 +50,7 @@ __all__ = [
     "GSPOConfig",
     "GeoRSConfig",
     "TokenVetoConfig",
+    "BatchSkipConfig",
     "register_correction",
     "build_correction",
     "apply_corrections",
@@ -107,16 +112,19 @@ def aggregate_loss(loss_BS: torch.Tensor, keep_BS: torch.Tensor, mode: LossAggre
 
 @dataclass(frozen=True)
 class CorrectionContext:
-    """What a correction sees: the detached, clamped log-ratios and the tokens still kept."""
+    """What a correction sees: the detached raw log-ratios and the tokens still kept."""
 
     log_ratio_BS: torch.Tensor
-    """float32 log π_train - log π_rollout, detached, clamped to ±log_clamp; 0 where not kept."""
+    """log π_train - log π_rollout, detached, unclamped and finite, 0 where not kept; float32
+    (float64 when an input is float64).
+    Compare it with thresholds as is; clamp only what goes into an exp."""
     keep_BS: torch.Tensor
-    """bool: response tokens not rejected by the corrections before this one."""
-    advantages_B: torch.Tensor | None
-    """float32 per-sequence advantage, when the caller gave advantages."""
+    """bool: response tokens not rejected (nor zero-weighted) by the corrections before this one."""
+    advantages_BS: torch.Tensor | None
+    """float32 per-token advantage (a [B] input broadcast over S), when the caller gave them;
+    finite on response tokens."""
     log_clamp: float
-    """Bound used on log-ratios and log-weights before exp."""
+    """Bound used on log-weights before exp."""
 
     def seq_sum_B(self) -> torch.Tensor:
         """Σ of kept token log-ratios per sequence: the log of the sequence IS ratio Π ρ_t."""
@@ -150,6 +158,9 @@ class Decision:
     """Log of the multiplicative IS weight this correction contributes."""
     keep: torch.Tensor | None = None
     """bool: False rejects the token (or, for [B], the whole sequence)."""
+    zero_weight: bool = False
+    """True: the tokens ``keep`` rejects get weight 0 but stay in the loss denominator (IcePop's
+    paper, verl's IS weights); False: they leave it (rejection sampling)."""
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     """Scalar extras reported under ``moe_replay/corr/<name>/<key>``."""
 
@@ -159,13 +170,20 @@ class CorrectionResult:
     """What the loss needs: detached token weights, the final keep mask, and metrics."""
 
     weights_BS: torch.Tensor
-    """float32 IS weights, detached; 0 on rejected and padding tokens."""
+    """float32 IS weights, detached; 0 on rejected, zero-weighted and padding tokens."""
     keep_BS: torch.Tensor
-    """bool: tokens that stay in the loss, numerator and denominator."""
+    """bool: tokens that count in the loss denominator (zero-weighted ones included)."""
     log_ratio_BS: torch.Tensor
-    """float32 clamped, detached log π_train - log π_rollout (0 on padding)."""
+    """raw, detached log π_train - log π_rollout (0 on padding and non-finite tokens); float32, or
+    float64 when an input is float64."""
     metrics: dict[str, float]
     """Flat metrics, keys prefixed ``moe_replay/corr/``."""
+
+    @property
+    def skip_update(self) -> bool:
+        """No token carries a nonzero weight (e.g. `BatchSkipConfig` fired): the loss has no
+        gradient, and an optimizer step would still move the weights by its momentum and decay."""
+        return not bool((self.weights_BS > 0).any())
 
 
 # --------------------------------------------------------------------------- configs and registry
@@ -247,23 +265,32 @@ class MISConfig(CorrectionConfig):
     """``sequence``: the ratio is Π_t ρ_t over the sequence's kept tokens; ``token``: each ρ_t."""
     weight: bool = True
     """Multiply kept tokens by their ratio (masked IS); False makes it pure rejection."""
+    low: float | None = None
+    """Optional lower bound: ratios below it are rejected too (verl's two-sided "Seq-MIS"
+    preset uses 0.5 with C = 2); None is the paper's one-sided MIS."""
 
     def __post_init__(self) -> None:
         _check_positive(type(self).__name__, "threshold", self.threshold)
         _check_choice(type(self).__name__, "level", self.level, ("token", "sequence"))
         _check_bool(type(self).__name__, "weight", self.weight)
+        if self.low is not None:
+            _check_positive(type(self).__name__, "low", self.low)
+            if self.low >= self.threshold:
+                raise ValueError(f"MISConfig needs low < threshold, got low={self.low!r}, threshold={self.threshold!r}")
 
     def decide(self, ctx: CorrectionContext) -> Decision:
         log_c = math.log(self.threshold)
         lr = ctx.log_ratio_BS if self.level == "token" else ctx.seq_sum_B()
         keep = lr <= log_c
+        if self.low is not None:
+            keep = keep & (lr >= math.log(self.low))
         return Decision(log_weight=lr if self.weight else None, keep=keep)
 
 
 @register_correction("icepop")
 @dataclass(frozen=True)
 class IcePopConfig(CorrectionConfig):
-    """IcePop: reject tokens whose ρ_t lies outside [low, high]; kept tokens keep weight ρ_t."""
+    """IcePop: tokens whose ρ_t lies outside [low, high] get no gradient; kept tokens keep weight ρ_t."""
 
     low: float = 0.5
     """α: tokens with ρ_t < α are rejected."""
@@ -271,11 +298,16 @@ class IcePopConfig(CorrectionConfig):
     """β: tokens with ρ_t > β are rejected."""
     weight: bool = True
     """Multiply kept tokens by ρ_t (IcePop's masked IS); False makes it pure rejection."""
+    rejected: Literal["zero_weight", "drop"] = "zero_weight"
+    """``zero_weight``: out-of-band tokens get weight 0 and stay in the 1/|y| normaliser, as in
+    the Ring-1T paper and verl's ``lo_hi`` IS threshold, so a sequence's other tokens keep their
+    scale; ``drop``: they leave the denominator, as a rejection sampler would."""
 
     def __post_init__(self) -> None:
         _check_positive(type(self).__name__, "low", self.low)
         _check_positive(type(self).__name__, "high", self.high)
         _check_bool(type(self).__name__, "weight", self.weight)
+        _check_choice(type(self).__name__, "rejected", self.rejected, ("zero_weight", "drop"))
         if self.low >= self.high:
             raise ValueError(f"IcePopConfig needs low < high, got low={self.low!r}, high={self.high!r}")
 
@@ -285,6 +317,7 @@ class IcePopConfig(CorrectionConfig):
         return Decision(
             log_weight=lr if self.weight else None,
             keep=~(low | high),
+            zero_weight=self.rejected == "zero_weight",
             metrics={"low_fraction": ctx.token_frac(low), "high_fraction": ctx.token_frac(high)},
         )
 
@@ -292,12 +325,13 @@ class IcePopConfig(CorrectionConfig):
 @register_correction("opsm")
 @dataclass(frozen=True)
 class OPSMConfig(CorrectionConfig):
-    """DeepSeek-V3.2 off-policy sequence masking: reject a sequence when its advantage is negative
-    and its length-normalised KL estimate mean_t(log π_rollout - log π_train) exceeds δ.
+    """DeepSeek-V3.2 off-policy sequence masking: reject token t of sequence i when A_{i,t} < 0 and
+    the sequence's length-normalised KL estimate mean_t(log π_rollout - log π_train) exceeds δ.
 
     Negative-advantage samples that the policy has drifted away from push hardest in a bad
-    direction; positive ones are kept whatever their drift. The statistic has the sign of
-    ``rollout_corr/kl``. DeepSeek compares the sampling policy with the current policy, so pass
+    direction; positive ones are kept whatever their drift. The sign test is per token, so
+    per-token advantages (PPO/GAE) mask only their negative tokens; per-sequence ones (GRPO)
+    mask the whole sequence. The statistic has the sign of ``rollout_corr/kl``. DeepSeek compares the sampling policy with the current policy, so pass
     the current policy's logprobs as ``train_logprobs_BS`` when using it for that purpose.
     """
 
@@ -310,11 +344,11 @@ class OPSMConfig(CorrectionConfig):
             raise ValueError(f"OPSMConfig.delta must be a finite number >= 0, got {d!r}")
 
     def decide(self, ctx: CorrectionContext) -> Decision:
-        if ctx.advantages_B is None:
+        if ctx.advantages_BS is None:
             raise ValueError("correction 'opsm' needs advantages: pass advantages=[B] or [B, S] to apply_corrections")
         kl_B = -ctx.seq_mean_B()
-        reject_B = (ctx.advantages_B < 0) & (kl_B > self.delta)
-        return Decision(keep=~reject_B)
+        reject_BS = (ctx.advantages_BS < 0) & (kl_B > self.delta)[:, None]
+        return Decision(keep=~reject_BS)
 
 
 @register_correction("gspo")
@@ -384,6 +418,32 @@ class TokenVetoConfig(CorrectionConfig):
         return Decision(keep=~veto_B)
 
 
+@register_correction("batch_skip")
+@dataclass(frozen=True)
+class BatchSkipConfig(CorrectionConfig):
+    """Skip the whole update when the batch's vllm-kl, the token mean of k3 = ρ - 1 - lr (the
+    ``rollout_corr/k3_kl`` formula) over the tokens still kept, exceeds a threshold ("When Speed
+    Kills Stability"): a batch that far off-policy carries more mismatch than signal.
+
+    Every token then leaves the loss, so the loss is 0 and `CorrectionResult.skip_update` is
+    True: the trainer should not call the optimizer step. Metrics: ``vllm_kl`` (the statistic)
+    and ``skipped`` (1.0 when it fired).
+    """
+
+    threshold: float = 0.1
+    """Largest vllm-kl that still trains (0.1 in that report)."""
+
+    def __post_init__(self) -> None:
+        _check_positive(type(self).__name__, "threshold", self.threshold)
+
+    def decide(self, ctx: CorrectionContext) -> Decision:
+        k3_BS = k3_terms(ctx.log_ratio_BS.double(), ctx.log_clamp)
+        vllm_kl = masked_mean(k3_BS, ctx.keep_BS)
+        skip = vllm_kl > self.threshold
+        keep_B = (~skip).expand(ctx.keep_BS.shape[0])
+        return Decision(keep=keep_B, metrics={"vllm_kl": vllm_kl, "skipped": skip.double()})
+
+
 def build_correction(spec: CorrectionConfig | str | Mapping[str, Any]) -> CorrectionConfig:
     """A correction from a config object, a registered name (defaults), or ``{"name": ..., **fields}``."""
     if isinstance(spec, CorrectionConfig):
@@ -407,16 +467,27 @@ def build_correction(spec: CorrectionConfig | str | Mapping[str, Any]) -> Correc
 # --------------------------------------------------------------------------- composition
 
 
-def _advantages_B(advantages: torch.Tensor | None, mask_BS: torch.Tensor) -> torch.Tensor | None:
+def _advantages_BS(advantages: torch.Tensor | None, mask_BS: torch.Tensor) -> torch.Tensor | None:
+    """Per-token advantages; NaN/inf on a response token would silently switch OPSM off: refused."""
     if advantages is None:
         return None
     adv = advantages.detach().to(device=mask_BS.device, dtype=torch.float32)
     B, S = mask_BS.shape
     if adv.shape == (B,):
-        return adv
-    if adv.shape == (B, S):  # GRPO broadcasts one value per sequence; take its mean over the response
-        return masked_mean(adv, mask_BS, dim=-1)
-    raise ValueError(f"advantages must be [B]=[{B}] or [B, S]=[{B}, {S}], got {list(adv.shape)}")
+        bad = ~torch.isfinite(adv) & mask_BS.any(-1)
+        adv_BS = adv[:, None].expand(B, S)
+    elif adv.shape == (B, S):
+        bad = ~torch.isfinite(adv) & mask_BS
+        adv_BS = adv
+    else:
+        raise ValueError(f"advantages must be [B]=[{B}] or [B, S]=[{B}, {S}], got {list(adv.shape)}")
+    if bool(bad.any()):
+        first = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"advantages must be finite on response tokens; {int(bad.sum())} are not, "
+            f"the first at position {first} holds {float(adv[tuple(first)])!r}"
+        )
+    return torch.where(mask_BS, adv_BS, 0.0)
 
 
 def apply_corrections(
@@ -435,20 +506,24 @@ def apply_corrections(
         train_logprobs_BS: the trainer's log π of each sampled token (detached here).
         rollout_logprobs_BS: the engine's log π of the same tokens.
         response_mask_BS: 1/True on response tokens; padding is never kept.
-        advantages: [B] or [B, S]; needed by corrections that read them (``opsm``).
-        log_clamp: bound on token log-ratios and on the summed log-weight before exp.
+        advantages: [B] or [B, S], finite on response tokens; needed by corrections that read
+            them (``opsm``).
+        log_clamp: bound on the summed log-weight before exp, in (0, 80).
+
+    Raises ValueError when the response mask selects no token (every fraction would be 0/0).
 
     Metrics (fractions are of response tokens / of sequences with a response token):
-        moe_replay/corr/<name>/token_masked_fraction  tokens this correction rejected
+        moe_replay/corr/<name>/token_masked_fraction  tokens this correction rejected or zero-weighted
         moe_replay/corr/<name>/seq_masked_fraction    sequences it rejected a token of
         moe_replay/corr/<name>/<extra>                correction-specific (truncated_fraction, ...)
         moe_replay/corr/token_masked_fraction         1 - kept / response tokens
         moe_replay/corr/seq_masked_fraction           sequences with >= 1 rejected token
         moe_replay/corr/seq_rejected_fraction         sequences with every token rejected
-        moe_replay/corr/nonfinite_token_fraction      tokens rejected for a NaN log-ratio
+        moe_replay/corr/nonfinite_token_fraction      tokens rejected for a NaN/±inf logprob
         moe_replay/corr/weight_{mean,min,max}         final weights over kept tokens (0 if none)
         moe_replay/corr/weight_ess                    normalised ESS (Σw)²/(n Σw²) over kept tokens
-        moe_replay/corr/kept_tokens                   number of kept tokens
+        moe_replay/corr/kept_tokens                   tokens with a nonzero weight
+        moe_replay/corr/loss_tokens                   tokens in the loss denominator (keep_BS)
     A name used twice in the list gets ``<name>.<index>`` keys from its second use on.
     """
     if train_logprobs_BS.dim() != 2:
@@ -457,26 +532,34 @@ def apply_corrections(
         if t.shape != response_mask_BS.shape:
             expected = list(response_mask_BS.shape)
             raise ValueError(f"{arg} has shape {list(t.shape)}, expected {expected} (response_mask_BS)")
-    if not (isinstance(log_clamp, (int, float)) and 0 < log_clamp < 80):
-        raise ValueError(f"log_clamp must be in (0, 80) so exp stays finite in float32, got {log_clamp!r}")
+    log_clamp = check_log_clamp(log_clamp)
     configs = [build_correction(c) for c in corrections]
 
     device = train_logprobs_BS.device
     response_BS = response_mask_BS.bool().to(device)
-    raw_lr_BS = train_logprobs_BS.detach().float() - rollout_logprobs_BS.detach().to(device).float()
-    nonfinite_BS = response_BS & torch.isnan(raw_lr_BS)  # ±inf is a real (extreme) ratio; NaN is not
-    keep_BS = response_BS & ~nonfinite_BS
-    lr_BS = torch.where(keep_BS, torch.nan_to_num(raw_lr_BS, nan=0.0).clamp(-log_clamp, log_clamp), 0.0)
-    adv_B = _advantages_B(advantages, response_BS)
+    if not bool(response_BS.any()):
+        raise ValueError(f"response_mask_BS selects no token (shape {list(response_BS.shape)})")
+    # float64 inputs keep float64 statistics (a float32 sum of 256 log-ratios is off by ~1e-5)
+    wide = torch.float64 in (train_logprobs_BS.dtype, rollout_logprobs_BS.dtype)
+    work = torch.float64 if wide else torch.float32
+    train_f = train_logprobs_BS.detach().to(work)
+    rollout_f = rollout_logprobs_BS.detach().to(device=device, dtype=work)
+    raw_lr_BS = train_f - rollout_f
+    finite_BS = torch.isfinite(train_f) & torch.isfinite(rollout_f) & torch.isfinite(raw_lr_BS)
+    nonfinite_BS = response_BS & ~finite_BS  # the same rule as the metrics' exclusion
+    keep_BS = response_BS & finite_BS
+    denom_BS = keep_BS
+    lr_BS = torch.where(keep_BS, raw_lr_BS, 0.0)
+    adv_BS = _advantages_BS(advantages, response_BS)
     log_w_BS = torch.zeros_like(lr_BS)
 
-    n_resp = response_BS.sum().clamp_min(1).float()
+    n_resp = response_BS.sum().double()  # counts as float64: 1 - kept/n in float32 loses 6 digits
     valid_seq_B = response_BS.any(-1)
-    n_seq = valid_seq_B.sum().clamp_min(1).float()
+    n_seq = valid_seq_B.sum().double()
     m: dict[str, torch.Tensor] = {}
     seen: dict[str, int] = {}
     for index, cfg in enumerate(configs):
-        ctx = CorrectionContext(log_ratio_BS=lr_BS, keep_BS=keep_BS, advantages_B=adv_B, log_clamp=log_clamp)
+        ctx = CorrectionContext(log_ratio_BS=lr_BS, keep_BS=keep_BS, advantages_BS=adv_BS, log_clamp=log_clamp)
         d = cfg.decide(ctx)
         key = cfg.name if cfg.name not in seen else f"{cfg.name}.{index}"
         seen[cfg.name] = index
@@ -484,6 +567,8 @@ def apply_corrections(
         if d.keep is not None:
             step_keep = d.keep if d.keep.dim() == 2 else d.keep[:, None]
             keep_BS = keep_BS & step_keep
+            if not d.zero_weight:
+                denom_BS = denom_BS & step_keep
         if d.log_weight is not None:
             step_lw = d.log_weight if d.log_weight.dim() == 2 else d.log_weight[:, None]
             log_w_BS = log_w_BS + step_lw
@@ -493,12 +578,12 @@ def apply_corrections(
         for extra, value in d.metrics.items():
             m[f"{PREFIX}/{key}/{extra}"] = value
 
-    weights_BS = torch.where(keep_BS, torch.exp(log_w_BS.clamp(-log_clamp, log_clamp)), 0.0).detach()
+    weights_BS = torch.where(keep_BS, torch.exp(log_w_BS.clamp(-log_clamp, log_clamp)), 0.0).float().detach()
     kept = keep_BS.sum()
     w_kept = weights_BS[keep_BS]
     has_kept = w_kept.numel() > 0
     zero = torch.zeros((), device=device)
-    m[f"{PREFIX}/token_masked_fraction"] = 1.0 - kept / n_resp
+    m[f"{PREFIX}/token_masked_fraction"] = (n_resp - kept) / n_resp
     m[f"{PREFIX}/seq_masked_fraction"] = (response_BS & ~keep_BS).any(-1).sum() / n_seq
     m[f"{PREFIX}/seq_rejected_fraction"] = (valid_seq_B & ~keep_BS.any(-1)).sum() / n_seq
     m[f"{PREFIX}/nonfinite_token_fraction"] = nonfinite_BS.sum() / n_resp
@@ -507,10 +592,11 @@ def apply_corrections(
     m[f"{PREFIX}/weight_max"] = w_kept.max() if has_kept else zero
     m[f"{PREFIX}/weight_ess"] = normalized_ess(log_w_BS.clamp(-log_clamp, log_clamp), keep_BS) if has_kept else zero
     m[f"{PREFIX}/kept_tokens"] = kept.float()
+    m[f"{PREFIX}/loss_tokens"] = denom_BS.sum().float()
 
     keys = list(m)
     values = torch.stack([m[k].detach().double().reshape(()) for k in keys]).cpu().tolist()
-    return CorrectionResult(weights_BS=weights_BS, keep_BS=keep_BS, log_ratio_BS=lr_BS, metrics=dict(zip(keys, values)))
+    return CorrectionResult(weights_BS=weights_BS, keep_BS=denom_BS, log_ratio_BS=lr_BS, metrics=dict(zip(keys, values)))
 
 
 def reinforce_loss(

@@ -18,9 +18,11 @@ Averages: "token mean" is over every valid token of the batch; "seq mean" is ove
 have at least one valid token, each first averaged over its own tokens (verl's per-sequence ppl).
 
 Every ``exp`` goes through a clamp of its exponent at ``±log_clamp`` (default 20, verl's
-SAFETY_BOUND), so a broken batch shows a huge finite number instead of inf/nan. Tokens whose
-logprob is NaN or ±inf are left out of every statistic and counted in
-``moe_replay/nonfinite_token_fraction``.
+SAFETY_BOUND), so a broken batch shows a huge finite number instead of inf/nan; only the
+exponent is clamped, never a linear term (k3 of lr = -30 is ≈ 29, not the clamp's 19). Tokens
+whose logprob is NaN or ±inf are left out of every statistic and counted in
+``moe_replay/nonfinite_token_fraction``. Where and why these numbers differ from verl's:
+docs/corrections.md.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ _SUPPORT_CHUNK_ROWS = 1024  # bounds the [rows, V] float32 scratch of the suppor
 
 __all__ = [
     "LOG_CLAMP",
+    "check_log_clamp",
+    "k3_terms",
     "mismatch_metrics",
     "logprob_mismatch_metrics",
     "route_flip_metrics",
@@ -57,6 +61,24 @@ def _finish(metrics: dict[str, torch.Tensor | float]) -> dict[str, float]:
 
 def _safe_exp(x: torch.Tensor, log_clamp: float) -> torch.Tensor:
     return torch.exp(x.clamp(-log_clamp, log_clamp))
+
+
+def check_log_clamp(log_clamp: object) -> float:
+    """``log_clamp`` must lie in (0, 80): 0 would report every ratio as 1 ("no mismatch") and
+    e^80 ≈ 5.5e34 is the last decade below float32's overflow at e^88.7."""
+    if isinstance(log_clamp, bool) or not isinstance(log_clamp, (int, float)) or not 0 < log_clamp < 80:
+        raise ValueError(f"log_clamp must be a number in (0, 80) so exp stays finite in float32, got {log_clamp!r}")
+    return float(log_clamp)
+
+
+def k3_terms(log_ratio: torch.Tensor, log_clamp: float) -> torch.Tensor:
+    """Per-token k3 = ρ - 1 - lr (>= 0), ρ = exp(lr): the low-variance estimate of KL(π_rollout || π_train).
+
+    Only the exponent is clamped at +log_clamp, and the linear term with it there (so the term stays
+    >= 0); below -log_clamp the exact value is kept up to e^-log_clamp (2e-9 at the default 20).
+    """
+    hi = log_ratio.clamp(max=log_clamp)
+    return torch.exp(hi.clamp(min=-log_clamp)) - 1.0 - hi
 
 
 def normalized_ess(log_weights: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,15 +137,17 @@ def logprob_mismatch_metrics(
         train_logprobs_BS: log π_train of each sampled token (trainer's recompute).
         rollout_logprobs_BS: log π_rollout of the same tokens, as the engine reported them.
         response_mask_BS: 1/True on tokens that count (generated, not padding).
-        is_weights_BS: the IS weights actually applied to the loss (e.g. after truncation); when
-            given, ``rollout_corr/rollout_is_eff_sample_size`` is their ESS over the response
-            mask, as verl computes it; otherwise the ESS of the raw token ratios ρ.
-        log_clamp: bound on exponents before exp.
+        is_weights_BS: the IS weights actually applied to the loss (e.g. after truncation, 0 on
+            rejected tokens); when given, ``rollout_corr/rollout_is_eff_sample_size`` is their ESS
+            over the response mask, as verl computes it. Without them that key is absent: the
+            raw-ratio ESS is another quantity and has its own key, ``moe_replay/is_ess_token``.
+            Each must be finite and >= 0 on response positions (else ValueError).
+        log_clamp: bound on exponents before exp, in (0, 80) (else ValueError).
 
     Keys (one-line formulas; lr = log π_train - log π_rollout, ρ = exp(lr), "tok" = token mean,
     "seq" = seq mean of a per-sequence token mean):
         rollout_corr/kl               tok[log π_rollout - log π_train]  (k1 of KL(rollout||train))
-        rollout_corr/k3_kl            tok[ρ - 1 - lr]
+        rollout_corr/k3_kl            tok[ρ - 1 - lr]  (`k3_terms`)
         rollout_corr/training_ppl     seq[exp(-mean_t log π_train)]
         rollout_corr/training_log_ppl seq[-mean_t log π_train]
         rollout_corr/rollout_ppl      seq[exp(-mean_t log π_rollout)]
@@ -132,8 +156,11 @@ def logprob_mismatch_metrics(
         rollout_corr/log_ppl_abs_diff seq[|d|]; log_ppl_diff_max / _min: max / min over seqs of d
         rollout_corr/ppl_ratio        seq[exp(d)] = seq[training ppl / rollout ppl]
         rollout_corr/chi2_token       tok[ρ²] - 1
-        rollout_corr/chi2_seq         seq-average of exp(2 Σ_t lr) - 1  (Π_t ρ_t squared)
-        rollout_corr/rollout_is_eff_sample_size  (Σw)² / (n Σw²) over tokens, w = is_weights or ρ
+        rollout_corr/chi2_seq         seq-average of exp(2 Σ_t lr) - 1  (Π_t ρ_t squared; verl clamps
+                                      Σ_t lr, not 2 Σ_t lr, at ±log_clamp, so it can reach e^40)
+        rollout_corr/rollout_is_eff_sample_size  1 / mean((w / mean w)²) over response tokens, w =
+                                      is_weights_BS (verl's formula); only when they are given
+        moe_replay/is_ess_token       (Σρ)² / (n Σρ²) over tokens, of the raw ratios ρ
         moe_replay/is_ess_seq         same ESS over sequence weights exp(Σ_t lr), one per sequence
         moe_replay/is_ess_token_per_seq  seq-average of the token-weight ESS inside each sequence
         moe_replay/abs_logprob_diff_{mean,max,p50,p90,p99}  stats of |lr| over tokens
@@ -148,6 +175,7 @@ def logprob_mismatch_metrics(
     _check_BS("rollout_logprobs_BS", rollout_logprobs_BS, response_mask_BS)
     if is_weights_BS is not None:
         _check_BS("is_weights_BS", is_weights_BS, response_mask_BS)
+    log_clamp = check_log_clamp(log_clamp)
 
     train = train_logprobs_BS.detach().to(torch.float64)
     rollout = rollout_logprobs_BS.detach().to(device=train.device, dtype=torch.float64)
@@ -191,7 +219,7 @@ def logprob_mismatch_metrics(
 
     m: dict[str, torch.Tensor | float] = {}
     m["rollout_corr/kl"] = tok_mean(rollout - train)
-    m["rollout_corr/k3_kl"] = tok_mean(rho_BS - 1.0 - lr_clamped_BS)
+    m["rollout_corr/k3_kl"] = tok_mean(k3_terms(lr_BS, log_clamp))
     m["rollout_corr/training_ppl"] = seq_mean(_safe_exp(-mean_train_B, log_clamp))
     m["rollout_corr/training_log_ppl"] = seq_mean(-mean_train_B)
     m["rollout_corr/rollout_ppl"] = seq_mean(_safe_exp(-mean_rollout_B, log_clamp))
@@ -202,16 +230,21 @@ def logprob_mismatch_metrics(
     m["rollout_corr/log_ppl_diff_min"] = torch.where(seq_ok_B, d_B, pos_inf).min()
     m["rollout_corr/ppl_ratio"] = seq_mean(_safe_exp(d_B, log_clamp))
     m["rollout_corr/chi2_token"] = tok_mean(rho_BS.square()) - 1.0
-    m["rollout_corr/chi2_seq"] = seq_mean(_safe_exp(2.0 * seq_lr_B.clamp(-log_clamp, log_clamp), log_clamp)) - 1.0
+    m["rollout_corr/chi2_seq"] = seq_mean(torch.exp(2.0 * seq_lr_B.clamp(-log_clamp, log_clamp))) - 1.0
 
     if is_weights_BS is not None:
-        w_BS = torch.where(given_BS, is_weights_BS.detach().to(device=train.device, dtype=torch.float64), zero)
-        w_valid = w_BS[given_BS]
+        w_valid = is_weights_BS.detach().to(device=train.device, dtype=torch.float64)[given_BS]
+        bad = ~(torch.isfinite(w_valid) & (w_valid >= 0))
+        if bool(bad.any()):
+            first = given_BS.nonzero()[int(bad.nonzero()[0])].tolist()
+            raise ValueError(
+                f"is_weights_BS must be finite and >= 0 on response tokens; {int(bad.sum())} are not, "
+                f"the first at position {first} holds {float(w_valid[bad][0])!r}"
+            )
         mean_w = w_valid.mean()
         # verl's formula on the applied weights: 1 / mean((w / mean w)²), over the response mask
         m["rollout_corr/rollout_is_eff_sample_size"] = 1.0 / ((w_valid / (mean_w + 1e-8)).square().mean())
-    else:
-        m["rollout_corr/rollout_is_eff_sample_size"] = normalized_ess(lr_BS, mask_BS)
+    m["moe_replay/is_ess_token"] = normalized_ess(lr_BS, mask_BS)
     m["moe_replay/is_ess_seq"] = normalized_ess(seq_lr_B, seq_ok_B)
     ess_B = _per_row_normalized_ess(lr_BS, mask_BS)
     m["moe_replay/is_ess_token_per_seq"] = seq_mean(torch.nan_to_num(ess_B, nan=0.0))

@@ -16,6 +16,7 @@ import argparse
 import email.parser
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,13 @@ XGRAMMAR = "xgrammar==0.2.8"
 EXCLUDED = {"torch", "torchvision", "torchaudio", "torchcodec", "triton", "xgrammar"}
 EXTRA_PINS = ["ray==2.60.0"]
 PROJECT_EXTRAS = "hf,ray,megatron,dev"
+# Extras installed with --no-deps after the rest. verl 0.9.1 pins transformers<5.11 (we need
+# 5.19) and asks for wandb, datasets, peft, ... that the module the tests use
+# (verl.trainer.ppo.rollout_corr_helper, for the parity test) never imports; so its extra in
+# pyproject.toml lists verl plus exactly the wheels that import needs.
+NO_DEPS_EXTRAS = ("verl",)
+# Top-level packages verl's wheel also ships; `tests` would shadow this repo's tests package.
+STRAY_TOPLEVEL = {"verl": ("tests", "scripts")}
 
 
 def _run(cmd: list[str]) -> None:
@@ -66,6 +74,25 @@ def _inputs_hash() -> str:
         h.update(path.read_bytes())
     h.update(sys.version.encode())
     return h.hexdigest()[:16]
+
+
+def _no_deps_requirements() -> list[str]:
+    import tomllib  # here, so Python < 3.11 still reaches main()'s version message
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    return [req for name in NO_DEPS_EXTRAS for req in extras[name]]
+
+
+def _drop_stray_toplevel(py: str) -> None:
+    """Delete the top-level packages named in STRAY_TOPLEVEL, if that distribution installed them."""
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(subprocess.run([py, "-c", code], check=True, capture_output=True, text=True).stdout.strip())
+    for dist, names in STRAY_TOPLEVEL.items():
+        record = next(site.glob(f"{dist}-*.dist-info/RECORD"), None)
+        owned = {line.split("/", 1)[0] for line in record.read_text().splitlines()} if record else set()
+        for name in names:
+            if name in owned and (site / name / "__init__.py").exists():
+                shutil.rmtree(site / name)
 
 
 def _check_no_cuda(pip: list[str]) -> None:
@@ -113,6 +140,8 @@ def main() -> None:
         wheels = [str(w) for w in Path(tmp).glob("*.whl")]
         _run(pip + ["install", *quiet, "--no-deps", *wheels])
         _run(pip + ["install", *quiet, "-c", str(constraints), "-e", f"{ROOT}[{PROJECT_EXTRAS}]"])
+        _run(pip + ["install", *quiet, "--no-deps", *_no_deps_requirements()])
+    _drop_stray_toplevel(py)
     _check_no_cuda(pip)
     stamp.write_text(digest + "\n")
     print(f"bootstrap: installed into {venv}")

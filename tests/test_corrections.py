@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from moe_replay.corrections import (
     CORRECTIONS,
     CorrectionConfig,
+    BatchSkipConfig,
     GeoRSConfig,
     GSPOConfig,
     IcePopConfig,
@@ -105,7 +106,7 @@ def test_mis_token():
 
 
 def test_icepop_default_bounds():
-    r = run([IcePopConfig()])  # [0.5, 5]: only 0.25 is out
+    r = run([IcePopConfig(rejected="drop")])  # [0.5, 5]: only 0.25 is out
     assert torch.equal(r.keep_BS, keep_of([[1, 0, 1], [1, 1, 0]]))
     close(r.weights_BS, [[2.0, 0.0, 1.0], [1.0, 4.0, 0.0]])
     assert r.metrics["moe_replay/corr/icepop/low_fraction"] == pytest.approx(1 / 5)
@@ -115,7 +116,7 @@ def test_icepop_default_bounds():
 
 
 def test_icepop_tight_bounds_and_pure_rejection():
-    r = run([IcePopConfig(low=0.5, high=3.0, weight=False)])
+    r = run([IcePopConfig(low=0.5, high=3.0, weight=False, rejected="drop")])
     assert torch.equal(r.keep_BS, keep_of([[1, 0, 1], [1, 0, 0]]))
     close(r.weights_BS, [[1.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
     assert r.metrics["moe_replay/corr/icepop/high_fraction"] == pytest.approx(1 / 5)
@@ -182,7 +183,7 @@ def test_veto_ignores_padding_even_when_padding_looks_vetoable():
 
 
 def test_composition_order_matters_icepop_then_veto():
-    icepop = IcePopConfig(weight=False)
+    icepop = IcePopConfig(weight=False, rejected="drop")
     veto = TokenVetoConfig(threshold=0.3)
     first = run([icepop, veto])  # IcePop removes the 0.25 token; the veto no longer sees it
     assert torch.equal(first.keep_BS, keep_of([[1, 0, 1], [1, 1, 0]]))
@@ -194,7 +195,7 @@ def test_composition_order_matters_icepop_then_veto():
 
 
 def test_composition_sequence_stats_use_surviving_tokens():
-    r = run([IcePopConfig(weight=False), GSPOConfig()])
+    r = run([IcePopConfig(weight=False), GSPOConfig()])  # zero-weighted tokens leave the statistics too
     s0 = math.sqrt(2.0)  # seq 0 after IcePop keeps ρ = [2, 1]: exp(mean log) = √2
     close(r.weights_BS, [[s0, 0.0, s0], [2.0, 2.0, 0.0]])
     reverse = run([GSPOConfig(), IcePopConfig(weight=False)])
@@ -203,7 +204,7 @@ def test_composition_sequence_stats_use_surviving_tokens():
 
 
 def test_composition_weights_multiply_masks_and():
-    r = run([TISConfig(threshold=3.0), MISConfig(threshold=2.0, weight=False), IcePopConfig(low=0.5, high=5.0)])
+    r = run([TISConfig(threshold=3.0), MISConfig(threshold=2.0, weight=False), IcePopConfig(low=0.5, high=5.0, rejected="drop")])
     # TIS: [2, .25, 1 | 1, 3]; MIS rejects seq 1 (Π ρ = 4); IcePop rejects .25 and multiplies by ρ
     assert torch.equal(r.keep_BS, keep_of([[1, 0, 1], [0, 0, 0]]))
     close(r.weights_BS, [[4.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
@@ -239,7 +240,7 @@ def test_masked_mean_and_aggregation_denominators_count_kept_only():
 
 def test_weights_are_detached_and_gradient_flows_only_through_policy_logprobs():
     train, rollout = base_case(pad=0.0, requires_grad=True)
-    r = apply_corrections([IcePopConfig()], train, rollout, MASK)
+    r = apply_corrections([IcePopConfig(rejected="drop")], train, rollout, MASK)
     assert not r.weights_BS.requires_grad
     assert r.weights_BS.grad_fn is None
     adv = torch.tensor([1.0, -2.0])
@@ -254,7 +255,7 @@ def test_weights_are_detached_and_gradient_flows_only_through_policy_logprobs():
 
 def test_reinforce_loss_value_uses_kept_denominator():
     train, rollout = base_case(pad=0.0)
-    r = apply_corrections([IcePopConfig(weight=False)], train, rollout, MASK)
+    r = apply_corrections([IcePopConfig(weight=False, rejected="drop")], train, rollout, MASK)
     lp = torch.tensor([[-1.0, -2.0, -3.0], [-4.0, -5.0, NAN]])
     # -(1·-1 + 1·-3 + 1·-4 + 1·-5) / 4 with advantages 1
     assert reinforce_loss(lp, torch.ones(2), r).item() == pytest.approx(13 / 4)
@@ -291,7 +292,7 @@ def test_nan_log_ratio_is_rejected_and_counted():
 
 
 def test_registry_lists_all_corrections():
-    assert CORRECTIONS.names() == ["geo_rs", "gspo", "icepop", "mis", "opsm", "tis", "token_veto"]
+    assert CORRECTIONS.names() == ["batch_skip", "geo_rs", "gspo", "icepop", "mis", "opsm", "tis", "token_veto"]
     assert TISConfig.name == "tis" and TokenVetoConfig.name == "token_veto"
 
 
@@ -305,7 +306,7 @@ def test_registry_second_registration_fails():
 
 
 def test_registry_miss_lists_supported_names():
-    supported = "geo_rs, gspo, icepop, mis, opsm, tis, token_veto"
+    supported = "batch_skip, geo_rs, gspo, icepop, mis, opsm, tis, token_veto"
     with pytest.raises(RegistryError, match=f"unknown correction 'tiss'; supported: {supported}"):
         run(["tiss"])
     with pytest.raises(KeyError):  # RegistryError is also a KeyError
@@ -357,7 +358,7 @@ def test_input_validation():
 # ----------------------------------------------------------------------------- properties
 
 lr_lists = st.lists(st.floats(-60.0, 60.0), min_size=8, max_size=8)
-mask_lists = st.lists(st.booleans(), min_size=8, max_size=8)
+mask_lists = st.lists(st.booleans(), min_size=8, max_size=8).filter(any)  # an empty batch is refused
 
 
 def tensors(lrs, mk):
@@ -380,7 +381,8 @@ def test_property_tis_weights_never_exceed_c(lrs, mk, c):
 def test_property_icepop_kept_ratios_inside_bounds(lrs, mk, low, high):
     train, rollout, mask = tensors(lrs, mk)
     r = apply_corrections([IcePopConfig(low=low, high=high)], train, rollout, mask)
-    kept = r.weights_BS[r.keep_BS]
+    assert torch.equal(r.keep_BS, mask)  # the paper's normaliser: every response token stays in 1/|y|
+    kept = r.weights_BS[r.weights_BS > 0]
     assert (kept >= low * (1 - 1e-5)).all() and (kept <= high * (1 + 1e-5)).all()
 
 
@@ -398,3 +400,111 @@ def test_property_masked_tokens_never_counted(lrs, mk, garbage):
     torch.testing.assert_close(clean.weights_BS, dirty.weights_BS)
     assert clean.metrics == pytest.approx(dirty.metrics, nan_ok=True)
     assert all(math.isfinite(v) for v in dirty.metrics.values())
+
+
+# ----------------------------------------------------------------------------- issue 16 defects
+
+
+def test_veto_fires_below_exp_minus_log_clamp():
+    """Decisions read the raw log-ratio: a threshold below e^-log_clamp is not a dead zone."""
+    rollout = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]])
+    train = torch.tensor([[-13.0, -1.0], [-1.0, -1.0]])  # ρ = e^-12 ≈ 6e-6 < 1e-4
+    r = apply_corrections([TokenVetoConfig(threshold=1e-4)], train, rollout, torch.ones(2, 2), log_clamp=5.0)
+    assert torch.equal(r.keep_BS, keep_of([[0, 0], [1, 1]]))
+    ice = apply_corrections([IcePopConfig(low=1e-3, high=2.0, rejected="drop")], train, rollout, torch.ones(2, 2), log_clamp=5.0)
+    assert torch.equal(ice.keep_BS, keep_of([[0, 1], [1, 1]]))
+
+
+def test_opsm_per_token_advantages_mask_per_token():
+    """DeepSeek-V3.2's mask is per token: only the drifted sequence's A_{i,t} < 0 tokens go."""
+    adv = torch.tensor([[-1.0, 2.0, -3.0], [-1.0, -1.0, 0.0]])
+    r = run([OPSMConfig(delta=0.1)], advantages=adv)  # seq 0 drifted (mean -lr = ln2/3 > 0.1)
+    assert torch.equal(r.keep_BS, keep_of([[0, 1, 0], [1, 1, 0]]))
+
+
+@pytest.mark.parametrize("bad", [NAN, float("inf")])
+def test_nonfinite_advantages_are_refused(bad):
+    with pytest.raises(ValueError, match=r"advantages .* finite .* \[0, 1\]"):
+        run(["opsm"], advantages=torch.tensor([[-1.0, bad, -1.0], [1.0, 1.0, NAN]]))
+    with pytest.raises(ValueError, match=r"advantages .* finite .* \[1\]"):
+        run(["opsm"], advantages=torch.tensor([-1.0, bad]))
+
+
+def test_empty_batch_is_refused():
+    train, rollout = base_case(pad=0.0)
+    with pytest.raises(ValueError, match="response_mask_BS selects no token"):
+        apply_corrections(["tis"], train, rollout, torch.zeros(2, 3))
+
+
+def test_infinite_logprob_is_nonfinite_not_weight_c():
+    """A rollout logprob of -inf is a broken sample: rejected and counted, as the metrics do."""
+    train = torch.tensor([[-1.0, -1.0, -2.0]])
+    rollout = torch.tensor([[float("-inf"), -1.0, -1.0]])
+    r = apply_corrections([TISConfig(threshold=2.0)], train, rollout, torch.ones(1, 3))
+    assert torch.equal(r.keep_BS, keep_of([[0, 1, 1]]))
+    close(r.weights_BS, [[0.0, 1.0, math.exp(-1.0)]])
+    assert r.metrics["moe_replay/corr/nonfinite_token_fraction"] == pytest.approx(1 / 3)
+
+
+def test_icepop_paper_normaliser_keeps_rejected_tokens_in_denominator():
+    """Ring-1T / verl: out-of-band tokens get weight 0 and stay in 1/|y|; 'drop' takes them out."""
+    paper = run([IcePopConfig()])
+    assert IcePopConfig().rejected == "zero_weight"
+    assert torch.equal(paper.keep_BS, MASK.bool())
+    close(paper.weights_BS, [[2.0, 0.0, 1.0], [1.0, 4.0, 0.0]])
+    assert paper.metrics["moe_replay/corr/loss_tokens"] == 5
+    assert paper.metrics["moe_replay/corr/kept_tokens"] == 4
+    lp = torch.tensor([[-1.0, -2.0, -3.0], [-4.0, -5.0, NAN]])
+    # -(2·-1 + 0 + 1·-3 + 1·-4 + 4·-5) / 5 tokens in the denominator
+    assert reinforce_loss(lp, torch.ones(2), paper).item() == pytest.approx(29 / 5)
+    drop = run([IcePopConfig(rejected="drop")])
+    assert torch.equal(drop.keep_BS, keep_of([[1, 0, 1], [1, 1, 0]]))
+    assert reinforce_loss(lp, torch.ones(2), drop).item() == pytest.approx(29 / 4)
+
+
+# ----------------------------------------------------------------------------- batch skip, two-sided MIS
+
+
+def test_batch_skip_below_threshold_changes_nothing_and_reports_vllm_kl():
+    from moe_replay.metrics import logprob_mismatch_metrics
+
+    train, rollout = base_case(pad=0.0)
+    k3 = logprob_mismatch_metrics(train.double(), rollout.double(), MASK)["rollout_corr/k3_kl"]
+    assert k3 == pytest.approx((1 - math.log(2) + 0.25 - 1 + math.log(4) + 0 + 0 + 3 - math.log(4)) / 5)
+    r = apply_corrections([BatchSkipConfig(threshold=k3 * 1.01), "tis"], train, rollout, MASK)
+    assert r.metrics["moe_replay/corr/batch_skip/vllm_kl"] == pytest.approx(k3, rel=1e-6)
+    assert r.metrics["moe_replay/corr/batch_skip/skipped"] == 0.0
+    assert torch.equal(r.keep_BS, MASK.bool()) and not r.skip_update
+    torch.testing.assert_close(r.weights_BS, run(["tis"]).weights_BS)
+
+
+def test_batch_skip_above_threshold_skips_the_update():
+    r = run([BatchSkipConfig(threshold=0.1), "tis"])  # vllm-kl ≈ 0.511 here
+    assert r.metrics["moe_replay/corr/batch_skip/skipped"] == 1.0
+    assert not r.keep_BS.any() and (r.weights_BS == 0).all() and r.skip_update
+    assert r.metrics["moe_replay/corr/token_masked_fraction"] == 1.0
+    lp = torch.tensor([[-1.0, -2.0, -3.0], [-4.0, -5.0, 0.0]], requires_grad=True)
+    loss = reinforce_loss(lp, torch.ones(2), r)
+    loss.backward()
+    assert loss.item() == 0.0 and (lp.grad == 0).all()
+    assert BatchSkipConfig().threshold == 0.1
+    with pytest.raises(ValueError, match="BatchSkipConfig.threshold must be a finite number > 0, got 0"):
+        BatchSkipConfig(threshold=0)
+
+
+def test_batch_skip_preset_is_opt_in():
+    from moe_replay.presets import load_preset, preset_names
+
+    names = [c.name for c in load_preset("r3_support_batch_skip").corrections]
+    assert names == ["batch_skip", "tis"]
+    others = [n for n in preset_names() if n != "r3_support_batch_skip"]
+    assert all("batch_skip" not in [c.name for c in load_preset(n).corrections] for n in others)
+
+
+def test_mis_two_sided_like_verls_seq_mis():
+    r = run([MISConfig(threshold=2.0, low=0.6)])  # Π ρ = [0.5, 4]: both sequences out
+    assert not r.keep_BS.any()
+    one_sided = run([MISConfig(threshold=5.0, low=0.6)])
+    assert torch.equal(one_sided.keep_BS, keep_of([[0, 0, 0], [1, 1, 0]]))
+    with pytest.raises(ValueError, match="MISConfig needs low < threshold, got low=2.0, threshold=2.0"):
+        MISConfig(threshold=2.0, low=2.0)

@@ -75,7 +75,7 @@ def test_logprob_metrics_hand_computed():
     # sequence ratios Π ρ = [0.5, 1]: (0.25 + 1)/2 - 1
     assert m["rollout_corr/chi2_seq"] == approx(-0.375)
     # ESS = (Σw)² / (n Σw²)
-    assert m["rollout_corr/rollout_is_eff_sample_size"] == approx(5.75**2 / (5 * 9.3125))
+    assert m["moe_replay/is_ess_token"] == approx(5.75**2 / (5 * 9.3125))
     assert m["moe_replay/is_ess_seq"] == approx(1.5**2 / (2 * 1.25))
     ess0 = 3.25**2 / (3 * (4 + 1 / 16 + 1))
     ess1 = 2.5**2 / (2 * (0.25 + 4))
@@ -167,7 +167,7 @@ def test_identical_policies_give_zero_mismatch():
     assert m["rollout_corr/kl"] == 0.0 and m["rollout_corr/k3_kl"] == 0.0
     assert m["rollout_corr/chi2_token"] == approx(0.0) and m["rollout_corr/chi2_seq"] == approx(0.0)
     assert m["rollout_corr/ppl_ratio"] == approx(1.0)
-    assert m["rollout_corr/rollout_is_eff_sample_size"] == approx(1.0)
+    assert m["moe_replay/is_ess_token"] == approx(1.0)
     assert m["moe_replay/prob_pearson"] == approx(1.0)
 
 
@@ -188,7 +188,7 @@ def test_property_ess_in_unit_interval_and_padding_irrelevant(tl, rl, mk):
     rollout = torch.tensor(rl, dtype=torch.float64).reshape(2, 3)
     mask = torch.tensor(mk).reshape(2, 3)
     m = logprob_mismatch_metrics(train, rollout, mask)
-    assert 0.0 < m["rollout_corr/rollout_is_eff_sample_size"] <= 1.0 + 1e-9
+    assert 0.0 < m["moe_replay/is_ess_token"] <= 1.0 + 1e-9
     assert m["rollout_corr/k3_kl"] >= -1e-12
     assert m["moe_replay/abs_logprob_diff_p50"] <= m["moe_replay/abs_logprob_diff_p99"] + 1e-12
     garbage = torch.where(mask, train, torch.full_like(train, NAN))
@@ -344,9 +344,9 @@ def test_mismatch_metrics_merges_everything():
         "rollout_corr/ppl_ratio",
         "rollout_corr/chi2_token",
         "rollout_corr/chi2_seq",
-        "rollout_corr/rollout_is_eff_sample_size",
     }
     assert verl_keys <= m.keys()
+    assert "rollout_corr/rollout_is_eff_sample_size" not in m  # only with the applied weights
     assert all(k.startswith(("rollout_corr/", "moe_replay/")) for k in m)
     assert all(isinstance(v, float) for v in m.values())
     assert m["moe_replay/route_flip_rate"] == approx(3 / 8)
@@ -358,7 +358,7 @@ def test_mismatch_metrics_merges_everything():
 def test_core_modules_import_only_torch_numpy_stdlib():
     """The core rule: metrics and corrections import torch (+ numpy/stdlib, sibling modules) only."""
     root = Path(M.__file__).parent
-    for name in ("metrics.py", "corrections.py"):
+    for name in ("metrics.py", "corrections.py", "kl_penalty.py"):
         tree = ast.parse((root / name).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
@@ -372,3 +372,51 @@ def test_core_modules_import_only_torch_numpy_stdlib():
                 continue
             for top in tops:
                 assert top in ("torch", "numpy") or top in sys.stdlib_module_names, (name, top)
+
+
+# ----------------------------------------------------------------------------- issue 16 defects
+
+
+def test_chi2_seq_is_not_saturated_at_exp20():
+    """verl clamps Σ lr (not 2 Σ lr) at ±20 before exp(2·), so Σ lr = 15 gives e^30, not e^20."""
+    train = torch.tensor([[5.0, 5.0, 5.0], [0.0, 0.0, 0.0], [0.0, 12.0, 13.0]], dtype=torch.float64) - 20.0
+    rollout = torch.full((3, 3), -20.0, dtype=torch.float64)
+    m = logprob_mismatch_metrics(train, rollout, torch.ones(3, 3))
+    # Σ lr = [15, 0, 25]; the last one is clamped at 20 as verl's SAFETY_BOUND
+    assert m["rollout_corr/chi2_seq"] == approx((math.exp(30) + 1 + math.exp(40)) / 3 - 1)
+
+
+def test_k3_has_no_lower_dead_zone():
+    """Only the exp of k3 = ρ - 1 - lr is clamped; lr = -30 reports ≈ 29, not the clamp's 19."""
+    train = torch.tensor([[-31.0]], dtype=torch.float64)
+    m = logprob_mismatch_metrics(train, torch.tensor([[-1.0]], dtype=torch.float64), torch.ones(1, 1))
+    assert m["rollout_corr/k3_kl"] == approx(math.exp(-30) - 1 + 30, rel=1e-8)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), 200.0, True])
+def test_log_clamp_is_validated(bad):
+    train, rollout, mask = base_case(0.0)
+    with pytest.raises(ValueError, match=r"log_clamp must be .* got"):
+        logprob_mismatch_metrics(train, rollout, mask, log_clamp=bad)
+
+
+def test_ess_under_verls_key_only_for_applied_weights():
+    """Without the applied weights the raw-ratio ESS has its own key; verl's key means applied weights."""
+    train, rollout, mask = base_case()
+    m = logprob_mismatch_metrics(train, rollout, mask)
+    assert "rollout_corr/rollout_is_eff_sample_size" not in m
+    assert m["moe_replay/is_ess_token"] == approx(5.75**2 / (5 * 9.3125))
+    w = torch.tensor([[1.5, 0.25, 1.0], [0.5, 1.5, 0.0]])
+    mw = logprob_mismatch_metrics(train, rollout, mask, is_weights_BS=w)
+    assert mw["moe_replay/is_ess_token"] == m["moe_replay/is_ess_token"]
+    assert "rollout_corr/rollout_is_eff_sample_size" in mw
+
+
+@pytest.mark.parametrize("bad", [NAN, float("inf"), -0.5])
+def test_bad_is_weights_are_refused(bad):
+    train, rollout, mask = base_case()
+    w = torch.tensor([[1.5, 0.25, 1.0], [0.5, bad, 0.0]])
+    with pytest.raises(ValueError, match=r"is_weights_BS .* finite and >= 0 .* position \[1, 1\]"):
+        logprob_mismatch_metrics(train, rollout, mask, is_weights_BS=w)
+    w_pad = torch.tensor([[1.5, 0.25, 1.0], [0.5, 1.5, bad]])  # padding may hold anything
+    logprob_mismatch_metrics(train, rollout, mask, is_weights_BS=w_pad)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..corrections import aggregate_loss
-from ..metrics import mismatch_metrics
+from ..metrics import LOG_CLAMP, k3_terms, mismatch_metrics
 from ..presets import Preset
 from ..trace import RolloutTrace
 
@@ -100,8 +100,7 @@ class Policy:
 
 
 def _k3(train_G: torch.Tensor, ref_G: torch.Tensor) -> torch.Tensor:
-    lr = (train_G - ref_G).clamp(-20, 20)
-    return (torch.exp(lr) - 1 - lr).mean()
+    return k3_terms(train_G - ref_G, LOG_CLAMP).mean()  # the rollout_corr/k3_kl formula
 
 
 def _mismatch(batch, train_G, used_ids: dict[int, torch.Tensor]) -> dict[str, Any]:
@@ -129,6 +128,6 @@ def _mismatch(batch, train_G, used_ids: dict[int, torch.Tensor]) -> dict[str, An
         "mean_abs_logprob_diff": float(diff_G.mean()),
         "ppl_ratio": float(m["rollout_corr/ppl_ratio"]),
         "chi2_token": float(m["rollout_corr/chi2_token"]),
-        "is_ess": float(m["rollout_corr/rollout_is_eff_sample_size"]),
+        "is_ess": float(m["moe_replay/is_ess_token"]),
         "abs_logprob_diff_hist": {"edges": HIST_EDGES, "counts": counts.tolist()},
     }
