@@ -11,6 +11,7 @@ import os
 from .base import STORES, TraceStore
 from .directory import DirectoryStore, ReadOnlyStoreError, StoreLockedError, StoreNotFoundError
 from .memory import MemoryStore
+from .salvage import UnindexedDamageError
 
 MEMORY_SCHEME = "memory://"
 DIRECTORY_SCHEMES = ("directory://", "file://")
@@ -48,5 +49,6 @@ __all__ = [
     "StoreLockedError",
     "StoreNotFoundError",
     "TraceStore",
+    "UnindexedDamageError",
     "open_store",
 ]

@@ -16,7 +16,10 @@ Crash safety (architecture invariant 9). A commit writes its frames and syncs th
 appends the index entries and syncs the index. A record is visible only once its entry is complete
 with a matching CRC, and an entry only points at bytes made durable before it was written; so a
 crash leaves every committed record readable and a torn one invisible. Readers stop before a torn
-index tail; the next writer truncates it and any segment bytes past the last indexed record.
+index tail; the next writer truncates it. Segment bytes past the last indexed record are scanned
+(salvage.py): intact frames (a crash between the two syncs, an index that lost entries) are
+indexed again, and only bytes that are no part of an intact frame are cut; damaged bytes followed
+by an intact frame make the writer refuse to open (UnindexedDamageError) rather than delete it.
 Damage anywhere else (a bad entry followed by good ones, a record whose bytes fail their CRC) is a
 typed error naming the file, key and field, raised only for the record concerned.
 """
@@ -50,6 +53,8 @@ from ..errors import (
 from ..trace import RolloutTrace
 from .base import STORES, TraceStore
 from .memory import ErrorMode, OnError, check_error_mode, check_new_keys, handle_bad_record
+from .fileio import _read_at, _sync, _sync_dir, _write_all  # names looked up here: tests patch them here
+from .salvage import Found, _Layout, plan_salvage
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +151,10 @@ def frame_crc(payload: bytes | memoryview) -> int:
     return zlib.crc32(payload, zlib.crc32(struct.pack("<Q", len(payload))))
 
 
+_LAYOUT = _Layout(HEADER.size, lambda data, where: check_header(data, SEGMENT_MAGIC, where), FRAME, FRAME_MAGIC,
+                  lambda payload: frame_crc(payload))
+
+
 def pack_entry(key_bytes: bytes, e: Entry) -> bytes:
     head = ENTRY.pack(ENTRY_MAGIC, len(key_bytes), e.segment, e.offset, e.length, e.crc) + key_bytes
     return head + CRC.pack(zlib.crc32(head))
@@ -214,37 +223,6 @@ def _next_good(buf: bytes, start: int, where: Where) -> int | None:
             return pos
         pos = buf.find(ENTRY_MAGIC, pos + 1)
     return None
-
-
-# -- small I/O helpers (module level so tests can inject failures) ---------------------------------
-def _write_all(fd: int, data: bytes | bytearray) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def _read_at(fd: int, size: int, offset: int) -> bytes:
-    """Up to `size` bytes at `offset` (fewer only at end of file)."""
-    parts, got = [], 0
-    while got < size:
-        chunk = os.pread(fd, size - got, offset + got)
-        if not chunk:
-            break
-        parts.append(chunk)
-        got += len(chunk)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-def _sync(fd: int) -> None:
-    (getattr(os, "fdatasync", None) or os.fsync)(fd)
-
-
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def segment_name(n: int) -> str:
@@ -378,49 +356,70 @@ class DirectoryStore(TraceStore):
         return added
 
     def _recover(self, index_size: int) -> None:
-        """Writer only: cut the torn index tail and unindexed segment bytes, then pick the segment to
-        append to. Only bytes no complete entry points at are removed."""
+        """Writer only: cut the torn index tail, index again the intact frames the index lost
+        (salvage.py), cut bytes that are no part of an intact frame, then pick the segment to
+        append to. Bytes that pass their checksum are never removed."""
         if index_size > self._index_end:
             self.recovery["index_bytes_truncated"] = index_size - self._index_end
             os.ftruncate(self._index_fd, self._index_end)
         os.lseek(self._index_fd, self._index_end, os.SEEK_SET)
         last = max(self._entries.values(), default=None, key=lambda e: (e.segment, e.offset))
         seg, end = (last.segment, last.offset + FRAME.size + last.length) if last else (0, HEADER.size)
-        removed = []
-        for p in sorted(self.path.iterdir()):
-            m = _SEGMENT_RE.match(p.name)
-            if (m and int(m.group(1)) > seg) or p.name.endswith(".tmp"):
-                removed.append(p.name)
-                p.unlink()
-        if removed:
-            self.recovery["files_removed"] = removed
+        tmp = [p for p in sorted(self.path.iterdir()) if p.name.endswith(".tmp")]
+        for p in tmp:
+            p.unlink()
         path = self.segment_path(seg)
         size = path.stat().st_size if path.exists() else -1
-        fd = None
         if last is not None and size >= end:
             try:
-                fd = self._segment_fd(seg)
+                self._segment_fd(seg)
             except TraceError as err:
                 self.recovery["damaged_segment"] = str(err)
-        if last is None:  # nothing indexed: segment 0 starts afresh
-            if size > HEADER.size:
-                self.recovery["segment_bytes_truncated"] = size - HEADER.size
-            self._new_segment(0)
-        elif fd is None:  # indexed bytes are missing or damaged (possible only without durable=True):
+        if last is not None and seg not in self._fds:  # indexed bytes missing or damaged (possible
+            # only without durable=True): never write over what the index still points at
             self.recovery.setdefault("damaged_segment", f"{path.name} is shorter than its index says ({size} < {end} bytes)")
-            self._new_segment(seg + 1)  # never write over what the index still points at
+            seg, end = seg + 1, HEADER.size
+        existing = sorted(int(m.group(1)) for p in self.path.iterdir() if (m := _SEGMENT_RE.match(p.name)))
+        plan = plan_salvage(self.segment_path, [n for n in existing if n >= seg], (seg, end), _LAYOUT,
+                            self._entries.__contains__)
+        if plan.found:
+            self._reindex(plan.found)
+        for n, at in plan.truncate.items():
+            self.recovery["segment_bytes_truncated"] = self.recovery.get("segment_bytes_truncated", 0) + (
+                self.segment_path(n).stat().st_size - at)
+            os.truncate(self.segment_path(n), at)
+        for n in plan.remove:
+            if n in self._fds:
+                os.close(self._fds.pop(n))
+            self.segment_path(n).unlink()
+        removed = [p.name for p in tmp] + [segment_name(n) for n in plan.remove]
+        if removed:
+            self.recovery["files_removed"] = removed
+        if plan.append_at is None:
+            self._new_segment(plan.new_segment)
         else:
-            if size > end:
-                self.recovery["segment_bytes_truncated"] = size - end
-                os.ftruncate(fd, end)
-            os.lseek(fd, end, os.SEEK_SET)
-            self._seg, self._seg_size = seg, end
+            self._seg, self._seg_size = plan.append_at
+            os.lseek(self._segment_fd(self._seg), self._seg_size, os.SEEK_SET)
         if self.options.durable and self.recovery:
             _sync(self._index_fd)
             _sync(self._fds[self._seg])
             _sync_dir(self.path)
         if self.recovery:
             log.warning("store %s: recovered after an interrupted write: %s", self.path, self.recovery)
+
+    def _reindex(self, found: list[Found]) -> None:
+        """Append index entries for intact frames the index lost (their segments synced first)."""
+        if self.options.durable:
+            for n in sorted({f.segment for f in found}):
+                _sync(self._segment_fd(n))
+        entries = {f.key: Entry(f.segment, f.offset, f.length, f.crc) for f in found}
+        data = b"".join(pack_entry(key.encode("utf-8"), e) for key, e in entries.items())
+        _write_all(self._index_fd, data)
+        if self.options.durable:
+            _sync(self._index_fd)
+        self._index_end += len(data)
+        self._entries.update(entries)
+        self.recovery["records_recovered"] = list(entries)
 
     def _new_segment(self, n: int) -> None:
         fd = os.open(self.segment_path(n), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
