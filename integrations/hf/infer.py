@@ -17,6 +17,7 @@ Legend: T probe tokens, E experts, K top-k.
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,8 +57,9 @@ class InferredAdapter:
     experts: int
     weights_dtype_from: str
     """"logits": weights come back in the logits dtype; "float32": always fp32."""
-    bias: torch.Tensor | None = None
-    """The selection-only bias the verified selection used (None: the router has none)."""
+    bias_at: tuple[Any, str] | None = None
+    """(weakref to the module holding it, attribute path) of the selection-only bias the verified
+    selection used; read at each call, so a later .to(device) or checkpoint load is seen."""
 
     @property
     def rule(self) -> str:
@@ -77,7 +79,10 @@ class InferredAdapter:
         return self.gate_spec.top_k
 
     def selection_bias(self, router: nn.Module) -> torch.Tensor | None:
-        return self.bias
+        if self.bias_at is None:
+            return None
+        owner = self.bias_at[0]()
+        return None if owner is None else _get_path(owner, self.bias_at[1])
 
     def unpack(self, output) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return output[self.logits_at], output[self.weights_at], output[self.ids_at]
@@ -98,7 +103,7 @@ class InferredAdapter:
             parts.append(f"scale={s.routed_scaling_factor:g}")
         if s.rule == "sigmoid_bias_group" and s.scoring != "sigmoid":
             parts.append(s.scoring)
-        if self.bias is not None:
+        if self.bias_at is not None:
             parts.append("bias")
         if s.num_groups > 1:
             parts.append(f"groups={s.num_groups}/{s.topk_group}({s.group_score})")
@@ -118,13 +123,22 @@ def _first_attr(objs: list[Any], names: tuple[str, ...]) -> Any:
     return None
 
 
-def _find_bias(router: nn.Module, parent: nn.Module | None, experts: int) -> torch.Tensor | None:
-    tensors = list(router.named_buffers()) + list(router.named_parameters())
+def _get_path(owner: nn.Module, path: str) -> torch.Tensor:
+    obj: Any = owner
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _find_bias(router: nn.Module, parent: nn.Module | None, experts: int) -> tuple[nn.Module, str] | None:
+    """(owner, attribute path) of a selection-only bias on the router (any depth) or its parent block."""
+    owners = [(router, list(router.named_buffers()) + list(router.named_parameters()))]
     if parent is not None:
-        tensors += [(n, t) for n, t in list(parent.named_buffers(recurse=False)) + list(parent.named_parameters(recurse=False))]
-    for name, t in tensors:
-        if name.rsplit(".", 1)[-1] in _BIAS_NAMES and t.numel() == experts:
-            return t
+        owners.append((parent, list(parent.named_buffers(recurse=False)) + list(parent.named_parameters(recurse=False))))
+    for owner, tensors in owners:
+        for name, t in tensors:
+            if name.rsplit(".", 1)[-1] in _BIAS_NAMES and t.numel() == experts:
+                return owner, name
     return None
 
 
@@ -179,13 +193,15 @@ def _ordered(hint: Any, options: list) -> list:
     return [hint] + [o for o in options if o != hint] if hint in options else options
 
 
-def _candidates(router: nn.Module, config: Any, top_k: int, experts: int, bias: torch.Tensor | None) -> list[tuple[GateSpec, bool]]:
+def _candidates(router: nn.Module, config: Any, top_k: int, experts: int, bias: Any) -> list[tuple[GateSpec, bool]]:
     """Rule-table candidates, the ones the hints name first: (spec, use the bias in selection)."""
     objs = [router, config]
     norm = _first_attr(objs, ("norm_topk_prob",))
     renorms = _ordered(None if norm is None else bool(norm), [True, False])
     scale = float(_first_attr(objs, _SCALE_NAMES) or 1.0)
     scales = _ordered(scale, [scale, 1.0]) if scale != 1.0 else [1.0]
+    if top_k & (top_k - 1) == 0 and top_k > 1:  # x / k == x * (1 / k) exactly for k a power of two
+        scales.append(1.0 / top_k)  # OpenAI privacy filter divides its weights by top_k
     scoring_hint = _first_attr(objs, ("scoring_func", "expert_selection_fn"))
     method = getattr(router, "topk_method", None)
     groups = int(_first_attr([router], ("num_group", "n_group")) or _first_attr([config], ("n_group",)) or 1)
@@ -211,12 +227,24 @@ def _candidates(router: nn.Module, config: Any, top_k: int, experts: int, bias: 
     return out
 
 
+_VERIFIED: "weakref.WeakKeyDictionary[nn.Module, tuple[Any, InferredAdapter]]" = weakref.WeakKeyDictionary()
+"""Router -> (dtype, device, adapter) verified on it: the rule depends on the router's code, config and
+dtype, not on its weight values, so one probe per router (per dtype and device) is enough."""
+
+
 def infer_adapter(router: nn.Module, *, family: str, where: str, config: Any, parent: nn.Module | None, hidden_size: int) -> InferredAdapter:
     """The verified adapter for `router`, or UnsupportedRouterError naming family, layer and reason."""
+    param = next((p for p in router.parameters() if p.is_floating_point()), None)
+    key = None if param is None else (param.dtype, param.device)
+    hit = _VERIFIED.get(router)
+    if hit is not None and hit[0] == key:
+        return hit[1]
     try:
-        return _infer(router, family=family, config=config, parent=parent, hidden_size=hidden_size)
+        adapter = _infer(router, family=family, config=config, parent=parent, hidden_size=hidden_size)
     except _Refuse as why:
         raise UnsupportedRouterError(f"{family}: router {where!r} ({type(router).__name__}) cannot be replayed: {why}") from None
+    _VERIFIED[router] = (key, adapter)
+    return adapter
 
 
 def _infer(router: nn.Module, *, family: str, config: Any, parent: nn.Module | None, hidden_size: int) -> InferredAdapter:
@@ -245,7 +273,8 @@ def _infer(router: nn.Module, *, family: str, config: Any, parent: nn.Module | N
         dtype_from = "float32"
     else:
         raise _Refuse(f"returns weights in {weights_TK.dtype}, neither its logits dtype ({logits_TE.dtype}) nor float32")
-    bias = _find_bias(router, parent, experts)
+    bias_at = _find_bias(router, parent, experts)
+    bias = None if bias_at is None else _get_path(*bias_at)
     top_k = int(ids_TK.shape[1])
     ids_sorted = ids_TK.sort(-1).values
     near: list[str] = []
@@ -258,7 +287,8 @@ def _infer(router: nn.Module, *, family: str, config: Any, parent: nn.Module | N
         if not torch.equal(picked, ids_sorted):
             near.append(f"{spec.rule} reproduces the weights but selects other experts in {int((picked != ids_sorted).any(-1).sum())}/{PROBE_TOKENS} rows")
             continue
-        return InferredAdapter(family, type(router).__name__, spec, logits_at, weights_at, ids_at, len(out), experts, dtype_from, b)
+        where = None if b is None else (weakref.ref(bias_at[0]), bias_at[1])
+        return InferredAdapter(family, type(router).__name__, spec, logits_at, weights_at, ids_at, len(out), experts, dtype_from, where)
     if near:
         raise _Refuse("; ".join(dict.fromkeys(near)))
     best = _closest(logits_TE, ids_TK, weights_TK, router, config, top_k, experts, bias)
