@@ -42,6 +42,9 @@ ROUTERS = {
     "softmax_before_topk": dict(moe_router_score_function="softmax", moe_router_pre_softmax=True, moe_router_topk_scaling_factor=1.5),
     "sigmoid_expert_bias": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5),
     "group_limited": dict(moe_router_score_function="softmax", moe_router_pre_softmax=True, moe_router_num_groups=4, moe_router_group_topk=2),
+    # DeepSeek-V3 style: sigmoid scores, a selection-only bias and expert groups together, scaled
+    "sigmoid_bias_group": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_num_groups=4,
+                               moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5),
 }
 
 
@@ -190,7 +193,7 @@ def test_routers_replay_plan_ids(megatron_cpu, name, side):
         unpicked_E = torch.ones(GEOM.num_experts, dtype=torch.bool)
         unpicked_E[free[lid].any(0).nonzero().flatten()] = False
         replayed_unpicked = (unpicked_E & outs[lid][1].any(0)).nonzero().flatten()
-        if name == "sigmoid_expert_bias":  # the bias keeps the free choice on experts 0, 1: others are replayed-only
+        if name in ("sigmoid_expert_bias", "sigmoid_bias_group"):  # the bias keeps the free choice on experts 0, 1: others are replayed-only
             assert len(replayed_unpicked) > 0
         if len(replayed_unpicked):
             assert (r.weight.grad[replayed_unpicked].abs().sum(-1) > 0).all()
@@ -368,3 +371,36 @@ def test_unsupported_router_settings(megatron_cpu):
         replay(make_routers(moe_enable_routing_replay=False), plan)
     with pytest.raises(UnsupportedRouterError, match="moe_expert_capacity_factor"):
         replay(make_routers(moe_expert_capacity_factor=1.0), plan)
+
+
+def test_silent_skip_paths_are_refused_by_name(megatron_cpu):
+    """Paths where Megatron would route without RouterReplay, or weigh replayed ids wrongly, fail before any forward."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    plan = make_plan()
+    routers = make_routers()
+    routers[0].config.moe_router_fusion = True  # TE's fused top-k returns before RouterReplay is consulted
+    with pytest.raises(UnsupportedRouterError, match="moe_router_fusion=True .*returns before RouterReplay"):
+        replay(routers, plan)
+    with pytest.raises(UnsupportedRouterError, match="moe_router_force_load_balancing=True .*random"):
+        replay(make_routers(moe_router_force_load_balancing=True), plan)
+
+    class OwnRouting(TopKRouter):
+        def routing(self, logits, padding_mask=None):
+            return super().routing(logits, padding_mask)
+
+    routers = make_routers()
+    routers[1].__class__ = OwnRouting
+    with pytest.raises(UnsupportedRouterError, match="OwnRouting.routing='overridden'"):
+        replay(routers, plan)
+    assert all(not r._forward_pre_hooks for r in routers)  # refused before any hook went on
+
+
+def test_mtp_router_never_takes_a_decoder_layer_id(megatron_cpu):
+    """An MTP layer's router is numbered past the decoder stack (num_layers + k): refused by name, never re-keyed."""
+    routers = make_routers()
+    mtp = make_routers(layer_ids=(GEOM.num_layers,))[0]  # Megatron's first MTP layer: layer_number num_layers + 1
+    with pytest.raises(UnsupportedRouterError, match="multi-token-prediction"):
+        find_routers(routers + [mtp])
+    with pytest.raises(UnsupportedRouterError, match="multi-token-prediction"):
+        replay(routers + [mtp], make_plan())

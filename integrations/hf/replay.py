@@ -43,14 +43,14 @@ def model_geometry(model: nn.Module) -> ModelGeometry:
         num_layers=int(config.num_hidden_layers),
         moe_layer_ids=tuple(sites),
         num_experts=first.adapter.num_experts(first.module),
-        top_k=int(first.module.top_k),
+        top_k=first.adapter.top_k(first.module),
         vocab_size=vocab,
         family=str(getattr(config, "model_type", "")),
     )
 
 
 def _check_model(model: nn.Module, sites: dict[int, RouterSite], geometry: ModelGeometry) -> None:
-    check_layers({lid: (s.adapter.num_experts(s.module), int(s.module.top_k)) for lid, s in sites.items()}, geometry)
+    check_layers({lid: (s.adapter.num_experts(s.module), s.adapter.top_k(s.module)) for lid, s in sites.items()}, geometry)
     mine = model_geometry(model)
     for name in ("num_layers", "vocab_size"):
         if getattr(mine, name) != getattr(geometry, name):
@@ -104,18 +104,18 @@ class ReplaySession:
 
     def _hook(self, site: RouterSite):
         spec, rule = site.spec, GATE_RULES.get(site.spec.rule)
-        bias_fn, cast = site.adapter.selection_bias, site.adapter.weights_in_logits_dtype
+        bias_fn, adapter = site.adapter.selection_bias, site.adapter
         layer_id, routed_NK, flips = site.layer_id, self._routed_NK, self.flips
 
         def hook(module: nn.Module, args, output):
-            logits_NE, _, free_NK = output
+            logits_NE, _, free_NK = adapter.unpack(output)
             ids_NK = self.ledger.take(layer_id, logits_NE.shape[0])
             if routed_NK is not None:
                 ids_NK = torch.where(routed_NK, ids_NK, free_NK)
             if flips is not None and not in_backward():
                 _count_flips(flips, layer_id, free_NK, ids_NK, self.plan.routed_N)
             weights_NK = rule.weights(logits_NE, ids_NK, spec, bias_fn(module))
-            return logits_NE, weights_NK.to(logits_NE.dtype) if cast else weights_NK, ids_NK
+            return adapter.repack(output, logits_NE, weights_NK, ids_NK)
 
         return hook
 
@@ -182,9 +182,9 @@ class capture_routes:
     def __enter__(self) -> dict[int, torch.Tensor]:
         _claim(self.sites)
         for lid, site in self.sites.items():
-            def hook(module, args, output, lid=lid):
+            def hook(module, args, output, lid=lid, unpack=site.adapter.unpack):
                 if not in_backward():
-                    self.ids[lid] = output[2].detach().clone()
+                    self.ids[lid] = unpack(output)[2].detach().clone()
 
             self._handles.append(site.module.register_forward_hook(hook))
         return self.ids

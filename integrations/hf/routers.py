@@ -1,9 +1,16 @@
 """Which HF transformers router classes we can replay, and how each one weighs its experts.
 
-Dispatcher: adapters are tried in registration order, first isinstance match wins. Family-specific
-knowledge (attribute names, whether HF casts weights back to the logits dtype) lives only here.
-All adapters work on HF's router modules, which return (router_logits [T, E], weights [T, K],
-ids [T, K]) from hidden states [T, H].
+Dispatcher: registered adapters are tried in registration order, first isinstance match wins
+(the explicit path). Any other router-shaped module gets an adapter inferred from its attributes
+and config and verified bit for bit on the router before any forward (infer.py), or is refused by
+name. Family-specific knowledge (attribute names, whether HF casts weights back to the logits
+dtype) lives only here and in infer.py's hint lists. Registered adapters work on HF's router
+modules that return (router_logits [T, E], weights [T, K], ids [T, K]) from hidden states [T, H];
+inferred ones locate those three in whatever order the router returns them.
+
+Layer ids come from the decoder stack's `layers.<i>` index. A router outside the decoder's layer
+list (a multi-token-prediction or draft layer, e.g. transformers' MtpModel, whose own `layers.0`
+would collide with decoder layer 0) is refused by name: no trace records routes for it.
 """
 
 from __future__ import annotations
@@ -55,6 +62,17 @@ class RouterAdapter:
 
     def num_experts(self, router: nn.Module) -> int:
         return int(router.weight.shape[0])
+
+    def top_k(self, router: nn.Module) -> int:
+        return int(router.top_k)
+
+    def unpack(self, output) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits [T, E], weights [T, K], ids [T, K]) from the router's output."""
+        return output[0], output[1], output[2]
+
+    def repack(self, output, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        """The router's output with replayed weights (fp32 from the rule, cast as HF casts) and ids."""
+        return logits, weights.to(logits.dtype) if self.weights_in_logits_dtype else weights, ids
 
 
 ROUTER_ADAPTERS: Registry[RouterAdapter] = Registry("HF router family")
@@ -109,6 +127,8 @@ def adapter_for(module: nn.Module) -> RouterAdapter | None:
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_DRAFT_RE = re.compile(r"(?:^|\.)(mtp\w*|nextn\w*|draft\w*)(?:\.|$)", re.IGNORECASE)
+"""Path parts naming modules outside the decoder stack (multi-token prediction, draft heads)."""
 
 
 @dataclass(frozen=True)
@@ -118,34 +138,90 @@ class RouterSite:
     name: str
     layer_id: int
     module: nn.Module
-    adapter: RouterAdapter
+    adapter: Any
+    """A registered RouterAdapter, or an InferredAdapter verified on this module."""
 
     @property
     def spec(self) -> GateSpec:
         return self.adapter.spec(self.module)
 
 
-def find_routers(model: nn.Module) -> dict[int, RouterSite]:
-    """Every supported router in `model`, keyed by global decoder-layer id (parsed from its name).
-
-    Raises UnsupportedRouterError when the model holds no supported router, listing what is.
-    """
-    sites: dict[int, RouterSite] = {}
+def _decoder_layers_prefix(model: nn.Module) -> str | None:
+    """Qualified name of the decoder's layer list (ending in '.'), when the model says which it is."""
+    get_decoder = getattr(model, "get_decoder", None)
+    try:
+        decoder = get_decoder() if callable(get_decoder) else None
+    except Exception:  # some composite models raise here; fall back to the path rules
+        decoder = None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        return None
     for name, module in model.named_modules():
+        if module is layers:
+            return f"{name}." if name else ""
+    return None
+
+
+def _family(model: nn.Module) -> str:
+    return str(getattr(getattr(model, "config", None), "model_type", "") or type(model).__name__)
+
+
+def _layer_id(model: nn.Module, name: str, module: nn.Module, stack: str | None) -> int:
+    family = _family(model)
+    draft = _DRAFT_RE.search(name) or type(model).__name__ == "MtpModel"
+    outside = stack is not None and not name.startswith(stack)
+    if draft or outside:
+        raise UnsupportedRouterError(
+            f"{family}: router {name!r} ({type(module).__name__}) is outside the decoder stack "
+            f"({stack or 'decoder layers'!r}): an MTP/draft layer, whose 'layers.<i>' index would collide with "
+            "decoder layer <i>; traces record decoder layers only. Replay the decoder model without it"
+        )
+    match = re.match(r"(\d+)\.", name[len(stack):]) if stack is not None else _LAYER_RE.search(name + ".")
+    if match is None:
+        raise UnsupportedRouterError(f"{family}: router {name!r} ({type(module).__name__}) is not inside a 'layers.<i>' module; cannot tell its layer id")
+    return int(match.group(1))
+
+
+def find_routers(model: nn.Module) -> dict[int, RouterSite]:
+    """Every router in `model`, keyed by global decoder-layer id, each with a registered or verified adapter.
+
+    Raises UnsupportedRouterError (family, router, layer, reason) when a router cannot be verified,
+    sits outside the decoder stack, or the model holds no router at all; all before any forward.
+    """
+    from .infer import infer_adapter, looks_like_router
+
+    modules = dict(model.named_modules())
+    stack = _decoder_layers_prefix(model)
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    sites: dict[int, RouterSite] = {}
+    for name, module in modules.items():
         adapter = adapter_for(module)
-        if adapter is None:
+        if adapter is None and not looks_like_router(module):
             continue
-        match = _LAYER_RE.search(name + ".")
-        if match is None:
-            raise UnsupportedRouterError(f"router {name!r} ({type(module).__name__}) is not inside a 'layers.<i>' module; cannot tell its layer id")
-        layer_id = int(match.group(1))
+        layer_id = _layer_id(model, name, module, stack)
+        if adapter is None:
+            parent = modules.get(name.rsplit(".", 1)[0]) if "." in name else model
+            adapter = infer_adapter(
+                module, family=_family(model), where=f"{name} (layer {layer_id})",
+                config=getattr(module, "config", None) or text_config, parent=parent, hidden_size=_hidden_size(module),
+            )
         if layer_id in sites:
             raise UnsupportedRouterError(f"two routers in layer {layer_id}: {sites[layer_id].name!r} and {name!r}")
         sites[layer_id] = RouterSite(name, layer_id, module, adapter)
     if not sites:
         supported = ", ".join(f"{a.family} ({a.class_name})" for a in _DISPATCH_ORDER)
         raise UnsupportedRouterError(
-            f"no supported MoE router in {type(model).__name__}; supported router classes: {supported}. "
+            f"no MoE router in {type(model).__name__} ({_family(model)}); supported router classes: {supported}, "
+            "and any *Router / *Gating module whose gate rule verifies. "
             "Register a RouterAdapter for this family with integrations.hf.routers.register_router"
         )
     return dict(sorted(sites.items()))
+
+
+def _hidden_size(router: nn.Module) -> int:
+    """The router's input width: the second dim of its first matrix (its gate projection)."""
+    for p in router.parameters():
+        if p.dim() == 2:
+            return int(p.shape[1])
+    raise UnsupportedRouterError(f"router {type(router).__name__} holds no weight matrix; cannot tell its input width")

@@ -5,8 +5,12 @@ includes the stage offset) and hands that number to its MoE router; our global l
 (invariant 2) is `layer_number - 1`. Routers are never matched by creation order.
 
 Everything here runs before any forward: a router whose routing would bypass `RouterReplay`
-(fused TE top-k, sinkhorn), or whose tokens are split across ranks (sequence/context parallel),
-is refused with the setting to change.
+(fused TE top-k returns from `topk_routing_with_score_function` before RouterReplay is consulted;
+sinkhorn; a Router that is not a TopKRouter, or a TopKRouter subclass with its own routing), whose
+logits are replaced (`moe_router_force_load_balancing`: random logits would weigh the replayed ids),
+or whose tokens are split across ranks (sequence/context parallel), is refused with the setting to
+change. A router numbered past the decoder stack (a multi-token-prediction layer: Megatron numbers
+it num_layers + k) is refused by name: traces hold decoder layers only.
 """
 
 from __future__ import annotations
@@ -30,6 +34,12 @@ def _topk_router_class() -> type:
     return TopKRouter
 
 
+def _router_base_class() -> type:
+    from megatron.core.transformer.moe.router import Router
+
+    return Router
+
+
 @dataclass(frozen=True)
 class RouterSite:
     """One Megatron router and the global layer id it routes."""
@@ -49,7 +59,7 @@ class RouterSite:
 
 def find_routers(model_or_routers: ModelOrRouters) -> dict[int, RouterSite]:
     """{global layer id: RouterSite} in increasing layer order, for every TopKRouter found."""
-    topk_router = _topk_router_class()
+    topk_router, router_base = _topk_router_class(), _router_base_class()
     roots = [model_or_routers] if isinstance(model_or_routers, nn.Module) else list(model_or_routers)
     sites: dict[int, RouterSite] = {}
     for c, root in enumerate(roots):
@@ -57,15 +67,27 @@ def find_routers(model_or_routers: ModelOrRouters) -> dict[int, RouterSite]:
             raise TypeError(f"replay needs a Megatron model, model chunks or routers (nn.Module), got {type(root).__name__} at {c}")
         prefix = f"chunk{c}." if len(roots) > 1 else ""
         for name, module in root.named_modules():
-            if not isinstance(module, topk_router):
+            if not isinstance(module, router_base):
                 continue
             where = f"{prefix}{name or type(module).__name__}"
+            if not isinstance(module, topk_router):
+                raise UnsupportedRouterError(
+                    f"router {where!r} is a {type(module).__name__}, not a TopKRouter: it has no RouterReplay, "
+                    "so its experts would be chosen freely"
+                )
             if module.layer_number is None:
                 raise UnsupportedRouterError(
                     f"router {where!r} has no layer_number; Megatron sets it through MoELayer.set_layer_number "
                     "(TransformerLayer does this) and replay keys routes by it"
                 )
             lid = int(module.layer_number) - 1
+            num_layers = int(module.config.num_layers)
+            if lid >= num_layers:
+                raise UnsupportedRouterError(
+                    f"router {where!r} has layer_number {lid + 1} > num_layers {num_layers}: a multi-token-prediction "
+                    "layer outside the decoder stack; traces hold decoder layers only, so it cannot be replayed "
+                    "(build the model without MTP for the replayed forward)"
+                )
             if lid in sites:
                 raise UnsupportedRouterError(
                     f"routers {sites[lid].name!r} and {where!r} both claim global layer {lid} (layer_number {lid + 1}); "
@@ -87,7 +109,13 @@ def check_replayable(site: RouterSite) -> None:
     if m.router_replay is None:
         refuse("moe_enable_routing_replay", cfg.moe_enable_routing_replay, "gives the router no RouterReplay; set it True in TransformerConfig")
     if cfg.moe_router_fusion:
-        refuse("moe_router_fusion", True, "routes through TE's fused top-k, which bypasses RouterReplay; set it False")
+        refuse("moe_router_fusion", True, "routes through TE's fused top-k, which returns before RouterReplay is consulted; set it False")
+    if getattr(cfg, "moe_router_force_load_balancing", False):
+        refuse("moe_router_force_load_balancing", True, "replaces the router logits with random ones, so replayed ids would get random weights")
+    base = _topk_router_class()
+    for method in ("forward", "routing"):
+        if getattr(type(m), method) is not getattr(base, method):
+            refuse(f"{type(m).__name__}.{method}", "overridden", "may route without passing RouterReplay; replay drives TopKRouter's own routing only")
     if m.routing_type == "sinkhorn":
         refuse("moe_router_load_balancing_type", "sinkhorn", "picks experts without RouterReplay")
     if cfg.moe_expert_capacity_factor is not None:

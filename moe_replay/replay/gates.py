@@ -38,6 +38,12 @@ class GateSpec:
     """Expert groups for group-limited selection (DeepSeek-V3 n_group)."""
     topk_group: int = 1
     """Groups kept per token before the expert top-k."""
+    renorm_eps: float | None = None
+    """Added to the K-weight sum before dividing; None: the rule's own (softmax 0, sigmoid 1e-20; LFM2 uses 1e-6)."""
+    group_score: str = "top2_sum"
+    """How a group is scored for selection: sum of its top-2 (DeepSeek-V3, Mistral4) or its max (DeepSeek-V2)."""
+    scoring: str = "sigmoid"
+    """Score function of the score rule: sigmoid (DeepSeek-V3, MiniMax-M2) or sqrtsoftplus (DeepSeek-V4)."""
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
@@ -48,6 +54,42 @@ class GateSpec:
             )
         if not self.routed_scaling_factor > 0:
             raise ValueError(f"GateSpec.routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+        if self.renorm_eps is not None and not self.renorm_eps >= 0:
+            raise ValueError(f"GateSpec.renorm_eps must be None or >= 0, got {self.renorm_eps}")
+        if self.group_score not in _GROUP_SCORES:
+            raise ValueError(f"GateSpec.group_score must be one of {sorted(_GROUP_SCORES)}, got {self.group_score!r}")
+        if self.scoring not in _SCORINGS:
+            raise ValueError(f"GateSpec.scoring must be one of {sorted(_SCORINGS)}, got {self.scoring!r}")
+
+
+_SCORINGS = {
+    "sigmoid": lambda x: x.sigmoid(),
+    "sqrtsoftplus": lambda x: torch.nn.functional.softplus(x).sqrt(),
+}
+"""Per-expert score functions of the score rule (elementwise, so top-k of scores = top-k of their logits)."""
+_GROUP_SCORES = ("top2_sum", "max")
+
+
+def _renorm(w_TK: torch.Tensor, spec: GateSpec, default_eps: float) -> torch.Tensor:
+    eps = default_eps if spec.renorm_eps is None else spec.renorm_eps
+    total_T1 = w_TK.sum(dim=-1, keepdim=True)
+    return w_TK / (total_T1 + eps) if eps else w_TK / total_T1
+
+
+def _group_limited(choice_TE: torch.Tensor, spec: GateSpec, fill: float) -> torch.Tensor:
+    """Mask experts outside each token's `topk_group` best groups (selection only)."""
+    if spec.num_groups <= 1:
+        return choice_TE
+    t, e = choice_TE.shape
+    grouped_TGX = choice_TE.view(t, spec.num_groups, e // spec.num_groups)
+    if spec.group_score == "max":
+        group_TG = grouped_TGX.max(dim=-1).values
+    else:
+        group_TG = grouped_TGX.topk(2, dim=-1)[0].sum(dim=-1)
+    keep_TG = torch.zeros_like(group_TG)
+    keep_TG.scatter_(1, torch.topk(group_TG, spec.topk_group, dim=-1, sorted=False)[1], 1)
+    keep_TE = keep_TG.unsqueeze(-1).expand(t, spec.num_groups, e // spec.num_groups).reshape(t, e)
+    return choice_TE.masked_fill(~keep_TE.bool(), fill)
 
 
 class GateRule(Protocol):
@@ -64,24 +106,28 @@ GATE_RULES: Registry[GateRule] = Registry("gate rule")
 
 
 class SoftmaxTopK:
-    """Softmax over all E experts in fp32, gather at the ids; renormalise over K when asked.
+    """Softmax over all E experts in fp32, gather at the ids; renormalise over K when asked; scale.
 
-    Qwen3-MoE / OLMoE (norm_topk_prob), Mixtral (always), Qwen2-MoE (norm_topk_prob=False).
+    Qwen3-MoE / OLMoE (norm_topk_prob), Mixtral (always), Qwen2-MoE (norm_topk_prob=False),
+    DeepSeek-V2 and LongCat (no renormalisation, scaled), Mistral4 (groups), ERNIE-4.5 (a
+    selection-only bias added to the probabilities). Bias and groups choose, never weigh.
     """
 
     def __init__(self, force_renormalize: bool | None = None) -> None:
         self.force_renormalize = force_renormalize
 
     def select(self, logits_TE, spec, bias_E=None):
-        probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
-        return torch.topk(probs_TE, spec.top_k, dim=-1).indices
+        choice_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        if bias_E is not None:
+            choice_TE = choice_TE + bias_E.reshape(-1)
+        return torch.topk(_group_limited(choice_TE, spec, 0.0), spec.top_k, dim=-1).indices
 
     def weights(self, logits_TE, ids_TK, spec, bias_E=None):
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
         w_TK = probs_TE.gather(1, ids_TK)
         renorm = spec.renormalize if self.force_renormalize is None else self.force_renormalize
         if renorm:
-            w_TK = w_TK / w_TK.sum(dim=-1, keepdim=True)
+            w_TK = _renorm(w_TK, spec, 0.0)
         return w_TK * spec.routed_scaling_factor if spec.routed_scaling_factor != 1.0 else w_TK
 
 
@@ -97,29 +143,24 @@ class TopKSoftmax:
 
 
 class SigmoidBiasGroup:
-    """DeepSeek-V3: sigmoid scores; the correction bias and expert groups choose, never weigh.
+    """DeepSeek-V3 and its kin: per-expert scores; the correction bias and expert groups choose, never weigh.
 
-    Selection: per group the sum of its top-2 `sigmoid + bias`, keep `topk_group` groups, top-k of
-    `sigmoid + bias` inside them. Weights: `sigmoid(logits)[ids]`, renormalised (+1e-20), times
-    routed_scaling_factor.
+    Scores: `spec.scoring` of the fp32 logits (sigmoid; DeepSeek-V4's sqrt(softplus)). Selection:
+    per group the sum of its top-2 `score + bias`, keep `topk_group` groups, top-k of `score + bias`
+    inside them. Weights: `score[ids]`, renormalised (+1e-20 unless spec.renorm_eps says otherwise),
+    times routed_scaling_factor. Also MiniMax-M2, Hunyuan-V3, AFMoE, LFM2-MoE, Laguna, Cohere2-MoE's
+    sigmoid mode (no bias, no groups).
     """
 
     def select(self, logits_TE, spec, bias_E=None):
-        scores_TE = logits_TE.float().sigmoid()
-        choice_TE = scores_TE if bias_E is None else scores_TE + bias_E
-        t, e = choice_TE.shape
-        if spec.num_groups > 1:
-            group_TG = choice_TE.view(t, spec.num_groups, e // spec.num_groups).topk(2, dim=-1)[0].sum(dim=-1)
-            keep_TG = torch.zeros_like(group_TG)
-            keep_TG.scatter_(1, torch.topk(group_TG, spec.topk_group, dim=-1, sorted=False)[1], 1)
-            keep_TE = keep_TG.unsqueeze(-1).expand(t, spec.num_groups, e // spec.num_groups).reshape(t, e)
-            choice_TE = choice_TE.masked_fill(~keep_TE.bool(), float("-inf"))
-        return torch.topk(choice_TE, spec.top_k, dim=-1, sorted=False)[1]
+        scores_TE = _SCORINGS[spec.scoring](logits_TE.float())
+        choice_TE = scores_TE if bias_E is None else scores_TE + bias_E.reshape(-1)
+        return torch.topk(_group_limited(choice_TE, spec, float("-inf")), spec.top_k, dim=-1, sorted=False)[1]
 
     def weights(self, logits_TE, ids_TK, spec, bias_E=None):
-        w_TK = logits_TE.float().sigmoid().gather(1, ids_TK)
+        w_TK = _SCORINGS[spec.scoring](logits_TE.float()).gather(1, ids_TK)
         if spec.renormalize:
-            w_TK = w_TK / (w_TK.sum(dim=-1, keepdim=True) + 1e-20)
+            w_TK = _renorm(w_TK, spec, 1e-20)
         return w_TK * spec.routed_scaling_factor
 
 
