@@ -18,19 +18,7 @@ import torch
 
 from ..trace import SamplingSupport
 from .plan import RoutePlan
-
-
-@dataclass
-class TokenScores:
-    """Per scored token, concatenated over the batch rows (split with plan.gen_offsets_B1)."""
-
-    logprobs_G: torch.Tensor
-    entropy_G: torch.Tensor
-
-    def split(self, plan: RoutePlan) -> list[torch.Tensor]:
-        """logprobs_G cut into one tensor per batch row."""
-        off = plan.gen_offsets_B1
-        return [self.logprobs_G[off[b] : off[b + 1]] for b in range(len(off) - 1)]
+from .scoring import TokenScores
 
 
 def support_mask_GV(
