@@ -9,7 +9,7 @@ from .gates import GATE_RULES, GateSpec, gate_weights, select_experts
 from .ledger import RouteLedger, in_backward
 from .plan import PlanConfig, RoutePlan, build_plan
 from .scoring import SCORING_BACKENDS, SupportCSR, TokenScores, VocabShard, score_logits
-from .support import masked_logprobs, score_tokens, support_mask_GV
+from .support import score_tokens
 
 __all__ = [
     "GATE_RULES",
@@ -29,9 +29,7 @@ __all__ = [
     "build_plan",
     "gate_weights",
     "in_backward",
-    "masked_logprobs",
     "score_logits",
     "score_tokens",
     "select_experts",
-    "support_mask_GV",
 ]
