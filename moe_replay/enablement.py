@@ -51,18 +51,19 @@ class TrainBatch:
         return self.plan.model_inputs()
 
     def scores(self, logits_BSV: torch.Tensor, temperature: float | torch.Tensor | None = None, *,
-               full: bool = False) -> TokenScores:
+               full: bool = False, entropy: bool = True) -> TokenScores:
         """Logprobs and entropy [G] of every generated token, renormalised over the kept support if
         the preset enables it (`full=True` adds the full-vocabulary pair, e.g. for a KL or entropy term).
 
         The temperature defaults to each trace's recorded one (trace.sampling, written by capture).
         The logits are read in place, in float32 whatever their dtype (no [G, V] copy).
         """
-        return score_tokens(logits_BSV, self.plan, temperature=temperature, use_support=self.preset.replay.support, full=full)
+        return score_tokens(logits_BSV, self.plan, temperature=temperature, use_support=self.preset.replay.support,
+                            full=full, entropy=entropy)
 
     def logprobs(self, logits_BSV: torch.Tensor, temperature: float | torch.Tensor | None = None) -> torch.Tensor:
-        """Logprobs [G] of every generated token (see `scores`)."""
-        return self.scores(logits_BSV, temperature).logprobs_G
+        """Logprobs [G] of every generated token (see `scores`; no entropy is computed)."""
+        return self.scores(logits_BSV, temperature, entropy=False).logprobs_G
 
     @property
     def rollout_logprobs(self) -> torch.Tensor:

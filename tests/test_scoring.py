@@ -221,3 +221,22 @@ def test_vocab_parallel_shards_normalise_across_ranks(tmp_path):
             for a, b in zip(out[(c, rank)][:4], ref):
                 torch.testing.assert_close(a, b.detach(), rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(torch.cat([out[(c, 0)][4], out[(c, 1)][4]], 1), x.grad, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("with_support", [False, True])
+@pytest.mark.parametrize("entropy", [True, False])
+def test_gradient_of_the_logprob_alone(with_support, entropy):
+    """No entropy term in the loss (the common policy-gradient case takes a one-buffer backward);
+    entropy=False does not compute it at all."""
+    logits, target, support, t_G = random_case(21, 12, 90, 10, whole_every=3)
+    support = support if with_support else None
+    x_new, x_ref = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    s = score_logits(x_new, target, support=support, temperature=t_G, entropy=entropy, full=True, chunk_bytes=5 * 2 * 90 * 8)
+    assert (s.entropy_G is None and s.full_entropy_G is None) != entropy
+    s.logprobs_G.sum().backward()
+    mask = None if support is None else dense_mask(support, 90)
+    lp, _ = reference(x_ref, target, mask, t_G)
+    lp.sum().backward()
+    torch.testing.assert_close(s.logprobs_G, lp.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(s.full_logprobs_G, reference(logits, target, None, t_G)[0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(x_new.grad, x_ref.grad, rtol=1e-9, atol=1e-10)

@@ -28,6 +28,7 @@ def score_tokens(
     temperature: float | torch.Tensor | None = None,
     use_support: bool = True,
     full: bool = False,
+    entropy: bool = True,
     shard: VocabShard | None = None,
 ) -> TokenScores:
     """Score every generated token of the plan's traces from the trainer's logits [B, S, V].
@@ -35,7 +36,8 @@ def score_tokens(
     `temperature`: None scores each trace at its recorded sampling temperature (trace.sampling);
     a float or a [G] tensor overrides it. With `use_support` the distribution is renormalised over
     each trace's recorded kept set (rows without a support use the full vocabulary), matching the
-    engine's processed logprobs; `full=True` adds the full-vocabulary log p and entropy. The scored
+    engine's processed logprobs; `full=True` adds the full-vocabulary log p and entropy;
+    `entropy=False` skips the entropies (cheaper when only log p is used). The scored
     rows are read in place (no copy of the [G, V] rows), in float32 whatever the logits dtype.
     Errors name the trace and the generated token.
     """
@@ -48,7 +50,7 @@ def score_tokens(
         support = SupportCSR.from_supports(plan.supports, np.diff(plan.gen_offsets_B1).tolist(), dev)
     try:
         return score_logits(logits_NV, plan.target_G.to(dev), rows_G=plan.score_pos_G.to(dev), support=support,
-                            temperature=temperature, full=full, shard=shard)
+                            temperature=temperature, full=full, entropy=entropy, shard=shard)
     except ScoringInputError as e:
         if e.row is None:
             raise
