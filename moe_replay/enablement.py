@@ -6,12 +6,16 @@
     pi_old_G = mr.pi_old(traces)                                  # multi-sample π_old (or None)
     with mr.train_batch(traces) as batch:                         # replay on (or free routing)
         logits = model(**batch.model_inputs()).logits
-        logp_G = batch.logprobs(logits, temperature=1.0)          # over the kept support if enabled
+        logp_G = batch.logprobs(logits)                           # at each trace's temperature, over its kept support if enabled
         fix = batch.corrections(logp_G.detach())                  # the preset's IS weights / masks
         loss = ...; loss.backward()                               # inside the `with`
 
 Whatever the preset leaves off is a no-op, so one training loop serves every preset. vLLM and
 transformers are imported only when an engine or a model is given.
+
+`mr.weights_version = step` names the weights now in use: capture records it in every trace, and
+`train_batch` refuses traces of another version unless `off_policy=True` (then the corrections'
+metrics report `moe_replay/off_policy_fraction`).
 
 Legend: G generated tokens of the batch (flat, trace order), B rows, Gm longest row.
 """
@@ -28,7 +32,7 @@ import torch
 
 from .corrections import CorrectionResult, apply_corrections
 from .presets import Preset, load_preset
-from .replay import RoutePlan, build_plan, score_tokens
+from .replay import RoutePlan, TokenScores, build_plan, score_tokens
 from .trace import RolloutTrace
 
 
@@ -46,20 +50,20 @@ class TrainBatch:
         """input_ids / attention_mask / position_ids of the padded batch the plan laid out."""
         return self.plan.model_inputs()
 
-    def logprobs(self, logits_BSV: torch.Tensor, temperature: float | torch.Tensor | None = None) -> torch.Tensor:
-        """Logprobs [G] of every generated token, renormalised over the kept support if enabled.
+    def scores(self, logits_BSV: torch.Tensor, temperature: float | torch.Tensor | None = None, *,
+               full: bool = False, entropy: bool = True) -> TokenScores:
+        """Logprobs and entropy [G] of every generated token, renormalised over the kept support if
+        the preset enables it (`full=True` adds the full-vocabulary pair, e.g. for a KL or entropy term).
 
-        The temperature defaults to each trace's recorded one (extra["sampling"], written by
-        capture); traces without it are scored at temperature 1.
+        The temperature defaults to each trace's recorded one (trace.sampling, written by capture).
+        The logits are read in place, in float32 whatever their dtype (no [G, V] copy).
         """
-        if temperature is None:
-            temperature = self.plan.per_token(self.trace_temperatures)
-        return score_tokens(logits_BSV.float(), self.plan, temperature=temperature, use_support=self.preset.replay.support).logprobs_G
+        return score_tokens(logits_BSV, self.plan, temperature=temperature, use_support=self.preset.replay.support,
+                            full=full, entropy=entropy)
 
-    @property
-    def trace_temperatures(self) -> list[float]:
-        """Per row: the sampling temperature its trace recorded (1.0 where none was recorded)."""
-        return [float(t.extra.get("sampling", {}).get("temperature", 1.0)) for t in self.traces]
+    def logprobs(self, logits_BSV: torch.Tensor, temperature: float | torch.Tensor | None = None) -> torch.Tensor:
+        """Logprobs [G] of every generated token (see `scores`; no entropy is computed)."""
+        return self.scores(logits_BSV, temperature, entropy=False).logprobs_G
 
     @property
     def rollout_logprobs(self) -> torch.Tensor:
@@ -84,8 +88,11 @@ class TrainBatch:
                     advantages: torch.Tensor | None = None) -> CorrectionResult:
         """The preset's corrections of `train_logprobs_G` against the engine's (or `reference_G`)."""
         ref = self.rollout_logprobs if reference_G is None else reference_G.double()
-        return apply_corrections(self.preset.corrections, self.to_rows(train_logprobs_G.double()), self.to_rows(ref),
-                                 self.row_mask(), advantages=advantages)
+        result = apply_corrections(self.preset.corrections, self.to_rows(train_logprobs_G.double()), self.to_rows(ref),
+                                   self.row_mask(), advantages=advantages)
+        if self.plan.weights_version is not None:  # traces of other weights, accepted with off_policy=True
+            result.metrics["moe_replay/off_policy_fraction"] = self.plan.off_policy_fraction
+        return result
 
 
 class Enabled:
@@ -95,6 +102,7 @@ class Enabled:
         self.preset, self.llm, self.model = preset, llm, model
         self.capture = self.scorer = None
         self.geometry = None
+        self._weights_version: str | int | None = None
         if model is not None:
             self.geometry = _trainer_geometry(model, preset)
         if llm is not None:
@@ -108,6 +116,19 @@ class Enabled:
                                                                use_support=preset.estimator.use_support))
             if self.geometry is not None:
                 self.geometry.check_matches(self.capture.geometry)
+
+    @property
+    def weights_version(self) -> str | int | None:
+        """The weights now in use (a step or checkpoint fingerprint); None = not tracked."""
+        return self._weights_version
+
+    @weights_version.setter
+    def weights_version(self, version: str | int | None) -> None:
+        if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int))):
+            raise ValueError(f"weights_version must be a str, an int or None, got {version!r}")
+        self._weights_version = version
+        if self.capture is not None:
+            self.capture.weights_version = version
 
     # -- rollout side ----------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: Any = None, *, store: Any = None, **kwargs: Any):
@@ -128,14 +149,20 @@ class Enabled:
     # -- trainer side ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def train_batch(self, traces: Sequence[RolloutTrace], *, input_ids_BS: torch.Tensor | None = None,
-                    attention_mask_BS: torch.Tensor | None = None, track_flips: bool = False) -> Iterator[TrainBatch]:
-        """Replay the traces' routes (if the preset says so) around forward and backward."""
+                    attention_mask_BS: torch.Tensor | None = None, track_flips: bool = False,
+                    off_policy: bool = False) -> Iterator[TrainBatch]:
+        """Replay the traces' routes (if the preset says so) around forward and backward.
+
+        With `weights_version` set, traces sampled with another version are refused
+        (WeightsVersionError) unless `off_policy=True` says so on purpose.
+        """
         if self.model is None:
             raise ValueError("enable(...) was given no model: nothing to train")
         # routes are laid out whenever the traces carry them (free-routing presets still measure flips)
         with_routes = self.preset.replay.routes or all(t.routes_TLK is not None for t in traces)
         plan = build_plan(traces, self.geometry, input_ids_BS=input_ids_BS, attention_mask_BS=attention_mask_BS,
-                          config=self.preset.replay.plan, routes=with_routes)
+                          config=self.preset.replay.plan, routes=with_routes, weights_version=self.weights_version,
+                          off_policy=off_policy)
         if not self.preset.replay.routes:
             yield TrainBatch(self.preset, plan, traces)
             return

@@ -43,7 +43,8 @@ class ModelGeometry:
     vocab_size: int
     """Size of the logits' last dimension (may exceed the tokenizer's vocabulary)."""
     family: str = ""
-    """Model family name, e.g. 'qwen3_moe' (informative; replay dispatches on the real module)."""
+    """Model family name (the HF model_type, e.g. 'qwen3_moe'); "" = not known. Replay refuses a
+    trace of another family: two families can share every shape and still route differently."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "moe_layer_ids", tuple(int(i) for i in self.moe_layer_ids))
@@ -81,12 +82,19 @@ class ModelGeometry:
     def check_matches(self, other: "ModelGeometry", where: Where = Where()) -> None:
         """Raise GeometryMismatchError if `other` (e.g. a trace's) differs from this one (the model's).
 
-        Names the first differing field; `family` is informative and ignored.
+        Names the first differing field. `family` is compared when both sides name one (an empty
+        family, e.g. a geometry built by hand, is unknown and matches any).
         """
         for name in ("num_layers", "moe_layer_ids", "num_experts", "top_k", "vocab_size"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 raise GeometryMismatchError(where.with_(field=f"geometry.{name}"), mine, theirs)
+        if self.family and other.family and self.family != other.family:
+            raise GeometryMismatchError(
+                where.with_(field="geometry.family"), repr(self.family), repr(other.family),
+                "the trace was recorded on another model family; replay it into a model of its own family "
+                "(a geometry built by hand, e.g. Megatron's model_geometry(model, family=...), must name it)",
+            )
 
 
 @dataclass(frozen=True)

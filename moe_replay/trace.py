@@ -24,8 +24,61 @@ import numpy as np
 from .errors import ExpertIdOutOfRangeError, TraceFormatError, Where
 from .geometry import EngineInfo, ModelGeometry, token_dtype
 
-SCHEMA_VERSION = 1
-"""Bumped on any change a reader of the previous version could misread."""
+SCHEMA_VERSION = 2
+"""Bumped on any change a reader of the previous version could misread. v2 added the typed
+`sampling` parameters and `weights_version` (v1 kept the sampling in extra["sampling"])."""
+READABLE_SCHEMA_VERSIONS = (1, 2)
+"""Versions this reader decodes (v1 records are migrated on read)."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The sampling parameters the scoring math depends on, as the engine applied them.
+
+    Why typed: a trainer or scorer that scores at another temperature than the sampler's gets a
+    wrong π_old (issue 13: the HF scorer scored a 0.7 rollout at 1). The kept set itself is in
+    `RolloutTrace.support`; these say how it was made and how to scale the logits.
+    """
+
+    temperature: float = 1.0
+    """Logits are divided by it before softmax; 0 = greedy (the argmax alone is kept; scored unscaled)."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 or 0 = off (vLLM's conventions)."""
+    top_p: float = 1.0
+    """Keep the smallest set with probability mass >= top_p; 1 = off."""
+    min_p: float = 0.0
+    """Drop tokens below min_p * the top token's probability; 0 = off."""
+    seed: int | None = None
+    """The request's sampling seed, when it had one (informative)."""
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.floating, np.integer)) or not np.isfinite(t) or t < 0:
+            raise ValueError(f"Sampling.temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < -1:
+            raise ValueError(f"Sampling.top_k must be an int >= -1 (-1 or 0 = off), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float, np.floating)) and 0 < self.top_p <= 1):
+            raise ValueError(f"Sampling.top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.min_p, (int, float, np.floating)) and 0 <= self.min_p <= 1):
+            raise ValueError(f"Sampling.min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))):
+            raise ValueError(f"Sampling.seed must be an int or None, got {self.seed!r}")
+        for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float)):
+            object.__setattr__(self, name, kind(getattr(self, name)))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p, "seed": self.seed}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Sampling":
+        """From a dict of these keys (unknown keys are ignored: v1's extra["sampling"] is free-form)."""
+        return cls(**{k: d[k] for k in ("temperature", "top_k", "top_p", "min_p", "seed") if k in d})
 
 
 @dataclass
@@ -107,7 +160,13 @@ class RolloutTrace:
     """The engine's logprob of each sampled token, float32."""
     engine: EngineInfo = field(default_factory=EngineInfo)
     extra: dict[str, Any] = field(default_factory=dict)
-    """Free-form msgpack-able metadata (sampling params, step, ...)."""
+    """Free-form msgpack-able metadata (step, turns, ...)."""
+    sampling: Sampling = field(default_factory=Sampling)
+    """The sampling parameters of the request (schema v2; v1 records migrate extra["sampling"])."""
+    weights_version: str | int | None = None
+    """Which weights sampled this rollout: a step or checkpoint fingerprint the user or trainer sets
+    and capture records (schema v2; None = not recorded). Replay refuses another version unless
+    told the batch is off-policy on purpose."""
 
     def __post_init__(self) -> None:
         self.token_ids_S = np.asarray(self.token_ids_S).astype(np.int64, copy=False)
@@ -160,6 +219,11 @@ class RolloutTrace:
             check_distinct_rows(self.routes_TLK, w.with_(field="routes_TLK"))
         if self.support is not None:
             self.support.validate(g.vocab_size, self.num_generated, w)
+        if not isinstance(self.sampling, Sampling):
+            raise TraceFormatError(w.with_(field="sampling"), "a moe_replay.trace.Sampling", type(self.sampling).__name__)
+        v = self.weights_version
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (str, int))):
+            raise TraceFormatError(w.with_(field="weights_version"), "a str, an int or None", repr(v))
         if self.logprobs_G is not None and self.logprobs_G.shape != (self.num_generated,):
             raise TraceFormatError(w.with_(field="logprobs_G"), f"shape [{self.num_generated}]", list(self.logprobs_G.shape))
         return self
@@ -180,6 +244,8 @@ class RolloutTrace:
             and self.geometry == other.geometry
             and self.engine == other.engine
             and self.extra == other.extra
+            and self.sampling == other.sampling
+            and self.weights_version == other.weights_version
             and same(self.routes_TLK, other.routes_TLK)
             and same(self.logprobs_G, other.logprobs_G)
             and ((self.support is None and other.support is None) or (

@@ -26,9 +26,11 @@ from moe_replay.errors import (
     Where,
 )
 from moe_replay.geometry import EngineInfo, ModelGeometry
-from moe_replay.trace import RolloutTrace, SamplingSupport
+from moe_replay.trace import RolloutTrace, Sampling, SamplingSupport
 
 GOLDEN = Path(__file__).parent / "golden" / "trace_v1.msgpack"
+"""Written by schema v1 (frozen: today's writer writes v2); its extra held {"sampling": {"top_p": 0.9}}."""
+GOLDEN_V2 = Path(__file__).parent / "golden" / "trace_v2.msgpack"
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -53,7 +55,8 @@ def random_support(rng: np.random.Generator, rows: int, vocab: int) -> SamplingS
 
 
 def make_trace(seed: int, *, e: int = 8, k: int = 2, vocab: int = 512, s: int = 40, prompt: int = 10,
-               route_start: int = 0, moe_ids=(1, 3), num_layers: int = 4) -> RolloutTrace:
+               route_start: int = 0, moe_ids=(1, 3), num_layers: int = 4, sampling: Sampling = Sampling(top_p=0.9),
+               weights_version: str | int | None = None) -> RolloutTrace:
     rng = np.random.default_rng(seed)
     g = ModelGeometry(num_layers, moe_ids, e, k, vocab, "qwen3_moe")
     rows = max(s - 1 - route_start, 0)
@@ -67,7 +70,9 @@ def make_trace(seed: int, *, e: int = 8, k: int = 2, vocab: int = 512, s: int = 
         support=random_support(rng, s - prompt, vocab),
         logprobs_G=rng.normal(size=s - prompt).astype(np.float32),
         engine=EngineInfo("vllm", "0.32.0", "bfloat16", {"device": "cpu"}),
-        extra={"step": seed, "sampling": {"top_p": 0.9}},
+        extra={"step": seed},
+        sampling=sampling,
+        weights_version=weights_version,
     )
 
 
@@ -264,7 +269,7 @@ def _rewrap(data: bytes, **outer_changes) -> bytes:
 
 def test_unknown_schema_version_is_refused_with_reason():
     data = _rewrap(encode_trace(make_trace(11)), v=99)
-    with pytest.raises(SchemaVersionError, match=r"expected schema version 1, found 99"):
+    with pytest.raises(SchemaVersionError, match=r"expected a schema version in \[1, 2\], found 99"):
         decode_trace(data)
 
 
@@ -332,18 +337,75 @@ def test_geometry_validation(kwargs, match):
         ModelGeometry(**{**base, **kwargs})
 
 
-# -- golden file: records written by schema v1 stay readable --------------------------------------
+# -- golden files: records written by schema v1 and v2 stay readable --------------------------------
 def golden_trace() -> RolloutTrace:
+    """What the v1 golden record decodes to: extra["sampling"] migrated to the typed field."""
     return make_trace(2026, e=8, k=2, s=24, prompt=8)
 
 
+def golden_trace_v2() -> RolloutTrace:
+    return make_trace(2026, e=8, k=2, s=24, prompt=8, weights_version="ckpt-step-7",
+                      sampling=Sampling(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=3))
+
+
 def test_golden_v1_record_still_decodes():
-    if not GOLDEN.exists():  # regenerate with: python -m tests.test_codec
+    if not GOLDEN.exists():
         pytest.fail(f"golden file {GOLDEN} is missing")
-    assert decode_trace(GOLDEN.read_bytes(), Where(file=str(GOLDEN))).equals(golden_trace())
+    trace = decode_trace(GOLDEN.read_bytes(), Where(file=str(GOLDEN)))
+    assert trace.equals(golden_trace())
+    assert trace.sampling == Sampling(temperature=1.0, top_p=0.9) and "sampling" not in trace.extra
+    assert trace.weights_version is None
 
 
-if __name__ == "__main__":
-    GOLDEN.parent.mkdir(parents=True, exist_ok=True)
-    GOLDEN.write_bytes(encode_trace(golden_trace()))
-    print(f"wrote {GOLDEN}")
+def test_golden_v2_record_decodes():
+    if not GOLDEN_V2.exists():  # regenerate with: python -m tests.test_codec
+        pytest.fail(f"golden file {GOLDEN_V2} is missing")
+    data = GOLDEN_V2.read_bytes()
+    assert msgpack.unpackb(data)["v"] == 2
+    trace = decode_trace(data, Where(file=str(GOLDEN_V2)))
+    assert trace.equals(golden_trace_v2()) and trace.sampling.temperature == 0.7 and trace.weights_version == "ckpt-step-7"
+
+
+@pytest.mark.parametrize("version", [None, 12, "sha256:abc"])
+def test_sampling_and_weights_version_round_trip(version):
+    t = make_trace(5, sampling=Sampling(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0), weights_version=version)
+    back = decode_trace(encode_trace(t))
+    assert back.equals(t) and back.sampling.greedy and back.weights_version == version
+
+
+def _edit_body(data: bytes, edit, version: int | None = None) -> bytes:
+    outer = msgpack.unpackb(data)
+    body = msgpack.unpackb(outer["body"])
+    edit(body)
+    packed = msgpack.packb(body, use_bin_type=True)
+    outer.update(body=packed, crc32=zlib.crc32(packed), **({} if version is None else {"v": version}))
+    return msgpack.packb(outer, use_bin_type=True)
+
+
+def test_v1_record_without_sampling_gets_the_engine_defaults():
+    def as_v1(body):
+        del body["sampling"], body["weights_version"]
+    back = decode_trace(_edit_body(encode_trace(make_trace(6)), as_v1, version=1))
+    assert back.sampling == Sampling() and back.weights_version is None
+
+
+def test_bad_sampling_fields_are_refused_by_name():
+    def v1_bad(body):
+        del body["sampling"], body["weights_version"]
+        body["extra"]["sampling"] = {"temperature": -1.0}
+    with pytest.raises(TraceFormatError, match=r"record 'req-7', field 'extra.sampling'.*temperature.*-1.0"):
+        decode_trace(_edit_body(encode_trace(make_trace(7)), v1_bad, version=1))
+    with pytest.raises(TraceFormatError, match=r"field 'sampling'.*top_p"):
+        decode_trace(_edit_body(encode_trace(make_trace(7)), lambda b: b["sampling"].update(top_p=0.0)))
+    with pytest.raises(TraceFormatError, match=r"field 'weights_version'.*missing"):
+        decode_trace(_edit_body(encode_trace(make_trace(7)), lambda b: b.pop("weights_version")))
+    with pytest.raises(TraceFormatError, match=r"field 'weights_version'.*float"):
+        decode_trace(_edit_body(encode_trace(make_trace(7)), lambda b: b.update(weights_version=1.5)))
+    with pytest.raises(ValueError, match="Sampling.min_p"):
+        Sampling(min_p=2.0)
+
+
+if __name__ == "__main__":  # the v1 golden file is frozen: only v2 is (re)written
+    GOLDEN_V2.parent.mkdir(parents=True, exist_ok=True)
+    GOLDEN_V2.write_bytes(encode_trace(golden_trace_v2()))
+    print(f"wrote {GOLDEN_V2}")

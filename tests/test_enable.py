@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -26,6 +28,7 @@ def setup(tiny_model):
     model_dir = tiny_model("qwen3_moe")
     llm = vllm.LLM(**capture_engine_kwargs(model=str(model_dir), **{**VLLM_TEST_ARGS, "enable_prefix_caching": False}))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.moe_replay_dir = model_dir  # for tests that build a second scorer on the same checkpoint
     yield llm, model
     shutdown_llm(llm)
 
@@ -87,13 +90,66 @@ def test_traces_record_sampling_params_and_the_trainer_uses_their_temperature(se
     try:
         _, traces = mr.generate(PROMPTS[:2], SamplingParams(n=2, temperature=0.7, top_p=0.9, max_tokens=6, seed=3),
                                 use_tqdm=False)
-        assert all(t.extra["sampling"]["temperature"] == pytest.approx(0.7) for t in traces)
-        assert all(t.extra["sampling"]["top_p"] == pytest.approx(0.9) for t in traces)
+        assert all(t.sampling.temperature == pytest.approx(0.7) and t.sampling.top_p == pytest.approx(0.9) for t in traces)
+        assert all(t.sampling.seed == 3 and "sampling" not in t.extra for t in traces)
         with torch.no_grad(), mr.train_batch(traces) as batch:
             logits = model(**batch.model_inputs()).logits
             recorded = batch.logprobs(logits)  # temperature read from the traces
             at_one = batch.logprobs(logits, temperature=1.0)
         assert float((recorded.double() - batch.rollout_logprobs).abs().max()) < 1e-4
         assert float((at_one.double() - batch.rollout_logprobs).abs().max()) > 1e-3
+    finally:
+        mr.close()
+
+
+def test_hf_scorer_scores_at_the_traces_temperature(setup):
+    """A rollout sampled at 0.7 gets π_old at 0.7 from the HF scorer: equal to the engine's own
+    logprobs (fp32), not to the temperature-1 score it gave before schema v2."""
+    from vllm import SamplingParams
+
+    from moe_replay.integrations.hf.scorer import HFScorer, HFScorerConfig
+
+    llm, model = setup
+    mr = moe_replay.enable("r3_support", llm=llm)
+    try:
+        _, traces = mr.generate(PROMPTS, SamplingParams(n=2, temperature=0.7, top_p=0.9, max_tokens=6, seed=5), use_tqdm=False)
+    finally:
+        mr.close()
+    scorer = HFScorer(HFScorerConfig(str(model.moe_replay_dir), force_routes=True, use_support=True))
+    for t, lp in zip(traces, scorer.score_batch(traces)):
+        assert np.abs(lp - t.logprobs_G).max() < 1e-4, t.key
+    hot = [dataclasses.replace(t, sampling=dataclasses.replace(t.sampling, temperature=1.0)) for t in traces]
+    gap = max(np.abs(lp - t.logprobs_G).max() for t, lp in zip(traces, scorer.score_batch(hot)))
+    assert gap > 1e-3  # the temperature matters: scoring these at 1 is wrong
+
+
+def test_weights_version_is_recorded_by_capture_and_checked_by_the_trainer(setup):
+    from vllm import SamplingParams
+
+    from moe_replay.errors import GeometryMismatchError
+    from moe_replay.geometry import ModelGeometry
+    from moe_replay.replay import WeightsVersionError
+
+    llm, model = setup
+    mr = moe_replay.enable("r3_support", llm=llm, model=model)
+    try:
+        mr.weights_version = "step-3"
+        _, traces = mr.generate(PROMPTS[:1], SamplingParams(n=2, top_p=0.9, max_tokens=4, seed=1), use_tqdm=False)
+        assert [t.weights_version for t in traces] == ["step-3", "step-3"]
+        with torch.no_grad(), mr.train_batch(traces) as batch:
+            fix = batch.corrections(batch.logprobs(model(**batch.model_inputs()).logits))
+        assert fix.metrics["moe_replay/off_policy_fraction"] == 0.0
+        mr.weights_version = "step-4"  # the trainer moved on; these rollouts are one version behind
+        with pytest.raises(WeightsVersionError, match=r"expected 'step-4', found 'step-3'.*off_policy=True"):
+            with mr.train_batch(traces):
+                pass
+        with torch.no_grad(), mr.train_batch(traces, off_policy=True) as batch:
+            logp_G = batch.logprobs(model(**batch.model_inputs()).logits)
+            fix = batch.corrections(logp_G)
+        assert fix.metrics["moe_replay/off_policy_fraction"] == 1.0
+        other = dataclasses.replace(traces[0], geometry=ModelGeometry(**{**traces[0].geometry.to_dict(), "family": "mixtral"}))
+        with pytest.raises(GeometryMismatchError, match=r"geometry.family.*'qwen3_moe'.*'mixtral'"):
+            with mr.train_batch([other], off_policy=True):
+                pass
     finally:
         mr.close()

@@ -404,3 +404,63 @@ def test_mtp_router_never_takes_a_decoder_layer_id(megatron_cpu):
         find_routers(routers + [mtp])
     with pytest.raises(UnsupportedRouterError, match="multi-token-prediction"):
         replay(routers + [mtp], make_plan())
+
+
+# -- scoring Megatron logits (gathered, and vocab-parallel over two tensor-parallel ranks) ----------
+def test_score_tokens_on_gpt_model_logits(megatron_cpu):
+    from moe_replay.integrations.megatron import score_tokens
+    from moe_replay.replay import score_tokens as score_core
+
+    model = _gpt("none")
+    plan = make_plan(model_geometry(model), lengths=(11, 6, 8))
+    with replay(model, plan):
+        logits_BSV = model(**megatron_inputs(plan))
+        s = score_tokens(logits_BSV, plan, full=True)
+        (s.logprobs_G.sum() + s.full_entropy_G.sum()).backward()
+    ref = score_core(logits_BSV.detach(), plan, full=True)
+    torch.testing.assert_close(s.logprobs_G, ref.logprobs_G, rtol=0, atol=0)
+    torch.testing.assert_close(s.full_entropy_G, ref.full_entropy_G, rtol=0, atol=0)
+    assert all(site.module.weight.grad is not None for site in find_routers(model).values())
+    with pytest.raises(GeometryMismatchError, match=r"logits.shape\[-1\].*found 100"):
+        score_tokens(logits_BSV.detach()[..., :100], plan)
+
+
+def _tp_worker(rank: int, init: str, logits_BSV: torch.Tensor, out: dict) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from moe_replay.integrations.megatron import score_tokens
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    parallel_state.initialize_model_parallel(2, 1)
+    try:
+        plan = make_plan(lengths=(9, 5, 7))
+        width = logits_BSV.shape[-1] // 2
+        x = logits_BSV[..., rank * width : (rank + 1) * width].clone().requires_grad_(True)
+        s = score_tokens(x, plan, full=True)
+        (s.logprobs_G.sum() + s.entropy_G.sum() + s.full_logprobs_G.sum()).backward()
+        out[rank] = (s.logprobs_G.detach(), s.full_entropy_G.detach(), x.grad)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_score_tokens_normalises_vocab_parallel_logits_across_tp_ranks(tmp_path):
+    """Two TP ranks (Megatron's parallel_state on gloo), each with half of the vocabulary: both get
+    the scores of the whole vocabulary; their gradients are the column halves of the gathered one."""
+    import torch.multiprocessing as mp
+
+    from moe_replay.replay import score_tokens as score_core
+
+    plan = make_plan(lengths=(9, 5, 7))
+    torch.manual_seed(0)
+    logits_BSV = torch.randn(plan.batch_size, plan.seq_len, GEOM.vocab_size) * 3
+    out = mp.Manager().dict()
+    mp.spawn(_tp_worker, args=(f"file://{tmp_path}/init", logits_BSV, out), nprocs=2, join=True)
+    x = logits_BSV.clone().requires_grad_(True)
+    ref = score_core(x, plan, full=True)
+    (ref.logprobs_G.sum() + ref.entropy_G.sum() + ref.full_logprobs_G.sum()).backward()
+    for rank in (0, 1):
+        torch.testing.assert_close(out[rank][0], ref.logprobs_G.detach(), rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(out[rank][1], ref.full_entropy_G.detach(), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(torch.cat([out[0][2], out[1][2]], -1), x.grad, rtol=1e-5, atol=1e-6)

@@ -17,11 +17,14 @@ from moe_replay.replay import (
     RouteLedger,
     build_plan,
     gate_weights,
-    masked_logprobs,
+    ScoringInputError,
+    SupportCSR,
+    WeightsVersionError,
+    score_logits,
     score_tokens,
     select_experts,
 )
-from moe_replay.trace import RolloutTrace, SamplingSupport
+from moe_replay.trace import RolloutTrace, Sampling, SamplingSupport
 
 GEOM = ModelGeometry(num_layers=4, moe_layer_ids=(1, 3), num_experts=8, top_k=2, vocab_size=64, family="test")
 
@@ -222,15 +225,12 @@ def test_ledger_exactly_once_and_recompute():
 
 
 # -- support scoring ---------------------------------------------------------------------------------
-def test_masked_logprobs_renormalise_over_support():
+def test_score_logits_renormalise_over_support():
     torch.manual_seed(0)
     logits = torch.randn(3, 10, requires_grad=True)
-    mask = torch.zeros(3, 10, dtype=torch.bool)
-    mask[0, [1, 4]] = True
-    mask[1, :] = True
-    mask[2, [7]] = True
+    support = SupportCSR(torch.tensor([0, 2, 2, 3]), torch.tensor([1, 4, 7]), whole_G=torch.tensor([False, True, False]))
     target = torch.tensor([4, 2, 7])
-    s = masked_logprobs(logits, target, mask, temperature=0.7)
+    s = score_logits(logits, target, support=support, temperature=0.7)
     x = logits.detach() / 0.7
     ref0 = x[0, 4] - torch.logsumexp(x[0, [1, 4]], 0)
     torch.testing.assert_close(s.logprobs_G[0], ref0)
@@ -240,7 +240,9 @@ def test_masked_logprobs_renormalise_over_support():
     torch.testing.assert_close(s.entropy_G[0], -(p * p.log()).sum())
     (s.logprobs_G.sum() + s.entropy_G.sum()).backward()
     assert torch.isfinite(logits.grad).all()
-    assert (logits.grad[0][~mask[0]] == 0).all()
+    kept0 = torch.zeros(10, dtype=torch.bool)
+    kept0[[1, 4]] = True
+    assert (logits.grad[0][~kept0] == 0).all() and (logits.grad[0][kept0] != 0).all()
 
 
 def test_score_tokens_uses_plan_positions():
@@ -259,3 +261,50 @@ def test_score_tokens_uses_plan_positions():
     t = traces[1]  # no support recorded: full vocabulary; left padded by 3
     ref = torch.log_softmax(logits[1, 3 + t.prompt_len - 1 : 3 + t.num_tokens - 1], -1)
     torch.testing.assert_close(per_row[1], ref.gather(1, torch.from_numpy(t.token_ids_S[t.prompt_len :]).view(-1, 1)).squeeze(1))
+
+
+def test_score_tokens_uses_each_traces_recorded_temperature():
+    traces = [make_trace("a", 8, seed=1), make_trace("b", 6, seed=2, support=False)]
+    traces[0].sampling, traces[1].sampling = Sampling(temperature=0.7, top_p=0.9), Sampling(temperature=1.3)
+    plan = build_plan(traces, GEOM)
+    torch.manual_seed(0)
+    logits = torch.randn(2, 8, GEOM.vocab_size)
+    recorded = score_tokens(logits, plan).logprobs_G
+    explicit = score_tokens(logits, plan, temperature=plan.per_token([0.7, 1.3])).logprobs_G
+    at_one = score_tokens(logits, plan, temperature=1.0).logprobs_G
+    torch.testing.assert_close(recorded, explicit)
+    assert (recorded - at_one).abs().max() > 1e-2
+    t = traces[1]
+    x = logits[1, t.prompt_len - 1 : t.num_tokens - 1] / 1.3
+    ref = torch.log_softmax(x, -1).gather(1, torch.from_numpy(t.token_ids_S[t.prompt_len :]).view(-1, 1)).squeeze(1)
+    torch.testing.assert_close(recorded[plan.gen_offsets_B1[1] :], ref)
+
+
+def test_score_tokens_errors_name_the_trace_and_token():
+    plan = build_plan([make_trace("a", 8, seed=1), make_trace("b", 7, seed=2)], GEOM)
+    logits = torch.randn(2, 8, GEOM.vocab_size)
+    tok = int(plan.target_G[plan.gen_offsets_B1[1] + 2])
+    logits[1, 3 + 2 - 1, tok] = float("nan")  # trace b (prompt of 3): the logits of its generated token 2
+    with pytest.raises(ScoringInputError, match=r"record 'b'.*generated token 2 of the trace.*nan"):
+        score_tokens(logits, plan)
+
+
+def test_weights_version_is_checked_unless_off_policy_on_purpose():
+    a, b = make_trace("a", 8, seed=1), make_trace("b", 7, seed=2)
+    a.weights_version, b.weights_version = 5, 4
+    assert build_plan([a, b], GEOM).off_policy_fraction == 0.0  # no version stated: nothing to check
+    with pytest.raises(WeightsVersionError, match=r"record 'b', field 'weights_version': expected 5, found 4.*off_policy=True"):
+        build_plan([a, b], GEOM, weights_version=5)
+    plan = build_plan([a, b], GEOM, weights_version=5, off_policy=True)
+    assert plan.off_policy_B.tolist() == [False, True] and plan.off_policy_fraction == 0.5
+    b.weights_version = None  # not recorded (a v1 trace): not the version trained either
+    with pytest.raises(WeightsVersionError, match="found None"):
+        build_plan([a, b], GEOM, weights_version=5)
+
+
+def test_replay_refuses_a_trace_of_another_family():
+    other = ModelGeometry(**{**GEOM.to_dict(), "family": "mixtral"})
+    with pytest.raises(GeometryMismatchError, match=r"geometry.family.*expected 'test', found 'mixtral'.*another model family"):
+        build_plan([make_trace("a", 8, geometry=other)], GEOM)
+    unknown = ModelGeometry(**{**GEOM.to_dict(), "family": ""})
+    build_plan([make_trace("a", 8, geometry=unknown)], GEOM)  # a hand-built geometry names no family

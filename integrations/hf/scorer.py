@@ -54,6 +54,7 @@ class HFScorer:
         self.geometry = model_geometry(self.model)
 
     def score_batch(self, traces: Sequence[RolloutTrace]) -> list[np.ndarray]:
+        """log p of each trace's generated tokens at its recorded sampling temperature (trace.sampling)."""
         import contextlib
 
         from moe_replay.replay import build_plan, score_tokens
@@ -66,5 +67,5 @@ class HFScorer:
         ctx = replay(self.model, plan) if self.config.force_routes else contextlib.nullcontext()
         with self._torch.no_grad(), ctx:
             logits_BSV = self.model(**plan.model_inputs()).logits
-            scores = score_tokens(logits_BSV.float(), plan, use_support=self.config.use_support)
+            scores = score_tokens(logits_BSV, plan, use_support=self.config.use_support)
         return [lp.double().cpu().numpy() for lp in scores.split(plan)]

@@ -7,7 +7,7 @@ Importing this package does not import megatron; the first call does.
 """
 
 from .layout import fill_ids_MK, megatron_inputs, sequence_first_ids
-from .replay import ReplaySession, replay
+from .replay import ReplaySession, replay, score_tokens
 from .routers import RouterSite, check_geometry, check_replayable, find_routers, model_geometry
 
 __all__ = [
@@ -20,5 +20,6 @@ __all__ = [
     "megatron_inputs",
     "model_geometry",
     "replay",
+    "score_tokens",
     "sequence_first_ids",
 ]

@@ -31,6 +31,7 @@ from torch import nn
 
 from moe_replay.errors import GeometryMismatchError, Where
 from moe_replay.replay.errors import RouteConsumptionError
+from moe_replay.replay.scoring import TokenScores, VocabShard
 from moe_replay.replay.ledger import RouteLedger, in_backward
 from moe_replay.replay.plan import RoutePlan
 
@@ -199,10 +200,46 @@ def replay(
     With recompute configured (and training with grad), backward must run inside the context.
     Requires `moe_enable_routing_replay=True`; checks run on creation, before any forward.
 
-        plan = build_plan(traces, model_geometry(model))
+        plan = build_plan(traces, model_geometry(model, family="qwen3_moe"))
         with replay(model, plan):
-            logits_BSV = model(**megatron_inputs(plan))
+            logits_BSV = model(**megatron_inputs(plan))          # vocab-parallel with TP > 1
+            logp_G = score_tokens(logits_BSV, plan).logprobs_G   # normalised across TP ranks
             loss = ...
             loss.backward()
     """
     return ReplaySession(model_or_routers, plan, partial=partial, expect_recompute=expect_recompute)
+
+
+def score_tokens(
+    logits_BSV: torch.Tensor,
+    plan: RoutePlan,
+    *,
+    temperature: float | torch.Tensor | None = None,
+    use_support: bool = True,
+    full: bool = False,
+) -> TokenScores:
+    """Score the plan's generated tokens from a Megatron GPTModel's logits [B, S, V or V / TP].
+
+    With `parallel_output=True` (Megatron's default) each tensor-parallel rank holds V / TP
+    vocabulary columns (rank r: [r * V/TP, (r + 1) * V/TP)); the log-sum-exps and entropies are then
+    all-reduced over the tensor-parallel group, so every rank gets the scores of the whole
+    vocabulary (renormalised over the kept set), like Megatron's own vocab_parallel_cross_entropy.
+    Gathered logits (width V) are scored locally. Every tensor-parallel rank must call this with
+    the same plan. Other arguments as `moe_replay.replay.score_tokens`.
+    """
+    from moe_replay.replay.support import score_tokens as score_core
+
+    vocab, width = plan.geometry.vocab_size, logits_BSV.shape[-1]
+    if width == vocab:
+        return score_core(logits_BSV, plan, temperature=temperature, use_support=use_support, full=full)
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+    if width * tp != vocab:
+        raise GeometryMismatchError(
+            Where(field="logits.shape[-1]"), f"{vocab} (gathered) or {vocab} / TP columns (tensor-parallel size {tp})", width,
+            "logits vs the plan's vocab_size; pass the model's padded vocab size to model_geometry",
+        )
+    shard = VocabShard(parallel_state.get_tensor_model_parallel_rank() * width, vocab,
+                       parallel_state.get_tensor_model_parallel_group())
+    return score_core(logits_BSV, plan, temperature=temperature, use_support=use_support, full=full, shard=shard)

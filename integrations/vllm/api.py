@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Sequence
 
 from ...geometry import EngineInfo, ModelGeometry
-from ...trace import RolloutTrace
+from ...trace import RolloutTrace, Sampling
 from . import worker as W
 from .assemble import build_trace, completions_of, raise_install_error
 from .config import CaptureConfig
@@ -61,6 +61,8 @@ class _CaptureBase:
     geometry: ModelGeometry
     engine_info: EngineInfo
     _methods: dict[str, Any]
+    weights_version: str | int | None = None
+    """Recorded in every collected trace: set it (a step or checkpoint fingerprint) after each weight sync."""
 
     def _on_install(self, replies: list[dict[str, Any]], via: str) -> None:
         bad = [r for r in replies if not r.get("ok")]
@@ -88,7 +90,8 @@ class _CaptureBase:
                     raise UnknownRequestError(f"request {key!r} has not finished; collect final outputs only")
                 trace = build_trace(key, out.prompt_token_ids, comp, payload, self.geometry, self.config, self.engine_info)
                 if sampling and out.request_id in sampling:
-                    trace.extra["sampling"] = sampling[out.request_id]
+                    trace.sampling = Sampling.from_dict(sampling[out.request_id])
+                trace.weights_version = self.weights_version
                 traces.append(trace)
             except Exception as e:  # one bad request never costs the others their traces
                 failures[key] = e
@@ -141,8 +144,8 @@ class VllmCapture(_CaptureBase):
     def generate(self, prompts: Any, sampling_params: Any = None, *, store: Any = None, **kwargs: Any):
         """`LLM.generate` then `collect`: returns (outputs, traces), traces in output/sample order.
 
-        Each trace's `extra["sampling"]` records its request's sampling parameters (temperature,
-        top_p, top_k, min_p, seed), so a trainer or scorer reads them from the trace.
+        Each trace's `sampling` records its request's sampling parameters (temperature, top_p,
+        top_k, min_p, seed), so a trainer or scorer reads them from the trace.
         """
         outputs = self.llm.generate(prompts, sampling_params, **kwargs)
         if sampling_params is None:
@@ -155,7 +158,7 @@ class VllmCapture(_CaptureBase):
                 sampling: dict[str, dict[str, Any]] | None = None) -> list[RolloutTrace]:
         """One trace per sample of each finished RequestOutput; the records leave the worker.
 
-        `sampling` (request id -> sampling_summary(params)) goes into each trace's extra.
+        `sampling` (request id -> sampling_summary(params)) becomes each trace's `sampling`.
         Raises CollectError (with `.traces` = every good trace, already put to `store`) when some
         requests fail (aborted, unknown, evicted, support overflow under 'error', misaligned).
         """

@@ -92,8 +92,8 @@ class _ScorerBase:
         return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=True)
 
     def _temperature(self, trace: RolloutTrace) -> float:
-        """The trace's recorded sampling temperature (capture writes extra["sampling"]), else the config's."""
-        return float(trace.extra.get("sampling", {}).get("temperature", self.config.temperature))
+        """The trace's recorded sampling temperature (trace.sampling; v1 records migrate theirs)."""
+        return float(trace.sampling.temperature)
 
     def _requests(self, traces: Sequence[RolloutTrace]) -> tuple[list[str | None], list[dict[str, Any]]]:
         """Engine request id per trace (None when it has no generated token) and worker payloads."""

@@ -4,6 +4,10 @@ Layout: outer = msgpack {"format", "v", "crc32", "body"}; body = msgpack of the 
 with arrays as little-endian binary payloads. A reader checks the format name and schema
 version first (refusing what it cannot interpret), then the CRC-32 of the body, then every
 field; any failure is a typed TraceFormatError naming the file, record and field.
+
+Schema v2 adds "sampling" (a map of Sampling's fields) and "weights_version" (str, int or nil).
+A v1 record is migrated on read: its extra["sampling"] (what capture wrote) becomes the typed
+field (defaults where absent) and leaves `extra`; its weights_version is None (not recorded).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import numpy as np
 
 from ..errors import ChecksumError, SchemaVersionError, TraceFormatError, TruncatedRecordError, Where
 from ..geometry import EngineInfo, ModelGeometry, token_dtype
-from ..trace import SCHEMA_VERSION, RolloutTrace
+from ..trace import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, RolloutTrace, Sampling
 from . import support as support_codec
 from .routes import ROUTE_CODECS
 
@@ -41,6 +45,8 @@ def encode_trace(trace: RolloutTrace, route_codec: str = DEFAULT_ROUTE_CODEC, va
         "routes": None,
         "support": None,
         "logprobs": None,
+        "sampling": trace.sampling.to_dict(),
+        "weights_version": trace.weights_version,
     }
     if trace.routes_TLK is not None:
         codec = ROUTE_CODECS.get(route_codec)
@@ -79,10 +85,10 @@ def _field(d: dict, name: str, types: type | tuple, where: Where) -> Any:
 
 def peek_key(data: bytes, where: Where = Where()) -> str:
     """The record's key, after the same envelope checks as decode_trace (cheap: no payload decode)."""
-    return _field(_check_envelope(data, where), "key", str, where)
+    return _field(_check_envelope(data, where)[1], "key", str, where)
 
 
-def _check_envelope(data: bytes, where: Where) -> dict:
+def _check_envelope(data: bytes, where: Where) -> tuple[int, dict]:
     outer = _unpack(data, where, "record envelope")
     if not isinstance(outer, dict):
         raise TraceFormatError(where.with_(field="envelope"), "a map", type(outer).__name__)
@@ -90,9 +96,10 @@ def _check_envelope(data: bytes, where: Where) -> dict:
     if fmt != FORMAT:
         raise TraceFormatError(where.with_(field="format"), repr(FORMAT), repr(fmt))
     version = outer.get("v")
-    if version != SCHEMA_VERSION:
+    if isinstance(version, bool) or version not in READABLE_SCHEMA_VERSIONS:
         raise SchemaVersionError(
-            where.with_(field="v"), f"schema version {SCHEMA_VERSION}", repr(version), "written by a different moe_replay; upgrade the reader"
+            where.with_(field="v"), f"a schema version in {list(READABLE_SCHEMA_VERSIONS)}", repr(version),
+            "written by a different moe_replay; upgrade the reader"
         )
     body = _field(outer, "body", bytes, where)
     crc = _field(outer, "crc32", int, where)
@@ -101,12 +108,12 @@ def _check_envelope(data: bytes, where: Where) -> dict:
     body_d = _unpack(body, where, "record body")
     if not isinstance(body_d, dict):
         raise TraceFormatError(where.with_(field="body"), "a map", type(body_d).__name__)
-    return body_d
+    return version, body_d
 
 
 def decode_trace(data: bytes, where: Where = Where(), validate: bool = True) -> RolloutTrace:
     """Parse and check one record; every failure is a TraceFormatError (or subclass) with its location."""
-    body = _check_envelope(data, where)
+    version, body = _check_envelope(data, where)
     key = _field(body, "key", str, where)
     w = where.with_(record=key)
     try:
@@ -117,6 +124,8 @@ def decode_trace(data: bytes, where: Where = Where(), validate: bool = True) -> 
         engine = EngineInfo.from_dict(_field(body, "engine", dict, w))
     except TypeError as e:
         raise TraceFormatError(w.with_(field="engine"), "a valid EngineInfo", str(e)) from None
+    extra = _field(body, "extra", dict, w)
+    sampling, weights_version = _identity(body, version, extra, w)
     num_tokens = _field(body, "num_tokens", int, w)
     tdt = token_dtype(geometry.vocab_size).newbyteorder("<")
     tokens_b = _field(body, "tokens", bytes, w)
@@ -129,7 +138,9 @@ def decode_trace(data: bytes, where: Where = Where(), validate: bool = True) -> 
         route_start=_field(body, "route_start", int, w),
         geometry=geometry,
         engine=engine,
-        extra=_field(body, "extra", dict, w),
+        extra=extra,
+        sampling=sampling,
+        weights_version=weights_version,
     )
     routes = body.get("routes")
     if routes is not None:
@@ -158,3 +169,26 @@ def decode_trace(data: bytes, where: Where = Where(), validate: bool = True) -> 
     if validate:
         trace.validate(where)
     return trace
+
+
+def _identity(body: dict, version: int, extra: dict, where: Where) -> tuple[Sampling, str | int | None]:
+    """(sampling, weights_version) of a v2 body, or migrated from a v1 body's extra (which loses "sampling")."""
+    if version == 1:
+        raw = extra.pop("sampling", {})
+        sw = where.with_(field="extra.sampling")
+        if not isinstance(raw, dict):
+            raise TraceFormatError(sw, "a map of sampling parameters", type(raw).__name__)
+        try:
+            return Sampling.from_dict(raw), None
+        except (TypeError, ValueError) as e:
+            raise TraceFormatError(sw, "valid sampling parameters", str(e)) from None
+    try:
+        sampling = Sampling.from_dict(_field(body, "sampling", dict, where))
+    except (TypeError, ValueError) as e:
+        raise TraceFormatError(where.with_(field="sampling"), "valid sampling parameters", str(e)) from None
+    if "weights_version" not in body:
+        raise TraceFormatError(where.with_(field="weights_version"), "present (nil when not recorded)", "missing")
+    wv = body["weights_version"]
+    if wv is not None and (isinstance(wv, bool) or not isinstance(wv, (str, int))):
+        raise TraceFormatError(where.with_(field="weights_version"), "a str, an int or nil", type(wv).__name__)
+    return sampling, wv

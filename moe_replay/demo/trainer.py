@@ -65,14 +65,17 @@ class Policy:
         self.mr = enable(preset, model=self.model)  # the trainer half of the preset
         self.geometry = self.mr.geometry
 
-    def step(self, traces: Sequence[RolloutTrace], advantages_R: np.ndarray, *, temperature: float,
+    def step(self, traces: Sequence[RolloutTrace], advantages_R: np.ndarray, *, temperature: float | None = None,
              clip_eps: float, pi_old_G: np.ndarray | None = None) -> StepResult:
-        """One GRPO update. π_old is the trainer's own recompute unless the estimator provides it."""
+        """One GRPO update. π_old is the trainer's own recompute unless the estimator provides it.
+
+        `temperature` None scores each rollout at its recorded sampling temperature."""
         used = ExpertsUsed(self.model, self.geometry.moe_layer_ids)
         try:
             with self.mr.train_batch(traces, track_flips=True) as batch:
                 logits_BSV = self.model(**batch.model_inputs()).logits
-                logp_G = batch.logprobs(logits_BSV, temperature)
+                scores = batch.scores(logits_BSV, temperature)
+                logp_G = scores.logprobs_G
                 old_G = torch.from_numpy(pi_old_G) if pi_old_G is not None else logp_G.detach().double()
                 adv_G = torch.from_numpy(np.repeat(advantages_R, np.diff(batch.plan.gen_offsets_B1)))
                 corr = batch.corrections(old_G)  # IS weights of π_old against the engine's rollout
@@ -95,6 +98,7 @@ class Policy:
         if pi_old_G is not None:
             metrics["k3_kl_vs_pi_old"] = float(_k3(logp_G.detach().double(), torch.from_numpy(pi_old_G)))
         metrics.update({k: float(v) for k, v in corr.metrics.items() if k.endswith("masked_fraction")})
+        metrics["entropy"] = float(scores.entropy_G.detach().double().mean())  # over the kept set when renormalised
         metrics["loss"] = float(loss.detach())
         return StepResult(float(loss.detach()), metrics)
 

@@ -4,11 +4,12 @@ exactly-once accounting, support-renormalised scoring.
 Framework adapters (`moe_replay.integrations.hf`, `.megatron`) plug these into a model's routers.
 """
 
-from .errors import BatchLayoutError, RouteConsumptionError, UnsupportedRouterError
+from .errors import BatchLayoutError, RouteConsumptionError, ScoringInputError, UnsupportedRouterError, WeightsVersionError
 from .gates import GATE_RULES, GateSpec, gate_weights, select_experts
 from .ledger import RouteLedger, in_backward
 from .plan import PlanConfig, RoutePlan, build_plan
-from .support import TokenScores, masked_logprobs, score_tokens, support_mask_GV
+from .scoring import SCORING_BACKENDS, SupportCSR, TokenScores, VocabShard, score_logits
+from .support import score_tokens
 
 __all__ = [
     "GATE_RULES",
@@ -18,13 +19,17 @@ __all__ = [
     "RouteConsumptionError",
     "RouteLedger",
     "RoutePlan",
+    "SCORING_BACKENDS",
+    "ScoringInputError",
+    "SupportCSR",
+    "VocabShard",
+    "WeightsVersionError",
     "TokenScores",
     "UnsupportedRouterError",
     "build_plan",
     "gate_weights",
     "in_backward",
-    "masked_logprobs",
+    "score_logits",
     "score_tokens",
     "select_experts",
-    "support_mask_GV",
 ]

@@ -20,3 +20,17 @@ class RouteConsumptionError(MoeReplayError, RuntimeError):
 
 class UnsupportedRouterError(RegistryError):
     """A model holds MoE layers whose router class no adapter handles."""
+
+
+class ScoringInputError(TraceError, ValueError):
+    """Scoring input that would give a NaN or a wrong loss: a non-finite logit, a token id outside the
+    vocabulary, a kept set without its sampled token, a temperature that contradicts the sampling.
+
+    `row` is the scored row (G axis) at fault, or None when the fault is not one row's."""
+
+    row: int | None = None
+
+
+class WeightsVersionError(TraceError, ValueError):
+    """A trace was sampled with other weights than the ones being trained, and the caller did not
+    say the batch is off-policy on purpose."""

@@ -29,8 +29,8 @@ import torch
 
 from ..errors import TraceFormatError, Where
 from ..geometry import ModelGeometry
-from ..trace import RolloutTrace, SamplingSupport
-from .errors import BatchLayoutError
+from ..trace import RolloutTrace, Sampling, SamplingSupport
+from .errors import BatchLayoutError, WeightsVersionError
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,22 @@ class RoutePlan:
     """The engine's logprobs of the scored tokens, when every trace has them."""
     layer_index: dict[int, int] = field(default_factory=dict)
     """Global layer id -> index on the L axis."""
+    sampling_B: tuple[Sampling, ...] = ()
+    """Each row's recorded sampling parameters (temperature for scoring)."""
+    weights_version: str | int | None = None
+    """The trainer's weights version the traces were checked against (None: not checked)."""
+    off_policy_B: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    """Rows whose trace was sampled with another weights version (only with off_policy=True)."""
+
+    @property
+    def temperature_G(self) -> torch.Tensor:
+        """Each scored token's recorded sampling temperature (0 = greedy), float32 [G]."""
+        return self.per_token([s.temperature for s in self.sampling_B])
+
+    @property
+    def off_policy_fraction(self) -> float:
+        """Fraction of rows sampled with another weights version than `weights_version`."""
+        return float(self.off_policy_B.mean()) if len(self.off_policy_B) else 0.0
 
     @property
     def batch_size(self) -> int:
@@ -139,8 +155,15 @@ def build_plan(
     attention_mask_BS: torch.Tensor | None = None,
     config: PlanConfig = PlanConfig(),
     routes: bool = True,
+    weights_version: str | int | None = None,
+    off_policy: bool = False,
 ) -> RoutePlan:
     """Validate `traces` against the model's `geometry` and the batch, and lay their routes out.
+
+    `weights_version`: the version of the weights being trained; a trace sampled with another one
+    (or with none recorded) is refused (WeightsVersionError) unless `off_policy=True` says the
+    batch is off-policy on purpose; then `plan.off_policy_B` marks those rows (and the metrics
+    report `off_policy_fraction`). None skips the check.
 
     With `routes=False` the plan only lays out the batch and the scored tokens (every position
     unrouted, traces need not carry routes): scoring under the trainer's own free routing.
@@ -158,6 +181,7 @@ def build_plan(
         seen[key] = b
     for trace in traces:
         _check_trace(trace, geometry, config, routes)
+    off_policy_B = _check_weights(traces, weights_version, off_policy)
 
     lengths_B = np.array([t.num_tokens for t in traces], dtype=np.int64)
     if input_ids_BS is None:
@@ -201,7 +225,22 @@ def build_plan(
         supports=tuple(t.support for t in traces),
         engine_logprobs_G=engine_logprobs_G,
         layer_index={lid: j for j, lid in enumerate(geometry.moe_layer_ids)},
+        sampling_B=tuple(t.sampling for t in traces),
+        weights_version=weights_version,
+        off_policy_B=off_policy_B,
     )
+
+
+def _check_weights(traces: Sequence[RolloutTrace], weights_version: str | int | None, off_policy: bool) -> np.ndarray:
+    stale = np.array([weights_version is not None and t.weights_version != weights_version for t in traces], dtype=bool)
+    if stale.any() and not off_policy:
+        t = traces[int(np.flatnonzero(stale)[0])]
+        raise WeightsVersionError(
+            Where(record=t.key, field="weights_version"), repr(weights_version), repr(t.weights_version),
+            f"{int(stale.sum())} of {len(traces)} traces were sampled with other weights than the ones trained; "
+            "sync the engine's weights (and its weights_version), or pass off_policy=True to train on them on purpose",
+        )
+    return stale
 
 
 def _check_trace(trace: RolloutTrace, geometry: ModelGeometry, config: PlanConfig, routes: bool = True) -> None:

@@ -1,0 +1,227 @@
+"""Trainer-side token scoring at a real vocabulary (V = 151,936): time and peak extra memory.
+
+Paths, on bf16 logits [G, V] (a leaf that requires grad, like an LM head's output):
+  plain    log_softmax(logits.float()).gather(target): what a trainer does without moe_replay
+           (full vocabulary, no support, no entropy);
+  current  the dense path before issue 13: support_mask_GV ([G, V] bool) + masked_logprobs (fp32
+           copy, masked log_softmax, entropy), copied here verbatim;
+  new      moe_replay.replay.score_logits: row chunks, CSR support, logprob and entropy;
+  new_logprob_only  the same with entropy=False (what TrainBatch.logprobs runs: plain's output).
+Each with a top-p-like support of 1-64 kept ids per row ("support") and without ("full_vocab":
+plain is the same computation in both). Modes: forward (training forward, grad enabled) and
+forward+backward (loss = sum of the logprobs).
+
+Memory: peak extra bytes / logits bytes. On CPU torch has no allocator statistics, so every tensor
+an op returns is accounted by its storage (a TorchDispatchMode sees each op's outputs; a storage is
+freed when the last tensor on it dies), over the call, minus what was live before it (the logits,
+the targets, the support). The gradient of the logits (logits-sized, in their dtype) is what every
+path must return: `peak_over_logits` leaves it out, `peak_over_logits_with_grad` counts it.
+Time: median ms of `--repeats` runs, all paths interleaved in one loop (the machine is shared).
+`time_vs_plain` (new only): its forward+backward ms over plain's, same run and G.
+
+Usage: python benchmarks/scoring.py --json [--g 64,256] [--repeats 3] [--temperature 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+import weakref
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from moe_replay.replay import SupportCSR, score_logits
+from moe_replay.trace import SamplingSupport
+
+V = 151_936
+MAX_KEPT = 64
+
+
+class StoragePeak(TorchDispatchMode):
+    """Live bytes of the storages the dispatched ops return, and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.refs: dict[int, list[int]] = {}  # storage ptr -> [tensors alive on it, nbytes]
+        self.tracked: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and id(t) not in self.tracked and t.device.type == "cpu":
+                st = t.untyped_storage()
+                ptr, nbytes = st.data_ptr(), st.nbytes()
+                if nbytes == 0:
+                    continue
+                if ptr not in self.refs:
+                    self.refs[ptr] = [0, nbytes]
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                self.refs[ptr][0] += 1
+                self.tracked.add(id(t))
+                weakref.finalize(t, self._release, ptr, id(t))
+        return out
+
+    def _release(self, ptr: int, tid: int) -> None:
+        self.tracked.discard(tid)
+        ref = self.refs.get(ptr)
+        if ref is None:
+            return
+        ref[0] -= 1
+        if ref[0] == 0:
+            self.live -= ref[1]
+            del self.refs[ptr]
+
+
+# -- the dense path before issue 13 (moe_replay.replay.support at 927a315), verbatim ---------------
+def support_mask_GV(supports, rows_per_support, vocab_size: int, device="cpu") -> torch.Tensor:
+    total = int(sum(rows_per_support))
+    mask_GV = torch.zeros((total, vocab_size), dtype=torch.bool, device=device)
+    start = 0
+    for sup, rows in zip(supports, rows_per_support):
+        if sup is None:
+            mask_GV[start : start + rows] = True
+        else:
+            row_N = np.repeat(np.arange(rows, dtype=np.int64), sup.sizes_G()) + start
+            mask_GV[torch.from_numpy(row_N).to(device), torch.from_numpy(sup.ids_N.astype(np.int64)).to(device)] = True
+        start += rows
+    return mask_GV
+
+
+def masked_logprobs(logits_GV, target_G, mask_GV=None, temperature=1.0):
+    x_GV = logits_GV.float()
+    if isinstance(temperature, torch.Tensor):
+        t_G = temperature.to(x_GV).reshape(-1, 1)
+        x_GV = x_GV / torch.where(t_G > 0, t_G, torch.ones_like(t_G))
+    elif temperature not in (0.0, 1.0):
+        x_GV = x_GV / temperature
+    if mask_GV is not None:
+        x_GV = x_GV.masked_fill(~mask_GV, float("-inf"))
+    logp_GV = torch.log_softmax(x_GV, dim=-1)
+    logprobs_G = logp_GV.gather(1, target_G.reshape(-1, 1)).squeeze(1)
+    safe_GV = logp_GV if mask_GV is None else logp_GV.masked_fill(~mask_GV, 0.0)
+    entropy_G = -(safe_GV.exp() * safe_GV).sum(dim=-1)
+    return logprobs_G, entropy_G
+
+
+# -- one measured call per path ---------------------------------------------------------------------
+def make_case(g: int, seed: int = 0) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    logits = (torch.randn(g, V) * 2).to(torch.bfloat16)
+    sizes = rng.integers(1, MAX_KEPT + 1, g)
+    rows = [np.sort(rng.choice(V, int(n), replace=False)) for n in sizes]
+    target = torch.tensor([int(rng.choice(r)) for r in rows])
+    sup = SamplingSupport.from_rows(rows)
+    return {"logits": logits, "target": target, "support": sup, "csr": SupportCSR.from_supports([sup], [g])}
+
+
+def paths(case: dict[str, Any], with_support: bool, temperature: float) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    target, sup, csr, g = case["target"], case["support"], case["csr"], case["target"].numel()
+
+    def plain(x):
+        return torch.log_softmax(x.float(), -1).gather(1, target[:, None]).squeeze(1)
+
+    def current(x):
+        mask = support_mask_GV([sup], [g], V) if with_support else None
+        return masked_logprobs(x, target, mask, temperature)[0]
+
+    def new(x):
+        return score_logits(x, target, support=csr if with_support else None, temperature=temperature).logprobs_G
+
+    def new_logprob_only(x):
+        return score_logits(x, target, support=csr if with_support else None, temperature=temperature, entropy=False).logprobs_G
+
+    return {"plain": plain, "current": current, "new": new, "new_logprob_only": new_logprob_only}
+
+
+def run_once(fn, logits: torch.Tensor, backward: bool, measure: bool) -> tuple[float, float, float]:
+    """(seconds, peak extra bytes without the logits' grad, with it)."""
+    x = logits.detach().requires_grad_(True)
+    gc.collect()
+    mode = StoragePeak() if measure else None
+    t0 = time.perf_counter()
+    if mode is not None:
+        with mode:
+            lp = fn(x)
+            if backward:
+                lp.sum().backward()
+    else:
+        lp = fn(x)
+        if backward:
+            lp.sum().backward()
+    dt = time.perf_counter() - t0
+    if mode is None:
+        return dt, 0.0, 0.0
+    grad_bytes = x.grad.untyped_storage().nbytes() if (backward and x.grad is not None) else 0
+    del lp
+    return dt, mode.peak - grad_bytes, mode.peak
+
+
+def bench(gs: Sequence[int], repeats: int, temperature: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for g in gs:
+        case = make_case(g)
+        logits_bytes = case["logits"].numel() * case["logits"].element_size()
+        for support_key, with_support in (("support", True), ("full_vocab", False)):
+            fns = paths(case, with_support, temperature)
+            res: dict[str, dict[str, Any]] = {name: {} for name in fns}
+            for mode_key, backward in (("forward", False), ("forward_backward", True)):
+                for name, fn in fns.items():  # memory (accounting slows the op dispatch: untimed)
+                    _, extra, extra_grad = run_once(fn, case["logits"], backward, measure=True)
+                    res[name][mode_key] = {"peak_over_logits": round(extra / logits_bytes, 3),
+                                           "peak_over_logits_with_grad": round(extra_grad / logits_bytes, 3)}
+                times: dict[str, list[float]] = {name: [] for name in fns}
+                for name, fn in fns.items():  # warm-up
+                    run_once(fn, case["logits"], backward, measure=False)
+                for _ in range(repeats):  # interleaved
+                    for name, fn in fns.items():
+                        times[name].append(run_once(fn, case["logits"], backward, measure=False)[0])
+                for name in fns:
+                    res[name][mode_key]["ms"] = round(1e3 * statistics.median(times[name]), 2)
+            for name in ("new", "new_logprob_only"):
+                res[name]["time_vs_plain"] = round(res[name]["forward_backward"]["ms"] / res["plain"]["forward_backward"]["ms"], 3)
+                res[name]["forward_time_vs_plain"] = round(res[name]["forward"]["ms"] / res["plain"]["forward"]["ms"], 3)
+            out[f"G={g}"] = out.get(f"G={g}", {})
+            out[f"G={g}"][support_key] = res
+        del case
+        gc.collect()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print the JSON result only")
+    ap.add_argument("--g", default="64,256", help="comma-separated numbers of scored rows")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    result = {
+        "device": "cpu",
+        "torch_threads": torch.get_num_threads(),
+        "V": V,
+        "logits_dtype": "bfloat16",
+        "temperature": args.temperature,
+        "support_kept_per_row": f"1-{MAX_KEPT}",
+        "memory_method": ("peak live bytes of the storages returned by dispatched ops during the call "
+                          "(TorchDispatchMode accounting; CPU torch has no allocator stats), minus the logits' "
+                          "gradient (logits-sized, every path returns it; counted in peak_over_logits_with_grad), "
+                          "over the bf16 logits' bytes"),
+        "time_method": f"median of {args.repeats} interleaved runs after one warm-up each",
+        "results": bench([int(x) for x in args.g.split(",")], args.repeats, args.temperature),
+    }
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(result, indent=None if args.json else 2))
+
+
+if __name__ == "__main__":
+    main()

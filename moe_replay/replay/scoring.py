@@ -1,0 +1,545 @@
+"""Token scoring at real vocabulary sizes: log p(target) and entropy of softmax(logits / T),
+renormalised over each row's kept set (invariant 5), without a full-vocabulary copy of all rows.
+
+Why: at V = 151,936 the dense path (fp32 copy, mask, log_softmax over [G, V]) costs 8-10.5x the
+logits' bytes on top of them (issue 13: 52 GB beyond the logits at G = 16k). Here the G rows are
+processed in row chunks whose fp32 working set is at most 1/4 of the logits' bytes (and at most
+256 MiB); per row only what backward needs is kept: the log-sum-exp and the entropy over the kept
+set and over V (4 floats). Backward recomputes each chunk's exp from the logits.
+
+Support comes in CSR form (`SupportCSR`: the trace's own offsets_G1 / ids_N), never as a dense
+[G, V] mask. A row whose kept set is the whole vocabulary (no support recorded) is marked in
+`whole_G` and scored over V. With a support, the kept logits are gathered (N of them) and the
+full vocabulary is read only when the full-vocabulary scores are asked for (`full=True`: KL and
+entropy bonuses need them).
+
+Temperature is per row. Temperature 0 means greedy, as in the engine: the kept set is the argmax
+alone, so the support-renormalised log p is 0 and its entropy 0 whatever the scale; the logits are
+scored unscaled (T = 1), which is what the full-vocabulary scores of a greedy row are. A greedy row
+with more than one kept id is a contradiction (the sampling was stochastic) and is refused.
+
+Vocabulary-parallel logits (Megatron tensor parallelism): pass `VocabShard`; each rank holds the
+columns [start, start + V_local) and the per-row statistics are all-reduced over the group
+(max, then sums), so every rank returns the same full-vocabulary-normalised scores and backward
+needs no communication.
+
+Seam for a fused kernel: `SCORING_BACKENDS` maps a name to a backend with `forward_stats` and
+`backward`; `torch_chunked` (this file) serves every device. A Triton backend registers itself
+under another name and `score_logits(..., backend=...)` picks it.
+
+Legend: G scored rows, V vocabulary (V_local on a shard), N kept ids over all rows, C rows of a chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import Where
+from ..registry import Registry
+from ..trace import SamplingSupport
+from .errors import ScoringInputError
+
+CHUNK_BYTES_CAP = 256 << 20
+"""Largest fp32 working set of one chunk (two [C, V] buffers): 256 MiB is ~220 rows at V = 151,936."""
+CHUNK_FRACTION_OF_LOGITS = 4
+"""A chunk's working set is at most logits bytes / 4 (but at least one row), so the extra peak
+stays near 1/4 of the logits whatever G is."""
+
+
+@dataclass
+class TokenScores:
+    """Per scored token (concatenated over the batch rows; split with plan.gen_offsets_B1)."""
+
+    logprobs_G: torch.Tensor
+    """log p(target) renormalised over the kept set (over V where no support)."""
+    entropy_G: torch.Tensor | None
+    """Entropy of the same renormalised distribution (None when not asked for)."""
+    full_logprobs_G: torch.Tensor | None = None
+    """log p(target) over the whole vocabulary (only with full=True)."""
+    full_entropy_G: torch.Tensor | None = None
+    """Entropy over the whole vocabulary (only with full=True and entropy=True)."""
+
+    def split(self, plan: Any) -> list[torch.Tensor]:
+        """logprobs_G cut into one tensor per batch row."""
+        off = plan.gen_offsets_B1
+        return [self.logprobs_G[off[b] : off[b + 1]] for b in range(len(off) - 1)]
+
+
+@dataclass(frozen=True)
+class SupportCSR:
+    """Kept token ids per scored row, CSR: row g keeps ids_N[offsets_G1[g]:offsets_G1[g + 1]]."""
+
+    offsets_G1: torch.Tensor
+    """int64 [G + 1], non-decreasing from 0 to N."""
+    ids_N: torch.Tensor
+    """int64 [N] global token ids."""
+    whole_G: torch.Tensor | None = None
+    """bool [G]: rows that keep the whole vocabulary (no support recorded; their CSR row is empty)."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.offsets_G1.numel() - 1
+
+    def sizes_G(self) -> torch.Tensor:
+        return self.offsets_G1[1:] - self.offsets_G1[:-1]
+
+    def to(self, device: torch.device | str) -> "SupportCSR":
+        whole = None if self.whole_G is None else self.whole_G.to(device)
+        return SupportCSR(self.offsets_G1.to(device), self.ids_N.to(device), whole)
+
+    @classmethod
+    def from_supports(
+        cls, supports: Sequence[SamplingSupport | None], rows_per_support: Sequence[int], device: torch.device | str = "cpu"
+    ) -> "SupportCSR":
+        """Concatenate traces' supports (None: that trace's rows keep the whole vocabulary)."""
+        sizes, ids, whole = [], [], []
+        for i, (sup, rows) in enumerate(zip(supports, rows_per_support)):
+            if sup is None:
+                sizes.append(np.zeros(rows, np.int64))
+                whole.append(np.ones(rows, bool))
+                continue
+            if sup.num_rows != rows:
+                raise ScoringInputError(Where(field=f"supports[{i}]"), f"{rows} rows (one per generated token)", f"{sup.num_rows} rows")
+            sizes.append(sup.sizes_G().astype(np.int64))
+            ids.append(np.asarray(sup.ids_N, dtype=np.int64))
+            whole.append(np.zeros(rows, bool))
+        size_G = np.concatenate(sizes) if sizes else np.zeros(0, np.int64)
+        off = np.zeros(len(size_G) + 1, np.int64)
+        np.cumsum(size_G, out=off[1:])
+        ids_N = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+        whole_G = np.concatenate(whole) if whole else np.zeros(0, bool)
+        return cls(torch.from_numpy(off).to(device), torch.from_numpy(ids_N).to(device),
+                   torch.from_numpy(whole_G).to(device) if whole_G.any() else None)
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's logits hold vocabulary columns [start, start + V_local) of `vocab_size`."""
+
+    start: int
+    vocab_size: int
+    group: Any = None
+    """torch.distributed process group of the tensor-parallel ranks (None: the default group)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.vocab_size:
+            raise ValueError(f"VocabShard.start must be in [0, {self.vocab_size}), got {self.start}")
+
+    def all_reduce(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
+        return x
+
+
+class ScoringBackend(Protocol):
+    """What a backend computes; `torch_chunked` is the reference, a fused kernel registers beside it."""
+
+    def forward_stats(self, job: "_Job") -> dict[str, torch.Tensor]: ...
+
+    def backward(self, job: "_Job", stats: dict[str, torch.Tensor], grads: dict[str, torch.Tensor | None]) -> torch.Tensor: ...
+
+
+SCORING_BACKENDS: Registry[ScoringBackend] = Registry("scoring backend")
+
+
+@dataclass
+class _Job:
+    """One scoring call, validated: everything a backend needs."""
+
+    logits_XV: torch.Tensor
+    rows_G: torch.Tensor | None
+    """Row of logits_XV scored as row g (None: row g itself)."""
+    target_G: torch.Tensor
+    scale_G: torch.Tensor
+    """Divisor of the logits per row (temperature, 1 for greedy rows), compute dtype."""
+    support: SupportCSR | None
+    dense_G: torch.Tensor
+    """bool [G]: rows read over the whole (local) vocabulary in forward."""
+    full: bool
+    shard: VocabShard | None
+    chunk_rows: int
+    cdt: torch.dtype
+    unit_scale: bool
+    """Every row at temperature 1 (or greedy): the division is skipped."""
+    entropy: bool = True
+    """Compute the entropies (three more passes over each dense chunk; off when only log p is used)."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.target_G.numel()
+
+    @property
+    def start(self) -> int:
+        return 0 if self.shard is None else self.shard.start
+
+    def source_rows(self, idx_C: torch.Tensor) -> tuple[torch.Tensor, slice | None]:
+        """Rows of logits_XV holding scored rows idx_C, and the same as a slice when they are contiguous
+        (a slice copies at memory speed; index_select of bf16 rows is ~10x slower on CPU)."""
+        src = idx_C if self.rows_G is None else self.rows_G.index_select(0, idx_C)
+        n = src.numel()
+        first = int(src[0]) if n else 0
+        if n and int(src[-1]) - first + 1 == n and (n == 1 or bool((src[1:] - src[:-1] == 1).all())):
+            return src, slice(first, first + n)
+        return src, None
+
+    def rows(self, idx_C: torch.Tensor) -> torch.Tensor:
+        """fp-compute copy of the scored rows idx_C, divided by their temperature: [C, V_local]."""
+        src, run = self.source_rows(idx_C)
+        x_CV = self.logits_XV[run].to(self.cdt, copy=True) if run is not None else self.logits_XV[src].to(self.cdt)
+        if not self.unit_scale:
+            x_CV.div_(self.scale_G.index_select(0, idx_C)[:, None])
+        return x_CV
+
+    def kept(self, g0: int, g1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Kept entries of rows [g0, g1) that live on this shard: (row_n, local id_n, x_n, is_target_n)."""
+        sup = self.support
+        n0, n1 = int(sup.offsets_G1[g0]), int(sup.offsets_G1[g1])
+        sizes = sup.sizes_G()[g0:g1]
+        row_n = torch.repeat_interleave(torch.arange(g0, g1, device=sizes.device), sizes)
+        col_n = sup.ids_N[n0:n1] - self.start
+        if self.shard is not None:
+            here = (col_n >= 0) & (col_n < self.logits_XV.shape[1])
+            row_n, col_n = row_n[here], col_n[here]
+        src_n = row_n if self.rows_G is None else self.rows_G.index_select(0, row_n)
+        x_n = self.logits_XV[src_n, col_n].to(self.cdt)
+        if not self.unit_scale:
+            x_n = x_n / self.scale_G.index_select(0, row_n)
+        is_target_n = col_n == (self.target_G.index_select(0, row_n) - self.start)
+        return row_n, col_n, x_n, is_target_n
+
+    def chunks(self) -> list[tuple[int, int]]:
+        g = self.num_rows
+        return [(r0, min(r0 + self.chunk_rows, g)) for r0 in range(0, g, self.chunk_rows)]
+
+
+def _combine(job: _Job, m_G: torch.Tensor, s_G: torch.Tensor, sy_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-sum-exp, entropy) per row from the local max m, sum s = sum e^(x-m), sy = sum e^(x-m)(x-m),
+    merged across vocabulary shards when there are any."""
+    if job.shard is not None:
+        m_loc = m_G.clone()
+        m_G = job.shard.all_reduce(m_G.clone(), "max")
+        has = s_G > 0
+        w = torch.where(has, torch.exp(m_loc - m_G), torch.zeros_like(s_G))
+        shift = torch.where(has, m_loc - m_G, torch.zeros_like(s_G))
+        stacked = torch.stack([w * s_G, w * (sy_G + shift * s_G)])
+        s_G, sy_G = job.shard.all_reduce(stacked, "sum")
+    log_s = torch.log(s_G)
+    return m_G + log_s, log_s - sy_G / s_G
+
+
+class TorchChunked:
+    """Row-chunked torch reference backend: any device, any float dtype (fp64 stays fp64)."""
+
+    def forward_stats(self, job: _Job) -> dict[str, torch.Tensor]:
+        g, dev, cdt = job.num_rows, job.target_G.device, job.cdt
+        out: dict[str, torch.Tensor] = {}
+        # target logit: on its owning shard only, summed over shards
+        local_t = job.target_G - job.start
+        here_G = (local_t >= 0) & (local_t < job.logits_XV.shape[1])
+        src_G = torch.arange(g, device=dev) if job.rows_G is None else job.rows_G
+        xt_G = job.logits_XV[src_G, local_t.clamp(0, job.logits_XV.shape[1] - 1)].to(cdt) / job.scale_G
+        xt_G = torch.where(here_G, xt_G, torch.zeros_like(xt_G))
+        out["xt"] = xt_G if job.shard is None else job.shard.all_reduce(xt_G, "sum")
+
+        if bool(job.dense_G.any()):
+            m, s, sy = (torch.full((g,), float("-inf"), dtype=cdt, device=dev), torch.zeros(g, dtype=cdt, device=dev),
+                        torch.zeros(g, dtype=cdt, device=dev))
+            for r0, r1 in job.chunks():
+                idx = torch.arange(r0, r1, device=dev)
+                idx = idx[job.dense_G[r0:r1]]
+                if idx.numel() == 0:
+                    continue
+                x_CV = job.rows(idx)
+                # torch's fused row log_softmax (max, sum of exp and write in one cache-friendly kernel),
+                # then log-sum-exp = x_j - logp_j at the target column (column 0 on shards without it)
+                lp_CV = torch.log_softmax(x_CV, 1)
+                j_C = torch.where(here_G[idx], local_t[idx], torch.zeros_like(local_t[idx]))[:, None]
+                lse_C = (x_CV.gather(1, j_C) - lp_CV.gather(1, j_C)).squeeze(1)
+                ent_C = torch.exp(lp_CV, out=x_CV).mul_(lp_CV).sum(1).neg_() if job.entropy else torch.zeros_like(lse_C)
+                # as (max, sum e^(x-max), sum e^(x-max) (x-max)) with max := lse: (lse, 1, -H)
+                m[idx], s[idx], sy[idx] = lse_C, 1.0, -ent_C
+                del x_CV, lp_CV
+            s = torch.where(job.dense_G, s, torch.ones_like(s))  # rows not read: finite placeholders
+            out["lse_full"], out["ent_full"] = _combine(job, torch.where(job.dense_G, m, torch.zeros_like(m)), s, sy)
+
+        if job.support is not None:
+            m, s, sy = (torch.full((g,), float("-inf"), dtype=cdt, device=dev), torch.zeros(g, dtype=cdt, device=dev),
+                        torch.zeros(g, dtype=cdt, device=dev))
+            for r0, r1 in job.chunks():
+                row_n, _, x_n, _ = job.kept(r0, r1)
+                if row_n.numel() == 0:
+                    continue
+                m.scatter_reduce_(0, row_n, x_n, "amax")
+                y_n = x_n - m.index_select(0, row_n)
+                e_n = torch.exp(y_n)
+                s.index_add_(0, row_n, e_n)
+                sy.index_add_(0, row_n, e_n * y_n)
+            whole = job.support.whole_G
+            keep = torch.ones_like(s, dtype=torch.bool) if whole is None else ~whole
+            s = torch.where(keep & (s > 0), s, torch.ones_like(s)) if job.shard is None else torch.where(keep, s, torch.ones_like(s))
+            lse, ent = _combine(job, torch.where(keep & torch.isfinite(m), m, torch.zeros_like(m)), s, sy)
+            if whole is not None and "lse_full" in out:
+                lse, ent = torch.where(whole, out["lse_full"], lse), torch.where(whole, out["ent_full"], ent)
+            out["lse_sup"], out["ent_sup"] = lse, ent
+        return out
+
+    def backward(self, job: _Job, stats: dict[str, torch.Tensor], grads: dict[str, torch.Tensor | None]) -> torch.Tensor:
+        g, dev, cdt = job.num_rows, job.target_G.device, job.cdt
+        zero = torch.zeros(g, dtype=cdt, device=dev)
+        a_sup, b_sup = (grads["lp_sup"] if grads["lp_sup"] is not None else zero), (grads["ent_sup"] if grads["ent_sup"] is not None else zero)
+        a_full, b_full = (grads["lp_full"] if grads["lp_full"] is not None else zero), (grads["ent_full"] if grads["ent_full"] is not None else zero)
+        sup = job.support
+        whole = torch.ones(g, dtype=torch.bool, device=dev) if sup is None else (
+            sup.whole_G if sup.whole_G is not None else torch.zeros(g, dtype=torch.bool, device=dev))
+        # a row that keeps the whole vocabulary: its support scores are its full scores
+        a_full = a_full + torch.where(whole, a_sup, zero)
+        b_full = b_full + torch.where(whole, b_sup, zero)
+        a_sup, b_sup = torch.where(whole, zero, a_sup), torch.where(whole, zero, b_sup)
+        dense_G = job.dense_G & ((a_full != 0) | (b_full != 0))
+        sparse_G = (a_sup != 0) | (b_sup != 0)
+
+        x_shape = job.logits_XV.shape
+        every_row = job.rows_G is None and bool(dense_G.all())  # each row is written: no zero fill needed
+        grad_XV = (torch.empty if every_row else torch.zeros)(x_shape, dtype=job.logits_XV.dtype, device=dev)
+        v_local = x_shape[1]
+        local_t = job.target_G - job.start
+        here_G = (local_t >= 0) & (local_t < v_local)
+        for r0, r1 in job.chunks():
+            idx = torch.arange(r0, r1, device=dev)
+            d_idx = idx[dense_G[r0:r1]]
+            pos_in_dense = torch.full((r1 - r0,), -1, dtype=torch.long, device=dev)
+            dx_CV = None
+            if d_idx.numel():
+                pos_in_dense[d_idx - r0] = torch.arange(d_idx.numel(), device=dev)
+                x_CV = job.rows(d_idx)
+                lse, ent = stats["lse_full"].index_select(0, d_idx)[:, None], stats["ent_full"].index_select(0, d_idx)[:, None]
+                a, b = a_full.index_select(0, d_idx)[:, None], b_full.index_select(0, d_idx)[:, None]
+                # d logp/dx = onehot - p;  d H/dx = -p (x - E[x]),  E[x] = lse - H
+                if bool((b != 0).any()):
+                    p_CV = torch.sub(x_CV, lse).exp_()
+                    dx_CV = x_CV.sub_(lse - ent).mul_(b).add_(a).mul_(p_CV).neg_()
+                    del p_CV
+                else:  # no entropy term: one buffer, p computed in place
+                    dx_CV = x_CV.sub_(lse).exp_().mul_(-a)
+                t_here = here_G.index_select(0, d_idx)
+                rows_t = torch.arange(d_idx.numel(), device=dev)[t_here]
+                dx_CV[rows_t, local_t.index_select(0, d_idx)[t_here]] += a[t_here, 0]
+            if sup is not None and bool(sparse_G[r0:r1].any()):
+                row_n, col_n, x_n, is_t = job.kept(r0, r1)
+                use = sparse_G.index_select(0, row_n)
+                row_n, col_n, x_n, is_t = row_n[use], col_n[use], x_n[use], is_t[use]
+                lse, ent = stats["lse_sup"].index_select(0, row_n), stats["ent_sup"].index_select(0, row_n)
+                a, b = a_sup.index_select(0, row_n), b_sup.index_select(0, row_n)
+                q_n = torch.exp(x_n - lse)
+                dx_n = -q_n * (a + b * (x_n - (lse - ent))) + torch.where(is_t, a, torch.zeros_like(a))  # per scaled logit
+                p_n = pos_in_dense[row_n - r0]
+                in_dense = p_n >= 0
+                if dx_CV is not None and bool(in_dense.any()):  # divided by the temperature with its dense row below
+                    dx_CV.index_put_((p_n[in_dense], col_n[in_dense]), dx_n[in_dense], accumulate=True)
+                out_n = ~in_dense
+                row_o, dx_o = row_n[out_n], dx_n[out_n]
+                if not job.unit_scale:
+                    dx_o = dx_o / job.scale_G.index_select(0, row_o)
+                dst = row_o if job.rows_G is None else job.rows_G.index_select(0, row_o)
+                grad_XV.index_put_((dst, col_n[out_n]), dx_o.to(grad_XV.dtype), accumulate=True)
+            if dx_CV is not None:
+                if not job.unit_scale:
+                    dx_CV.div_(job.scale_G.index_select(0, d_idx)[:, None])
+                dst, run = job.source_rows(d_idx)
+                if run is not None:
+                    grad_XV[run].copy_(dx_CV)
+                else:
+                    grad_XV[dst] = dx_CV.to(grad_XV.dtype)
+                del dx_CV
+        return grad_XV
+
+
+SCORING_BACKENDS.add("torch_chunked", TorchChunked())
+
+
+class _ScoreFunction(torch.autograd.Function):
+    """Outputs (lp_sup, ent_sup, lp_full, ent_full); the full pair is empty unless job.full."""
+
+    @staticmethod
+    def forward(ctx, logits_XV: torch.Tensor, job: _Job, backend: ScoringBackend):
+        stats = backend.forward_stats(job)
+        _check_finite(job, stats)
+        xt = stats["xt"]
+        if job.support is not None:
+            lp_sup, ent_sup = xt - stats["lse_sup"], stats["ent_sup"]
+        else:
+            lp_sup, ent_sup = xt - stats["lse_full"], stats["ent_full"]
+        if job.full:
+            lp_full, ent_full = xt - stats["lse_full"], stats["ent_full"]
+        else:
+            lp_full = ent_full = xt.new_empty(0)
+            ctx.mark_non_differentiable(lp_full, ent_full)
+        if not job.entropy:
+            ent_sup, ent_full = ent_sup.new_zeros(0), ent_full.new_zeros(0)
+            ctx.mark_non_differentiable(ent_sup, ent_full)
+        ctx.job, ctx.stats, ctx.backend = job, stats, backend
+        ctx.set_materialize_grads(False)
+        return lp_sup, ent_sup, lp_full, ent_full
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent, g_lp_full, g_ent_full):
+        job = ctx.job
+        if job.support is None:  # the "support" outputs are the full ones
+            grads = {"lp_sup": None, "ent_sup": None, "lp_full": _add(g_lp, g_lp_full if job.full else None),
+                     "ent_full": _add(g_ent, g_ent_full if job.full else None)}
+        else:
+            grads = {"lp_sup": g_lp, "ent_sup": g_ent, "lp_full": g_lp_full if job.full else None,
+                     "ent_full": g_ent_full if job.full else None}
+        if all(v is None for v in grads.values()):
+            return None, None, None
+        return ctx.backend.backward(job, ctx.stats, grads), None, None
+
+
+def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    return b if a is None else a if b is None else a + b
+
+
+def score_logits(
+    logits_XV: torch.Tensor,
+    target_G: torch.Tensor,
+    *,
+    rows_G: torch.Tensor | None = None,
+    support: SupportCSR | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    full: bool = False,
+    shard: VocabShard | None = None,
+    entropy: bool = True,
+    chunk_bytes: int | None = None,
+    backend: str = "torch_chunked",
+) -> TokenScores:
+    """Score `target_G` under softmax(logits / temperature), renormalised over `support` when given.
+
+    `logits_XV`: any float dtype; row g is logits_XV[rows_G[g]] (or row g without rows_G, so a
+    [B*S, V] view can be scored without copying the scored rows out). Computation runs in float32
+    (float64 for float64 logits); gradients flow to `logits_XV` (zero on rows not scored and on ids
+    outside the kept set). `temperature`: a float or a [G] tensor; 0 = greedy (see module doc).
+    `full=True` adds the full-vocabulary log p and entropy. `shard`: logits are this rank's
+    vocabulary slice (Megatron tensor parallelism); every rank calls with the same rows.
+    `entropy=False` skips the entropies (None in the result): a loss on log p alone saves three
+    passes over each full-vocabulary chunk. Bad input raises ScoringInputError naming the row and
+    the value.
+    """
+    job = _prepare(logits_XV, target_G, rows_G, support, temperature, full, shard, chunk_bytes)
+    job.entropy = bool(entropy)
+    lp, ent, lp_full, ent_full = _ScoreFunction.apply(logits_XV, job, SCORING_BACKENDS.get(backend))
+    return TokenScores(lp, ent if entropy else None, lp_full if full else None, ent_full if full and entropy else None)
+
+
+def _fail(field: str, row: int | None, expected: Any, found: Any, detail: str = "") -> ScoringInputError:
+    err = ScoringInputError(Where(field=field if row is None else f"{field}[row {row}]"), expected, found, detail)
+    err.row = row
+    return err
+
+
+def _first(mask: torch.Tensor) -> int:
+    return int(torch.nonzero(mask)[0, 0])
+
+
+def _prepare(logits_XV, target_G, rows_G, support, temperature, full, shard, chunk_bytes) -> _Job:
+    if logits_XV.ndim != 2 or not logits_XV.is_floating_point():
+        raise _fail("logits", None, "a floating [rows, V] tensor", f"{logits_XV.dtype} {list(logits_XV.shape)}")
+    dev = logits_XV.device
+    target_G = target_G.reshape(-1).to(device=dev, dtype=torch.long)
+    g = target_G.numel()
+    if rows_G is not None:
+        rows_G = rows_G.reshape(-1).to(device=dev, dtype=torch.long)
+        if rows_G.numel() != g:
+            raise _fail("rows_G", None, f"{g} rows (one per target)", rows_G.numel())
+        bad = (rows_G < 0) | (rows_G >= logits_XV.shape[0])
+        if bool(bad.any()):
+            r = _first(bad)
+            raise _fail("rows_G", r, f"a logits row in [0, {logits_XV.shape[0]})", int(rows_G[r]))
+    elif logits_XV.shape[0] != g:
+        raise _fail("logits", None, f"{g} rows (one per target)", logits_XV.shape[0])
+    vocab = logits_XV.shape[1] if shard is None else shard.vocab_size
+    if shard is not None and shard.start + logits_XV.shape[1] > vocab:
+        raise _fail("logits", None, f"at most {vocab - shard.start} columns from shard start {shard.start}", logits_XV.shape[1])
+    bad = (target_G < 0) | (target_G >= vocab)
+    if bool(bad.any()):
+        r = _first(bad)
+        raise _fail("target_G", r, f"a token id in [0, {vocab})", int(target_G[r]))
+
+    cdt = torch.promote_types(logits_XV.dtype, torch.float32)
+    t_G = (temperature.reshape(-1).to(device=dev, dtype=cdt) if isinstance(temperature, torch.Tensor)
+           else torch.full((g,), float(temperature), dtype=cdt, device=dev))
+    if t_G.numel() != g:
+        raise _fail("temperature", None, f"a float or {g} values (one per row)", t_G.numel())
+    bad = ~torch.isfinite(t_G) | (t_G < 0)
+    if bool(bad.any()):
+        r = _first(bad)
+        raise _fail("temperature", r, "a finite temperature >= 0 (0 = greedy)", float(t_G[r]))
+
+    dense_G = torch.ones(g, dtype=torch.bool, device=dev) if (support is None or full) else (
+        support.whole_G.to(dev) if support.whole_G is not None else torch.zeros(g, dtype=torch.bool, device=dev))
+    if support is not None:
+        support = _check_support(support.to(dev), target_G, t_G, vocab)
+    v_local = logits_XV.shape[1]
+    budget = chunk_bytes if chunk_bytes is not None else min(
+        CHUNK_BYTES_CAP, g * v_local * logits_XV.element_size() // CHUNK_FRACTION_OF_LOGITS)
+    per_row = 2 * v_local * torch.finfo(cdt).bits // 8
+    chunk_rows = max(1, min(max(g, 1), budget // per_row))
+    scale_G = torch.where(t_G > 0, t_G, torch.ones_like(t_G))
+    return _Job(logits_XV, rows_G, target_G, scale_G, support, dense_G, bool(full), shard, int(chunk_rows), cdt,
+                bool((scale_G == 1).all()))
+
+
+def _check_support(sup: SupportCSR, target_G: torch.Tensor, t_G: torch.Tensor, vocab: int) -> SupportCSR:
+    g = target_G.numel()
+    off, ids = sup.offsets_G1.long(), sup.ids_N.long()
+    if off.numel() != g + 1 or int(off[0]) != 0 or int(off[-1]) != ids.numel() or bool((off[1:] < off[:-1]).any()):
+        raise _fail("support.offsets_G1", None, f"{g + 1} non-decreasing offsets from 0 to len(ids_N)={ids.numel()}",
+                    f"{off.numel()} offsets, first {int(off[0]) if off.numel() else None}, last {int(off[-1]) if off.numel() else None}")
+    whole = sup.whole_G.bool() if sup.whole_G is not None else torch.zeros(g, dtype=torch.bool, device=target_G.device)
+    if whole.numel() != g:
+        raise _fail("support.whole_G", None, f"{g} flags", whole.numel())
+    sizes = off[1:] - off[:-1]
+    row_n = torch.repeat_interleave(torch.arange(g, device=target_G.device), sizes)
+    bad = (ids < 0) | (ids >= vocab)
+    if bool(bad.any()):
+        n = _first(bad)
+        raise _fail("support.ids_N", int(row_n[n]), f"kept token ids in [0, {vocab})", int(ids[n]))
+    hits_G = torch.zeros(g, dtype=torch.long, device=target_G.device).index_add_(
+        0, row_n, (ids == target_G.index_select(0, row_n)).long())
+    bad = (hits_G == 0) & ~whole
+    if bool(bad.any()):
+        r = _first(bad)
+        raise _fail("support", r, f"the sampled token {int(target_G[r])} in its kept set",
+                    f"a kept set of {int(sizes[r])} ids without it ({int(bad.sum())} such rows)")
+    bad = (t_G == 0) & (sizes > 1) & ~whole
+    if bool(bad.any()):
+        r = _first(bad)
+        raise _fail("temperature", r, "a temperature > 0 (a kept set of more than one id means the sampling was stochastic)",
+                    f"temperature 0 with {int(sizes[r])} kept ids")
+    return SupportCSR(off, ids, sup.whole_G.bool() if sup.whole_G is not None else None)
+
+
+def _check_finite(job: _Job, stats: dict[str, torch.Tensor]) -> None:
+    """NaN/inf logits make the per-row statistics non-finite: find the row and name the value."""
+    bad = ~torch.isfinite(stats["xt"])
+    for name in ("lse_full", "ent_full", "lse_sup", "ent_sup"):
+        if name in stats:
+            part = ~torch.isfinite(stats[name])
+            if name.endswith("full"):
+                part &= job.dense_G
+            bad |= part
+    if not bool(bad.any()):
+        return
+    r = _first(bad)
+    src = r if job.rows_G is None else int(job.rows_G[r])
+    row = job.logits_XV[src]
+    nonfinite = ~torch.isfinite(row)
+    if bool(nonfinite.any()):
+        col = _first(nonfinite)
+        raise _fail("logits", r, "finite logits", f"{float(row[col])} at token {col + job.start} (logits row {src})")
+    raise _fail("logits", r, "finite scores", f"a non-finite log-sum-exp from logits in [{float(row.min())}, {float(row.max())}]",
+                "the scaled logits overflow; check the temperature")

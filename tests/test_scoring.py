@@ -1,0 +1,242 @@
+"""Chunked scoring (moe_replay.replay.scoring) against the dense reference it replaced, in float64.
+
+The reference is the former dense-mask implementation (`masked_logprobs` over a `support_mask_GV`,
+kept here verbatim but for its float32 cast): softmax(logits / T) masked to the kept set, T = 0
+scored unscaled. Values and gradients (through logprob, entropy and the full-vocabulary pair) must
+agree on random data for several shapes, support sizes 1..V and temperatures 0 / 0.7 / 1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moe_replay.replay import ScoringInputError, SupportCSR, score_logits
+from moe_replay.trace import SamplingSupport
+
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def dense_mask(support: SupportCSR, vocab: int) -> torch.Tensor:
+    g = support.num_rows
+    mask_GV = torch.zeros((g, vocab), dtype=torch.bool)
+    row_N = torch.repeat_interleave(torch.arange(g), support.sizes_G())
+    mask_GV[row_N, support.ids_N] = True
+    if support.whole_G is not None:
+        mask_GV[support.whole_G] = True
+    return mask_GV
+
+
+def reference(logits_GV, target_G, mask_GV, temperature):
+    """The former masked_logprobs, dtype kept (it cast to float32)."""
+    x_GV = logits_GV
+    t_G = temperature.to(x_GV).reshape(-1, 1)
+    x_GV = x_GV / torch.where(t_G > 0, t_G, torch.ones_like(t_G))
+    if mask_GV is not None:
+        x_GV = x_GV.masked_fill(~mask_GV, float("-inf"))
+    logp_GV = torch.log_softmax(x_GV, dim=-1)
+    logprobs_G = logp_GV.gather(1, target_G.reshape(-1, 1)).squeeze(1)
+    safe_GV = logp_GV if mask_GV is None else logp_GV.masked_fill(~mask_GV, 0.0)
+    entropy_G = -(safe_GV.exp() * safe_GV).sum(dim=-1)
+    return logprobs_G, entropy_G
+
+
+def random_case(seed: int, g: int, v: int, max_kept: int, temps=(0.0, 0.7, 1.0), whole_every: int = 0):
+    rng = np.random.default_rng(seed)
+    logits = torch.from_numpy(rng.normal(0, 3, (g, v)))
+    t_G = torch.tensor(rng.choice(temps, g), dtype=torch.float64)
+    rows, targets, whole = [], [], []
+    for i in range(g):
+        size = 1 if t_G[i] == 0 else int(rng.integers(1, max_kept + 1))
+        kept = np.sort(rng.choice(v, size, replace=False))
+        rows.append(kept)
+        targets.append(int(rng.choice(kept)))
+        whole.append(bool(whole_every) and i % whole_every == 0 and t_G[i] > 0)
+    support = SupportCSR.from_supports([SamplingSupport.from_rows(rows)], [g])
+    whole_G = torch.tensor(whole)
+    if whole_G.any():
+        sizes = torch.where(whole_G, torch.zeros(g, dtype=torch.long), support.sizes_G())
+        keep = torch.repeat_interleave(~whole_G, support.sizes_G())
+        off = torch.zeros(g + 1, dtype=torch.long)
+        off[1:] = sizes.cumsum(0)
+        support = SupportCSR(off, support.ids_N[keep], whole_G)
+    return logits, torch.tensor(targets), support, t_G
+
+
+def check_against_reference(logits, target, support, t_G, *, full: bool, chunk_bytes=None):
+    weights = torch.randn(4, logits.shape[0], dtype=torch.float64)
+    x_new = logits.clone().requires_grad_(True)
+    s = score_logits(x_new, target, support=support, temperature=t_G, full=full, chunk_bytes=chunk_bytes)
+    x_ref = logits.clone().requires_grad_(True)
+    lp, ent = reference(x_ref, target, None if support is None else dense_mask(support, logits.shape[1]), t_G)
+    outs_new, outs_ref = [s.logprobs_G, s.entropy_G], [lp, ent]
+    if full:
+        lp_f, ent_f = reference(x_ref, target, None, t_G)
+        outs_new += [s.full_logprobs_G, s.full_entropy_G]
+        outs_ref += [lp_f, ent_f]
+    for a, b in zip(outs_new, outs_ref):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    sum(w @ o for w, o in zip(weights, outs_new)).backward()
+    sum(w @ o for w, o in zip(weights, outs_ref)).backward()
+    torch.testing.assert_close(x_new.grad, x_ref.grad, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("g,v", [(1, 2), (7, 33), (64, 257)])
+@pytest.mark.parametrize("full", [False, True])
+def test_matches_dense_reference_without_support(g, v, full):
+    logits, target, _, t_G = random_case(g * v, g, v, 1, temps=(0.7, 1.0, 0.0))
+    check_against_reference(logits, target, None, t_G, full=full)
+
+
+@pytest.mark.parametrize("g,v", [(1, 2), (7, 33), (64, 257)])
+@pytest.mark.parametrize("max_kept", ["one", "few", "all"])
+@pytest.mark.parametrize("full", [False, True])
+def test_matches_dense_reference_with_support(g, v, max_kept, full):
+    kept = {"one": 1, "few": min(5, v), "all": v}[max_kept]
+    logits, target, support, t_G = random_case(g + v + kept, g, v, kept, whole_every=3)
+    check_against_reference(logits, target, support, t_G, full=full)
+
+
+@FAST
+@given(g=st.integers(1, 24), v=st.integers(2, 80), kept=st.integers(1, 80), seed=st.integers(0, 2**31),
+       full=st.booleans(), whole_every=st.integers(0, 4), chunk_rows=st.integers(1, 9))
+def test_matches_dense_reference_random(g, v, kept, seed, full, whole_every, chunk_rows):
+    logits, target, support, t_G = random_case(seed, g, v, min(kept, v), whole_every=whole_every)
+    check_against_reference(logits, target, support, t_G, full=full, chunk_bytes=chunk_rows * 2 * v * 8)
+
+
+def test_rows_index_a_bigger_logits_tensor_and_unscored_rows_get_zero_grad():
+    logits, target, support, t_G = random_case(3, 6, 40, 6)
+    big = torch.randn(10, 40, dtype=torch.float64)
+    rows = torch.tensor([9, 0, 4, 2, 7, 5])
+    big[rows] = logits
+    x = big.clone().requires_grad_(True)
+    s = score_logits(x, target, rows_G=rows, support=support, temperature=t_G, full=True, chunk_bytes=2 * 40 * 8)
+    lp, _ = reference(logits, target, dense_mask(support, 40), t_G)
+    torch.testing.assert_close(s.logprobs_G, lp)
+    (s.logprobs_G.sum() + s.full_entropy_G.sum()).backward()
+    assert (x.grad[[1, 3, 6, 8]] == 0).all() and x.grad[rows].abs().sum() > 0
+
+
+def test_bf16_logits_score_in_float32_with_a_bf16_gradient():
+    logits, target, support, t_G = random_case(5, 8, 300, 20)
+    x = logits.to(torch.bfloat16).requires_grad_(True)
+    s = score_logits(x, target, support=support, temperature=t_G.float())
+    assert s.logprobs_G.dtype == torch.float32
+    lp, _ = reference(x.detach().double(), target, dense_mask(support, 300), t_G)
+    torch.testing.assert_close(s.logprobs_G.double(), lp, rtol=1e-5, atol=1e-5)
+    s.logprobs_G.sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and torch.isfinite(x.grad.float()).all()
+
+
+# -- bad input: a typed error naming the row and the value, never a NaN --------------------------
+def test_support_row_without_its_sampled_token_is_refused():
+    logits, target, _, t_G = random_case(1, 3, 10, 1, temps=(1.0,))
+    support = SupportCSR.from_supports([SamplingSupport.from_rows([[int(target[0])], [int(target[1]) ^ 1], [int(target[2])]])], [3])
+    with pytest.raises(ScoringInputError, match=rf"support\[row 1\].*sampled token {int(target[1])}") as e:
+        score_logits(logits, target, support=support, temperature=t_G)
+    assert e.value.row == 1
+
+
+def test_ids_out_of_the_vocabulary_are_refused():
+    logits = torch.randn(2, 10, dtype=torch.float64)
+    with pytest.raises(ScoringInputError, match=r"target_G\[row 1\].*\[0, 10\).*found 10"):
+        score_logits(logits, torch.tensor([3, 10]))
+    bad = SupportCSR(torch.tensor([0, 1, 3]), torch.tensor([3, 4, 12]))
+    with pytest.raises(ScoringInputError, match=r"support.ids_N\[row 1\].*found 12"):
+        score_logits(logits, torch.tensor([3, 4]), support=bad)
+
+
+def test_greedy_temperature_with_a_stochastic_kept_set_is_refused():
+    logits = torch.randn(2, 10, dtype=torch.float64)
+    support = SupportCSR(torch.tensor([0, 1, 4]), torch.tensor([3, 1, 4, 5]))
+    with pytest.raises(ScoringInputError, match=r"temperature\[row 1\].*temperature 0 with 3 kept ids"):
+        score_logits(logits, torch.tensor([3, 4]), support=support, temperature=torch.tensor([0.0, 0.0]))
+    with pytest.raises(ScoringInputError, match=r"temperature\[row 0\].*-0.5"):
+        score_logits(logits, torch.tensor([3, 4]), temperature=torch.tensor([-0.5, 1.0]))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("with_support", [False, True])
+def test_non_finite_logits_are_refused_by_row_and_value(value, with_support):
+    logits = torch.randn(4, 10, dtype=torch.float64)
+    logits[2, 4] = value
+    support = SupportCSR(torch.tensor([0, 1, 2, 4, 5]), torch.tensor([1, 2, 3, 4, 5])) if with_support else None
+    with pytest.raises(ScoringInputError, match=rf"logits\[row 2\].*{value} at token 4"):
+        score_logits(logits, torch.tensor([1, 2, 3, 5]), support=support)
+
+
+def test_non_finite_logits_outside_the_kept_set_are_not_read():
+    logits = torch.randn(2, 10, dtype=torch.float64)
+    logits[0, 7] = float("nan")
+    support = SupportCSR(torch.tensor([0, 2, 3]), torch.tensor([1, 2, 5]))
+    s = score_logits(logits, torch.tensor([1, 5]), support=support)
+    assert torch.isfinite(s.logprobs_G).all() and s.logprobs_G[1] == 0
+
+
+# -- vocabulary-parallel logits (Megatron tensor parallelism), on two gloo ranks --------------------
+def _shard_worker(rank: int, world: int, init: str, cases: list, out: dict) -> None:
+    import torch.distributed as dist
+
+    from moe_replay.replay import VocabShard
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        for c, case in enumerate(cases):
+            logits, bounds = case["logits"], case["bounds"]
+            lo, hi = bounds[rank], bounds[rank + 1]
+            x = logits[:, lo:hi].clone().requires_grad_(True)
+            s = score_logits(x, case["target"], support=case["support"], temperature=case["t_G"], full=True,
+                             shard=VocabShard(lo, logits.shape[1]), chunk_bytes=3 * 2 * (hi - lo) * 8)
+            w = case["weights"]
+            (w[0] @ s.logprobs_G + w[1] @ s.entropy_G + w[2] @ s.full_logprobs_G + w[3] @ s.full_entropy_G).backward()
+            out[(c, rank)] = [t.detach() for t in (s.logprobs_G, s.entropy_G, s.full_logprobs_G, s.full_entropy_G)] + [x.grad]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vocab_parallel_shards_normalise_across_ranks(tmp_path):
+    """Two ranks holding columns [0, 23) and [23, 50): same scores as one rank, gradients split by column."""
+    import torch.multiprocessing as mp
+
+    g, v = 9, 50
+    cases = []
+    for with_support in (False, True):
+        logits, target, support, t_G = random_case(11, g, v, 30, whole_every=4)
+        cases.append({"logits": logits, "target": target, "support": support if with_support else None, "t_G": t_G,
+                      "weights": torch.randn(4, g, dtype=torch.float64), "bounds": [0, 23, v]})
+    out = mp.Manager().dict()
+    mp.spawn(_shard_worker, args=(2, f"file://{tmp_path}/init", cases, out), nprocs=2, join=True)
+
+    for c, case in enumerate(cases):
+        x = case["logits"].clone().requires_grad_(True)
+        s = score_logits(x, case["target"], support=case["support"], temperature=case["t_G"], full=True)
+        ref = [s.logprobs_G, s.entropy_G, s.full_logprobs_G, s.full_entropy_G]
+        sum(w @ o for w, o in zip(case["weights"], ref)).backward()
+        for rank in (0, 1):  # every rank returns the same, fully normalised scores
+            for a, b in zip(out[(c, rank)][:4], ref):
+                torch.testing.assert_close(a, b.detach(), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(torch.cat([out[(c, 0)][4], out[(c, 1)][4]], 1), x.grad, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("with_support", [False, True])
+@pytest.mark.parametrize("entropy", [True, False])
+def test_gradient_of_the_logprob_alone(with_support, entropy):
+    """No entropy term in the loss (the common policy-gradient case takes a one-buffer backward);
+    entropy=False does not compute it at all."""
+    logits, target, support, t_G = random_case(21, 12, 90, 10, whole_every=3)
+    support = support if with_support else None
+    x_new, x_ref = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    s = score_logits(x_new, target, support=support, temperature=t_G, entropy=entropy, full=True, chunk_bytes=5 * 2 * 90 * 8)
+    assert (s.entropy_G is None and s.full_entropy_G is None) != entropy
+    s.logprobs_G.sum().backward()
+    mask = None if support is None else dense_mask(support, 90)
+    lp, _ = reference(x_ref, target, mask, t_G)
+    lp.sum().backward()
+    torch.testing.assert_close(s.logprobs_G, lp.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(s.full_logprobs_G, reference(logits, target, None, t_G)[0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(x_new.grad, x_ref.grad, rtol=1e-9, atol=1e-10)
