@@ -31,6 +31,7 @@ XGRAMMAR = "xgrammar==0.2.8"
 EXCLUDED = {"torch", "torchvision", "torchaudio", "torchcodec", "triton", "xgrammar"}
 EXTRA_PINS = ["ray==2.60.0"]
 PROJECT_EXTRAS = "hf,ray,megatron,dev"
+PROJECT_EXTRAS += ",trl"  # TRL GRPOTrainer integration (pins in pyproject's `trl` extra)
 
 
 def _run(cmd: list[str]) -> None:

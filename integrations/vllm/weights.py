@@ -42,6 +42,14 @@ def _repack_cpu_moe(worker: Any) -> int:
     return fixed
 
 
+def repack_cpu_moe(llm: Any) -> int:
+    """After weights were loaded into `llm` by any route (reload_weights, a trainer's per-tensor
+    `load_weights`), re-apply the CPU experts kernel's prepack; returns layers repacked (0 off the
+    CPU backend). Call it once per full load: prepacking prepacked values scrambles them again."""
+    fixed = llm.collective_rpc(_repack_cpu_moe)
+    return int(fixed[0]) if fixed else 0
+
+
 def update_weights(llm: Any, weights_dir: str | Path) -> int:
     """Reload `weights_dir` (a save_pretrained checkpoint) into `llm` in place; returns CPU MoE
     layers repacked (0 off the CPU backend)."""
@@ -49,6 +57,6 @@ def update_weights(llm: Any, weights_dir: str | Path) -> int:
     if not weights_dir.is_dir():
         raise FileNotFoundError(f"update_weights: expected a checkpoint directory, found {str(weights_dir)!r}")
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
-    fixed = llm.collective_rpc(_repack_cpu_moe)
+    fixed = repack_cpu_moe(llm)
     llm.reset_prefix_cache()
-    return int(fixed[0]) if fixed else 0
+    return fixed
