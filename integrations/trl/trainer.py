@@ -53,6 +53,8 @@ class MoeReplayGRPOTrainer(GRPOTrainer):
         preset = moe_replay if isinstance(moe_replay, Preset) else load_preset(moe_replay)
         bound = inspect.signature(GRPOTrainer.__init__).bind(None, *args, **kwargs).arguments
         check_options(bound.get("args"), bound, preset)
+        if isinstance(bound.get("model"), torch.nn.Module):  # an unsupported family fails before vLLM starts
+            enable(preset, model=bound["model"])
         with rollout.engine_options():
             super().__init__(*args, **kwargs)
         self.moe_replay_preset = preset
