@@ -75,6 +75,14 @@ def _repack_cpu_moe(model: Any) -> int:
     return fixed
 
 
+def repack_cpu_moe(llm: Any) -> int:
+    """After weights were loaded into `llm` by any route (reload_weights, a trainer's per-tensor
+    `load_weights`), re-apply the CPU experts kernel's prepack; returns layers repacked (0 off the
+    CPU backend). Call it once per full load: prepacking prepacked values scrambles them again."""
+    fixed = llm.collective_rpc(_repack_cpu_moe)
+    return int(fixed[0]) if fixed else 0
+
+
 def _checkpoint_params(info: Any) -> list[str]:
     """Names of a layer's parameters in model format (as created before any processing), which
     a checkpoint fills; parameters derived later (MLA's W_UV, W_UK_T) are recomputed, not loaded."""

