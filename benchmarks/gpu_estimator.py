@@ -1,0 +1,243 @@
+"""GPU figures of the multi-sample π_old estimator (issue 12, item 4). Needs a CUDA GPU and vLLM.
+
+Written for one H100 with vLLM 0.26 (../shared/notes/gpu.md); never run by the tests. On the
+gpu.md bench model (qwen3_moe, 8 layers, hidden 1024, 64 experts top-8, bf16), `--requests`
+rollouts of `--tokens` tokens (top_p 0.9) are sampled and captured on an eager engine, then:
+
+  forced_vs_rollout     forced re-scoring (routes + support) vs the rollout's own logprobs: the
+                        engine's noise level between decode and prefill (max / mean |Δ| nats);
+  placements            the same traces scored under placements that change the engine's kernels:
+                        batch sizes 1/4/16/64 (batch-size buckets of the GEMMs and attention),
+                        prompt reuse vs full, and graph mode (a second engine, enforce_eager=False).
+                        Per placement: max |Δ| vs the eager batch-of-all score, the fraction of
+                        token logprobs that moved, and how many distinct results (bit patterns)
+                        the placements gave. Forcing needs the routers to run in Python: on the
+                        graph engine forced scoring is expected to be refused (its error is
+                        recorded) and free-routing scores are compared instead, labelled;
+  estimator_s[n]        estimate(traces, VllmScorer, n) for n = 1/2/4/8, full re-scoring, replicas
+                        placed in rotating batch-size buckets; estimator_s_reuse[n] with prompt
+                        reuse (fresh cache salt per run, so each run starts cold);
+  hf_recompute_s        HFScorer (bf16, this GPU, replay + support) recomputing π_old for the batch;
+  variance_ratio[n]     Var(estimate with n) / Var(single score) over `--variance-repeats`
+                        estimates, replicas in rotating batch-size buckets, nothing injected
+                        (null where the replicas agree bit for bit);
+  rollout_s, pipelined_s(_reuse)  one engine: rollouts alone; rollouts with each finished
+                        rollout's n = 4 replicas submitted to the same engine as it finishes
+                        (the sidecar on the engine that sampled), to the last score.
+
+Timings: median of `--repeats` (interleaved, torch.cuda.synchronize around each). Output is JSON
+labelled with the GPU name and the vLLM / torch versions.
+
+Usage: python benchmarks/gpu_estimator.py --json [--requests 64] [--tokens 128] [--repeats 3]
+       [--variance-repeats 8] [--gpu-memory-utilization 0.25] [--plan]
+`--plan` prints the configuration as JSON and exits (checks the script on a machine without a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+NS = (1, 2, 4, 8)
+BUCKETS = (1, 4, 16, 64)
+"""Batch sizes replicas are scored in: each lands in a different CUDA-graph / GEMM bucket."""
+MODEL = dict(num_experts=64, num_experts_per_tok=8, hidden_size=1024, moe_intermediate_size=512, num_hidden_layers=8)
+WORDS = "the cat route token model expert layer sample mixture alpha beta dog".split()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variance-repeats", type=int, default=8)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.25)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--plan", action="store_true", help="print the configuration and exit (no GPU needed)")
+    args = ap.parse_args(argv)
+    for name in ("requests", "tokens", "repeats", "variance_repeats", "block_size"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 < args.gpu_memory_utilization < 0.5:
+        ap.error("--gpu-memory-utilization must lie in (0, 0.5): two engines share the GPU")
+    return args
+
+
+def prompts(n: int) -> list[str]:
+    return [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(16 + (i * 13) % 49)) for i in range(n)]
+
+
+class BucketScorer:
+    """Scores round r of an estimate in chunks of BUCKETS[(r + offset) % 4]: each replica of a rollout
+    runs in a different batch-size bucket (the estimator's rounds call score_batch per batch)."""
+
+    def __init__(self, scorer, num: int, offset: int = 0) -> None:
+        self.scorer, self.num, self.offset, self.seen = scorer, num, offset, 0
+
+    def score_batch(self, traces):
+        bucket = BUCKETS[(self.seen // self.num + self.offset) % len(BUCKETS)]
+        self.seen += len(traces)
+        out = []
+        for i in range(0, len(traces), bucket):
+            out += self.scorer.score_batch(traces[i : i + bucket])
+        return out
+
+
+def digest(scores) -> str:
+    return hashlib.sha256(b"".join(np.asarray(s, dtype=np.float64).tobytes() for s in scores)).hexdigest()[:16]
+
+
+def compare(ref, other) -> dict:
+    d = np.concatenate([np.abs(a - b) for a, b in zip(ref, other)])
+    return {"max_abs": float(d.max()), "moved_fraction": float((d > 0).mean()), "digest": digest(other)}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    plan = {"model": {"family": "qwen3_moe", "size": "bench", **MODEL}, "dtype": "bfloat16", "ns": NS,
+            "buckets": BUCKETS, **{k: v for k, v in vars(args).items() if k not in ("json", "plan")}}
+    if args.plan:
+        print(json.dumps(plan, indent=1))
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("gpu_estimator.py needs a CUDA GPU (use --plan to check the script without one)")
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    from moe_replay.estimator.core import EstimatorConfig, estimate
+    from moe_replay.integrations.hf.scorer import HFScorer, HFScorerConfig
+    from moe_replay.integrations.vllm import (CaptureConfig, ScoringError, VllmCapture, VllmScorer, VllmScorerConfig,
+                                              scoring_engine_kwargs)
+    from moe_replay.models import build_tiny_model
+
+    tmp = tempfile.TemporaryDirectory()
+    model_dir = str(build_tiny_model("qwen3_moe", Path(tmp.name) / "bench", size="bench", seed=0, **MODEL))
+    kw = dict(model=model_dir, dtype="bfloat16", max_model_len=1024, max_num_seqs=max(64, args.requests * 4),
+              gpu_memory_utilization=args.gpu_memory_utilization, seed=0, block_size=args.block_size)
+    llm = LLM(**scoring_engine_kwargs(enforce_eager=True, **kw))
+    cap = VllmCapture(llm, CaptureConfig())
+    full_cfg = VllmScorerConfig(force_routes=True, use_support=True, prompt_reuse=False)
+    scorer = VllmScorer(llm, full_cfg)
+
+    def reuse():
+        return scorer.with_config(dataclasses.replace(full_cfg, prompt_reuse=True, weights_version=uuid.uuid4().hex))
+
+    P = prompts(args.requests)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=args.tokens, ignore_eos=True)
+    traces = cap.generate(P, sp, use_tqdm=False)[1]
+    hf = HFScorer(HFScorerConfig(model_dir, dtype="bfloat16", device="cuda", force_routes=True, use_support=True))
+
+    def sync(fn):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, out
+
+    # -- noise: forced vs rollout, placements ------------------------------------------------------
+    ref = scorer.score_batch(traces)
+    gap = np.concatenate([np.abs(s - t.logprobs_G) for s, t in zip(ref, traces)])
+    placements = {"eager_all": {"max_abs": 0.0, "moved_fraction": 0.0, "digest": digest(ref)}}
+    for b in BUCKETS:
+        placements[f"eager_batch{b}"] = compare(ref, BucketScorer(scorer, len(traces), BUCKETS.index(b)).score_batch(traces))
+    rs = reuse()
+    rs.score_batch(traces)  # cold: caches the prompts
+    placements["eager_all_prompt_reuse"] = compare(ref, rs.score_batch(traces))
+    free = scorer.with_config(dataclasses.replace(full_cfg, force_routes=False))
+    free_ref = free.score_batch(traces)
+    placements["eager_all_free_routing"] = compare(ref, free_ref)
+
+    # -- timings, interleaved ---------------------------------------------------------------------
+    times: dict[str, list[float]] = {}
+
+    def pipelined(sc):
+        eng = llm.llm_engine
+        for i, p in enumerate(P):
+            eng.add_request(f"pipe-{uuid.uuid4().hex[:8]}-{i}", p, sp)
+        pending, subs = set(), []
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if not o.finished:
+                    continue
+                if o.request_id.startswith("pipe-"):
+                    (t,) = cap.collect([o])
+                    for _ in range(4):
+                        ids = sc.submit([t])
+                        subs.append((t, ids))
+                        pending.update(ids)
+                else:
+                    pending.discard(o.request_id)
+        return [sc.finish([t], ids)[0] for t, ids in subs]
+
+    jobs = [("rollout", lambda: cap.generate(P, sp, use_tqdm=False)), ("hf", lambda: hf.score_batch(traces)),
+            ("pipelined", lambda: pipelined(scorer)), ("pipelined_reuse", lambda: pipelined(reuse()))]
+    for n in NS:
+        jobs.append((f"est{n}", lambda n=n: estimate(traces, BucketScorer(scorer, len(traces)), EstimatorConfig(n=n),
+                                                     batch_size=len(traces))))
+        jobs.append((f"est{n}_reuse", lambda n=n: estimate(traces, BucketScorer(reuse(), len(traces)),
+                                                           EstimatorConfig(n=n), batch_size=len(traces))))
+    for name, fn in jobs:  # warm-up
+        fn()
+    for r in range(args.repeats):
+        for name, fn in jobs[r % len(jobs):] + jobs[: r % len(jobs)]:
+            times.setdefault(name, []).append(sync(fn)[0])
+    med = {k: statistics.median(v) for k, v in times.items()}
+
+    # -- variance under real engine noise -----------------------------------------------------------
+    probs = {n: [] for n in NS}
+    for k in range(args.variance_repeats):
+        for n in NS:
+            est = estimate(traces, BucketScorer(scorer, len(traces), offset=k), EstimatorConfig(n=n), batch_size=len(traces))
+            probs[n].append(np.concatenate([e.prob_G for e in est]))
+    var = {n: float(np.stack(probs[n]).var(axis=0, ddof=1).sum()) for n in NS}
+
+    # -- graph mode: a second engine (forcing needs Python routers; expected to be refused) ----------
+    graph = {}
+    llm_g = LLM(**scoring_engine_kwargs(enforce_eager=False, **kw))
+    sg = VllmScorer(llm_g, full_cfg)
+    try:
+        placements["graph_all_forced"] = compare(ref, sg.score_batch(traces))
+    except ScoringError as e:
+        graph["forced_refused"] = f"{type(e).__name__}: {e}"
+    free_g = sg.with_config(dataclasses.replace(full_cfg, force_routes=False))
+    for b in BUCKETS:
+        placements[f"graph_batch{b}_free_routing_vs_eager_free"] = compare(
+            free_ref, BucketScorer(free_g, len(traces), BUCKETS.index(b)).score_batch(traces))
+
+    digests = {k: v["digest"] for k, v in placements.items() if "free" not in k}
+    result = {
+        "gpu": torch.cuda.get_device_name(), "vllm": vllm.__version__, "torch": torch.__version__, "plan": plan,
+        "scored_tokens": int(sum(t.num_generated for t in traces)),
+        "forced_vs_rollout": {"max_abs": float(gap.max()), "mean_abs": float(gap.mean())},
+        "placements": placements, "graph": graph,
+        "distinct_forced_results": len(set(digests.values())), "forced_placements": len(digests),
+        "estimator_s": {str(n): med[f"est{n}"] for n in NS},
+        "estimator_s_reuse": {str(n): med[f"est{n}_reuse"] for n in NS},
+        "hf_recompute_s": med["hf"],
+        "n4_over_hf_recompute": med["est4"] / med["hf"], "n4_reuse_over_hf_recompute": med["est4_reuse"] / med["hf"],
+        "rollout_s": med["rollout"], "pipelined_s": med["pipelined"], "pipelined_s_reuse": med["pipelined_reuse"],
+        "pipelined_overhead": med["pipelined"] / med["rollout"] - 1.0,
+        "pipelined_overhead_reuse": med["pipelined_reuse"] / med["rollout"] - 1.0,
+        "variance_ratio": {str(n): (var[n] / var[1] if var[1] > 0 else None) for n in NS},
+        "variance_ratio_target": {str(n): 1.1 / n for n in NS},
+        "noise": "real engine noise only (batch-size buckets); nothing injected",
+        "raw_s": times,
+    }
+    print(json.dumps(result, indent=1) if args.json else result)
+
+
+if __name__ == "__main__":
+    main()
