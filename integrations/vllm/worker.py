@@ -232,7 +232,9 @@ class WorkerCapture:
         v = _RunnerViews(ib, r.query_start_loc.np, r.discard_request_mask.np)
         if torch.device(r.device).type in HOST_MIRROR_DEVICES:
             v.positions = r.positions.numpy()
-            v.slots = bt.slot_mapping.np
+            # the tensor vLLM's kernel writes: on CPU runners `.gpu` is a host tensor, and it is not
+            # always `.cpu` (an input batch rebuilt for a hybrid KV layout gets separate buffers)
+            v.slots = bt.slot_mapping.gpu.numpy()
         else:
             v.num_computed, v.block_ids, v.block_size = ib.num_computed_tokens_cpu, bt.block_table.np, int(bt.block_size)
         self._views = v
