@@ -132,3 +132,27 @@ def test_unwritten_route_rows_are_an_error(engines, monkeypatch):
         assert t.routes_TLK.shape[0] == t.num_tokens - 1
     finally:
         cap.uninstall()
+
+
+def test_sample_outside_recorded_support_is_reported(engines, monkeypatch):
+    """A sampler kernel that draws outside the set capture recorded (here: it returns the least
+    likely token, whose logit the truncation set to -inf) is caught: counted in stats() and the
+    request fails with an error naming the row, never a silent wrong support or -inf logprob."""
+    _, eager, _ = engines
+    tts = _runner(eager).sampler.topk_topp_sampler
+    inner = tts.forward
+
+    def off_support(logits, generators, k, p):
+        _, extra = inner(logits, generators, k, p)
+        return logits.argmin(dim=-1), extra
+
+    monkeypatch.setattr(tts, "forward", off_support)  # under capture's wrapper
+    cap = VllmCapture(eager, CaptureConfig())
+    try:
+        outs = eager.generate([prompt_text(8, seed=5)], sampling_params(1.0, -1, 0.5, 0.0, max_tokens=3),
+                              use_tqdm=False)
+        with pytest.raises(CollectError, match="outside its recorded sampling support"):
+            cap.collect(outs)
+        assert cap.stats()["support_misses"] == 3
+    finally:
+        cap.uninstall()

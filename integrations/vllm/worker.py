@@ -179,6 +179,8 @@ class WorkerCapture:
         self.steps = 0
         self.flushes = 0
         self.preemptions = 0
+        self.support_misses = 0
+        """Sampled tokens found outside their recorded support (each fails its trace)."""
         self.hook_s = 0.0
         """Seconds spent in capture code outside the forward (snapshots, flushes, support staging)."""
         try:
@@ -345,6 +347,8 @@ class WorkerCapture:
         uid_X = np.where(win.discard_B, -1, win.uid_B)[sampled_B]
         g_X = (win.last_pos_B + 1 - win.prompt_B)[sampled_B]
         staged = self.support.compute()
+        if staged.outside_R is not None:
+            self.support_misses += int(staged.outside_R.sum())
         for rec, sel in _group(uid_X, records):
             rec.write_samples(g_X[sel], sel, staged)
 
@@ -408,6 +412,7 @@ class WorkerCapture:
             "steps": self.steps,
             "flushes": self.flushes,
             "preemptions": self.preemptions,
+            "support_misses": self.support_misses,
             "hook_s": self.hook_s,
             "route_copy_s": self.routes.copy_s if self.routes is not None else 0.0,
             "route_mode": self.routes.mode if self.routes is not None else None,
