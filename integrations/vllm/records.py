@@ -106,11 +106,20 @@ class RequestRecord:
         X = len(order)
         tokens, lps = np.zeros(X, np.int64), np.zeros(X, np.float32)
         sizes, counts = np.zeros(X, np.int64), np.zeros(X, np.int64)
+        outside = np.zeros(X, dtype=bool)
         for i, (_, _, staged) in enumerate(self._sample_pieces):
             m = piece_X == i
             rows = row_X[m]
             tokens[m], lps[m], sizes[m] = staged.tokens_R[rows], staged.logprobs_R[rows], staged.sizes_R[rows]
             counts[m] = staged.offsets_R1[rows + 1] - staged.offsets_R1[rows]
+            if staged.outside_R is not None:
+                outside[m] = staged.outside_R[rows]
+        if outside.any():
+            g = int(np.flatnonzero(outside)[0])
+            self.problems.append(
+                f"sampled token {int(tokens[g])} of generated token {g} is outside its recorded sampling support "
+                f"({int(sizes[g])} tokens; {int(outside.sum())} such rows): the sampler drew from another set "
+                "than the one recorded (see sampler_hook.py: exactness)")
         offsets = np.zeros(X + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
         ids = np.zeros(int(offsets[-1]), dtype=np.int32)

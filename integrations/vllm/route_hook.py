@@ -1,14 +1,30 @@
 """Route capture through vLLM's official hook, `BaseRouter.set_capture_fn`.
 
-Each MoE layer's router calls our function with its logical top-k ids [T, K] (before any EPLB
-remap, in the column order the experts kernel consumes). Inside the forward the function only keeps
-them (a reference on CPU engines, a copy into a preallocated narrow arena elsewhere); rows of many
-steps are stacked and mapped to requests in one pass when the worker flushes (see worker.py).
-Why: each small op costs ~10 us inside a busy CPU engine, and a step has one call per MoE layer.
+Each MoE layer's router calls a capture function with its logical top-k ids [T, K] (before any
+EPLB remap, in the column order the experts kernel consumes). Two ways to keep them, one per kind
+of forward:
+
+  step buffer  (compiled / CUDA-graph forwards, device runners) `write_step_rows` copies the ids
+               into `StepRoutes.step_TLK`, a buffer allocated before compilation (fixed address:
+               what a replayed CUDA graph needs, and what vLLM's own routed_experts_capturer.py
+               does). It is pure tensor work with no Python state, so torch.compile traces it into
+               the graph. Rows a step should fill are set to a sentinel (the dtype's max, never an
+               expert id) before the forward, so a layer that did not route a row shows up after
+               it: an error, never zeros. After the forward the step's rows go to an arena (one
+               copy on the runner's device); the arena goes to the host once per flush.
+  hold         (eager CPU engines) the function keeps a reference to the router's fresh id
+               tensor: ~1.3 us per layer, against ~10-20 us for a tensor copy inside a busy CPU
+               engine (benchmarks/capture.py), and nothing overwrites those tensors.
+
+A compiled forward only calls a function that was set before torch.compile traced it, so for
+`enforce_eager=False` the step buffer is bound when the model is loaded (`bind_at_load`, run by the
+load hook in patch.py in every worker process of an engine built with capture_engine_kwargs()).
+Installing capture later finds it on the model.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -19,8 +35,11 @@ from ...geometry import ModelGeometry
 from .errors import CaptureHookError, NoMoeLayersError
 
 HOLD_DEVICES = {"cpu"}
-"""Runner device types whose router ids are held by reference (fresh per call, never overwritten);
-every other device copies them into an arena on the device."""
+"""Runner device types whose eager router ids are held by reference (fresh per call, never
+overwritten); compiled forwards and other devices use the step buffer."""
+
+STEP_ROUTES_ATTR = "_moe_replay_step_routes"
+"""Attribute of the loaded model that holds its load-time StepRoutes."""
 
 
 def torch_route_dtype(num_experts: int) -> torch.dtype:
@@ -70,126 +89,227 @@ def geometry_from_runner(runner: Any) -> ModelGeometry:
     )
 
 
-class RouteCapture:
-    """Route rows of recent steps (`capacity` rows at most) plus one capture function per MoE layer.
+def _routers(layers: list[tuple[int, Any]]) -> list[Any]:
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
-    Two ways to hold them until the worker flushes (worker.py), chosen by the runner's device:
-      hold  (CPU)   each layer's top-k output tensor is kept as is; `land` files the step's tensors
-                    and `chunk` stacks every held step in one pass at the flush. vLLM's CPU router
-                    allocates these per call and nothing writes to them afterwards (the capture
-                    tests compare every captured route with HF's routing);
-      arena (other) each layer copies its ids into a preallocated narrow arena routes_TLK on the
-                    runner's device at the step's offset (an async device copy; the buffers a
-                    device kernel reuses must be copied at once); `chunk` moves the window to the
-                    host once per flush. The capture tests run this mode on the CPU engine too.
-    Either way `capacity` is at least one full step (max_num_tokens), else what `budget_bytes`
-    allows; rows are numbered from 0 since the last flush, and `offset` is the current step's first.
+    out = []
+    for layer_id, moe in layers:
+        router = getattr(moe, "router", None)
+        if not isinstance(router, BaseRouter):
+            raise CaptureHookError(
+                f"MoE layer {layer_id}: router {type(router).__name__} is not a vllm BaseRouter, "
+                "so it has no set_capture_fn hook (monolithic MoE kernels are not supported)"
+            )
+        if router.capture_fn is not None:
+            raise CaptureHookError(
+                f"MoE layer {layer_id}: router already has a capture_fn ({router.capture_fn!r}); "
+                "another capturer (e.g. enable_return_routed_experts) is installed"
+            )
+        out.append(router)
+    return out
+
+
+def write_step_rows(step_TLK: torch.Tensor, j: int, topk_ids_TK: torch.Tensor) -> None:
+    """The graph-safe capture function of MoE layer column j: one copy into a fixed buffer.
+
+    A forward with more rows than the buffer fails here, loudly (shape mismatch)."""
+    step_TLK[: topk_ids_TK.shape[0], j].copy_(topk_ids_TK)
+
+
+class StepRoutes:
+    """step_TLK [rows, L, K]: the ids every MoE layer routed in the running forward.
+
+    `rows` covers the largest forward the runner makes (max_num_batched_tokens, or a larger CUDA
+    graph capture size). The dtype holds every expert id plus the sentinel (its max value).
+    """
+
+    def __init__(self, layers: list[tuple[int, Any]], rows: int, device: torch.device) -> None:
+        routers = _routers(layers)
+        self.layer_ids = tuple(i for i, _ in layers)
+        num_experts = max(int(r.global_num_experts) for r in routers)
+        top_k = max(int(r.top_k) for r in routers)
+        self.dtype = torch_route_dtype(num_experts + 1)
+        self.sentinel = int(torch.iinfo(self.dtype).max)
+        self.rows = int(rows)
+        self.step_TLK = torch.full((self.rows, len(routers), top_k), self.sentinel, dtype=self.dtype, device=device)
+        self._np = self.step_TLK.numpy() if self.step_TLK.device.type == "cpu" else None
+        self._routers = routers
+        for j, router in enumerate(routers):
+            router.set_capture_fn(functools.partial(write_step_rows, self.step_TLK, j))
+
+    def arm(self, num_tokens: int) -> None:
+        """Set the rows the next forward must fill to the sentinel (outside the graph)."""
+        if self._np is not None:
+            self._np[:num_tokens] = self.sentinel  # a numpy fill: ~1 us, a torch op ~10 us here
+        else:
+            self.step_TLK[:num_tokens].fill_(self.sentinel)
+
+    def unbind(self) -> None:
+        for router in self._routers:
+            router.set_capture_fn(None)
+        self._routers.clear()
+
+
+def forward_is_traced(vllm_config: Any) -> bool:
+    """True when torch.compile or CUDA graphs run the forward: Python set after load is never called."""
+    cc = vllm_config.compilation_config
+    mode = int(getattr(cc, "mode", getattr(cc, "level", 0)) or 0)
+    graphs = getattr(cc, "cudagraph_mode", None)
+    return mode != 0 or (graphs is not None and str(getattr(graphs, "name", graphs)) != "NONE")
+
+
+def bind_at_load(model: torch.nn.Module, vllm_config: Any) -> StepRoutes | None:
+    """Give a freshly loaded model its StepRoutes, before its first (compiling) forward.
+
+    Called by patch.py's load hook; no-op for models without MoE layers."""
+    layers = find_moe_layers(model)
+    if not layers:
+        return None
+    rows = max(int(vllm_config.scheduler_config.max_num_batched_tokens),
+               int(getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0))
+    device = next(model.parameters()).device
+    step = StepRoutes(layers, rows, device)
+    model.__dict__[STEP_ROUTES_ATTR] = step  # a plain attribute: not a submodule, not a buffer
+    return step
+
+
+class RouteCapture:
+    """Route rows of recent steps (`capacity` rows at most), filled by one of the two ways above.
+
+    Rows are numbered from 0 since the last flush; `offset` is the current step's first. The
+    window always holds at least one full step (max_num_tokens rows), else what `budget_bytes`
+    allows. Per step: `arm` before the forward, `land` after it, `chunk` at the flush.
     """
 
     def __init__(self, runner: Any, geometry: ModelGeometry, budget_bytes: int = 0) -> None:
-        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
-
         self.geometry = geometry
         L, K = geometry.num_moe_layers, geometry.top_k
         self.step_rows = int(runner.max_num_tokens)
         self.dtype = torch_route_dtype(geometry.num_experts)
-        self.hold = torch.device(runner.device).type in HOLD_DEVICES
+        self.step: StepRoutes | None = getattr(runner.model, STEP_ROUTES_ATTR, None)
+        self._own_step = False
+        self.hold = False
+        if self.step is not None:
+            if self.step.layer_ids != geometry.moe_layer_ids:
+                raise CaptureHookError(f"load-time route buffer covers layers {self.step.layer_ids}, the model "
+                                       f"has MoE layers {geometry.moe_layer_ids}")
+        elif forward_is_traced(runner.vllm_config):
+            raise CaptureHookError(
+                "this engine compiles its forward (enforce_eager=False: torch.compile / CUDA graphs), and its "
+                "routers got no capture function at model load, so the compiled forward would never report "
+                "routes. Build the engine with LLM(..., **capture_engine_kwargs()) (it sets additional_config "
+                "'moe_replay_capture', which the moe_replay load hook needs; it is installed by the "
+                "'vllm.general_plugins' entry point of the moe_replay package), or use enforce_eager=True"
+            )
+        elif torch.device(runner.device).type in HOLD_DEVICES:
+            self.hold = True
+        else:
+            self.step = StepRoutes(find_moe_layers(runner.model), self.step_rows, torch.device(runner.device))
+            self._own_step = True
         id_bytes = 8 if self.hold else self.dtype.itemsize  # held: the router's own int32/int64 ids
         self.capacity = max(self.step_rows, budget_bytes // (L * K * id_bytes))
-        self.routes_TLK = None if self.hold else torch.zeros((self.capacity, L, K), dtype=self.dtype,
-                                                             device=runner.device)
+        self.arena_TLK: torch.Tensor | None = None
+        self._arena_np: np.ndarray | None = None
+        if self.step is not None:
+            self.arena_TLK = torch.empty((self.capacity, L, K), dtype=self.step.dtype,
+                                         device=self.step.step_TLK.device)
+            if self.arena_TLK.device.type == "cpu":
+                self._arena_np = self.arena_TLK.numpy()
         self.offset = 0
         """First row of the current step."""
-        self._base = [0]  # what the capture closures read: the offset of the running forward
         self._copy_s = [0.0]
         self._held_L: list[torch.Tensor | None] = [None] * L
         """Each layer's top-k ids of the running forward (hold mode)."""
         self._landed: list[tuple[int, list[torch.Tensor]]] = []
         """Per landed step (hold mode): its token count and its layers' ids, [>= count, K] each."""
         self.rows_seen_L = [0] * L
-        """Rows written by each layer in the current forward (reset per step)."""
+        """Rows written by each layer in the current forward (hold mode; reset per step)."""
         self._unseen_L = [-1] * L
-        self._routers: list[Any] = []
-        for j, (layer_id, moe) in enumerate(find_moe_layers(runner.model)):
-            router = getattr(moe, "router", None)
-            if not isinstance(router, BaseRouter):
-                raise CaptureHookError(
-                    f"MoE layer {layer_id}: router {type(router).__name__} is not a vllm BaseRouter, "
-                    "so it has no set_capture_fn hook (monolithic MoE kernels are not supported)"
-                )
-            if router.capture_fn is not None:
-                raise CaptureHookError(
-                    f"MoE layer {layer_id}: router already has a capture_fn ({router.capture_fn!r}); "
-                    "another capturer (e.g. enable_return_routed_experts) is installed"
-                )
-            router.set_capture_fn(self._make_fn(j))
-            self._routers.append(router)
+        self._hold_routers: list[Any] = []
+        if self.hold:
+            self._hold_routers = _routers(find_moe_layers(runner.model))
+            for j, router in enumerate(self._hold_routers):
+                router.set_capture_fn(self._make_hold_fn(j))
 
-    def _make_fn(self, j: int):
-        buf_TLK, cap, seen, base, held = self.routes_TLK, self.capacity, self.rows_seen_L, self._base, self._held_L
-        spent, clock, hold = self._copy_s, time.perf_counter, self.hold
+    def _make_hold_fn(self, j: int):
+        seen, held, spent, clock = self.rows_seen_L, self._held_L, self._copy_s, time.perf_counter
 
         def capture(topk_ids_TK: torch.Tensor) -> None:
             t0 = clock()
-            n = topk_ids_TK.shape[0]
-            if hold:
-                held[j] = topk_ids_TK
-            else:
-                b = base[0]
-                m = n if b + n <= cap else cap - b  # padded dummy steps may exceed; check_step reports real ones
-                buf_TLK[b : b + m, j].copy_(topk_ids_TK[:m])
-            seen[j] = n
+            held[j] = topk_ids_TK
+            seen[j] = topk_ids_TK.shape[0]
             spent[0] += clock() - t0
 
         return capture
 
-    def land(self, num_tokens: int) -> None:
-        """File this step's rows (called once `check_step` passed): rows [offset, offset + num_tokens)."""
-        if self.hold:
-            self._landed.append((num_tokens, self._held_L[:]))  # one list copy; trimmed at chunk()
+    @property
+    def mode(self) -> str:
+        return "hold" if self.hold else ("load-time step buffer" if not self._own_step else "step buffer")
 
-    def chunk(self, stop: int) -> np.ndarray:
-        """Rows [0, stop) of every landed step as one narrow array [stop, L, K]; starts a new window."""
+    def arm(self, offset: int, num_tokens: int) -> None:
+        """Start a step of num_tokens rows that go to window rows [offset, offset + num_tokens)."""
+        self.offset = offset
+        if self.hold:
+            # In place (the capture closures hold this list). Held ids of a forward that never landed
+            # (a dummy run) need no clearing: every layer of the next forward replaces its entry, and
+            # land() refuses a step where some layer did not.
+            self.rows_seen_L[:] = self._unseen_L
+        elif num_tokens <= self.step.rows:
+            self.step.arm(num_tokens)
+
+    def land(self, num_tokens: int) -> str | None:
+        """File this step's rows after its forward; None when filed, else what went wrong."""
+        if self.offset + num_tokens > self.capacity:
+            return f"step of {num_tokens} tokens at row {self.offset} exceeds the route window ({self.capacity} rows)"
+        if self.hold:
+            if min(self.rows_seen_L) < num_tokens:
+                bad = [(self.geometry.moe_layer_ids[j], n) for j, n in enumerate(self.rows_seen_L) if n < num_tokens]
+                return f"layers (id, rows) {bad} routed fewer than the {num_tokens} scheduled tokens"
+            self._landed.append((num_tokens, self._held_L[:]))  # one list copy; trimmed at chunk()
+            return None
+        if num_tokens > self.step.rows:
+            return f"step of {num_tokens} tokens exceeds the route step buffer ({self.step.rows} rows)"
+        t0 = time.perf_counter()
+        a, b = self.offset, self.offset + num_tokens
+        if self._arena_np is not None:
+            self._arena_np[a:b] = self.step._np[:num_tokens]
+        else:  # on the runner's device, ordered after the forward on its stream
+            self.arena_TLK[a:b].copy_(self.step.step_TLK[:num_tokens], non_blocking=True)
+        self._copy_s[0] += time.perf_counter() - t0
+        return None
+
+    def chunk(self, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Rows [0, stop) of every landed step as one narrow array [stop, L, K], and a bool [stop, L]
+        of rows a layer never wrote (step buffer; None when all were written). Starts a new window."""
         if not self.hold:  # one device-to-host copy per flush
-            return self.routes_TLK[:stop].cpu().numpy().copy()
+            out = self.arena_TLK[:stop].cpu().numpy()
+            unwritten_TL = (out == self.step.sentinel).any(axis=2)
+            return out.astype(self.geometry.route_dtype), unwritten_TL if unwritten_TL.any() else None
         landed, self._landed = self._landed, []
         L, K = self.geometry.num_moe_layers, self.geometry.top_k
         if not landed:
-            return torch.empty((0, L, K), dtype=self.dtype).numpy()
+            return torch.empty((0, L, K), dtype=self.dtype).numpy(), None
         if any(held[0].shape[0] != n for n, held in landed):  # a padded forward routed extra rows
             landed = [(n, [h[:n] for h in held]) for n, held in landed]
         per_layer = [torch.cat([held[j] for _, held in landed]) for j in range(L)]
         out = torch.stack(per_layer, dim=1).to(self.dtype).numpy()
         if len(out) != stop:
             raise CaptureHookError(f"route window holds {len(out)} rows, expected {stop}")
-        return out
+        return out, None
 
     @property
     def copy_s(self) -> float:
-        """Seconds spent inside the forward by the capture functions (all layers, all steps)."""
+        """Seconds spent by the capture functions inside eager forwards, plus step-to-arena copies."""
         return self._copy_s[0]
-
-    def reset_step(self, offset: int) -> None:
-        """Start a step whose rows go to arena rows [offset, offset + tokens)."""
-        self.offset = self._base[0] = offset
-        # In place (the capture closures hold these lists). Held ids of a forward that never landed
-        # (a dummy run) need no clearing: every layer of the next forward replaces its entry, and
-        # check_step refuses a step where some layer did not.
-        self.rows_seen_L[:] = self._unseen_L
 
     def room_for_step(self, offset: int) -> bool:
         return offset + self.step_rows <= self.capacity
 
-    def check_step(self, num_tokens: int) -> str | None:
-        """None when every layer wrote exactly num_tokens rows this step, else what went wrong."""
-        if min(self.rows_seen_L) < num_tokens:
-            bad = [(self.geometry.moe_layer_ids[j], n) for j, n in enumerate(self.rows_seen_L) if n < num_tokens]
-            return f"layers (id, rows) {bad} routed fewer than the {num_tokens} scheduled tokens"
-        if self.offset + num_tokens > self.capacity:
-            return f"step of {num_tokens} tokens at row {self.offset} exceeds the route arena ({self.capacity} rows)"
-        return None
-
     def uninstall(self) -> None:
-        for router in self._routers:
+        for router in self._hold_routers:
             router.set_capture_fn(None)
-        self._routers.clear()
+        self._hold_routers.clear()
+        if self._own_step:
+            self.step.unbind()
+        # A load-time step buffer stays bound: the compiled forward calls it whether or not
+        # capture is installed (one copy per layer into a fixed buffer).

@@ -13,6 +13,18 @@ many steps into sparse data with one op each (isfinite, logsumexp, gather, nonze
 holds at most `capacity` rows (a byte budget, at least one full batch); the worker flushes before
 it could overflow, so the full-vocabulary rows never outlive a flush and never leave the worker.
 
+Exactness, and where an engine could break it. The recorded set is the set drawn from because our
+wrapper hands the sampler logits it already truncated, with k=p=None. On GPUs vLLM's
+`TopKTopPSampler.forward_cuda` samples top-k/top-p with FlashInfer (rejection sampling over the
+full distribution, no sorted cut, so at ties and float rounding of the cumulative mass its kept set
+can differ from sort-and-cut); with k=p=None it takes the native path instead (a plain draw from
+our truncated probabilities), which is also what vLLM's own sampling-mask output does to stay
+exact. What would still break it: a vLLM whose sampler ignores the logits it is handed, truncates
+again after us, or samples in a kernel we do not wrap. Guard: every sampled token is checked
+against its recorded row at compute() (one gather); a token outside is counted
+(`StagedSamples.outside_R`, the worker's stats()["support_misses"]) and fails that request's trace
+with CaptureAlignmentError naming the row, never a silent wrong support or a -inf logprob.
+
 Only sparse data leaves this module: per row the sorted kept ids (CSR), and the sampled token's
 logprob log softmax(truncated logits)[token]. Rows above max_support keep no ids (policy decides).
 Greedy rows (temperature 0) have support {argmax} and logprob 0: a point mass.
@@ -56,6 +68,8 @@ class StagedSamples:
     """int64 true support size per row (also for rows whose ids were not kept)."""
     logprobs_R: np.ndarray
     """float32 logprob of the sampled token under the truncated distribution."""
+    outside_R: np.ndarray | None = None
+    """bool: the sampled token is not in the row's recorded support (None: no row is)."""
 
 
 class SupportStage:
@@ -146,13 +160,18 @@ class SupportStage:
         offsets_R1 = np.zeros(R + 1, dtype=np.int64)
         ids_N = np.zeros(0, dtype=np.int32)
         live = np.flatnonzero(~greedy_R)
+        outside_R = None
         if self.logits_RV is not None and len(live):
             logits_XV = self.logits_RV[:R][torch.from_numpy(live).to(self.logits_RV.device)]  # X: non-greedy rows
             kept_XV = torch.isfinite(logits_XV)
             sizes_X = kept_XV.sum(dim=1).cpu().numpy()
             sizes_R[live] = sizes_X
+            tok_X1 = torch.from_numpy(tokens_R[live]).view(-1, 1).to(logits_XV.device)
+            out_X = ~kept_XV.gather(1, tok_X1).view(-1).cpu().numpy()
+            if out_X.any():
+                outside_R = np.zeros(R, dtype=bool)
+                outside_R[live] = out_X
             if self.want_logprobs:
-                tok_X1 = torch.from_numpy(tokens_R[live]).view(-1, 1).to(logits_XV.device)
                 # x[token] - logsumexp(x): the same expression the scorer (force.py) uses, so a rollout's
                 # logprob and its re-score agree to the bit on a deterministic engine
                 lp_X = logits_XV.gather(1, tok_X1).view(-1) - torch.logsumexp(logits_XV, dim=1)
@@ -172,7 +191,7 @@ class SupportStage:
                     c = counts_R[rows_ok]
                     ids_N[np.repeat(offsets_R1[rows_ok], c) + ranks_within(c)] = nz_M2[:, 1]
         self.rows = 0
-        return StagedSamples(tokens_R, offsets_R1, ids_N, sizes_R, logprobs_R)
+        return StagedSamples(tokens_R, offsets_R1, ids_N, sizes_R, logprobs_R, outside_R)
 
 
 def _greedy_rows(commits: list[tuple[int, bool, float | np.ndarray]], R: int) -> np.ndarray:

@@ -3,8 +3,8 @@
 Per engine step (see patch.py for the wrappers) only cheap snapshots happen:
   before_step   finished requests move to the unclaimed pool; flush first if the route arena or the
                 support stage could not hold another full step; per-layer row counters reset;
-  forward       routers hand their ids to the route capture (held on CPU, copied to an arena on
-                other devices: route_hook.py);
+  forward       routers hand their ids to the route capture (held on eager CPU engines, else
+                written into the step buffer bound at model load: route_hook.py);
   after_forward the step's layout is snapshotted: which records own the input batch's rows (looked
                 up only when the batch changes), query_start_loc, positions, the discard mask and
                 the KV slots (read from host buffers on CPU runners, derived from host mirrors on
@@ -37,12 +37,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .block_cache import SlotRouteCache, kv_slots
+from .block_cache import SlotRouteCache, kv_slots, route_kv_group
 from .config import CaptureConfig
 from .errors import CaptureHookError
 from .records import RecordBook, RequestRecord
 from .route_hook import RouteCapture, geometry_from_runner
 from .sampler_hook import SupportStage
+from .versions import check_vllm_version
 
 
 @dataclass
@@ -154,10 +155,14 @@ class WorkerCapture:
         self.routes: RouteCapture | None = (
             RouteCapture(runner, self.geometry, config.flush_bytes) if config.routes else None)
         self.slot_cache: SlotRouteCache | None = None
+        self.kv_group = 0
+        """KV-cache group whose block table and slot mapping key the slot route cache."""
         if self.routes is not None and config.prefix_cache_routes and runner.cache_config.enable_prefix_caching:
-            bt = runner.input_batch.block_table.block_tables[0]
+            self.kv_group, spec = route_kv_group(runner.kv_cache_config,
+                                                 len(runner.input_batch.block_table.block_tables))
+            bt = runner.input_batch.block_table.block_tables[self.kv_group]
             self.slot_cache = SlotRouteCache(
-                runner.kv_cache_config.num_blocks * (runner.cache_config.block_size // bt.block_size),
+                runner.kv_cache_config.num_blocks * (int(spec.block_size) // bt.block_size),
                 bt.block_size,
                 self.geometry.num_moe_layers,
                 self.geometry.top_k,
@@ -174,6 +179,8 @@ class WorkerCapture:
         self.steps = 0
         self.flushes = 0
         self.preemptions = 0
+        self.support_misses = 0
+        """Sampled tokens found outside their recorded support (each fails its trace)."""
         self.hook_s = 0.0
         """Seconds spent in capture code outside the forward (snapshots, flushes, support staging)."""
         try:
@@ -193,7 +200,7 @@ class WorkerCapture:
                 self.max_rows):
             self.flush()
         if self.routes is not None:
-            self.routes.reset_step(self._arena_row)
+            self.routes.arm(self._arena_row, scheduler_output.total_num_scheduled_tokens)
 
     def after_forward(self, scheduler_output: Any) -> None:
         n = scheduler_output.total_num_scheduled_tokens
@@ -206,15 +213,14 @@ class WorkerCapture:
         qsl = views.qsl[: num_reqs + 1].copy()
         routes, problem, row0 = self.routes, None, self._arena_row
         if routes is not None:
-            problem = routes.check_step(n)
+            problem = routes.land(n)
+            if problem is None:
+                self._arena_row += n
         pos_T, slots_T = views.positions_and_slots(num_reqs, qsl, n, problem is None and self.slot_cache is not None)
         batch = self._batch
         reads: list[tuple[RequestRecord, np.ndarray, int, int]] = []
         if batch is None or batch.req_ids != req_ids:
             batch = self._batch = self._resolve_batch(req_ids, qsl, pos_T, reads)
-        if routes is not None and problem is None:
-            routes.land(n)
-            self._arena_row += n
         step = _Step(batch, qsl, pos_T, views.discard[:num_reqs].copy(), row0, slots_T, problem, reads)
         self.pending.append(step)
         self._step = step
@@ -224,11 +230,13 @@ class WorkerCapture:
         """Views of the runner's persistent host buffers (re-bound if the input batch is rebuilt)."""
         r = self.runner
         ib = r.input_batch
-        bt = ib.block_table.block_tables[0]
+        bt = ib.block_table.block_tables[self.kv_group]
         v = _RunnerViews(ib, r.query_start_loc.np, r.discard_request_mask.np)
         if torch.device(r.device).type in HOST_MIRROR_DEVICES:
             v.positions = r.positions.numpy()
-            v.slots = bt.slot_mapping.np
+            # the tensor vLLM's kernel writes: on CPU runners `.gpu` is a host tensor, and it is not
+            # always `.cpu` (an input batch rebuilt for a hybrid KV layout gets separate buffers)
+            v.slots = bt.slot_mapping.gpu.numpy()
         else:
             v.num_computed, v.block_ids, v.block_size = ib.num_computed_tokens_cpu, bt.block_table.np, int(bt.block_size)
         self._views = v
@@ -276,7 +284,7 @@ class WorkerCapture:
                 "(prefix_cache_routes=False or prefix caching off): routes before it are missing"
             )
             return rec
-        block_ids = self.runner.input_batch.block_table.block_tables[0].block_table.np[row].copy()
+        block_ids = self.runner.input_batch.block_table.block_tables[self.kv_group].block_table.np[row].copy()
         reads.append((rec, block_ids, route_start, first_pos))
         return rec
 
@@ -293,15 +301,19 @@ class WorkerCapture:
         records = _records_of(steps)
         if self.routes is not None:
             routed_S = np.array([st.problem is None for st in steps])
-            chunk_TLK = self.routes.chunk(int(win.n_S[routed_S].sum()))
+            chunk_TLK, unwritten_TL = self.routes.chunk(int(win.n_S[routed_S].sum()))
             self._arena_row = 0
+            written_T = None
+            if unwritten_TL is not None:  # a layer left rows at the sentinel: those steps fail
+                written_T = ~unwritten_TL.any(axis=1)
+                self._report_unwritten(steps, unwritten_TL)
             for st in steps:
                 if st.problem is not None:
                     for rec in st.batch.records:
                         if rec is not None:
                             rec.problems.append(f"engine step: {st.problem}")
             if self.slot_cache is not None:
-                self._slot_cache_pass(steps, chunk_TLK)
+                self._slot_cache_pass(steps, chunk_TLK, written_T)
             # routed steps hold consecutive route rows 0, 1, ... in step order (route_hook.RouteCapture)
             routed_T = routed_S[win.step_T]
             for rec, sel in _group(win.uid_T[routed_T], records):
@@ -309,6 +321,19 @@ class WorkerCapture:
         sampled_S = np.array([st.sample_row is not None for st in steps])
         if sampled_S.any():
             self._distribute_samples(steps, win, sampled_S, records)
+
+    def _report_unwritten(self, steps: list[_Step], unwritten_TL: np.ndarray) -> None:
+        """Name, per routed step, the layers that left some of its rows unwritten."""
+        ids = self.geometry.moe_layer_ids
+        for st in steps:
+            if st.problem is not None:
+                continue
+            n = len(st.pos_T)
+            bad_TL = unwritten_TL[st.arena_row : st.arena_row + n]
+            if bad_TL.any():
+                counts = bad_TL.sum(axis=0)
+                bad = [(ids[j], n - int(counts[j])) for j in np.flatnonzero(counts)]
+                st.problem = f"layers (id, rows) {bad} routed fewer than the {n} scheduled tokens"
 
     def _distribute_samples(self, steps: list[_Step], win: "_Window", sampled_S: np.ndarray,
                             records: dict[int, RequestRecord]) -> None:
@@ -322,6 +347,8 @@ class WorkerCapture:
         uid_X = np.where(win.discard_B, -1, win.uid_B)[sampled_B]
         g_X = (win.last_pos_B + 1 - win.prompt_B)[sampled_B]
         staged = self.support.compute()
+        if staged.outside_R is not None:
+            self.support_misses += int(staged.outside_R.sum())
         for rec, sel in _group(uid_X, records):
             rec.write_samples(g_X[sel], sel, staged)
 
@@ -332,15 +359,16 @@ class WorkerCapture:
         self.flush()
         self.hook_s += time.perf_counter() - t0
 
-    def _slot_cache_pass(self, steps: list[_Step], chunk_TLK: np.ndarray) -> None:
-        """Slot-cache writes and prefix reads in step order (a read sees every earlier write)."""
+    def _slot_cache_pass(self, steps: list[_Step], chunk_TLK: np.ndarray, written_T: np.ndarray | None) -> None:
+        """Slot-cache writes and prefix reads in step order (a read sees every earlier write); rows a
+        layer never wrote are stored as not valid."""
         assert self.slot_cache is not None
         seg: list[_Step] = []
         for st in steps:
             if st.slots_T is not None:
                 seg.append(st)
             if st.reads:
-                self._write_slots(seg, chunk_TLK)
+                self._write_slots(seg, chunk_TLK, written_T)
                 seg = []
                 for rec, block_ids, start, stop in st.reads:
                     rows, valid = self.slot_cache.read(block_ids, start, stop)
@@ -351,14 +379,15 @@ class WorkerCapture:
                             "off; reset the prefix cache (llm.reset_prefix_cache()) after installing capture"
                         )
                     rec.write_routes(start, rows, valid)
-        self._write_slots(seg, chunk_TLK)
+        self._write_slots(seg, chunk_TLK, written_T)
 
-    def _write_slots(self, seg: list[_Step], chunk_TLK: np.ndarray) -> None:
+    def _write_slots(self, seg: list[_Step], chunk_TLK: np.ndarray, written_T: np.ndarray | None) -> None:
         """Steps with slots are routed steps, so their route rows are one consecutive range."""
         if not seg:
             return
         rows = slice(seg[0].arena_row, seg[-1].arena_row + len(seg[-1].pos_T))
-        self.slot_cache.write(np.concatenate([st.slots_T for st in seg]), chunk_TLK[rows])
+        self.slot_cache.write(np.concatenate([st.slots_T for st in seg]), chunk_TLK[rows],
+                              None if written_T is None else written_T[rows])
 
     # -- control ------------------------------------------------------------------------------
     def take(self, keys: list[str]) -> list[dict[str, Any]]:
@@ -383,8 +412,11 @@ class WorkerCapture:
             "steps": self.steps,
             "flushes": self.flushes,
             "preemptions": self.preemptions,
+            "support_misses": self.support_misses,
             "hook_s": self.hook_s,
             "route_copy_s": self.routes.copy_s if self.routes is not None else 0.0,
+            "route_mode": self.routes.mode if self.routes is not None else None,
+            "kv_group": self.kv_group if self.slot_cache is not None else None,
         }
 
     def uninstall(self) -> None:
@@ -421,12 +453,6 @@ def _check_runner(runner: Any) -> None:
             "(GPU Model Runner V2 has its own routed-expert output, RequestOutput routed_experts with "
             "enable_return_routed_experts; moe_replay does not read it yet: it needs a GPU vLLM build to test)"
         )
-    device = torch.device(runner.device).type
-    if device not in HOST_MIRROR_DEVICES and not runner.model_config.enforce_eager:
-        raise CaptureHookError(
-            f"the {device} runner replays CUDA graphs, and graph replay skips the Python route hooks (their ids "
-            "would come from the capture pass): build the engine with enforce_eager=True to capture routes"
-        )
     if getattr(runner, "speculative_config", None) is not None:
         raise CaptureHookError("speculative decoding is on: per-token sampling capture does not support draft tokens")
     if not hasattr(runner.sampler, "topk_topp_sampler"):
@@ -445,6 +471,7 @@ def _runner_of(worker: Any) -> Any:
 def install_on_worker(worker: Any, config: dict[str, Any]) -> dict[str, Any]:
     """Install capture on this worker's runner; reply {'ok', 'geometry' | 'error', 'kind'}."""
     try:
+        check_vllm_version()
         runner = _runner_of(worker)
         if getattr(runner, "_moe_replay_capture", None) is not None:
             raise CaptureHookError("capture is already installed on this engine; uninstall() it first")

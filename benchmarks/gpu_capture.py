@@ -1,0 +1,185 @@
+"""Rollout throughput with and without capture on a GPU vLLM engine (CUDA graphs + compile).
+
+Five settings, each its own engine, all alive at once (a slice of GPU memory each) and measured in
+interleaved rounds, so drift of the machine hits every setting alike:
+
+  graphs              vLLM's default (torch.compile + CUDA graphs), no capture: the reference
+  graphs_native       + vLLM's own `enable_return_routed_experts` (routes only; the outputs'
+                      `routed_experts` are read, so their transfer is paid)
+  eager               enforce_eager=True, no capture
+  eager_capture       enforce_eager=True + moe_replay capture (routes + support + logprobs)
+  graphs_capture      graphs + moe_replay capture (routes written into the step buffer bound at
+                      model load, inside the CUDA graph; support + logprobs; collect included)
+
+Model: `build_tiny_model("qwen3_moe", size="bench", num_experts=64, num_experts_per_tok=8,
+hidden_size=1024, moe_intermediate_size=512, num_hidden_layers=8)`, bf16; 128 prompts of 16-64
+words, 128 generated tokens each (ignore_eos), top_p 0.95, max_num_seqs 128, prefix caching off.
+Prints one JSON object: per setting tokens/s (median over rounds) and `vs_graphs`, the median of
+per-round ratios to `graphs`. Target: graphs_capture >= 0.97 x graphs.
+
+Needs a GPU build of vLLM in the supported range (integrations/vllm/versions.py); written for
+vLLM 0.26 on one H100. `--dry-run` checks the plan on any machine: it builds every setting's
+EngineArgs against the installed vLLM (on the tiny model; no engine, no GPU) and prints the plan as JSON.
+
+Usage: python benchmarks/gpu_capture.py [--rounds 3] [--settings graphs,graphs_capture,...] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SETTINGS = ("graphs", "graphs_native", "eager", "eager_capture", "graphs_capture")
+MODEL = dict(family="qwen3_moe", size="bench", num_experts=64, num_experts_per_tok=8, hidden_size=1024,
+             moe_intermediate_size=512, num_hidden_layers=8)
+
+
+def engine_kwargs(setting: str, model_dir: str, gpu_memory_utilization: float, num_prompts: int) -> dict:
+    """LLM(...) keyword arguments of one setting."""
+    if setting not in SETTINGS:
+        raise ValueError(f"unknown setting {setting!r}; expected one of {SETTINGS}")
+    kw = dict(model=model_dir, dtype="bfloat16", max_model_len=512, max_num_seqs=num_prompts, seed=0,
+              enable_prefix_caching=False, gpu_memory_utilization=gpu_memory_utilization,
+              enforce_eager=setting.startswith("eager"))
+    if setting == "graphs_native":
+        kw["enable_return_routed_experts"] = True
+    if setting.endswith("_capture"):
+        from moe_replay.integrations.vllm import capture_engine_kwargs
+
+        kw = capture_engine_kwargs(**kw)
+    return kw
+
+
+def workload(num_prompts: int, seed: int = 0) -> list[str]:
+    import numpy as np
+
+    words = "the cat route token model expert layer sample mixture alpha beta dog".split()
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(words, int(rng.integers(16, 65)))) for _ in range(num_prompts)]
+
+
+def plan(args: argparse.Namespace, model_dir: str) -> dict:
+    return {name: engine_kwargs(name, model_dir, args.gpu_memory_utilization, args.prompts) for name in args.settings}
+
+
+def check_plan(p: dict) -> None:
+    """Every setting's kwargs are EngineArgs fields of the installed vLLM (built, not started)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    for name, kw in p.items():
+        EngineArgs(**kw)
+
+
+class Setting:
+    def __init__(self, name: str, kwargs: dict) -> None:
+        from vllm import LLM
+
+        self.name = name
+        self.llm = LLM(**kwargs)
+        self.capture = None
+        if name.endswith("_capture"):
+            from moe_replay.integrations.vllm import CaptureConfig, VllmCapture
+
+            self.capture = VllmCapture(self.llm, CaptureConfig())
+
+    def run(self, prompts: list[str], params) -> float:
+        """Generated tokens per second of one pass (collect included for capture)."""
+        t0 = time.perf_counter()
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        if self.capture is not None:
+            self.capture.collect(outs)
+        if self.name == "graphs_native":
+            rows = sum(len(c.routed_experts) for o in outs for c in o.outputs)  # materialised, not lazy
+            assert rows > 0, "enable_return_routed_experts returned no routes"
+        dt = time.perf_counter() - t0
+        return sum(len(c.token_ids) for o in outs for c in o.outputs) / dt
+
+    def close(self) -> None:
+        if self.capture is not None:
+            self.capture.uninstall()
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--prompts", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.12,
+                    help="per engine; all settings' engines are alive at once")
+    ap.add_argument("--model-dir", default=None, help="reuse a built model instead of building it")
+    ap.add_argument("--dry-run", action="store_true", help="check and print the plan only (no engine, no GPU)")
+    args = ap.parse_args(argv)
+    args.settings = [s for s in args.settings.split(",") if s]
+    bad = [s for s in args.settings if s not in SETTINGS]
+    if bad or not args.settings:
+        ap.error(f"--settings: unknown {bad}; choose from {','.join(SETTINGS)}")
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    if args.dry_run:  # EngineArgs wants a real checkpoint: the tiny one stands in for the bench model
+        from moe_replay.models import build_tiny_model
+
+        with tempfile.TemporaryDirectory() as tmp:
+            p = plan(args, args.model_dir or str(build_tiny_model("qwen3_moe", Path(tmp) / "tiny", seed=0)))
+            check_plan(p)
+        print(json.dumps({"benchmark": "gpu_capture", "dry_run": True, "model": MODEL, "rounds": args.rounds,
+                          "prompts": args.prompts, "max_tokens": args.max_tokens, "top_p": args.top_p,
+                          "settings": p}, default=str))
+        return 0
+
+    import vllm
+    from vllm import SamplingParams
+
+    from moe_replay.models import build_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model_dir
+        if model_dir is None:
+            spec = dict(MODEL)
+            model_dir = str(build_tiny_model(spec.pop("family"), Path(tmp) / "bench", seed=0, **spec))
+        prompts = workload(args.prompts)
+        params = SamplingParams(temperature=1.0, top_p=args.top_p, max_tokens=args.max_tokens, ignore_eos=True)
+        settings = [Setting(name, kw) for name, kw in plan(args, model_dir).items()]
+        try:
+            for s in settings:  # warm-up pass each (compile / graph capture already happened at start)
+                s.run(prompts, params)
+            tps: dict[str, list[float]] = {s.name: [] for s in settings}
+            for r in range(args.rounds):
+                order = settings[r % len(settings):] + settings[: r % len(settings)]  # rotate the order
+                for s in order:
+                    tps[s.name].append(s.run(prompts, params))
+        finally:
+            for s in settings:
+                s.close()
+    out = {"benchmark": "gpu_capture", "vllm": vllm.__version__, "device": _device_name(), "model": MODEL,
+           "rounds": args.rounds, "prompts": args.prompts, "max_tokens": args.max_tokens, "top_p": args.top_p,
+           "settings": {}}
+    for name, runs in tps.items():
+        row = {"tokens_per_s": round(statistics.median(runs), 1), "runs": [round(x, 1) for x in runs]}
+        if "graphs" in tps:
+            row["vs_graphs"] = round(statistics.median(a / b for a, b in zip(runs, tps["graphs"])), 4)
+        out["settings"][name] = row
+    print(json.dumps(out))
+    return 0
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # stdout carries the JSON only
+    sys.exit(main())
