@@ -116,7 +116,7 @@ def test_update_weights_clears_the_capture_slot_route_cache(tiny_model, tmp_path
     """Routes cached per KV slot by capture were computed with the old weights: an update drops them."""
     from vllm import LLM, SamplingParams
 
-    from moe_replay.integrations.vllm import CaptureConfig, VllmCapture, capture_engine_kwargs
+    from moe_replay.integrations.vllm import VllmCapture, capture_engine_kwargs
     from moe_replay.integrations.vllm.weights import update_weights
 
     from .conftest import VLLM_TEST_ARGS, shutdown_llm

@@ -4,13 +4,14 @@
     from moe_replay.replay import build_plan, score_tokens
 """
 
-from .replay import FlipStats, ReplaySession, capture_routes, model_geometry, replay
+from .replay import FlipStats, ReplayedRoutes, ReplaySession, capture_routes, model_geometry, replay
 from .routers import ROUTER_ADAPTERS, RouterAdapter, RouterSite, adapter_for, find_routers, register_router
 
 __all__ = [
     "ROUTER_ADAPTERS",
     "FlipStats",
     "ReplaySession",
+    "ReplayedRoutes",
     "RouterAdapter",
     "RouterSite",
     "adapter_for",

@@ -83,10 +83,35 @@ class FlipStats:
         return sum(self.flips.values()) / total if total else 0.0
 
 
-class ReplaySession:
-    """A model under replay for one plan. Use as a context manager (see `replay`)."""
+@dataclass
+class ReplayedRoutes:
+    """What each MoE layer's experts actually received in the session's forward (backward
+    recomputes reuse the same ids and are not recorded again). Legend: N = B * S positions."""
 
-    def __init__(self, model: nn.Module, plan: RoutePlan, *, expect_recompute: bool | None = None, track_flips: bool = False):
+    used_ids: dict[int, torch.Tensor] = field(default_factory=dict)
+    """layer id -> ids [N, K] the experts received: the plan's where `routed_N`, the model's own elsewhere."""
+    own_ids: dict[int, torch.Tensor] = field(default_factory=dict)
+    """layer id -> ids [N, K] the model's router chose itself in that forward (top-k of its own logits)."""
+    routed_N: torch.Tensor | None = None
+    """bool [N]: positions the plan forced (padding and positions without a recorded route are False)."""
+
+    def flipped_N(self, layer_id: int) -> torch.Tensor:
+        """bool [N]: forced positions of `layer_id` whose replayed expert set differs from the model's own."""
+        return _differs_N(self.own_ids[layer_id], self.used_ids[layer_id], self.routed_N)
+
+    def flips(self) -> dict[int, int]:
+        """layer id -> number of flipped positions (the numbers FlipStats counts)."""
+        return {lid: int(self.flipped_N(lid).sum()) for lid in self.used_ids}
+
+
+class ReplaySession:
+    """A model under replay for one plan. Use as a context manager (see `replay`).
+
+    With `record_routes=True`, `session.routes` (ReplayedRoutes) holds per layer the ids the experts
+    received and the model's own choice, once the forward has run."""
+
+    def __init__(self, model: nn.Module, plan: RoutePlan, *, expect_recompute: bool | None = None, track_flips: bool = False,
+                 record_routes: bool = False):
         self.model = model
         self.sites = find_routers(model)
         _check_model(model, self.sites, plan.geometry)  # before any forward
@@ -95,6 +120,7 @@ class ReplaySession:
         self.ledger = RouteLedger(self.plan)
         self.expect_recompute = expect_recompute
         self.flips = FlipStats() if track_flips else None
+        self.routes = ReplayedRoutes(routed_N=self.plan.routed_N) if record_routes else None
         self._routed_NK = None if self.plan.all_routed else self.plan.routed_N.unsqueeze(-1)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -105,7 +131,7 @@ class ReplaySession:
     def _hook(self, site: RouterSite):
         spec, rule = site.spec, GATE_RULES.get(site.spec.rule)
         bias_fn, adapter = site.adapter.selection_bias, site.adapter
-        layer_id, routed_NK, flips = site.layer_id, self._routed_NK, self.flips
+        layer_id, routed_NK, flips, routes = site.layer_id, self._routed_NK, self.flips, self.routes
 
         def hook(module: nn.Module, args, output):
             logits_NE, _, free_NK = adapter.unpack(output)
@@ -114,6 +140,8 @@ class ReplaySession:
                 ids_NK = torch.where(routed_NK, ids_NK, free_NK)
             if flips is not None and not in_backward():
                 _count_flips(flips, layer_id, free_NK, ids_NK, self.plan.routed_N)
+            if routes is not None and not in_backward():
+                routes.used_ids[layer_id], routes.own_ids[layer_id] = ids_NK.detach().clone(), free_NK.detach().clone()
             weights_NK = rule.weights(logits_NE, ids_NK, spec, bias_fn(module))
             return adapter.repack(output, logits_NE, weights_NK, ids_NK)
 
@@ -145,18 +173,26 @@ class ReplaySession:
             self.ledger.finish(expect_recompute=self.expect_recompute)
 
 
+def _differs_N(free_NK: torch.Tensor, ids_NK: torch.Tensor, routed_N: torch.Tensor) -> torch.Tensor:
+    """bool [N]: routed positions whose expert sets (order ignored) differ."""
+    return (free_NK.sort(-1).values != ids_NK.sort(-1).values).any(-1) & routed_N
+
+
 def _count_flips(stats: FlipStats, layer_id: int, free_NK: torch.Tensor, ids_NK: torch.Tensor, routed_N: torch.Tensor) -> None:
-    differ_N = (free_NK.sort(-1).values != ids_NK.sort(-1).values).any(-1) & routed_N
+    differ_N = _differs_N(free_NK, ids_NK, routed_N)
     stats.positions[layer_id] = stats.positions.get(layer_id, 0) + int(routed_N.sum())
     stats.flips[layer_id] = stats.flips.get(layer_id, 0) + int(differ_N.sum())
 
 
-def replay(model: nn.Module, plan: RoutePlan, *, expect_recompute: bool | None = None, track_flips: bool = False) -> ReplaySession:
+def replay(model: nn.Module, plan: RoutePlan, *, expect_recompute: bool | None = None, track_flips: bool = False,
+           record_routes: bool = False) -> ReplaySession:
     """Context manager: inside it, `model` routes every token with the plan's recorded expert ids.
 
     Checks the model against the plan's geometry on creation, before any forward. With
     activation checkpointing on (and training), run backward inside the context, or it raises.
     `track_flips` counts positions where the trainer's own top-k set differs from the replayed one.
+    `record_routes` keeps the ids themselves: `session.routes.used_ids[layer]` [N, K] (what the
+    experts received), `.own_ids[layer]` (the router's own top-k), `.flipped_N(layer)`, `.flips()`.
 
         plan = build_plan(traces, model_geometry(model))
         with replay(model, plan) as session:
@@ -165,7 +201,7 @@ def replay(model: nn.Module, plan: RoutePlan, *, expect_recompute: bool | None =
             loss = -(scores.logprobs_G * adv_G).mean()
             loss.backward()
     """
-    return ReplaySession(model, plan, expect_recompute=expect_recompute, track_flips=track_flips)
+    return ReplaySession(model, plan, expect_recompute=expect_recompute, track_flips=track_flips, record_routes=record_routes)
 
 
 class capture_routes:

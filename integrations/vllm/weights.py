@@ -150,7 +150,7 @@ def update_on_worker(worker: Any, path: str) -> dict[str, Any]:
         if stale:
             return {"ok": False, "error": (
                 f"model type {model_type!r}: parameters {stale[:6]} were not written by the reload nor by the "
-                f"direct load of {suffixes}; the engine holds old weights there: rebuild it from the checkpoint")}
+                f"direct load of {suffixes} (they hold NaN now); do not sample from this engine: rebuild it from the checkpoint")}
         direct = sorted(unloaded)
     repacked = _repack_cpu_moe(model)
     cap = getattr(runner, "_moe_replay_capture", None)
