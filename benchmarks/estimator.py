@@ -35,6 +35,11 @@ and `raw_s` are kept too, since the 2-core machine is shared and one repeat can 
                    in-process engine (`s`), the replicas it used (`replicas_used_mean`), and the
                    sidecar pipelined figure with it (`pipelined_s`, `pipelined_overhead`). Replicas
                    stop where they agree, so on this deterministic engine it stops at min_n = 2;
+  estimator_s_reuse[n], pipelined_s_reuse  the same with prompt reuse (VllmScorerConfig(prompt_reuse=True),
+                   integrations/vllm/prefix.py): a replica reads its prompt's KV
+                   cached by the rollout's first replica and forwards only the prompt's tail and the
+                   response (whole 32-token blocks); each timed run uses a fresh cache salt, so it starts cold. The other
+                   figures use prompt_reuse=False (every replica forwards every token);
   *_same_engine_s  the earlier single-engine figures, kept: rollouts, serial and pipelined on ONE
                    in-process engine (pipelined: each finished rollout's 4 scoring replicas join
                    the engine's running batches), so scoring and decode share the same compute.
@@ -71,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import os
@@ -96,6 +102,9 @@ WORDS = "the cat route token model expert layer sample mixture alpha beta dog".s
 NS = (1, 2, 4, 8)
 DEFAULT_SIGMA = 0.05
 SIDECAR_N = 4
+BLOCK = 32
+"""KV block size of every engine here: prompt reuse reads whole blocks and the prompts are 20-83
+tokens; vLLM-CPU's default is 128 and its attention takes multiples of 32 only."""
 ADAPTIVE = EstimatorConfig(n=SIDECAR_N, adaptive=True, min_n=2, max_n=8, rel_tol=1e-3)
 """Variance-adaptive: 2 replicas first, doubled (up to 8) while any token's relative standard error
 of the mean probability exceeds 1e-3. On an engine whose replicas agree it stops at 2."""
@@ -214,7 +223,7 @@ class Sidecar:
         self.model_dir, self.dtype, self.requests = model_dir, dtype, requests
         self.engine_kw = dict(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=512,
                               max_num_seqs=max(8, requests * SIDECAR_N), max_num_batched_tokens=2048, seed=0,
-                              distributed_executor_backend="uni")
+                              distributed_executor_backend="uni", block_size=BLOCK)
         self.loop = asyncio.new_event_loop()
         self.rollouts_done_s: dict[str, list[float]] = {}
 
@@ -255,7 +264,9 @@ class Sidecar:
                 if r["pid"] in pids:
                     self.roles[r["pid"]] = role if "EngineCor" in r["name"] else "helper (multiprocessing resource tracker)"
         self.cap = await AsyncVllmCapture.attach(self.roll, CaptureConfig())
-        self.backend = await AsyncVllmScorer.attach(self.score_engine, VllmScorerConfig(force_routes=True, use_support=True))
+        self.backend = await AsyncVllmScorer.attach(self.score_engine, VllmScorerConfig(force_routes=True, use_support=True,
+                                                                                       prompt_reuse=False))
+        self.reuse_cfg = VllmScorerConfig(force_routes=True, use_support=True, prompt_reuse=True)
         self.est_cfg = EstimatorConfig(n=SIDECAR_N)
         # every replica of one rollout in flight at once (one per concurrent batch); vLLM batches them
         self.svc_cfg = ServiceConfig(batch_size=self.requests, concurrency=SIDECAR_N)
@@ -279,11 +290,15 @@ class Sidecar:
         traces = await self.rollout(P, sps)
         return traces, await estimate_stream(traces, self.backend, self.est_cfg, self.svc_cfg)
 
-    async def pipelined(self, P, sps, tag: str = "", est_cfg: EstimatorConfig | None = None):
+    def reuse_backend(self):
+        """The scoring engine with prompt reuse, under a fresh salt (cold cache: nothing carried over)."""
+        return self.backend.with_config(dataclasses.replace(self.reuse_cfg, weights_version=uuid.uuid4().hex))
+
+    async def pipelined(self, P, sps, tag: str = "", est_cfg: EstimatorConfig | None = None, backend=None):
         from moe_replay.estimator.service import EstimatorService
 
         t0 = time.perf_counter()
-        async with EstimatorService(self.backend, est_cfg or self.est_cfg, self.svc_cfg) as svc:
+        async with EstimatorService(backend or self.backend, est_cfg or self.est_cfg, self.svc_cfg) as svc:
             async def one(p, sp):
                 t = await self._one(p, sp)
                 await svc.submit(t)  # streamed in as it finishes
@@ -295,9 +310,9 @@ class Sidecar:
             out = {k: e async for k, e in svc.results()}  # ends with the last estimate
         return traces, out
 
-    def check(self, traces, out, sync_scorer) -> dict:
+    def check(self, traces, out, sync_scorer, backend=None) -> dict:
         """Estimates line up with the traces and equal the single score (deterministic engine)."""
-        single = self.run(self.backend.score(traces))
+        single = self.run((backend or self.backend).score(traces))
         inproc = sync_scorer.score_batch(traces)
         assert set(out) == {t.key for t in traces}, "estimates do not line up with the traces"
         dev, cross = 0.0, 0.0
@@ -381,9 +396,15 @@ def main() -> None:
 
     llm = LLM(**scoring_engine_kwargs(model=str(model_dir), dtype=args.dtype, enforce_eager=True, max_model_len=512,
                                       max_num_seqs=max(8, args.requests * 5), max_num_batched_tokens=2048, seed=0,
-                                      distributed_executor_backend="uni"))
+                                      distributed_executor_backend="uni", block_size=BLOCK))
     cap = VllmCapture(llm, CaptureConfig())
-    scorer = VllmScorer(llm, VllmScorerConfig(force_routes=True, use_support=True))
+    scorer = VllmScorer(llm, VllmScorerConfig(force_routes=True, use_support=True, prompt_reuse=False))
+    reuse_cfg = VllmScorerConfig(force_routes=True, use_support=True, prompt_reuse=True)
+
+    def reuse_scorer():
+        """Prompt reuse under a fresh salt: every timed run starts cold (its first replica round
+        computes every token and caches the prompts; later rounds read them)."""
+        return scorer.with_config(dataclasses.replace(reuse_cfg, weights_version=uuid.uuid4().hex))
     hf = HFScorer(HFScorerConfig(str(model_dir), dtype="float32", force_routes=True, use_support=True))
     sps = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=args.tokens, ignore_eos=True)
     P = prompts(args.requests)
@@ -424,7 +445,17 @@ def main() -> None:
         side.run(side.serial(P, sps_side))
     check = side.check(*side.run(side.pipelined(P, sps_side)), scorer)
     check_fixed = side.check(*side.run(side.pipelined(P, sps_fixed)), scorer)
+    rb = side.reuse_backend()
+    check_reuse = side.check(*side.run(side.pipelined(P, sps_side, backend=rb)), scorer, rb)
+    check_reuse["reuse_stats"] = dict(rb.reuse_stats)
     layout("single")
+    rs = reuse_scorer()
+    est_reuse = estimate(traces, rs, EstimatorConfig(n=4), batch_size=args.requests)
+    full4 = scorer.score_batch(traces)
+    reuse_check = {"max_abs_n4_reuse_estimate_vs_full_score": max(float(np.abs(e.logprob_G - f).max())
+                                                                   for e, f in zip(est_reuse, full4)),
+                   "stats_n4": dict(rs.reuse_stats)}
+    assert reuse_check["max_abs_n4_reuse_estimate_vs_full_score"] <= 1e-6, reuse_check
 
     # -- noise: does the engine itself give different replicas? ---------------------------------
     single = scorer.score_batch(traces)
@@ -460,8 +491,11 @@ def main() -> None:
             ("est_adaptive", lambda: adaptive_n.extend(
                 e.n for e in estimate(traces, scorer, ADAPTIVE, batch_size=args.requests)))]
     jobs += [(f"est{n}", lambda n=n: estimate(traces, scorer, EstimatorConfig(n=n), batch_size=args.requests)) for n in NS]
+    jobs += [(f"est{n}_reuse", lambda n=n: estimate(traces, reuse_scorer(), EstimatorConfig(n=n), batch_size=args.requests))
+             for n in NS]
+    jobs += [("pipelined_reuse", lambda: side.run(side.pipelined(P, sps_side, "reuse", backend=side.reuse_backend())))]
     SIDECAR_JOBS = {"rollout", "serial", "pipelined", "rollout_fixed", "serial_fixed", "pipelined_fixed",
-                    "pipelined_adaptive"}
+                    "pipelined_adaptive", "pipelined_reuse"}
     adaptive_n: list[int] = []
     side.rollouts_done_s.clear()
     for r in range(args.repeats):
@@ -531,6 +565,14 @@ def main() -> None:
         "pipelined_same_engine_s": med["pipelined_same_engine"],
         "pipelined_same_engine_overhead": med["pipelined_same_engine"] / med["rollout_same_engine"] - 1.0,
         "n4_over_hf_recompute": med["est4"] / med["hf"],
+        "estimator_s_reuse": {str(n): med[f"est{n}_reuse"] for n in NS},
+        "pipelined_s_reuse": med["pipelined_reuse"],
+        "pipelined_overhead_reuse": med["pipelined_reuse"] / med["rollout"] - 1.0,
+        "n4_reuse_over_hf_recompute": med["est4_reuse"] / med["hf"],
+        "reuse": {"block_size": BLOCK, "note": "prompt reuse: the first replica round of each run computes every "
+                  "token and caches whole prompt blocks (fresh salt per run); later replicas read "
+                  "floor((P-1)/block)*block prompt tokens and forward the rest",
+                  "pipelined_rollouts_done_s": done_s["reuse"], "check": reuse_check, "sidecar_check": check_reuse},
         "estimator_adaptive": {
             "config": {"n": ADAPTIVE.n, "min_n": ADAPTIVE.min_n, "max_n": ADAPTIVE.max_n, "rel_tol": ADAPTIVE.rel_tol},
             "s": med["est_adaptive"], "over_hf_recompute": med["est_adaptive"] / med["hf"],
