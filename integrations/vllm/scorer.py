@@ -57,9 +57,6 @@ class VllmScorerConfig:
     """Force each trace's recorded expert ids inside the engine (traces must carry routes)."""
     use_support: bool = True
     """Renormalise over each token's recorded kept set (traces without one use the vocabulary)."""
-    temperature: float = 1.0
-    """Sampling temperature for traces that do not record one (capture records it in
-    extra["sampling"]); scores are of softmax(logits / temperature). 0 = 1."""
     prompt_reuse: bool | None = None
     """Read each trace's prompt KV from the prefix cache and forward only the last prompt token and
     the response (prefix.py). None: when the engine was built for it (scoring_engine_kwargs with
@@ -79,8 +76,6 @@ class VllmScorerConfig:
     """Scoring requests registered on the worker and not yet collected, at most."""
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"VllmScorerConfig.temperature must be a number >= 0, got {self.temperature!r}")
         if not self.request_prefix or "#" in self.request_prefix:
             raise ValueError(f"VllmScorerConfig.request_prefix must be non-empty without '#', got {self.request_prefix!r}")
         if self.on_reuse_miss not in ("error", "count"):

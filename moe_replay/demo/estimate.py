@@ -25,7 +25,7 @@ class PiOldEstimator:
         if cfg.estimator_n is not None:
             self.config = dataclasses.replace(self.config, n=cfg.estimator_n)
         self.scorer = VllmScorer(engine.llm, VllmScorerConfig(
-            force_routes=settings.force_routes, use_support=settings.use_support, temperature=cfg.temperature))
+            force_routes=settings.force_routes, use_support=settings.use_support))  # at each trace's temperature
         self.batch_size = cfg.prompts_per_step * cfg.samples_per_prompt
 
     def pi_old_G(self, traces: Sequence[RolloutTrace]) -> np.ndarray:
