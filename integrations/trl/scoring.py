@@ -86,7 +86,7 @@ class _RoutesRan:
             h.remove()
 
 
-def _to_cols(x_G: torch.Tensor, gen_offsets_B1: np.ndarray, completion_cols: int) -> torch.Tensor:
+def to_columns(x_G: torch.Tensor, gen_offsets_B1: np.ndarray, completion_cols: int) -> torch.Tensor:
     """Flat [G] (row-major) -> [B, C] with row b's tokens in columns 0.. (zeros after), keeping grad."""
     counts = np.diff(gen_offsets_B1)
     rows = torch.from_numpy(np.repeat(np.arange(len(counts)), counts)).to(x_G.device)
@@ -151,8 +151,8 @@ def score_chunk(
     if measure:
         metrics = _metrics(TrainBatch(preset, plan, traces), scores.logprobs_G.detach(), ran, session)
     return ChunkScores(
-        logps_BC=_to_cols(scores.logprobs_G, plan.gen_offsets_B1, completion_cols),
-        entropy_BC=_to_cols(scores.entropy_G, plan.gen_offsets_B1, completion_cols),
+        logps_BC=to_columns(scores.logprobs_G, plan.gen_offsets_B1, completion_cols),
+        entropy_BC=to_columns(scores.entropy_G, plan.gen_offsets_B1, completion_cols),
         aux_loss=getattr(out, "aux_loss", None) if compute_aux_loss else None,
         metrics=metrics,
     )

@@ -37,7 +37,7 @@ from ...enablement import enable
 from ...presets import Preset, load_preset
 from . import rollout
 from .options import TrlOptionError, check_options
-from .scoring import _to_cols, score_chunk
+from .scoring import to_columns, score_chunk
 
 TRACES_KEY = "moe_replay_traces"
 """Key of the per-row trace list in TRL's batch dict."""
@@ -95,7 +95,7 @@ class MoeReplayGRPOTrainer(GRPOTrainer):
         old_BC = out["old_per_token_logps"]
         cols = old_BC.shape[1]
         offsets = np.concatenate([[0], np.cumsum([len(t.logprobs_G) for t in traces])])
-        rollout_BC = _to_cols(torch.from_numpy(np.concatenate([t.logprobs_G for t in traces]).astype(np.float64)),
+        rollout_BC = to_columns(torch.from_numpy(np.concatenate([t.logprobs_G for t in traces]).astype(np.float64)),
                               offsets, cols)
         res = apply_corrections(self.moe_replay_preset.corrections, old_BC.double().cpu(), rollout_BC,
                                 out["completion_mask"].bool().cpu())
