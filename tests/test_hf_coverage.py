@@ -39,7 +39,11 @@ def test_table_meets_the_target():
     assert len(CLAIMED) >= 30, f"docs/hf_coverage.md claims {len(CLAIMED)} replayed families; regenerate it"
 
 
-@pytest.mark.parametrize("family", sorted(CLAIMED))
+SLOW = {"kimi_linear", "afmoe", "granitemoehybrid"}
+"""Families whose tiny model runs torch reference kernels (linear attention, mamba): 45-130 s each on a loaded 2-core CPU."""
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW else f for f in sorted(CLAIMED)])
 def test_claimed_family_replays(family):
     result = coverage.check_family(family, CLAIMED)
     assert result.status == "replayed", result.reason
