@@ -88,6 +88,8 @@ class InferredAdapter:
         return output[self.logits_at], output[self.weights_at], output[self.ids_at]
 
     def repack(self, output, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        """The router's output with replayed weights (cast as verified on the probe) and ids."""
+        weights = weights.to(logits.dtype if self.weights_in_logits_dtype else torch.float32)
         items = list(output)
         items[self.logits_at], items[self.weights_at], items[self.ids_at] = logits, weights, ids
         return type(output)(items) if isinstance(output, tuple) else items

@@ -173,8 +173,8 @@ def _layer_id(model: nn.Module, name: str, module: nn.Module, stack: str | None)
     if draft or outside:
         raise UnsupportedRouterError(
             f"{family}: router {name!r} ({type(module).__name__}) is outside the decoder stack "
-            f"({stack or 'decoder layers'!r}): an MTP/draft layer, whose 'layers.<i>' index would collide with "
-            "decoder layer <i>; traces record decoder layers only. Replay the decoder model without it"
+            f"({stack or 'decoder layers'!r}): an MTP/draft (or encoder) layer, whose 'layers.<i>' index would collide "
+            "with decoder layer <i>; traces record decoder layers only. Replay the decoder model without it"
         )
     match = re.match(r"(\d+)\.", name[len(stack):]) if stack is not None else _LAYER_RE.search(name + ".")
     if match is None:
