@@ -9,6 +9,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from moe_replay.integrations.vllm.records import RequestRecord, last_occurrence, unpack_array
@@ -140,3 +141,42 @@ def test_a_sample_outside_its_recorded_support_is_counted_and_fails_the_trace():
     rec.write_samples(np.array([0, 1]), np.array([0, 1]), out)
     p = rec.payload()
     assert "sampled token 1 of generated token 1 is outside its recorded sampling support (2 tokens" in p["problems"][0]
+
+
+def test_vllm_outside_the_supported_range_is_refused_by_version():
+    from moe_replay.integrations.vllm import CaptureHookError
+    from moe_replay.integrations.vllm.versions import check_vllm_version, supported_range
+
+    assert supported_range() == ">=0.26,<0.33"
+    assert check_vllm_version("0.26.0") == "0.26.0" and check_vllm_version("0.32.0+cpu") == "0.32.0+cpu"
+    for bad in ("0.25.1", "0.33.0", "1.0.0"):
+        with pytest.raises(CaptureHookError, match=f"vLLM {bad} is outside the range"):
+            check_vllm_version(bad)
+
+
+def test_load_hook_is_declared_as_a_vllm_plugin_and_undoable():
+    """Worker processes get the load hook through vLLM's `vllm.general_plugins` entry point (the
+    installed package declares it); installing it twice is one wrapper, and removing it restores
+    vLLM's loader."""
+    from importlib.metadata import entry_points
+
+    pytest.importorskip("vllm")
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    from moe_replay.integrations.vllm import patch
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "moe_replay_capture"]
+    assert ep.load() is patch.register_plugin
+    was_installed = patch.LoadHook.installed is not None
+    patch.remove_load_hook()
+    plain = BaseModelLoader.__dict__["load_model"]
+    try:
+        assert not getattr(plain, "__moe_replay_wrapped__", False)
+        hook = patch.install_load_hook()
+        assert patch.install_load_hook() is hook
+        assert BaseModelLoader.__dict__["load_model"].__wrapped__ is plain
+        patch.remove_load_hook()
+        assert BaseModelLoader.__dict__["load_model"] is plain
+    finally:
+        if was_installed:
+            patch.install_load_hook()
