@@ -5,10 +5,11 @@ stands in for that engine (every attribute is the engine's, `generate` goes thro
 `VllmCapture`), so TRL's own generation code runs unchanged and each call leaves one trace per
 completion, in output order. `attach` / `detach` are the one place the TRL object is touched.
 
-TRL builds its engine itself, with settings capture cannot run under: without `enforce_eager`
-vLLM compiles the model (CUDA graphs on GPU, a traced graph on CPU) and the compiled forward skips
-the Python route hooks. `engine_options` adds capture's engine settings to that one constructor
-call (PATCH of `trl.generation.vllm_generation.LLM`, undone on exit).
+TRL builds its engine itself, in vLLM's default compiled mode (CUDA graphs on GPU, a traced graph
+on CPU). Capture serves that mode when its route buffer is bound at model load, before the forward
+is compiled (integrations/vllm/patch.py's load hook), which `capture_engine_kwargs` arranges. So
+`engine_options` adds exactly those settings to that one constructor call (PATCH of
+`trl.generation.vllm_generation.LLM`, undone on exit) and leaves TRL's own settings as they are.
 
 Legend: B completions of one generate call.
 """
@@ -21,13 +22,10 @@ from typing import Any, Iterator
 from ...trace import RolloutTrace
 
 
-CAPTURE_ENGINE_OPTIONS = {"enforce_eager": True}
-"""Added to TRL's `LLM(...)`: Python route hooks run only in eager mode (see module docstring)."""
-
 
 @contextlib.contextmanager
 def engine_options() -> Iterator[None]:
-    """While TRL constructs its colocated engine, build it with capture's worker extension and eager mode."""
+    """While TRL constructs its colocated engine, build it with capture's engine settings."""
     import trl.generation.vllm_generation as vg
 
     from ..vllm import capture_engine_kwargs
@@ -35,10 +33,7 @@ def engine_options() -> Iterator[None]:
     original = vg.LLM
 
     def build(*args: Any, **kwargs: Any) -> Any:
-        for key, value in CAPTURE_ENGINE_OPTIONS.items():
-            if kwargs.get(key, value) != value:
-                raise ValueError(f"moe_replay: TRL built its engine with {key}={kwargs[key]!r}; capture needs {value!r}")
-        return original(*args, **capture_engine_kwargs(**{**kwargs, **CAPTURE_ENGINE_OPTIONS}))
+        return original(*args, **capture_engine_kwargs(**kwargs))
 
     vg.LLM = build
     try:
