@@ -28,6 +28,7 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import time
 import weakref
 from typing import Any, Callable, Sequence
@@ -47,9 +48,11 @@ MAX_KEPT = 64
 class StoragePeak(TorchDispatchMode):
     """Live bytes of the storages the dispatched ops return, and their peak."""
 
-    def __init__(self) -> None:
+    def __init__(self, baseline: Sequence[torch.Tensor] = ()) -> None:
         super().__init__()
         self.live = self.peak = 0
+        self.baseline = {t.untyped_storage().data_ptr() for t in baseline}
+        """Storages live before the call (views of the logits are not new bytes)."""
         self.refs: dict[int, list[int]] = {}  # storage ptr -> [tensors alive on it, nbytes]
         self.tracked: set[int] = set()
 
@@ -59,7 +62,7 @@ class StoragePeak(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and id(t) not in self.tracked and t.device.type == "cpu":
                 st = t.untyped_storage()
                 ptr, nbytes = st.data_ptr(), st.nbytes()
-                if nbytes == 0:
+                if nbytes == 0 or ptr in self.baseline:
                     continue
                 if ptr not in self.refs:
                     self.refs[ptr] = [0, nbytes]
@@ -147,7 +150,7 @@ def run_once(fn, logits: torch.Tensor, backward: bool, measure: bool) -> tuple[f
     """(seconds, peak extra bytes without the logits' grad, with it)."""
     x = logits.detach().requires_grad_(True)
     gc.collect()
-    mode = StoragePeak() if measure else None
+    mode = StoragePeak([x]) if measure else None
     t0 = time.perf_counter()
     if mode is not None:
         with mode:
@@ -192,6 +195,7 @@ def bench(gs: Sequence[int], repeats: int, temperature: float) -> dict[str, Any]
                 res[name]["forward_time_vs_plain"] = round(res[name]["forward"]["ms"] / res["plain"]["forward"]["ms"], 3)
             out[f"G={g}"] = out.get(f"G={g}", {})
             out[f"G={g}"][support_key] = res
+            print(json.dumps({f"G={g}": {support_key: res}}), file=sys.stderr, flush=True)  # progress on a loaded machine
         del case
         gc.collect()
     return out

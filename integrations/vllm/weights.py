@@ -79,8 +79,13 @@ def repack_cpu_moe(llm: Any) -> int:
     """After weights were loaded into `llm` by any route (reload_weights, a trainer's per-tensor
     `load_weights`), re-apply the CPU experts kernel's prepack; returns layers repacked (0 off the
     CPU backend). Call it once per full load: prepacking prepacked values scrambles them again."""
-    fixed = llm.collective_rpc(_repack_cpu_moe)
+    fixed = llm.collective_rpc(_repack_on_worker)
     return int(fixed[0]) if fixed else 0
+
+
+def _repack_on_worker(worker: Any) -> int:
+    """Worker side of `repack_cpu_moe` (collective_rpc hands each worker to it)."""
+    return _repack_cpu_moe(worker.model_runner.get_model())
 
 
 def _checkpoint_params(info: Any) -> list[str]:
