@@ -180,3 +180,28 @@ def test_load_hook_is_declared_as_a_vllm_plugin_and_undoable():
     finally:
         if was_installed:
             patch.install_load_hook()
+
+
+def test_stitch_keeps_the_typed_fields_and_refuses_mixed_weights():
+    """A stitched conversation keeps the latest turn's sampling and weights version; turns sampled
+    with different weights are two policies' routes and never one record."""
+    import dataclasses
+
+    from moe_replay.integrations.vllm import CaptureAlignmentError, stitch
+    from moe_replay.trace import Sampling
+
+    from .trace_factory import random_trace
+
+    rng = np.random.default_rng(3)
+    first = random_trace("conv#0", rng, num_tokens=20, prompt_len=8)
+    first.weights_version = "step-4"
+    tail = random_trace("conv#1", rng, num_tokens=40, prompt_len=30, route_start=19)
+    tail.token_ids_S[:20] = first.token_ids_S
+    tail.sampling, tail.weights_version = Sampling(temperature=0.7, top_p=0.9), "step-4"
+    joined = stitch(first, tail)
+    assert joined.sampling == tail.sampling and joined.weights_version == "step-4"
+    assert joined.route_start == 0 and joined.num_route_rows == 39
+    np.testing.assert_array_equal(joined.routes_TLK[:19], first.routes_TLK[:19])
+    np.testing.assert_array_equal(joined.routes_TLK[19:], tail.routes_TLK)
+    with pytest.raises(CaptureAlignmentError, match=r"weights_version 'step-5'.*'step-4'"):
+        stitch(first, dataclasses.replace(tail, weights_version="step-5"))

@@ -168,6 +168,11 @@ def stitch(previous: RolloutTrace, turn: RolloutTrace) -> RolloutTrace:
             f"(the previous turn covers positions up to {P - 2})"
         )
     previous.geometry.check_matches(turn.geometry, where)
+    if previous.weights_version != turn.weights_version:  # one record holds one policy's routes
+        raise CaptureAlignmentError(
+            f"turn {turn.key!r} was sampled with weights_version {turn.weights_version!r}, the turn before it "
+            f"({previous.key!r}) with {previous.weights_version!r}: their routes cannot form one record"
+        )
     head = previous.routes_TLK[: turn.route_start - previous.route_start]
     routes = np.concatenate([head, turn.routes_TLK], axis=0)
     extra = dict(turn.extra)
@@ -175,7 +180,7 @@ def stitch(previous: RolloutTrace, turn: RolloutTrace) -> RolloutTrace:
     return RolloutTrace(
         key=turn.key, token_ids_S=turn.token_ids_S, prompt_len=turn.prompt_len, geometry=turn.geometry,
         routes_TLK=routes, route_start=previous.route_start, support=turn.support, logprobs_G=turn.logprobs_G,
-        engine=turn.engine, extra=extra,
+        engine=turn.engine, extra=extra, sampling=turn.sampling, weights_version=turn.weights_version,
     ).validate()
 
 
