@@ -71,6 +71,18 @@ def runs(tiny_model, tmp_path_factory):
     trainer.train()
     yield free_steps, trainer
     _shutdown(trainer)
+    _release_distributed()
+
+
+def _release_distributed() -> None:
+    """TRL's colocated engine (vLLM's external launcher) initialised torch.distributed and vLLM's
+    parallel groups in this process, and engine shutdown leaves them half torn down: the next
+    in-process engine of the session then fails with "pipeline model parallel group is not
+    initialized". Tear both down, so later tests start from a clean process."""
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
 
 
 def test_replay_removes_flips_and_lowers_k3(runs):
@@ -158,7 +170,17 @@ def test_example_runs():
     import sys
     from pathlib import Path
 
+    import os
+    import socket
+
     script = Path(__file__).resolve().parent.parent / "examples" / "trl_grpo.py"
-    proc = subprocess.run([sys.executable, str(script), "--steps", "1"], capture_output=True, text=True, timeout=600)
+    # The trainers above left this process's process group (TRL's colocated vLLM) listening on
+    # MASTER_PORT, which the child would inherit and fail to bind: give it a free port of its own.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    proc = subprocess.run([sys.executable, str(script), "--steps", "1"], capture_output=True, text=True, timeout=600,
+                          env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 1: route_flip_rate 0.0000" in proc.stdout

@@ -144,8 +144,7 @@ def score_chunk(
     if bool((col_G < s_len - k_cols).any()):  # trace_mask_BS puts every completion after column P - 1
         raise BatchLayoutError(Where(field="score positions"), f"columns >= {s_len - k_cols}", int(col_G.min()))
     kept = dataclasses.replace(plan, score_pos_G=(pos_G // s_len) * k_cols + col_G - (s_len - k_cols))
-    temps_G = plan.per_token(TrainBatch(preset, plan, traces).trace_temperatures).to(device)
-    scores = score_tokens(out.logits, kept, temperature=temps_G, use_support=preset.replay.support)
+    scores = score_tokens(out.logits, kept, use_support=preset.replay.support)  # at each trace's temperature
 
     metrics: dict[str, float] = {}
     if measure:
