@@ -7,14 +7,15 @@ routes must change them and still give the router gradient at the replayed exper
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from moe_replay.errors import GeometryMismatchError
-from moe_replay.integrations.hf import capture_routes, find_routers, model_geometry, replay
+from moe_replay.integrations.hf import capture_routes, find_routers, model_geometry, replay, self_routed_trace
 from moe_replay.replay import BatchLayoutError, PlanConfig, RouteConsumptionError, UnsupportedRouterError, build_plan, score_tokens
-from moe_replay.trace import RolloutTrace
 
 _ATTN = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
 FAMILIES = {
@@ -70,15 +71,10 @@ def hf_traces(model, lengths, prompt_len=3, seed=0, routes="free"):
     """Traces whose routes are HF's own free routing of each sequence (run alone), or shifted ids."""
     geom = model_geometry(model)
     rng = np.random.default_rng(seed)
-    out = []
-    for i, s in enumerate(lengths):
-        tokens = rng.integers(3, geom.vocab_size, s)
-        with torch.no_grad(), capture_routes(model) as cap:
-            model(input_ids=torch.from_numpy(tokens).view(1, -1))
-        routes_TLK = torch.stack([cap[lid] for lid in geom.moe_layer_ids], 1)[:-1].numpy()
-        if routes == "shifted":  # the same set shifted by one expert: mostly experts HF would not pick
-            routes_TLK = (routes_TLK + 1) % geom.num_experts
-        out.append(RolloutTrace(f"req-{i}", tokens, prompt_len, geom, routes_TLK=routes_TLK))
+    out = [self_routed_trace(model, rng.integers(3, geom.vocab_size, s), prompt_len, f"req-{i}")
+           for i, s in enumerate(lengths)]
+    if routes == "shifted":  # the same set shifted by one expert: mostly experts HF would not pick
+        out = [dataclasses.replace(t, routes_TLK=(t.routes_TLK + 1) % geom.num_experts) for t in out]
     return out
 
 

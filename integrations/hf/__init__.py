@@ -4,7 +4,7 @@
     from moe_replay.replay import build_plan, score_tokens
 """
 
-from .replay import FlipStats, ReplayedRoutes, ReplaySession, capture_routes, model_geometry, replay
+from .replay import FlipStats, ReplayedRoutes, ReplaySession, capture_routes, model_geometry, replay, self_routed_trace
 from .routers import ROUTER_ADAPTERS, RouterAdapter, RouterSite, adapter_for, find_routers, register_router
 
 __all__ = [
@@ -20,4 +20,5 @@ __all__ = [
     "model_geometry",
     "register_router",
     "replay",
+    "self_routed_trace",
 ]

@@ -172,19 +172,11 @@ def _outputs(out) -> torch.Tensor:
 
 def _traces(model: nn.Module, geometry) -> list:
     """Traces of HF's own free routes, each sequence run alone (as an engine would)."""
-    from moe_replay.trace import RolloutTrace
-
-    from .replay import capture_routes
+    from .replay import self_routed_trace
 
     rng = np.random.default_rng(0)
-    traces = []
-    for i, s in enumerate(SEQ_LENS):
-        tokens = rng.integers(3, geometry.vocab_size, s)
-        with torch.no_grad(), capture_routes(model) as cap:
-            model(input_ids=torch.from_numpy(tokens).view(1, -1))
-        routes_TLK = torch.stack([cap[lid] for lid in geometry.moe_layer_ids], 1)[:-1].numpy()
-        traces.append(RolloutTrace(f"req-{i}", tokens, 2, geometry, routes_TLK=routes_TLK))
-    return traces
+    return [self_routed_trace(model, rng.integers(3, geometry.vocab_size, s), 2, f"req-{i}")
+            for i, s in enumerate(SEQ_LENS)]
 
 
 def _shifted(traces: list, geometry) -> list:

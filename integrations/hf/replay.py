@@ -16,6 +16,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -25,6 +26,7 @@ from moe_replay.replay.errors import RouteConsumptionError
 from moe_replay.replay.gates import GATE_RULES
 from moe_replay.replay.ledger import RouteLedger, check_layers, in_backward
 from moe_replay.replay.plan import RoutePlan
+from moe_replay.trace import RolloutTrace
 
 from .routers import RouterSite, find_routers
 
@@ -230,3 +232,17 @@ class capture_routes:
             handle.remove()
         self._handles.clear()
         _release(self.sites)
+
+
+def self_routed_trace(model: nn.Module, tokens_S: np.ndarray, prompt_len: int, request_id: str = "req-0") -> RolloutTrace:
+    """A RolloutTrace of `tokens_S` whose routes are the model's own free routing of that sequence,
+    run alone (batch of one, no padding: what an engine sees). Replaying it must reproduce the
+    model's own logits bit for bit, which is how coverage and tests check a router adapter.
+    """
+    geometry = model_geometry(model)
+    tokens_S = np.asarray(tokens_S)
+    with torch.no_grad(), capture_routes(model) as cap:
+        model(input_ids=torch.from_numpy(tokens_S).view(1, -1))
+    # a trace holds routes of positions 0..S-2: the last token is sampled, never forwarded
+    routes_TLK = torch.stack([cap[lid] for lid in geometry.moe_layer_ids], 1)[:-1].numpy()
+    return RolloutTrace(request_id, tokens_S, prompt_len, geometry, routes_TLK=routes_TLK)
