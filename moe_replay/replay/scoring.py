@@ -187,6 +187,11 @@ class _Job:
             return src, slice(first, first + n)
         return src, None
 
+    def source(self, idx_C: torch.Tensor) -> torch.Tensor:
+        """The scored rows idx_C in the logits' own dtype, unscaled: a view when they are contiguous."""
+        src, run = self.source_rows(idx_C)
+        return self.logits_XV[run] if run is not None else self.logits_XV.index_select(0, src)
+
     def rows(self, idx_C: torch.Tensor) -> torch.Tensor:
         """fp-compute copy of the scored rows idx_C, divided by their temperature: [C, V_local]."""
         src, run = self.source_rows(idx_C)
@@ -233,7 +238,48 @@ def _combine(job: _Job, m_G: torch.Tensor, s_G: torch.Tensor, sy_G: torch.Tensor
 
 
 class TorchChunked:
-    """Row-chunked torch reference backend: any device, any float dtype (fp64 stays fp64)."""
+    """Row-chunked torch reference backend: any device, any float dtype (fp64 stays fp64).
+
+    The full-vocabulary work per chunk is two methods, `dense_stats` (forward) and `dense_grad`
+    (backward); the rest (CSR support, shards, row bookkeeping) is shared with `TorchCompiled`.
+    Eager torch makes each op a pass over the [C, V] chunk: forward 5 (fp32 copy, log_softmax,
+    exp, one fused multiply-reduce), backward 5 (copy, exp, two fused updates, write-back)."""
+
+    def dense_stats(self, job: _Job, idx_C: torch.Tensor, col_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-sum-exp, entropy) over the local vocabulary of scored rows idx_C; col_C: a local column
+        per row (its target where it lives on this shard) at which the log-sum-exp is read off."""
+        x_CV = job.rows(idx_C)
+        # torch's fused row log_softmax (max, sum of exp and write in one cache-friendly kernel),
+        # then log-sum-exp = x_j - logp_j at column j
+        lp_CV = torch.log_softmax(x_CV, 1)
+        j_C1 = col_C[:, None]
+        lse_C = (x_CV.gather(1, j_C1) - lp_CV.gather(1, j_C1)).squeeze(1)
+        if not job.entropy:
+            return lse_C, torch.zeros_like(lse_C)
+        # H = -sum p logp: p into x's buffer, then one batched dot (bmm reads both rows once and writes
+        # nothing: the mul + sum pair it replaces reads three rows and writes one)
+        p_CV = torch.exp(lp_CV, out=x_CV)
+        ent_C = torch.bmm(p_CV[:, None, :], lp_CV[:, :, None]).view(-1).neg_()
+        return lse_C, ent_C
+
+    def dense_grad(self, job: _Job, idx_C: torch.Tensor, lse_C1: torch.Tensor, mean_C1: torch.Tensor, a_C1: torch.Tensor,
+                   b_C1: torch.Tensor, t_C1: torch.Tensor, out_CV: torch.Tensor) -> None:
+        """Write d(a logp_t + b H)/d logits of rows idx_C into out_CV (any float dtype), divided by the
+        temperature: onehot_t a - p (a + b (x - E[x])), E[x] = mean_C1; t_C1 = -1 where the target
+        column is not on this shard."""
+        x_CV = job.rows(idx_C)
+        if bool((b_C1 != 0).any()):
+            p_CV = torch.sub(x_CV, lse_C1).exp_()
+            dx_CV = x_CV.sub_(mean_C1).mul_(b_C1).add_(a_C1).mul_(p_CV).neg_()
+            del p_CV
+        else:  # no entropy term: one buffer, p computed in place
+            dx_CV = x_CV.sub_(lse_C1).exp_().mul_(-a_C1)
+        here_C = t_C1[:, 0] >= 0
+        rows_t = torch.arange(idx_C.numel(), device=dx_CV.device)[here_C]
+        dx_CV[rows_t, t_C1[here_C, 0]] += a_C1[here_C, 0]
+        if not job.unit_scale:
+            dx_CV.div_(job.scale_G.index_select(0, idx_C)[:, None])
+        out_CV.copy_(dx_CV)
 
     def forward_stats(self, job: _Job) -> dict[str, torch.Tensor]:
         g, dev, cdt = job.num_rows, job.target_G.device, job.cdt
@@ -254,16 +300,9 @@ class TorchChunked:
                 idx = idx[job.dense_G[r0:r1]]
                 if idx.numel() == 0:
                     continue
-                x_CV = job.rows(idx)
-                # torch's fused row log_softmax (max, sum of exp and write in one cache-friendly kernel),
-                # then log-sum-exp = x_j - logp_j at the target column (column 0 on shards without it)
-                lp_CV = torch.log_softmax(x_CV, 1)
-                j_C = torch.where(here_G[idx], local_t[idx], torch.zeros_like(local_t[idx]))[:, None]
-                lse_C = (x_CV.gather(1, j_C) - lp_CV.gather(1, j_C)).squeeze(1)
-                ent_C = torch.exp(lp_CV, out=x_CV).mul_(lp_CV).sum(1).neg_() if job.entropy else torch.zeros_like(lse_C)
+                lse_C, ent_C = self.dense_stats(job, idx, torch.where(here_G[idx], local_t[idx], torch.zeros_like(local_t[idx])))
                 # as (max, sum e^(x-max), sum e^(x-max) (x-max)) with max := lse: (lse, 1, -H)
                 m[idx], s[idx], sy[idx] = lse_C, 1.0, -ent_C
-                del x_CV, lp_CV
             s = torch.where(job.dense_G, s, torch.ones_like(s))  # rows not read: finite placeholders
             out["lse_full"], out["ent_full"] = _combine(job, torch.where(job.dense_G, m, torch.zeros_like(m)), s, sy)
 
@@ -309,26 +348,27 @@ class TorchChunked:
         v_local = x_shape[1]
         local_t = job.target_G - job.start
         here_G = (local_t >= 0) & (local_t < v_local)
+        merge_G = dense_G & sparse_G
         for r0, r1 in job.chunks():
             idx = torch.arange(r0, r1, device=dev)
             d_idx = idx[dense_G[r0:r1]]
             pos_in_dense = torch.full((r1 - r0,), -1, dtype=torch.long, device=dev)
-            dx_CV = None
+            dx_CV = dst = run = None
             if d_idx.numel():
                 pos_in_dense[d_idx - r0] = torch.arange(d_idx.numel(), device=dev)
-                x_CV = job.rows(d_idx)
                 lse, ent = stats["lse_full"].index_select(0, d_idx)[:, None], stats["ent_full"].index_select(0, d_idx)[:, None]
                 a, b = a_full.index_select(0, d_idx)[:, None], b_full.index_select(0, d_idx)[:, None]
-                # d logp/dx = onehot - p;  d H/dx = -p (x - E[x]),  E[x] = lse - H
-                if bool((b != 0).any()):
-                    p_CV = torch.sub(x_CV, lse).exp_()
-                    dx_CV = x_CV.sub_(lse - ent).mul_(b).add_(a).mul_(p_CV).neg_()
-                    del p_CV
-                else:  # no entropy term: one buffer, p computed in place
-                    dx_CV = x_CV.sub_(lse).exp_().mul_(-a)
                 t_here = here_G.index_select(0, d_idx)
-                rows_t = torch.arange(d_idx.numel(), device=dev)[t_here]
-                dx_CV[rows_t, local_t.index_select(0, d_idx)[t_here]] += a[t_here, 0]
+                t_C1 = torch.where(t_here, local_t.index_select(0, d_idx), torch.full_like(t_here, -1, dtype=torch.long))[:, None]
+                dst, run = job.source_rows(d_idx)
+                merge = sup is not None and bool(merge_G[r0:r1].any())
+                # straight into the gradient where nothing is added after (a contiguous run of rows);
+                # else a chunk buffer, in the compute dtype when support terms are added to it
+                dx_CV = grad_XV[run] if (run is not None and not merge) else torch.empty(
+                    (d_idx.numel(), v_local), dtype=cdt if merge else grad_XV.dtype, device=dev)
+                self.dense_grad(job, d_idx, lse, lse - ent, a, b, t_C1, dx_CV)
+                if run is not None and not merge:
+                    dx_CV = None  # written
             if sup is not None and bool(sparse_G[r0:r1].any()):
                 row_n, col_n, x_n, is_t = job.kept(r0, r1)
                 use = sparse_G.index_select(0, row_n)
@@ -337,20 +377,17 @@ class TorchChunked:
                 a, b = a_sup.index_select(0, row_n), b_sup.index_select(0, row_n)
                 q_n = torch.exp(x_n - lse)
                 dx_n = -q_n * (a + b * (x_n - (lse - ent))) + torch.where(is_t, a, torch.zeros_like(a))  # per scaled logit
+                if not job.unit_scale:
+                    dx_n = dx_n / job.scale_G.index_select(0, row_n)
                 p_n = pos_in_dense[row_n - r0]
                 in_dense = p_n >= 0
-                if dx_CV is not None and bool(in_dense.any()):  # divided by the temperature with its dense row below
-                    dx_CV.index_put_((p_n[in_dense], col_n[in_dense]), dx_n[in_dense], accumulate=True)
+                if dx_CV is not None and bool(in_dense.any()):
+                    dx_CV.index_put_((p_n[in_dense], col_n[in_dense]), dx_n[in_dense].to(dx_CV.dtype), accumulate=True)
                 out_n = ~in_dense
-                row_o, dx_o = row_n[out_n], dx_n[out_n]
-                if not job.unit_scale:
-                    dx_o = dx_o / job.scale_G.index_select(0, row_o)
-                dst = row_o if job.rows_G is None else job.rows_G.index_select(0, row_o)
-                grad_XV.index_put_((dst, col_n[out_n]), dx_o.to(grad_XV.dtype), accumulate=True)
+                row_o = row_n[out_n]
+                dst_o = row_o if job.rows_G is None else job.rows_G.index_select(0, row_o)
+                grad_XV.index_put_((dst_o, col_n[out_n]), dx_n[out_n].to(grad_XV.dtype), accumulate=True)
             if dx_CV is not None:
-                if not job.unit_scale:
-                    dx_CV.div_(job.scale_G.index_select(0, d_idx)[:, None])
-                dst, run = job.source_rows(d_idx)
                 if run is not None:
                     grad_XV[run].copy_(dx_CV)
                 else:
@@ -360,6 +397,90 @@ class TorchChunked:
 
 
 SCORING_BACKENDS.add("torch_chunked", TorchChunked())
+
+
+def _stats_kernel(x_CV: torch.Tensor, scale_C1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-sum-exp, entropy) per row of x / scale, upcast inside: compiled, two reductions over the row
+    (max, then sum e^y and sum e^y y fused) read the logits' own bytes and write no [C, V] tensor."""
+    x = x_CV.to(scale_C1.dtype) / scale_C1
+    m = x.amax(1, keepdim=True)
+    y = x - m
+    e = torch.exp(y)
+    s = e.sum(1)
+    log_s = torch.log(s)
+    return m.squeeze(1) + log_s, log_s - (e * y).sum(1) / s
+
+
+def _grad_kernel(out_CV: torch.Tensor, x_CV: torch.Tensor, scale_C1: torch.Tensor, lse_C1: torch.Tensor, mean_C1: torch.Tensor,
+                 a_C1: torch.Tensor, b_C1: torch.Tensor, t_C1: torch.Tensor) -> None:
+    """out = (onehot_t a - p (a + b (x - E[x]))) / scale: compiled, one pass reading the logits and
+    writing out (the gradient itself where the rows are a contiguous run)."""
+    x = x_CV.to(scale_C1.dtype) / scale_C1
+    p = torch.exp(x - lse_C1)
+    col = torch.arange(x.shape[1], device=x.device)[None, :]
+    dx = torch.where(col == t_C1, a_C1, torch.zeros_like(a_C1)) - p * (a_C1 + b_C1 * (x - mean_C1))
+    out_CV.copy_(dx / scale_C1)
+
+
+class TorchCompiled(TorchChunked):
+    """`torch_chunked` with its per-chunk full-vocabulary math compiled by torch.compile (inductor).
+
+    Eager torch runs the chunk math as 5 passes each way with fp32 [C, V] buffers; compiled, the
+    forward is one kernel with two reductions over each row and the backward one elementwise
+    kernel, both reading the bf16 logits directly and writing no fp32 chunk (measured on CPU in
+    benchmarks/scoring.py). Shapes are dynamic (one compile per dtype, ~13 s cold on a 2-core
+    CPU; inductor's on-disk cache serves later processes). Support, shards and row bookkeeping
+    are `TorchChunked`'s. A fused Triton kernel (issue 13 item 2) would go one step further on a
+    GPU: one launch per call over all rows, forward and backward reading each logit once, the
+    support gather and the target column folded in; it registers beside these two."""
+
+    def __init__(self) -> None:
+        self._stats: Any = None
+        self._grad: Any = None
+
+    def kernels(self) -> tuple[Any, Any]:
+        if self._stats is None:  # built on first use: torch.compile imports dynamo
+            self._stats = torch.compile(_stats_kernel, dynamic=True, fullgraph=True)
+            self._grad = torch.compile(_grad_kernel, dynamic=True, fullgraph=True)
+        return self._stats, self._grad
+
+    def dense_stats(self, job: _Job, idx_C: torch.Tensor, col_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels()[0](job.source(idx_C), job.scale_G.index_select(0, idx_C)[:, None])
+
+    def dense_grad(self, job: _Job, idx_C: torch.Tensor, lse_C1: torch.Tensor, mean_C1: torch.Tensor, a_C1: torch.Tensor,
+                   b_C1: torch.Tensor, t_C1: torch.Tensor, out_CV: torch.Tensor) -> None:
+        self.kernels()[1](out_CV, job.source(idx_C), job.scale_G.index_select(0, idx_C)[:, None], lse_C1, mean_C1, a_C1, b_C1, t_C1)
+
+
+SCORING_BACKENDS.add("torch_compiled", TorchCompiled())
+
+COMPILE_MIN_ELEMENTS = 1 << 22
+"""`backend="auto"` takes `torch_compiled` on CPU where a call reads at least this many logits over the
+full vocabulary (4.2M: 28 rows at V = 151,936, ~20 ms of eager work a call on a 2-core CPU), so a
+trainer compiles once and tests on tiny vocabularies (V <= 512) never pay a compile."""
+_COMPILE_PROBE: dict[str, Any] = {}
+
+
+def _auto_backend(job: _Job) -> str:
+    """`torch_compiled` where it pays and compiles here, else `torch_chunked`. On other devices eager
+    until a fused kernel is measured there (inductor emits Triton on a GPU: untested in this project)."""
+    if job.logits_XV.device.type != "cpu" or int(job.dense_G.sum()) * job.logits_XV.shape[1] < COMPILE_MIN_ELEMENTS:
+        return "torch_chunked"
+    if "error" not in _COMPILE_PROBE:  # once per process: a machine without a C++ toolchain stays eager, and says so
+        try:
+            stats, grad = SCORING_BACKENDS.get("torch_compiled").kernels()
+            x = torch.zeros(2, 8)
+            one = torch.ones(2, 1)
+            stats(x, one)
+            grad(torch.empty(2, 8), x, one, one, one, one, one, torch.zeros(2, 1, dtype=torch.long))
+            _COMPILE_PROBE["error"] = None
+        except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager
+            import warnings
+
+            _COMPILE_PROBE["error"] = e
+            warnings.warn(f"score_logits: torch.compile unusable here ({type(e).__name__}: {e}); scoring eagerly "
+                          "(same values, slower on the full vocabulary)", RuntimeWarning, stacklevel=3)
+    return "torch_chunked" if _COMPILE_PROBE["error"] is not None else "torch_compiled"
 
 
 class _ScoreFunction(torch.autograd.Function):
@@ -415,7 +536,7 @@ def score_logits(
     shard: VocabShard | None = None,
     entropy: bool = True,
     chunk_bytes: int | None = None,
-    backend: str = "torch_chunked",
+    backend: str = "auto",
 ) -> TokenScores:
     """Score `target_G` under softmax(logits / temperature), renormalised over `support` when given.
 
@@ -426,12 +547,14 @@ def score_logits(
     `full=True` adds the full-vocabulary log p and entropy. `shard`: logits are this rank's
     vocabulary slice (Megatron tensor parallelism); every rank calls with the same rows.
     `entropy=False` skips the entropies (None in the result): a loss on log p alone saves three
-    passes over each full-vocabulary chunk. Bad input raises ScoringInputError naming the row and
-    the value.
+    passes over each full-vocabulary chunk (eager). `backend`: a `SCORING_BACKENDS` name, or "auto"
+    (`torch_compiled` on CPU for full-vocabulary work of at least COMPILE_MIN_ELEMENTS logits,
+    `torch_chunked` otherwise). Bad input raises ScoringInputError naming the row and the value.
     """
     job = _prepare(logits_XV, target_G, rows_G, support, temperature, full, shard, chunk_bytes)
     job.entropy = bool(entropy)
-    lp, ent, lp_full, ent_full = _ScoreFunction.apply(logits_XV, job, SCORING_BACKENDS.get(backend))
+    impl = SCORING_BACKENDS.get(_auto_backend(job) if backend == "auto" else backend)
+    lp, ent, lp_full, ent_full = _ScoreFunction.apply(logits_XV, job, impl)
     return TokenScores(lp, ent if entropy else None, lp_full if full else None, ent_full if full and entropy else None)
 
 
