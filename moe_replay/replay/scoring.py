@@ -187,11 +187,6 @@ class _Job:
             return src, slice(first, first + n)
         return src, None
 
-    def source(self, idx_C: torch.Tensor) -> torch.Tensor:
-        """The scored rows idx_C in the logits' own dtype, unscaled: a view when they are contiguous."""
-        src, run = self.source_rows(idx_C)
-        return self.logits_XV[run] if run is not None else self.logits_XV.index_select(0, src)
-
     def rows(self, idx_C: torch.Tensor) -> torch.Tensor:
         """fp-compute copy of the scored rows idx_C, divided by their temperature: [C, V_local]."""
         src, run = self.source_rows(idx_C)
@@ -262,11 +257,15 @@ class TorchChunked:
         ent_C = torch.bmm(p_CV[:, None, :], lp_CV[:, :, None]).view(-1).neg_()
         return lse_C, ent_C
 
+    def chunks(self, job: _Job, buffered: bool) -> list[tuple[int, int]]:
+        """Row ranges of the dense loops: each allocates [C, V] compute-dtype buffers here."""
+        return job.chunks()
+
     def dense_grad(self, job: _Job, idx_C: torch.Tensor, lse_C1: torch.Tensor, mean_C1: torch.Tensor, a_C1: torch.Tensor,
-                   b_C1: torch.Tensor, t_C1: torch.Tensor, out_CV: torch.Tensor) -> None:
-        """Write d(a logp_t + b H)/d logits of rows idx_C into out_CV (any float dtype), divided by the
-        temperature: onehot_t a - p (a + b (x - E[x])), E[x] = mean_C1; t_C1 = -1 where the target
-        column is not on this shard."""
+                   b_C1: torch.Tensor, t_C1: torch.Tensor, out: torch.Tensor, dst_C: torch.Tensor | None) -> None:
+        """Write d(a logp_t + b H)/d logits of rows idx_C, divided by the temperature, into rows dst_C of
+        `out` (the gradient), or into `out` [C, V] itself when dst_C is None: onehot_t a - p (a + b (x -
+        E[x])), E[x] = mean_C1; t_C1 = -1 where the target column is not on this shard."""
         x_CV = job.rows(idx_C)
         if bool((b_C1 != 0).any()):
             p_CV = torch.sub(x_CV, lse_C1).exp_()
@@ -279,7 +278,14 @@ class TorchChunked:
         dx_CV[rows_t, t_C1[here_C, 0]] += a_C1[here_C, 0]
         if not job.unit_scale:
             dx_CV.div_(job.scale_G.index_select(0, idx_C)[:, None])
-        out_CV.copy_(dx_CV)
+        if dst_C is None:
+            out.copy_(dx_CV)
+            return
+        _, run = job.source_rows(idx_C)
+        if run is not None:  # a slice copies at memory speed
+            out[run].copy_(dx_CV)
+        else:
+            out[dst_C] = dx_CV.to(out.dtype)
 
     def forward_stats(self, job: _Job) -> dict[str, torch.Tensor]:
         g, dev, cdt = job.num_rows, job.target_G.device, job.cdt
@@ -295,7 +301,7 @@ class TorchChunked:
         if bool(job.dense_G.any()):
             m, s, sy = (torch.full((g,), float("-inf"), dtype=cdt, device=dev), torch.zeros(g, dtype=cdt, device=dev),
                         torch.zeros(g, dtype=cdt, device=dev))
-            for r0, r1 in job.chunks():
+            for r0, r1 in self.chunks(job, buffered=False):
                 idx = torch.arange(r0, r1, device=dev)
                 idx = idx[job.dense_G[r0:r1]]
                 if idx.numel() == 0:
@@ -348,8 +354,8 @@ class TorchChunked:
         v_local = x_shape[1]
         local_t = job.target_G - job.start
         here_G = (local_t >= 0) & (local_t < v_local)
-        merge_G = dense_G & sparse_G
-        for r0, r1 in job.chunks():
+        merge = sup is not None and bool((dense_G & sparse_G).any())  # support terms added to dense rows
+        for r0, r1 in self.chunks(job, buffered=merge):
             idx = torch.arange(r0, r1, device=dev)
             d_idx = idx[dense_G[r0:r1]]
             pos_in_dense = torch.full((r1 - r0,), -1, dtype=torch.long, device=dev)
@@ -361,14 +367,11 @@ class TorchChunked:
                 t_here = here_G.index_select(0, d_idx)
                 t_C1 = torch.where(t_here, local_t.index_select(0, d_idx), torch.full_like(t_here, -1, dtype=torch.long))[:, None]
                 dst, run = job.source_rows(d_idx)
-                merge = sup is not None and bool(merge_G[r0:r1].any())
-                # straight into the gradient where nothing is added after (a contiguous run of rows);
-                # else a chunk buffer, in the compute dtype when support terms are added to it
-                dx_CV = grad_XV[run] if (run is not None and not merge) else torch.empty(
-                    (d_idx.numel(), v_local), dtype=cdt if merge else grad_XV.dtype, device=dev)
-                self.dense_grad(job, d_idx, lse, lse - ent, a, b, t_C1, dx_CV)
-                if run is not None and not merge:
-                    dx_CV = None  # written
+                if merge:  # a chunk buffer in the compute dtype: support terms are added before rounding
+                    dx_CV = torch.empty((d_idx.numel(), v_local), dtype=cdt, device=dev)
+                    self.dense_grad(job, d_idx, lse, lse - ent, a, b, t_C1, dx_CV, None)
+                else:  # straight into the gradient's rows
+                    self.dense_grad(job, d_idx, lse, lse - ent, a, b, t_C1, grad_XV, dst)
             if sup is not None and bool(sparse_G[r0:r1].any()):
                 row_n, col_n, x_n, is_t = job.kept(r0, r1)
                 use = sparse_G.index_select(0, row_n)
@@ -399,10 +402,11 @@ class TorchChunked:
 SCORING_BACKENDS.add("torch_chunked", TorchChunked())
 
 
-def _stats_kernel(x_CV: torch.Tensor, scale_C1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-sum-exp, entropy) per row of x / scale, upcast inside: compiled, two reductions over the row
-    (max, then sum e^y and sum e^y y fused) read the logits' own bytes and write no [C, V] tensor."""
-    x = x_CV.to(scale_C1.dtype) / scale_C1
+def _stats_kernel(logits_XV: torch.Tensor, src_C: torch.Tensor, scale_C1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-sum-exp, entropy) of rows src_C of logits / scale, upcast inside: compiled, two reductions
+    over each row (max, then sum e^y and sum e^y y fused) read the logits' own bytes in place (the
+    row index is folded into the loads) and write no [C, V] tensor."""
+    x = logits_XV[src_C].to(scale_C1.dtype) / scale_C1
     m = x.amax(1, keepdim=True)
     y = x - m
     e = torch.exp(y)
@@ -411,15 +415,15 @@ def _stats_kernel(x_CV: torch.Tensor, scale_C1: torch.Tensor) -> tuple[torch.Ten
     return m.squeeze(1) + log_s, log_s - (e * y).sum(1) / s
 
 
-def _grad_kernel(out_CV: torch.Tensor, x_CV: torch.Tensor, scale_C1: torch.Tensor, lse_C1: torch.Tensor, mean_C1: torch.Tensor,
-                 a_C1: torch.Tensor, b_C1: torch.Tensor, t_C1: torch.Tensor) -> None:
-    """out = (onehot_t a - p (a + b (x - E[x]))) / scale: compiled, one pass reading the logits and
-    writing out (the gradient itself where the rows are a contiguous run)."""
-    x = x_CV.to(scale_C1.dtype) / scale_C1
+def _grad_kernel(out_YV: torch.Tensor, dst_C: torch.Tensor, logits_XV: torch.Tensor, src_C: torch.Tensor, scale_C1: torch.Tensor,
+                 lse_C1: torch.Tensor, mean_C1: torch.Tensor, a_C1: torch.Tensor, b_C1: torch.Tensor, t_C1: torch.Tensor) -> None:
+    """out[dst] = (onehot_t a - p (a + b (x - E[x]))) / scale, x = logits[src]: compiled, one pass
+    reading the logits rows and storing into the gradient's rows (both indices folded in)."""
+    x = logits_XV[src_C].to(scale_C1.dtype) / scale_C1
     p = torch.exp(x - lse_C1)
     col = torch.arange(x.shape[1], device=x.device)[None, :]
     dx = torch.where(col == t_C1, a_C1, torch.zeros_like(a_C1)) - p * (a_C1 + b_C1 * (x - mean_C1))
-    out_CV.copy_(dx / scale_C1)
+    out_YV[dst_C] = (dx / scale_C1).to(out_YV.dtype)
 
 
 class TorchCompiled(TorchChunked):
@@ -444,12 +448,22 @@ class TorchCompiled(TorchChunked):
             self._grad = torch.compile(_grad_kernel, dynamic=True, fullgraph=True)
         return self._stats, self._grad
 
+    def chunks(self, job: _Job, buffered: bool) -> list[tuple[int, int]]:
+        """One range for all rows unless the backward needs a [C, V] buffer (support terms added to
+        dense rows): the kernels allocate nothing per row, and each extra launch costs a parallel
+        region (on a loaded 2-core CPU, up to a scheduler time slice: ~30 ms measured with 4-row chunks)."""
+        return job.chunks() if buffered else [(0, job.num_rows)]
+
     def dense_stats(self, job: _Job, idx_C: torch.Tensor, col_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kernels()[0](job.source(idx_C), job.scale_G.index_select(0, idx_C)[:, None])
+        src_C, _ = job.source_rows(idx_C)
+        return self.kernels()[0](job.logits_XV, src_C, job.scale_G.index_select(0, idx_C)[:, None])
 
     def dense_grad(self, job: _Job, idx_C: torch.Tensor, lse_C1: torch.Tensor, mean_C1: torch.Tensor, a_C1: torch.Tensor,
-                   b_C1: torch.Tensor, t_C1: torch.Tensor, out_CV: torch.Tensor) -> None:
-        self.kernels()[1](out_CV, job.source(idx_C), job.scale_G.index_select(0, idx_C)[:, None], lse_C1, mean_C1, a_C1, b_C1, t_C1)
+                   b_C1: torch.Tensor, t_C1: torch.Tensor, out: torch.Tensor, dst_C: torch.Tensor | None) -> None:
+        src_C, _ = job.source_rows(idx_C)
+        dst_C = torch.arange(idx_C.numel(), device=idx_C.device) if dst_C is None else dst_C
+        self.kernels()[1](out, dst_C, job.logits_XV, src_C, job.scale_G.index_select(0, idx_C)[:, None], lse_C1, mean_C1,
+                          a_C1, b_C1, t_C1)
 
 
 SCORING_BACKENDS.add("torch_compiled", TorchCompiled())
@@ -469,10 +483,9 @@ def _auto_backend(job: _Job) -> str:
     if "error" not in _COMPILE_PROBE:  # once per process: a machine without a C++ toolchain stays eager, and says so
         try:
             stats, grad = SCORING_BACKENDS.get("torch_compiled").kernels()
-            x = torch.zeros(2, 8)
-            one = torch.ones(2, 1)
-            stats(x, one)
-            grad(torch.empty(2, 8), x, one, one, one, one, one, torch.zeros(2, 1, dtype=torch.long))
+            x, rows, one = torch.zeros(3, 8), torch.tensor([2, 0]), torch.ones(2, 1)
+            stats(x, rows, one)
+            grad(torch.empty(3, 8), rows, x, rows, one, one, one, one, one, torch.zeros(2, 1, dtype=torch.long))
             _COMPILE_PROBE["error"] = None
         except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager
             import warnings
