@@ -273,14 +273,14 @@ def test_compiled_backend_equals_eager_on_bf16_rows_of_a_bigger_tensor():
 
 
 def test_auto_backend_compiles_large_full_vocabulary_work_only(monkeypatch):
-    from moe_replay.replay import scoring
+    from moe_replay.replay import scoring, scoring_compiled
 
     logits, target, _, t_G = random_case(51, 8, 500, 1)
     small = scoring._prepare(logits, target, None, None, t_G, False, None, None)
-    assert scoring._auto_backend(small) == "torch_chunked"  # 4,000 logits: eager
-    monkeypatch.setattr(scoring, "COMPILE_MIN_ELEMENTS", 4000)
-    assert scoring._auto_backend(small) == "torch_compiled"
+    assert scoring_compiled.auto_backend(small) == "torch_chunked"  # 4,000 logits: eager
+    monkeypatch.setattr(scoring_compiled, "COMPILE_MIN_ELEMENTS", 4000)
+    assert scoring_compiled.auto_backend(small) == "torch_compiled"
     csr = SupportCSR.from_supports([SamplingSupport.from_rows([[int(t)] for t in target])], [8])
     sparse = scoring._prepare(logits, target, None, csr, t_G, False, None, None)
-    assert scoring._auto_backend(sparse) == "torch_chunked"  # support only: no full-vocabulary pass
+    assert scoring_compiled.auto_backend(sparse) == "torch_chunked"  # support only: no full-vocabulary pass
     check_against_reference(logits, target, None, t_G, full=True)  # through "auto", compiled
