@@ -179,7 +179,7 @@ def test_non_finite_logits_outside_the_kept_set_are_not_read():
 
 
 # -- vocabulary-parallel logits (Megatron tensor parallelism), on two gloo ranks --------------------
-def _shard_worker(rank: int, world: int, init: str, cases: list, out: dict) -> None:
+def _shard_worker(rank: int, world: int, init: str, cases: list, out: dict, backend: str) -> None:
     import torch.distributed as dist
 
     from moe_replay.replay import VocabShard
@@ -191,7 +191,7 @@ def _shard_worker(rank: int, world: int, init: str, cases: list, out: dict) -> N
             lo, hi = bounds[rank], bounds[rank + 1]
             x = logits[:, lo:hi].clone().requires_grad_(True)
             s = score_logits(x, case["target"], support=case["support"], temperature=case["t_G"], full=True,
-                             shard=VocabShard(lo, logits.shape[1]), chunk_bytes=3 * 2 * (hi - lo) * 8)
+                             shard=VocabShard(lo, logits.shape[1]), chunk_bytes=3 * 2 * (hi - lo) * 8, backend=backend)
             w = case["weights"]
             (w[0] @ s.logprobs_G + w[1] @ s.entropy_G + w[2] @ s.full_logprobs_G + w[3] @ s.full_entropy_G).backward()
             out[(c, rank)] = [t.detach() for t in (s.logprobs_G, s.entropy_G, s.full_logprobs_G, s.full_entropy_G)] + [x.grad]
@@ -199,8 +199,10 @@ def _shard_worker(rank: int, world: int, init: str, cases: list, out: dict) -> N
         dist.destroy_process_group()
 
 
-def test_vocab_parallel_shards_normalise_across_ranks(tmp_path):
-    """Two ranks holding columns [0, 23) and [23, 50): same scores as one rank, gradients split by column."""
+@pytest.mark.parametrize("backend", ["torch_chunked", "torch_compiled"])
+def test_vocab_parallel_shards_normalise_across_ranks(tmp_path, backend):
+    """Two ranks holding columns [0, 23) and [23, 50): same scores as one rank, gradients split by column
+    (targets off a rank's columns take the compiled kernel's no-target branch)."""
     import torch.multiprocessing as mp
 
     g, v = 9, 50
@@ -210,11 +212,11 @@ def test_vocab_parallel_shards_normalise_across_ranks(tmp_path):
         cases.append({"logits": logits, "target": target, "support": support if with_support else None, "t_G": t_G,
                       "weights": torch.randn(4, g, dtype=torch.float64), "bounds": [0, 23, v]})
     out = mp.Manager().dict()
-    mp.spawn(_shard_worker, args=(2, f"file://{tmp_path}/init", cases, out), nprocs=2, join=True)
+    mp.spawn(_shard_worker, args=(2, f"file://{tmp_path}/init", cases, out, backend), nprocs=2, join=True)
 
     for c, case in enumerate(cases):
         x = case["logits"].clone().requires_grad_(True)
-        s = score_logits(x, case["target"], support=case["support"], temperature=case["t_G"], full=True)
+        s = score_logits(x, case["target"], support=case["support"], temperature=case["t_G"], full=True, backend="torch_chunked")
         ref = [s.logprobs_G, s.entropy_G, s.full_logprobs_G, s.full_entropy_G]
         sum(w @ o for w, o in zip(case["weights"], ref)).backward()
         for rank in (0, 1):  # every rank returns the same, fully normalised scores
