@@ -94,9 +94,10 @@ def auto_backend(job: _Job) -> str:
     if "error" not in _COMPILE_PROBE:  # once per process: a machine without a C++ toolchain stays eager, and says so
         try:
             stats, grad = SCORING_BACKENDS.get("torch_compiled").kernels()
-            x, rows, one = torch.zeros(3, 8), torch.tensor([2, 0]), torch.ones(2, 1)
+            # the job's dtypes and dynamic sizes: the graphs compiled here are the ones its call reuses
+            x, rows, one = torch.zeros(3, 8, dtype=job.logits_XV.dtype), torch.tensor([2, 0]), torch.ones(2, 1, dtype=job.cdt)
             stats(x, rows, one)
-            grad(torch.empty(3, 8), rows, x, rows, one, one, one, one, one, torch.zeros(2, 1, dtype=torch.long))
+            grad(torch.empty_like(x), rows, x, rows, one, one, one, one, one, torch.zeros(2, 1, dtype=torch.long))
             _COMPILE_PROBE["error"] = None
         except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager
             import warnings
