@@ -204,8 +204,7 @@ class _Job:
         """Kept entries of rows [g0, g1) that live on this shard: (row_n, local id_n, x_n, is_target_n)."""
         sup = self.support
         n0, n1 = int(sup.offsets_G1[g0]), int(sup.offsets_G1[g1])
-        sizes = sup.sizes_G()[g0:g1]
-        row_n = torch.repeat_interleave(torch.arange(g0, g1, device=sizes.device), sizes)
+        row_n = _entry_rows(sup.offsets_G1, g0, g1)
         col_n = sup.ids_N[n0:n1] - self.start
         if self.shard is not None:
             here = (col_n >= 0) & (col_n < self.logits_XV.shape[1])
@@ -220,6 +219,14 @@ class _Job:
     def chunks(self) -> list[tuple[int, int]]:
         g = self.num_rows
         return [(r0, min(r0 + self.chunk_rows, g)) for r0 in range(0, g, self.chunk_rows)]
+
+
+def _entry_rows(offsets_G1: torch.Tensor, g0: int, g1: int) -> torch.Tensor:
+    """Row of each CSR entry of rows [g0, g1): a binary search over the offsets (torch.repeat_interleave
+    measured ~9 ms a call for 4 rows on this 2-core CPU, 12 us for this)."""
+    n0, n1 = int(offsets_G1[g0]), int(offsets_G1[g1])
+    ends = offsets_G1[g0 + 1 : g1 + 1]
+    return torch.searchsorted(ends, torch.arange(n0, n1, device=ends.device, dtype=ends.dtype), right=True) + g0
 
 
 def _combine(job: _Job, m_G: torch.Tensor, s_G: torch.Tensor, sy_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -552,7 +559,7 @@ def _check_support(sup: SupportCSR, target_G: torch.Tensor, t_G: torch.Tensor, v
     if whole.numel() != g:
         raise _fail("support.whole_G", None, f"{g} flags", whole.numel())
     sizes = off[1:] - off[:-1]
-    row_n = torch.repeat_interleave(torch.arange(g, device=target_G.device), sizes)
+    row_n = _entry_rows(off, 0, g)
     bad = (ids < 0) | (ids >= vocab)
     if bool(bad.any()):
         n = _first(bad)
