@@ -32,13 +32,16 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 from typing import Any, Callable, Sequence
 
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="scoring-bench-inductor-"))  # cold compile
+OWN_CACHE = None
+if __name__ == "__main__" and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a cold compile; removed at the end
+    OWN_CACHE = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="scoring-bench-inductor-")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -212,6 +215,8 @@ def main() -> None:
     result["compile_s"] = result["results"].pop("compile_s")
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(result, indent=None if args.json else 2))
+    if OWN_CACHE is not None:
+        shutil.rmtree(OWN_CACHE, ignore_errors=True)
 
 
 if __name__ == "__main__":
