@@ -286,3 +286,20 @@ def test_auto_backend_compiles_large_full_vocabulary_work_only(monkeypatch):
     sparse = scoring._prepare(logits, target, None, csr, t_G, False, None, None)
     assert scoring_compiled.auto_backend(sparse) == "torch_chunked"  # support only: no full-vocabulary pass
     check_against_reference(logits, target, None, t_G, full=True)  # through "auto", compiled
+
+
+def test_auto_backend_stays_eager_and_warns_where_compiling_fails(monkeypatch):
+    """A machine without a working compiler: one warning naming the error, eager scores, equal values."""
+    from moe_replay.replay import SCORING_BACKENDS, scoring_compiled
+
+    def broken():
+        raise RuntimeError("no C++ compiler: g++ not found")
+
+    monkeypatch.setattr(scoring_compiled, "_COMPILE_PROBE", {})
+    monkeypatch.setattr(scoring_compiled, "COMPILE_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(SCORING_BACKENDS.get("torch_compiled"), "kernels", broken)
+    logits, target, support, t_G = random_case(61, 6, 50, 5)
+    with pytest.warns(RuntimeWarning, match="torch.compile unusable here.*g\\+\\+ not found"):
+        check_against_reference(logits, target, support, t_G, full=True)
+    assert isinstance(scoring_compiled._COMPILE_PROBE["error"], RuntimeError)
+    check_against_reference(logits, target, support, t_G, full=True)  # decided once: no second warning needed

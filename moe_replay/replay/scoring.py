@@ -172,7 +172,7 @@ class _Job:
     unit_scale: bool
     """Every row at temperature 1 (or greedy): the division is skipped."""
     entropy: bool = True
-    """Compute the entropies (three more passes over each dense chunk; off when only log p is used)."""
+    """Compute the entropies (two more eager passes over each dense chunk; off when only log p is used)."""
 
     @property
     def num_rows(self) -> int:
@@ -477,7 +477,7 @@ def score_logits(
     outside the kept set). `temperature`: a float or a [G] tensor; 0 = greedy (see module doc).
     `full=True` adds the full-vocabulary log p and entropy. `shard`: logits are this rank's
     vocabulary slice (Megatron tensor parallelism); every rank calls with the same rows.
-    `entropy=False` skips the entropies (None in the result): a loss on log p alone saves three
+    `entropy=False` skips the entropies (None in the result): a loss on log p alone saves two
     passes over each full-vocabulary chunk (eager). `backend`: a `SCORING_BACKENDS` name, or "auto"
     (`torch_compiled` on CPU for full-vocabulary work of at least COMPILE_MIN_ELEMENTS logits,
     `torch_chunked` otherwise). Bad input raises ScoringInputError naming the row and the value.
