@@ -5,19 +5,23 @@ Paths, on bf16 logits [G, V] (a leaf that requires grad, like an LM head's outpu
            (full vocabulary, no support, no entropy);
   current  the dense path before issue 13: support_mask_GV ([G, V] bool) + masked_logprobs (fp32
            copy, masked log_softmax, entropy), copied here verbatim;
-  new      moe_replay.replay.score_logits: row chunks, CSR support, logprob and entropy;
-  new_logprob_only  the same with entropy=False (what TrainBatch.logprobs runs: plain's output).
+  new      moe_replay.replay.score_logits as a trainer calls it (backend "auto": on CPU the
+           compiled chunk math for these sizes): row chunks, CSR support, logprob and entropy;
+  new_eager        the same with backend="torch_chunked" (eager torch ops per chunk);
+  new_logprob_only the same as new with entropy=False (what TrainBatch.logprobs runs: plain's output).
 Each with a top-p-like support of 1-64 kept ids per row ("support") and without ("full_vocab":
 plain is the same computation in both). Modes: forward (training forward, grad enabled) and
 forward+backward (loss = sum of the logprobs).
 
-Memory: peak extra bytes / logits bytes. On CPU torch has no allocator statistics, so every tensor
-an op returns is accounted by its storage (a TorchDispatchMode sees each op's outputs; a storage is
-freed when the last tensor on it dies), over the call, minus what was live before it (the logits,
-the targets, the support). The gradient of the logits (logits-sized, in their dtype) is what every
-path must return: `peak_over_logits` leaves it out, `peak_over_logits_with_grad` counts it.
+Memory: peak extra bytes / logits bytes, from the CPU allocator's own events (torch.profiler with
+profile_memory: every allocation and free, including those of compiled code, which bypasses the
+op dispatcher), over the call, relative to what was live before it. The gradient of the logits
+(logits-sized, in their dtype) is what every path must return: `peak_over_logits` leaves it out,
+`peak_over_logits_with_grad` counts it.
 Time: median ms of `--repeats` runs, all paths interleaved in one loop (the machine is shared).
-`time_vs_plain` (new only): its forward+backward ms over plain's, same run and G.
+`time_vs_plain` (new paths): forward+backward ms over plain's, same run and G.
+Compile: the script runs with an empty inductor cache of its own, so `compile_s` (the first
+forward+backward of `new`, less its steady-state time) is a cold compile.
 
 Usage: python benchmarks/scoring.py --json [--g 64,256] [--repeats 3] [--temperature 1.0]
 """
@@ -27,61 +31,37 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
-import weakref
 from typing import Any, Callable, Sequence
 
-import numpy as np
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+OWN_CACHE = None
+if __name__ == "__main__" and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a cold compile; removed at the end
+    OWN_CACHE = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="scoring-bench-inductor-")
 
-from moe_replay.replay import SupportCSR, score_logits
-from moe_replay.trace import SamplingSupport
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from moe_replay.replay import SupportCSR, score_logits  # noqa: E402
+from moe_replay.trace import SamplingSupport  # noqa: E402
 
 V = 151_936
 MAX_KEPT = 64
 
 
-class StoragePeak(TorchDispatchMode):
-    """Live bytes of the storages the dispatched ops return, and their peak."""
-
-    def __init__(self, baseline: Sequence[torch.Tensor] = ()) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self.baseline = {t.untyped_storage().data_ptr() for t in baseline}
-        """Storages live before the call (views of the logits are not new bytes)."""
-        self.refs: dict[int, list[int]] = {}  # storage ptr -> [tensors alive on it, nbytes]
-        self.tracked: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and id(t) not in self.tracked and t.device.type == "cpu":
-                st = t.untyped_storage()
-                ptr, nbytes = st.data_ptr(), st.nbytes()
-                if nbytes == 0 or ptr in self.baseline:
-                    continue
-                if ptr not in self.refs:
-                    self.refs[ptr] = [0, nbytes]
-                    self.live += nbytes
-                    self.peak = max(self.peak, self.live)
-                self.refs[ptr][0] += 1
-                self.tracked.add(id(t))
-                weakref.finalize(t, self._release, ptr, id(t))
-        return out
-
-    def _release(self, ptr: int, tid: int) -> None:
-        self.tracked.discard(tid)
-        ref = self.refs.get(ptr)
-        if ref is None:
-            return
-        ref[0] -= 1
-        if ref[0] == 0:
-            self.live -= ref[1]
-            del self.refs[ptr]
+def allocator_peak(events: Any) -> int:
+    """Peak of the running sum of the allocator's [memory] events (bytes allocated > 0, freed < 0)."""
+    mem = sorted((ev.start_ns(), ev.nbytes()) for ev in events if ev.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in mem:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
 
 
 # -- the dense path before issue 13 (moe_replay.replay.support at 927a315), verbatim ---------------
@@ -140,20 +120,23 @@ def paths(case: dict[str, Any], with_support: bool, temperature: float) -> dict[
     def new(x):
         return score_logits(x, target, support=csr if with_support else None, temperature=temperature).logprobs_G
 
+    def new_eager(x):
+        return score_logits(x, target, support=csr if with_support else None, temperature=temperature,
+                            backend="torch_chunked").logprobs_G
+
     def new_logprob_only(x):
         return score_logits(x, target, support=csr if with_support else None, temperature=temperature, entropy=False).logprobs_G
 
-    return {"plain": plain, "current": current, "new": new, "new_logprob_only": new_logprob_only}
+    return {"plain": plain, "current": current, "new": new, "new_eager": new_eager, "new_logprob_only": new_logprob_only}
 
 
 def run_once(fn, logits: torch.Tensor, backward: bool, measure: bool) -> tuple[float, float, float]:
     """(seconds, peak extra bytes without the logits' grad, with it)."""
     x = logits.detach().requires_grad_(True)
     gc.collect()
-    mode = StoragePeak([x]) if measure else None
     t0 = time.perf_counter()
-    if mode is not None:
-        with mode:
+    if measure:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             lp = fn(x)
             if backward:
                 lp.sum().backward()
@@ -162,17 +145,23 @@ def run_once(fn, logits: torch.Tensor, backward: bool, measure: bool) -> tuple[f
         if backward:
             lp.sum().backward()
     dt = time.perf_counter() - t0
-    if mode is None:
+    if not measure:
         return dt, 0.0, 0.0
+    peak = allocator_peak(prof.profiler.kineto_results.events())
     grad_bytes = x.grad.untyped_storage().nbytes() if (backward and x.grad is not None) else 0
     del lp
-    return dt, mode.peak - grad_bytes, mode.peak
+    return dt, peak - grad_bytes, peak
 
 
 def bench(gs: Sequence[int], repeats: int, temperature: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for g in gs:
+    for gi, g in enumerate(gs):
         case = make_case(g)
+        if gi == 0:  # the first call of the default path compiles (cold cache): its cost over a warm call
+            fn = paths(case, False, temperature)["new"]
+            first = run_once(fn, case["logits"], True, measure=False)[0]
+            warm = min(run_once(fn, case["logits"], True, measure=False)[0] for _ in range(2))
+            out["compile_s"] = round(first - warm, 1)
         logits_bytes = case["logits"].numel() * case["logits"].element_size()
         for support_key, with_support in (("support", True), ("full_vocab", False)):
             fns = paths(case, with_support, temperature)
@@ -190,7 +179,7 @@ def bench(gs: Sequence[int], repeats: int, temperature: float) -> dict[str, Any]
                         times[name].append(run_once(fn, case["logits"], backward, measure=False)[0])
                 for name in fns:
                     res[name][mode_key]["ms"] = round(1e3 * statistics.median(times[name]), 2)
-            for name in ("new", "new_logprob_only"):
+            for name in ("new", "new_eager", "new_logprob_only"):
                 res[name]["time_vs_plain"] = round(res[name]["forward_backward"]["ms"] / res["plain"]["forward_backward"]["ms"], 3)
                 res[name]["forward_time_vs_plain"] = round(res[name]["forward"]["ms"] / res["plain"]["forward"]["ms"], 3)
             out[f"G={g}"] = out.get(f"G={g}", {})
@@ -216,15 +205,18 @@ def main() -> None:
         "logits_dtype": "bfloat16",
         "temperature": args.temperature,
         "support_kept_per_row": f"1-{MAX_KEPT}",
-        "memory_method": ("peak live bytes of the storages returned by dispatched ops during the call "
-                          "(TorchDispatchMode accounting; CPU torch has no allocator stats), minus the logits' "
-                          "gradient (logits-sized, every path returns it; counted in peak_over_logits_with_grad), "
-                          "over the bf16 logits' bytes"),
+        "memory_method": ("peak of the CPU allocator's allocations minus frees during the call (torch.profiler "
+                          "profile_memory events; compiled code included), minus the logits' gradient (logits-sized, "
+                          "every path returns it; counted in peak_over_logits_with_grad), over the bf16 logits' bytes"),
+        "backend_auto": "torch_compiled on CPU at these sizes (moe_replay.replay.scoring.COMPILE_MIN_ELEMENTS)",
         "time_method": f"median of {args.repeats} interleaved runs after one warm-up each",
         "results": bench([int(x) for x in args.g.split(",")], args.repeats, args.temperature),
     }
+    result["compile_s"] = result["results"].pop("compile_s")
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(result, indent=None if args.json else 2))
+    if OWN_CACHE is not None:
+        shutil.rmtree(OWN_CACHE, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -66,10 +66,10 @@ def random_case(seed: int, g: int, v: int, max_kept: int, temps=(0.0, 0.7, 1.0),
     return logits, torch.tensor(targets), support, t_G
 
 
-def check_against_reference(logits, target, support, t_G, *, full: bool, chunk_bytes=None):
+def check_against_reference(logits, target, support, t_G, *, full: bool, chunk_bytes=None, backend="auto"):
     weights = torch.randn(4, logits.shape[0], dtype=torch.float64)
     x_new = logits.clone().requires_grad_(True)
-    s = score_logits(x_new, target, support=support, temperature=t_G, full=full, chunk_bytes=chunk_bytes)
+    s = score_logits(x_new, target, support=support, temperature=t_G, full=full, chunk_bytes=chunk_bytes, backend=backend)
     x_ref = logits.clone().requires_grad_(True)
     lp, ent = reference(x_ref, target, None if support is None else dense_mask(support, logits.shape[1]), t_G)
     outs_new, outs_ref = [s.logprobs_G, s.entropy_G], [lp, ent]
@@ -179,7 +179,7 @@ def test_non_finite_logits_outside_the_kept_set_are_not_read():
 
 
 # -- vocabulary-parallel logits (Megatron tensor parallelism), on two gloo ranks --------------------
-def _shard_worker(rank: int, world: int, init: str, cases: list, out: dict) -> None:
+def _shard_worker(rank: int, world: int, init: str, cases: list, out: dict, backend: str) -> None:
     import torch.distributed as dist
 
     from moe_replay.replay import VocabShard
@@ -191,7 +191,7 @@ def _shard_worker(rank: int, world: int, init: str, cases: list, out: dict) -> N
             lo, hi = bounds[rank], bounds[rank + 1]
             x = logits[:, lo:hi].clone().requires_grad_(True)
             s = score_logits(x, case["target"], support=case["support"], temperature=case["t_G"], full=True,
-                             shard=VocabShard(lo, logits.shape[1]), chunk_bytes=3 * 2 * (hi - lo) * 8)
+                             shard=VocabShard(lo, logits.shape[1]), chunk_bytes=3 * 2 * (hi - lo) * 8, backend=backend)
             w = case["weights"]
             (w[0] @ s.logprobs_G + w[1] @ s.entropy_G + w[2] @ s.full_logprobs_G + w[3] @ s.full_entropy_G).backward()
             out[(c, rank)] = [t.detach() for t in (s.logprobs_G, s.entropy_G, s.full_logprobs_G, s.full_entropy_G)] + [x.grad]
@@ -199,8 +199,10 @@ def _shard_worker(rank: int, world: int, init: str, cases: list, out: dict) -> N
         dist.destroy_process_group()
 
 
-def test_vocab_parallel_shards_normalise_across_ranks(tmp_path):
-    """Two ranks holding columns [0, 23) and [23, 50): same scores as one rank, gradients split by column."""
+@pytest.mark.parametrize("backend", ["torch_chunked", "torch_compiled"])
+def test_vocab_parallel_shards_normalise_across_ranks(tmp_path, backend):
+    """Two ranks holding columns [0, 23) and [23, 50): same scores as one rank, gradients split by column
+    (targets off a rank's columns take the compiled kernel's no-target branch)."""
     import torch.multiprocessing as mp
 
     g, v = 9, 50
@@ -210,11 +212,11 @@ def test_vocab_parallel_shards_normalise_across_ranks(tmp_path):
         cases.append({"logits": logits, "target": target, "support": support if with_support else None, "t_G": t_G,
                       "weights": torch.randn(4, g, dtype=torch.float64), "bounds": [0, 23, v]})
     out = mp.Manager().dict()
-    mp.spawn(_shard_worker, args=(2, f"file://{tmp_path}/init", cases, out), nprocs=2, join=True)
+    mp.spawn(_shard_worker, args=(2, f"file://{tmp_path}/init", cases, out, backend), nprocs=2, join=True)
 
     for c, case in enumerate(cases):
         x = case["logits"].clone().requires_grad_(True)
-        s = score_logits(x, case["target"], support=case["support"], temperature=case["t_G"], full=True)
+        s = score_logits(x, case["target"], support=case["support"], temperature=case["t_G"], full=True, backend="torch_chunked")
         ref = [s.logprobs_G, s.entropy_G, s.full_logprobs_G, s.full_entropy_G]
         sum(w @ o for w, o in zip(case["weights"], ref)).backward()
         for rank in (0, 1):  # every rank returns the same, fully normalised scores
@@ -240,3 +242,64 @@ def test_gradient_of_the_logprob_alone(with_support, entropy):
     torch.testing.assert_close(s.logprobs_G, lp.detach(), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(s.full_logprobs_G, reference(logits, target, None, t_G)[0], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(x_new.grad, x_ref.grad, rtol=1e-9, atol=1e-10)
+
+
+# -- the compiled backend (torch.compile of the per-chunk full-vocabulary math) ----------------------
+@pytest.mark.parametrize("with_support", [False, True])
+@pytest.mark.parametrize("full", [False, True])
+def test_compiled_backend_matches_the_dense_reference(with_support, full):
+    """float64, 3-row chunks over 10 rows (a last chunk of one row), whole-vocabulary rows mixed with
+    kept sets, temperatures 0 / 0.7 / 1: values and gradients as the reference."""
+    logits, target, support, t_G = random_case(31, 10, 301, 40, whole_every=3)
+    check_against_reference(logits, target, support if with_support else None, t_G, full=full,
+                            chunk_bytes=3 * 2 * 301 * 8, backend="torch_compiled")
+
+
+def test_compiled_backend_equals_eager_on_bf16_rows_of_a_bigger_tensor():
+    """bf16 logits scored through rows_G (non-contiguous rows: the gathered path) and contiguous ones
+    (written straight into the gradient): compiled and eager agree to float32 rounding."""
+    logits, target, support, t_G = random_case(41, 12, 2000, 50, whole_every=4)
+    big = torch.randn(20, 2000, dtype=torch.float64)
+    for rows in (torch.arange(12), torch.tensor([19, 0, 4, 2, 7, 5, 11, 13, 3, 17, 8, 1])):
+        big[rows] = logits
+        results = []
+        for backend in ("torch_chunked", "torch_compiled"):
+            x = big.to(torch.bfloat16).requires_grad_(True)
+            s = score_logits(x, target, rows_G=rows, support=support, temperature=t_G.float(), full=True,
+                             chunk_bytes=5 * 2 * 2000 * 4, backend=backend)
+            (s.logprobs_G.sum() + s.entropy_G.sum() + 0.5 * s.full_logprobs_G.sum() - s.full_entropy_G.sum()).backward()
+            results.append([s.logprobs_G, s.entropy_G, s.full_logprobs_G, s.full_entropy_G, x.grad.float()])
+        for a, b in zip(*results):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-5)
+        assert results[1][4].abs().sum() > 0
+
+
+def test_auto_backend_compiles_large_full_vocabulary_work_only(monkeypatch):
+    from moe_replay.replay import scoring, scoring_compiled
+
+    logits, target, _, t_G = random_case(51, 8, 500, 1)
+    small = scoring._prepare(logits, target, None, None, t_G, False, None, None)
+    assert scoring_compiled.auto_backend(small) == "torch_chunked"  # 4,000 logits: eager
+    monkeypatch.setattr(scoring_compiled, "COMPILE_MIN_ELEMENTS", 4000)
+    assert scoring_compiled.auto_backend(small) == "torch_compiled"
+    csr = SupportCSR.from_supports([SamplingSupport.from_rows([[int(t)] for t in target])], [8])
+    sparse = scoring._prepare(logits, target, None, csr, t_G, False, None, None)
+    assert scoring_compiled.auto_backend(sparse) == "torch_chunked"  # support only: no full-vocabulary pass
+    check_against_reference(logits, target, None, t_G, full=True)  # through "auto", compiled
+
+
+def test_auto_backend_stays_eager_and_warns_where_compiling_fails(monkeypatch):
+    """A machine without a working compiler: one warning naming the error, eager scores, equal values."""
+    from moe_replay.replay import SCORING_BACKENDS, scoring_compiled
+
+    def broken():
+        raise RuntimeError("no C++ compiler: g++ not found")
+
+    monkeypatch.setattr(scoring_compiled, "_COMPILE_PROBE", {})
+    monkeypatch.setattr(scoring_compiled, "COMPILE_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(SCORING_BACKENDS.get("torch_compiled"), "kernels", broken)
+    logits, target, support, t_G = random_case(61, 6, 50, 5)
+    with pytest.warns(RuntimeWarning, match="torch.compile unusable here.*g\\+\\+ not found"):
+        check_against_reference(logits, target, support, t_G, full=True)
+    assert isinstance(scoring_compiled._COMPILE_PROBE["error"], RuntimeError)
+    check_against_reference(logits, target, support, t_G, full=True)  # decided once: no second warning needed

@@ -23,9 +23,14 @@ columns [start, start + V_local) and the per-row statistics are all-reduced over
 (max, then sums), so every rank returns the same full-vocabulary-normalised scores and backward
 needs no communication.
 
-Seam for a fused kernel: `SCORING_BACKENDS` maps a name to a backend with `forward_stats` and
-`backward`; `torch_chunked` (this file) serves every device. A Triton backend registers itself
-under another name and `score_logits(..., backend=...)` picks it.
+Backends (`SCORING_BACKENDS`, each with `forward_stats` and `backward`): `torch_chunked` (this
+file, eager torch, any device) and `torch_compiled` (scoring_compiled.py: the same with the per-chunk
+full-vocabulary math compiled by inductor, one launch each way, no fp32 chunk). `backend="auto"`
+takes the compiled one on CPU for full-vocabulary work of real size. A fused Triton kernel for GPUs
+(issue 13 item 2) registers beside them: one launch over all rows per direction, the row gather,
+the temperature, the target column and the CSR kept set folded into the loads, the forward an
+online max / sum e^y / sum e^y y over each row read once, the backward writing the bf16
+gradient from the 4 per-row floats.
 
 Legend: G scored rows, V vocabulary (V_local on a shard), N kept ids over all rows, C rows of a chunk.
 """
@@ -167,7 +172,7 @@ class _Job:
     unit_scale: bool
     """Every row at temperature 1 (or greedy): the division is skipped."""
     entropy: bool = True
-    """Compute the entropies (three more passes over each dense chunk; off when only log p is used)."""
+    """Compute the entropies (two more eager passes over each dense chunk; off when only log p is used)."""
 
     @property
     def num_rows(self) -> int:
@@ -199,8 +204,7 @@ class _Job:
         """Kept entries of rows [g0, g1) that live on this shard: (row_n, local id_n, x_n, is_target_n)."""
         sup = self.support
         n0, n1 = int(sup.offsets_G1[g0]), int(sup.offsets_G1[g1])
-        sizes = sup.sizes_G()[g0:g1]
-        row_n = torch.repeat_interleave(torch.arange(g0, g1, device=sizes.device), sizes)
+        row_n = _entry_rows(sup.offsets_G1, g0, g1)
         col_n = sup.ids_N[n0:n1] - self.start
         if self.shard is not None:
             here = (col_n >= 0) & (col_n < self.logits_XV.shape[1])
@@ -215,6 +219,14 @@ class _Job:
     def chunks(self) -> list[tuple[int, int]]:
         g = self.num_rows
         return [(r0, min(r0 + self.chunk_rows, g)) for r0 in range(0, g, self.chunk_rows)]
+
+
+def _entry_rows(offsets_G1: torch.Tensor, g0: int, g1: int) -> torch.Tensor:
+    """Row of each CSR entry of rows [g0, g1): a binary search over the offsets (torch.repeat_interleave
+    measured ~9 ms a call for 4 rows on this 2-core CPU, 12 us for this)."""
+    n0, n1 = int(offsets_G1[g0]), int(offsets_G1[g1])
+    ends = offsets_G1[g0 + 1 : g1 + 1]
+    return torch.searchsorted(ends, torch.arange(n0, n1, device=ends.device, dtype=ends.dtype), right=True) + g0
 
 
 def _combine(job: _Job, m_G: torch.Tensor, s_G: torch.Tensor, sy_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,7 +245,59 @@ def _combine(job: _Job, m_G: torch.Tensor, s_G: torch.Tensor, sy_G: torch.Tensor
 
 
 class TorchChunked:
-    """Row-chunked torch reference backend: any device, any float dtype (fp64 stays fp64)."""
+    """Row-chunked torch reference backend: any device, any float dtype (fp64 stays fp64).
+
+    The full-vocabulary work per chunk is two methods, `dense_stats` (forward) and `dense_grad`
+    (backward); the rest (CSR support, shards, row bookkeeping) is shared with `TorchCompiled`.
+    Eager torch makes each op a pass over the [C, V] chunk: forward 5 (fp32 copy, log_softmax,
+    exp, one fused multiply-reduce), backward 5 (copy, exp, two fused updates, write-back)."""
+
+    def dense_stats(self, job: _Job, idx_C: torch.Tensor, col_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-sum-exp, entropy) over the local vocabulary of scored rows idx_C; col_C: a local column
+        per row (its target where it lives on this shard) at which the log-sum-exp is read off."""
+        x_CV = job.rows(idx_C)
+        # torch's fused row log_softmax (max, sum of exp and write in one cache-friendly kernel),
+        # then log-sum-exp = x_j - logp_j at column j
+        lp_CV = torch.log_softmax(x_CV, 1)
+        j_C1 = col_C[:, None]
+        lse_C = (x_CV.gather(1, j_C1) - lp_CV.gather(1, j_C1)).squeeze(1)
+        if not job.entropy:
+            return lse_C, torch.zeros_like(lse_C)
+        # H = -sum p logp: p into x's buffer, then one batched dot (bmm reads both rows once and writes
+        # nothing: the mul + sum pair it replaces reads three rows and writes one)
+        p_CV = torch.exp(lp_CV, out=x_CV)
+        ent_C = torch.bmm(p_CV[:, None, :], lp_CV[:, :, None]).view(-1).neg_()
+        return lse_C, ent_C
+
+    def chunks(self, job: _Job, buffered: bool) -> list[tuple[int, int]]:
+        """Row ranges of the dense loops: each allocates [C, V] compute-dtype buffers here."""
+        return job.chunks()
+
+    def dense_grad(self, job: _Job, idx_C: torch.Tensor, lse_C1: torch.Tensor, mean_C1: torch.Tensor, a_C1: torch.Tensor,
+                   b_C1: torch.Tensor, t_C1: torch.Tensor, out: torch.Tensor, dst_C: torch.Tensor | None) -> None:
+        """Write d(a logp_t + b H)/d logits of rows idx_C, divided by the temperature, into rows dst_C of
+        `out` (the gradient), or into `out` [C, V] itself when dst_C is None: onehot_t a - p (a + b (x -
+        E[x])), E[x] = mean_C1; t_C1 = -1 where the target column is not on this shard."""
+        x_CV = job.rows(idx_C)
+        if bool((b_C1 != 0).any()):
+            p_CV = torch.sub(x_CV, lse_C1).exp_()
+            dx_CV = x_CV.sub_(mean_C1).mul_(b_C1).add_(a_C1).mul_(p_CV).neg_()
+            del p_CV
+        else:  # no entropy term: one buffer, p computed in place
+            dx_CV = x_CV.sub_(lse_C1).exp_().mul_(-a_C1)
+        here_C = t_C1[:, 0] >= 0
+        rows_t = torch.arange(idx_C.numel(), device=dx_CV.device)[here_C]
+        dx_CV[rows_t, t_C1[here_C, 0]] += a_C1[here_C, 0]
+        if not job.unit_scale:
+            dx_CV.div_(job.scale_G.index_select(0, idx_C)[:, None])
+        if dst_C is None:
+            out.copy_(dx_CV)
+            return
+        _, run = job.source_rows(idx_C)
+        if run is not None:  # a slice copies at memory speed
+            out[run].copy_(dx_CV)
+        else:
+            out[dst_C] = dx_CV.to(out.dtype)
 
     def forward_stats(self, job: _Job) -> dict[str, torch.Tensor]:
         g, dev, cdt = job.num_rows, job.target_G.device, job.cdt
@@ -249,21 +313,14 @@ class TorchChunked:
         if bool(job.dense_G.any()):
             m, s, sy = (torch.full((g,), float("-inf"), dtype=cdt, device=dev), torch.zeros(g, dtype=cdt, device=dev),
                         torch.zeros(g, dtype=cdt, device=dev))
-            for r0, r1 in job.chunks():
+            for r0, r1 in self.chunks(job, buffered=False):
                 idx = torch.arange(r0, r1, device=dev)
                 idx = idx[job.dense_G[r0:r1]]
                 if idx.numel() == 0:
                     continue
-                x_CV = job.rows(idx)
-                # torch's fused row log_softmax (max, sum of exp and write in one cache-friendly kernel),
-                # then log-sum-exp = x_j - logp_j at the target column (column 0 on shards without it)
-                lp_CV = torch.log_softmax(x_CV, 1)
-                j_C = torch.where(here_G[idx], local_t[idx], torch.zeros_like(local_t[idx]))[:, None]
-                lse_C = (x_CV.gather(1, j_C) - lp_CV.gather(1, j_C)).squeeze(1)
-                ent_C = torch.exp(lp_CV, out=x_CV).mul_(lp_CV).sum(1).neg_() if job.entropy else torch.zeros_like(lse_C)
+                lse_C, ent_C = self.dense_stats(job, idx, torch.where(here_G[idx], local_t[idx], torch.zeros_like(local_t[idx])))
                 # as (max, sum e^(x-max), sum e^(x-max) (x-max)) with max := lse: (lse, 1, -H)
                 m[idx], s[idx], sy[idx] = lse_C, 1.0, -ent_C
-                del x_CV, lp_CV
             s = torch.where(job.dense_G, s, torch.ones_like(s))  # rows not read: finite placeholders
             out["lse_full"], out["ent_full"] = _combine(job, torch.where(job.dense_G, m, torch.zeros_like(m)), s, sy)
 
@@ -309,26 +366,24 @@ class TorchChunked:
         v_local = x_shape[1]
         local_t = job.target_G - job.start
         here_G = (local_t >= 0) & (local_t < v_local)
-        for r0, r1 in job.chunks():
+        merge = sup is not None and bool((dense_G & sparse_G).any())  # support terms added to dense rows
+        for r0, r1 in self.chunks(job, buffered=merge):
             idx = torch.arange(r0, r1, device=dev)
             d_idx = idx[dense_G[r0:r1]]
             pos_in_dense = torch.full((r1 - r0,), -1, dtype=torch.long, device=dev)
-            dx_CV = None
+            dx_CV = dst = run = None
             if d_idx.numel():
                 pos_in_dense[d_idx - r0] = torch.arange(d_idx.numel(), device=dev)
-                x_CV = job.rows(d_idx)
                 lse, ent = stats["lse_full"].index_select(0, d_idx)[:, None], stats["ent_full"].index_select(0, d_idx)[:, None]
                 a, b = a_full.index_select(0, d_idx)[:, None], b_full.index_select(0, d_idx)[:, None]
-                # d logp/dx = onehot - p;  d H/dx = -p (x - E[x]),  E[x] = lse - H
-                if bool((b != 0).any()):
-                    p_CV = torch.sub(x_CV, lse).exp_()
-                    dx_CV = x_CV.sub_(lse - ent).mul_(b).add_(a).mul_(p_CV).neg_()
-                    del p_CV
-                else:  # no entropy term: one buffer, p computed in place
-                    dx_CV = x_CV.sub_(lse).exp_().mul_(-a)
                 t_here = here_G.index_select(0, d_idx)
-                rows_t = torch.arange(d_idx.numel(), device=dev)[t_here]
-                dx_CV[rows_t, local_t.index_select(0, d_idx)[t_here]] += a[t_here, 0]
+                t_C1 = torch.where(t_here, local_t.index_select(0, d_idx), torch.full_like(t_here, -1, dtype=torch.long))[:, None]
+                dst, run = job.source_rows(d_idx)
+                if merge:  # a chunk buffer in the compute dtype: support terms are added before rounding
+                    dx_CV = torch.empty((d_idx.numel(), v_local), dtype=cdt, device=dev)
+                    self.dense_grad(job, d_idx, lse, lse - ent, a, b, t_C1, dx_CV, None)
+                else:  # straight into the gradient's rows
+                    self.dense_grad(job, d_idx, lse, lse - ent, a, b, t_C1, grad_XV, dst)
             if sup is not None and bool(sparse_G[r0:r1].any()):
                 row_n, col_n, x_n, is_t = job.kept(r0, r1)
                 use = sparse_G.index_select(0, row_n)
@@ -337,20 +392,17 @@ class TorchChunked:
                 a, b = a_sup.index_select(0, row_n), b_sup.index_select(0, row_n)
                 q_n = torch.exp(x_n - lse)
                 dx_n = -q_n * (a + b * (x_n - (lse - ent))) + torch.where(is_t, a, torch.zeros_like(a))  # per scaled logit
+                if not job.unit_scale:
+                    dx_n = dx_n / job.scale_G.index_select(0, row_n)
                 p_n = pos_in_dense[row_n - r0]
                 in_dense = p_n >= 0
-                if dx_CV is not None and bool(in_dense.any()):  # divided by the temperature with its dense row below
-                    dx_CV.index_put_((p_n[in_dense], col_n[in_dense]), dx_n[in_dense], accumulate=True)
+                if dx_CV is not None and bool(in_dense.any()):
+                    dx_CV.index_put_((p_n[in_dense], col_n[in_dense]), dx_n[in_dense].to(dx_CV.dtype), accumulate=True)
                 out_n = ~in_dense
-                row_o, dx_o = row_n[out_n], dx_n[out_n]
-                if not job.unit_scale:
-                    dx_o = dx_o / job.scale_G.index_select(0, row_o)
-                dst = row_o if job.rows_G is None else job.rows_G.index_select(0, row_o)
-                grad_XV.index_put_((dst, col_n[out_n]), dx_o.to(grad_XV.dtype), accumulate=True)
+                row_o = row_n[out_n]
+                dst_o = row_o if job.rows_G is None else job.rows_G.index_select(0, row_o)
+                grad_XV.index_put_((dst_o, col_n[out_n]), dx_n[out_n].to(grad_XV.dtype), accumulate=True)
             if dx_CV is not None:
-                if not job.unit_scale:
-                    dx_CV.div_(job.scale_G.index_select(0, d_idx)[:, None])
-                dst, run = job.source_rows(d_idx)
                 if run is not None:
                     grad_XV[run].copy_(dx_CV)
                 else:
@@ -415,7 +467,7 @@ def score_logits(
     shard: VocabShard | None = None,
     entropy: bool = True,
     chunk_bytes: int | None = None,
-    backend: str = "torch_chunked",
+    backend: str = "auto",
 ) -> TokenScores:
     """Score `target_G` under softmax(logits / temperature), renormalised over `support` when given.
 
@@ -425,13 +477,17 @@ def score_logits(
     outside the kept set). `temperature`: a float or a [G] tensor; 0 = greedy (see module doc).
     `full=True` adds the full-vocabulary log p and entropy. `shard`: logits are this rank's
     vocabulary slice (Megatron tensor parallelism); every rank calls with the same rows.
-    `entropy=False` skips the entropies (None in the result): a loss on log p alone saves three
-    passes over each full-vocabulary chunk. Bad input raises ScoringInputError naming the row and
-    the value.
+    `entropy=False` skips the entropies (None in the result): a loss on log p alone saves two
+    passes over each full-vocabulary chunk (eager). `backend`: a `SCORING_BACKENDS` name, or "auto"
+    (`torch_compiled` on CPU for full-vocabulary work of at least COMPILE_MIN_ELEMENTS logits,
+    `torch_chunked` otherwise). Bad input raises ScoringInputError naming the row and the value.
     """
+    from .scoring_compiled import auto_backend  # registers torch_compiled (its own module: one backend each)
+
     job = _prepare(logits_XV, target_G, rows_G, support, temperature, full, shard, chunk_bytes)
     job.entropy = bool(entropy)
-    lp, ent, lp_full, ent_full = _ScoreFunction.apply(logits_XV, job, SCORING_BACKENDS.get(backend))
+    impl = SCORING_BACKENDS.get(auto_backend(job) if backend == "auto" else backend)
+    lp, ent, lp_full, ent_full = _ScoreFunction.apply(logits_XV, job, impl)
     return TokenScores(lp, ent if entropy else None, lp_full if full else None, ent_full if full and entropy else None)
 
 
@@ -503,7 +559,7 @@ def _check_support(sup: SupportCSR, target_G: torch.Tensor, t_G: torch.Tensor, v
     if whole.numel() != g:
         raise _fail("support.whole_G", None, f"{g} flags", whole.numel())
     sizes = off[1:] - off[:-1]
-    row_n = torch.repeat_interleave(torch.arange(g, device=target_G.device), sizes)
+    row_n = _entry_rows(off, 0, g)
     bad = (ids < 0) | (ids >= vocab)
     if bool(bad.any()):
         n = _first(bad)
