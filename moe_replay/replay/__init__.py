@@ -9,6 +9,7 @@ from .gates import GATE_RULES, GateSpec, gate_weights, select_experts
 from .ledger import RouteLedger, in_backward
 from .plan import PlanConfig, RoutePlan, build_plan
 from .scoring import SCORING_BACKENDS, SupportCSR, TokenScores, VocabShard, score_logits
+from . import scoring_compiled  # noqa: F401,E402 - registers the torch_compiled backend (compiles on first use only)
 from .support import score_tokens
 
 __all__ = [

@@ -482,7 +482,7 @@ def score_logits(
     (`torch_compiled` on CPU for full-vocabulary work of at least COMPILE_MIN_ELEMENTS logits,
     `torch_chunked` otherwise). Bad input raises ScoringInputError naming the row and the value.
     """
-    from .scoring_compiled import auto_backend  # registers torch_compiled (its own module: one backend each)
+    from .scoring_compiled import auto_backend  # its own module (one backend each); imported here to avoid a cycle
 
     job = _prepare(logits_XV, target_G, rows_G, support, temperature, full, shard, chunk_bytes)
     job.entropy = bool(entropy)
