@@ -185,6 +185,29 @@ def test_truncated_completion_masked_by_trl_keeps_its_trace_layout(runs):
     assert torch.equal(full_BC, again_BC)
 
 
+def test_two_rows_with_identical_tokens_are_scored(runs):
+    """A GRPO group often samples the same short completion twice: both rows are their own traces."""
+    _, trainer, _ = runs
+    import dataclasses
+
+    from moe_replay.integrations.trl.trainer import TRACES_KEY
+
+    batch = trainer._buffered_inputs[0]
+    ids_BS = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask_BS = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    ids_BS[1], mask_BS[1] = ids_BS[0], mask_BS[0]
+    traces = list(batch[TRACES_KEY])
+    traces[1] = dataclasses.replace(traces[0], key=traces[0].key + "-twin")
+    trainer._mr_rows = traces
+    try:
+        with torch.no_grad():
+            logps_BC = trainer._get_per_token_logps_and_entropies(trainer.model, ids_BS, mask_BS,
+                                                                  batch["completion_ids"].shape[1])[0]
+    finally:
+        trainer._mr_rows = None
+    assert torch.allclose(logps_BC[0], logps_BC[1], atol=1e-6, rtol=0)
+
+
 def test_sampled_tokens_inside_their_supports(runs):
     _, trainer, _ = runs
     from moe_replay.integrations.trl.trainer import TRACES_KEY
