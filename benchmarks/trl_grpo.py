@@ -20,7 +20,9 @@ wall time mostly measures the neighbours), with the 1-minute load average at the
 
 `--breakdown N` instead times each seam moe_replay adds to a TRL step, stock and moe_replay
 side by side in one process (one trainer, N interleaved pairs, medians): `gen_s_{trl,capture}`
-(TRL's engine generating the step's 8 completions raw vs through capture), `score_s_{trl,replay}`
+(TRL's engine generating the step's 8 completions called directly vs through capture's collection
+and trace assembly; the engine is the same, so capture's in-engine hooks, built in at load, run on
+both sides: their cost is benchmarks/capture.py's `compiled.overhead`), `score_s_{trl,replay}`
 (TRL's fused logprob/entropy forward + backward vs moe_replay's replayed, support-renormalised
 one on the same batch), `sync_s_{trl,repack}` (TRL's weight sync vs sync + the vLLM-CPU repack),
 each with its `*_extra_s` difference, and `step_s_trl_parts` (the stock parts' sum).
