@@ -20,9 +20,10 @@ wall time mostly measures the neighbours), with the 1-minute load average at the
 
 `--breakdown N` instead times each seam moe_replay adds to a TRL step, stock and moe_replay
 side by side in one process (one trainer, N interleaved pairs, medians): `gen_s_{trl,capture}`
-(TRL's engine generating the step's 8 completions called directly vs through capture's collection
-and trace assembly; the engine is the same, so capture's in-engine hooks, built in at load, run on
-both sides: their cost is benchmarks/capture.py's `compiled.overhead`), `score_s_{trl,replay}`
+(TRL's engine generating the step's 8 completions called directly vs through capture: the
+worker's flush of the staged rows, the records' transfer and trace assembly; the engine is the
+same, so capture's in-engine hooks, built in at load, run on both sides: their cost is
+benchmarks/capture.py's `compiled.overhead`), `score_s_{trl,replay}`
 (TRL's fused logprob/entropy forward + backward vs moe_replay's replayed, support-renormalised
 one on the same batch), `sync_s_{trl,repack}` (TRL's weight sync vs sync + the vLLM-CPU repack),
 each with its `*_extra_s` difference, and `step_s_trl_parts` (the stock parts' sum).
@@ -133,7 +134,10 @@ def breakdown(model_dir: Path, preset: str, pairs: int, out_dir: str) -> dict:
         params = SamplingParams(top_p=0.9, max_tokens=cols, ignore_eos=True, logprobs=0, seed=0)
 
         def gen_trl():
-            engine.generate(prompts, params, use_tqdm=False)
+            outs = engine.generate(prompts, params, use_tqdm=False)
+            # capture records every request: collect these untimed, so their worker-side flush is
+            # not charged to the next capture call
+            return lambda: proxy._capture.collect(outs)
 
         def gen_capture():
             proxy.generate(prompts, params, use_tqdm=False)
@@ -169,8 +173,10 @@ def breakdown(model_dir: Path, preset: str, pairs: int, out_dir: str) -> dict:
                     order = (0, 1)  # the repacking sync last, so the engine is left repaired
                 for j in order:
                     t0 = time.perf_counter()
-                    fns[j]()
+                    cleanup = fns[j]()
                     times[f"{seam}_s_{names[seam][j]}"].append(time.perf_counter() - t0)
+                    if cleanup is not None:
+                        cleanup()
         med = {k: statistics.median(v) for k, v in times.items()}
         for seam, (a, b) in names.items():
             med[f"{seam}_extra_s"] = med[f"{seam}_s_{b}"] - med[f"{seam}_s_{a}"]
