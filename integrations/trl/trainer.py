@@ -11,6 +11,8 @@ What changes against TRL's own trainer (everything else is TRL's code, unchanged
   * scoring: `_get_per_token_logps_and_entropies` (π_old, π_ref and the training forward alike) is
     checked against the traces, replayed and renormalised over the supports (scoring.py); the
     replay session stays open across TRL's backward, so activation recompute gets the same routes;
+  * π_old, when the preset has the estimator: n re-scores on TRL's own engine under the traces'
+    routes and kept sets replace TRL's trainer recompute (`old_per_token_logps`);
   * corrections: the preset's corrections (TIS, IcePop, ...) of π_old against the engine's
     logprobs fill TRL's importance-sampling slot (`importance_sampling_ratio`) in place of TRL's
     own ratio. A token a correction rejects gets weight 0 there and, as in TRL, stays in the loss
