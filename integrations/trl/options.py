@@ -6,9 +6,20 @@ run). Everything not named here is left as the user set it.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping
 
 from ...presets import Preset
+
+
+_PENALTY_WHY = ("vLLM applies it to the logits before top-k/top-p and before the sampled logprob; the trainer's "
+                "forward knows nothing of it, so replayed logprobs would be of another distribution than the "
+                "one that sampled (the kept set alone does not carry the shifted logits)")
+_LOGIT_CHANGING = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None,
+                   "logits_processors": None}
+"""SamplingParams fields (through GRPOConfig.generation_kwargs) that shift logits, with their neutral
+value. Masks are fine (allowed/bad words, min_tokens, structured outputs): they only remove tokens,
+which the captured kept set records."""
 
 
 class TrlOptionError(ValueError):
@@ -41,9 +52,18 @@ def check_options(args: Any, trainer_kwargs: Mapping[str, Any], preset: Preset) 
     ):
         if trainer_kwargs.get(name):
             raise TrlOptionError(name, type(trainer_kwargs[name]).__name__, "None", why)
-    if preset.estimator.enabled:
-        raise TrlOptionError("moe_replay", preset.name, "a preset without `estimator` (r3, r3_support, r3_support_icepop, none)",
-                             "multi-sample pi_old re-scores on a second engine; the TRL adapter does not wire it yet")
+    if args.use_liger_kernel:
+        raise TrlOptionError("use_liger_kernel", True, "False",
+                             "Liger swaps the model's layer modules for its Triton kernels when training starts, after "
+                             "moe_replay found the routers it replays and checked the model against the engine")
+    if args.repetition_penalty != 1.0:
+        raise TrlOptionError("repetition_penalty", args.repetition_penalty, "1.0", _PENALTY_WHY)
+    gen_kwargs = args.generation_kwargs or {}
+    gen_kwargs = json.loads(gen_kwargs) if isinstance(gen_kwargs, str) else gen_kwargs
+    for key in sorted(set(gen_kwargs) & set(_LOGIT_CHANGING)):
+        value, neutral = gen_kwargs[key], _LOGIT_CHANGING[key]
+        if (value != neutral) if neutral is not None else bool(value):
+            raise TrlOptionError(f"generation_kwargs[{key!r}]", value, repr(_LOGIT_CHANGING[key]), _PENALTY_WHY)
     if preset.corrections and not args.vllm_importance_sampling_correction:
         names = [c.name for c in preset.corrections]
         raise TrlOptionError("vllm_importance_sampling_correction", False, "True",

@@ -19,21 +19,31 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
+from ...presets import Preset
 from ...trace import RolloutTrace
 
 
-
 @contextlib.contextmanager
-def engine_options() -> Iterator[None]:
-    """While TRL constructs its colocated engine, build it with capture's engine settings."""
+def engine_options(preset: Preset) -> Iterator[None]:
+    """While TRL constructs its colocated engine, build it with capture's engine settings.
+
+    A preset with the π_old estimator also re-scores on this engine (`VllmScorer`): its engine
+    gets scoring's settings (prefix caching with the scoring scheduler, so replicas read the
+    prompt's KV), and runs eager when routes are forced, because forcing rewrites the router's ids
+    in Python every step, which a compiled forward never calls (integrations/vllm/force.py).
+    """
     import trl.generation.vllm_generation as vg
 
-    from ..vllm import capture_engine_kwargs
+    from ..vllm import capture_engine_kwargs, scoring_engine_kwargs
 
     original = vg.LLM
 
     def build(*args: Any, **kwargs: Any) -> Any:
-        return original(*args, **capture_engine_kwargs(**kwargs))
+        if not preset.estimator.enabled:
+            return original(*args, **capture_engine_kwargs(**kwargs))
+        if preset.estimator.force_routes:
+            kwargs["enforce_eager"] = True
+        return original(*args, **scoring_engine_kwargs(prompt_reuse=True, **kwargs))
 
     vg.LLM = build
     try:

@@ -1,13 +1,13 @@
 """The trainer side: TRL's per-token logprobs and entropies, under the traces' routes and supports.
 
 TRL lays a batch out as [left-padded prompt | right-padded completion] and scores the completion
-columns with a fused LM head over the full vocabulary. Here the same batch is checked against its
-traces (`build_plan`: every real token must be the trace's token, in order), routed with the
-engine's experts when the preset replays routes, and scored with `score_tokens` (renormalised over
-each token's kept set when the preset replays supports). Logits are computed only for the k = C + 1
-last columns (HF's `logits_to_keep`), as TRL's own path does.
+columns with a fused LM head over the full vocabulary. Here the batch is checked against its traces
+(`check_rows`: every real token must be the trace's token, in place), laid out again by the plan
+(left-padded), routed with the engine's experts when the preset replays routes, and scored with
+`score_tokens` (renormalised over each token's kept set when the preset replays supports). Logits
+are computed only for the k = C + 1 last columns (HF's `logits_to_keep`), as TRL's own path does.
 
-Legend: B rows, S = P + C padded columns (P prompt, C completion), k = C + 1 kept logit columns,
+Legend: B rows, S padded columns (TRL's: P + C, P prompt, C completion), k = C + 1 kept logit columns,
 G generated tokens (row-major), N = B * S flat positions, T routed positions, L MoE layers, K top-k.
 """
 
@@ -40,31 +40,41 @@ class ChunkScores:
     """moe_replay's mismatch metrics of this chunk (empty unless asked for)."""
 
 
-def trace_mask_BS(traces: Sequence[RolloutTrace], attention_mask_BS: torch.Tensor, completion_cols: int) -> torch.Tensor:
-    """The attention mask the engine ran with: each trace's prompt ending at column P, its completion after.
+def check_rows(traces: Sequence[RolloutTrace], input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor,
+               completion_cols: int) -> None:
+    """Row b of TRL's batch must be trace b: its prompt ending at column P, its completion after.
 
-    TRL's own mask may be narrower (e.g. `mask_truncated_completions` zeroes a truncated row's
-    completion; the loss mask still drops it), never wider: a position TRL attends to that the
-    trace does not hold is refused, naming the row.
+    TRL's mask may be narrower than the trace (e.g. `mask_truncated_completions` zeroes a truncated
+    row's completion; the loss mask then drops it, and the forward still runs the engine's tokens),
+    never wider. Checked row by row here rather than by `build_plan` on TRL's layout: its batch
+    check looks each row up by its tokens and refuses two rows with identical tokens, which a GRPO
+    group of short completions produces (two of four samples "7<eos>").
     """
     b_count, s_len = attention_mask_BS.shape
     p_cols = s_len - completion_cols
-    mask_BS = torch.zeros((b_count, s_len), dtype=torch.long)
+    ids_BS = input_ids_BS.detach().cpu().numpy()
+    mask_BS = attention_mask_BS.detach().cpu().numpy() != 0
     for b, trace in enumerate(traces):
-        gen = trace.num_tokens - trace.prompt_len
-        where = Where(record=trace.key, field=f"trl batch row {b}")
+        gen = trace.num_generated
         if trace.prompt_len > p_cols or gen > completion_cols:
-            raise BatchLayoutError(where, f"a prompt of {trace.prompt_len} and a completion of {gen} tokens (the trace)",
+            raise BatchLayoutError(Where(record=trace.key, field=f"trl batch row {b}"),
+                                   f"a prompt of {trace.prompt_len} and a completion of {gen} tokens (the trace)",
                                    f"{p_cols} prompt and {completion_cols} completion columns",
                                    "the batch was truncated after generation; keep TRL's prompt/completion lengths")
-        mask_BS[b, p_cols - trace.prompt_len : p_cols + gen] = 1
-    wider_BS = attention_mask_BS.detach().cpu().bool() & ~mask_BS.bool()
-    if wider_BS.any():
-        b, col = (int(x) for x in wider_BS.nonzero()[0])
-        raise BatchLayoutError(Where(record=traces[b].key, field=f"attention_mask[row {b}]"),
-                               "attention only on the trace's tokens", f"column {col} attended outside them",
-                               "the batch was re-packed after generation")
-    return mask_BS
+        lo, hi = p_cols - trace.prompt_len, p_cols + gen
+        outside = mask_BS[b].copy()
+        outside[lo:hi] = False
+        if outside.any():
+            raise BatchLayoutError(Where(record=trace.key, field=f"attention_mask[row {b}]"),
+                                   "attention only on the trace's tokens",
+                                   f"column {int(np.flatnonzero(outside)[0])} attended outside them",
+                                   "the batch was re-packed after generation")
+        row = ids_BS[b, lo:hi]
+        if not np.array_equal(row, trace.token_ids_S):
+            j = int(np.flatnonzero(row != trace.token_ids_S)[0])
+            raise BatchLayoutError(Where(record=trace.key, field=f"input_ids[row {b}]"),
+                                   f"token {int(trace.token_ids_S[j])} at position {j}", int(row[j]),
+                                   "the batch's tokens are not the ones the engine sampled")
 
 
 class _RoutesRan:
@@ -118,10 +128,12 @@ def score_chunk(
     from ..hf.replay import replay
     from ..hf.routers import find_routers
 
-    mask_BS = trace_mask_BS(traces, attention_mask_BS, completion_cols)
+    check_rows(traces, input_ids_BS, attention_mask_BS, completion_cols)
     with_routes = all(t.routes_TLK is not None for t in traces)
-    plan = build_plan(traces, geometry, input_ids_BS=input_ids_BS.detach().cpu(), attention_mask_BS=mask_BS,
-                      config=preset.replay.plan, routes=with_routes or preset.replay.routes)
+    # the plan's own left-padded batch: every completion ends in the last column, so the k = C + 1
+    # kept logit columns hold every scored position, as in TRL's [prompt | completion] layout
+    plan = build_plan(traces, geometry, config=dataclasses.replace(preset.replay.plan, padding_side="left"),
+                      routes=with_routes or preset.replay.routes)
     session = None
     if preset.replay.routes:
         session = stack.enter_context(replay(hf_model, plan, track_flips=measure))
@@ -141,7 +153,7 @@ def score_chunk(
     s_len = plan.seq_len
     pos_G = plan.score_pos_G
     col_G = pos_G % s_len
-    if bool((col_G < s_len - k_cols).any()):  # trace_mask_BS puts every completion after column P - 1
+    if bool((col_G < s_len - k_cols).any()):  # left padding puts every completion in the last C columns
         raise BatchLayoutError(Where(field="score positions"), f"columns >= {s_len - k_cols}", int(col_G.min()))
     kept = dataclasses.replace(plan, score_pos_G=(pos_G // s_len) * k_cols + col_G - (s_len - k_cols))
     scores = score_tokens(out.logits, kept, use_support=preset.replay.support)  # at each trace's temperature

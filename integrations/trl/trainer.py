@@ -11,6 +11,8 @@ What changes against TRL's own trainer (everything else is TRL's code, unchanged
   * scoring: `_get_per_token_logps_and_entropies` (π_old, π_ref and the training forward alike) is
     checked against the traces, replayed and renormalised over the supports (scoring.py); the
     replay session stays open across TRL's backward, so activation recompute gets the same routes;
+  * π_old, when the preset has the estimator: n re-scores on TRL's own engine under the traces'
+    routes and kept sets replace TRL's trainer recompute (`old_per_token_logps`);
   * corrections: the preset's corrections (TIS, IcePop, ...) of π_old against the engine's
     logprobs fill TRL's importance-sampling slot (`importance_sampling_ratio`) in place of TRL's
     own ratio. A token a correction rejects gets weight 0 there and, as in TRL, stays in the loss
@@ -55,7 +57,7 @@ class MoeReplayGRPOTrainer(GRPOTrainer):
         check_options(bound.get("args"), bound, preset)
         if isinstance(bound.get("model"), torch.nn.Module):  # an unsupported family fails before vLLM starts
             enable(preset, model=bound["model"])
-        with rollout.engine_options():
+        with rollout.engine_options(preset):
             super().__init__(*args, **kwargs)
         self.moe_replay_preset = preset
         self._mr = enable(preset, llm=self.vllm_generation.llm, model=self._mr_hf(self.model))
@@ -86,17 +88,33 @@ class MoeReplayGRPOTrainer(GRPOTrainer):
         self._mr_rows = None
         _check_count(traces, out["completion_ids"].shape[0])
         out[TRACES_KEY] = traces
+        if self._mr.scorer is not None:
+            self._estimate_pi_old(out, traces)
         if self.moe_replay_preset.corrections and "importance_sampling_ratio" in out:
             self._apply_corrections(out, traces)
         return out
 
+    def _estimate_pi_old(self, out: dict, traces: list) -> None:
+        """π_old from n re-scorings on TRL's own engine (the preset's estimator) in place of TRL's
+        trainer recompute: the ratio π_θ / π_old and the corrections then measure against the
+        engine that sampled, under its recorded experts and kept sets."""
+        with profiling_context(self, "moe_replay_pi_old"):
+            est_G = self._mr.pi_old(traces)
+        cols = out["completion_ids"].shape[1]
+        est_BC = _columns([est_G[a:b] for a, b in _spans(traces)], cols)
+        trainer_BC = out.get("old_per_token_logps")
+        if trainer_BC is not None:  # how far the trainer's own recompute is from the estimate
+            mask_BC = out["completion_mask"].bool().cpu()
+            d_BC = (trainer_BC.double().cpu() - est_BC)[mask_BC]
+            self._mr_log({"moe_replay/k3_kl_vs_pi_old": float((torch.exp(-d_BC) - 1 + d_BC).mean()),
+                          "moe_replay/pi_old_replicas": float(self.moe_replay_preset.estimator.config.n)})
+        dtype = trainer_BC.dtype if trainer_BC is not None else torch.float32
+        out["old_per_token_logps"] = est_BC.to(out["completion_ids"].device, dtype)
+
     def _apply_corrections(self, out: dict, traces: list) -> None:
         """The preset's corrections of π_old vs the engine, in TRL's importance_sampling_ratio slot."""
         old_BC = out["old_per_token_logps"]
-        cols = old_BC.shape[1]
-        offsets = np.concatenate([[0], np.cumsum([len(t.logprobs_G) for t in traces])])
-        rollout_BC = to_columns(torch.from_numpy(np.concatenate([t.logprobs_G for t in traces]).astype(np.float64)),
-                              offsets, cols)
+        rollout_BC = _columns([t.logprobs_G for t in traces], old_BC.shape[1])
         res = apply_corrections(self.moe_replay_preset.corrections, old_BC.double().cpu(), rollout_BC,
                                 out["completion_mask"].bool().cpu())
         out["importance_sampling_ratio"] = (res.weights_BS * res.keep_BS).to(old_BC.device, old_BC.dtype)
@@ -171,6 +189,18 @@ class MoeReplayGRPOTrainer(GRPOTrainer):
         """Give TRL its engine back and detach capture from it."""
         rollout.detach(self.vllm_generation)
         self._mr.close()
+
+
+def _spans(traces: list) -> list[tuple[int, int]]:
+    """Each trace's [start, end) in a flat [G] array of the batch's generated tokens."""
+    ends = np.cumsum([t.num_generated for t in traces])
+    return list(zip(np.concatenate([[0], ends[:-1]]).tolist(), ends.tolist()))
+
+
+def _columns(rows_G: list, cols: int) -> torch.Tensor:
+    """Per-row float64 values -> TRL's [B, C] completion layout (zeros after each row's end)."""
+    offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows_G])])
+    return to_columns(torch.from_numpy(np.concatenate(rows_G).astype(np.float64)), offsets, cols)
 
 
 def _check_count(traces: list, rows: int) -> None:
