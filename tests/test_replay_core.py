@@ -162,6 +162,23 @@ def test_plan_accepts_trainer_batch_and_refuses_bad_ones():
         build_plan([traces[0], traces[0]], GEOM)
 
 
+def test_plan_accepts_a_trainer_batch_with_identical_sequences():
+    """GRPO groups of short completions hold identical sequences under distinct keys (other routes,
+    other logprobs): each row is trace b's, so the batch check must not look rows up by tokens."""
+    import dataclasses
+
+    a = make_trace("a", 6, seed=1)
+    twin = dataclasses.replace(a, key="a-twin", routes_TLK=(a.routes_TLK + 1) % GEOM.num_experts)
+    traces = [a, make_trace("b", 5, seed=2), twin]
+    ref = build_plan(traces, GEOM, config=PlanConfig(padding_side="left"))
+    again = build_plan(traces, GEOM, input_ids_BS=ref.input_ids_BS, attention_mask_BS=ref.attention_mask_BS)
+    assert torch.equal(again.ids_LNK, ref.ids_LNK)
+    rows_N = lambda b: slice(b * ref.input_ids_BS.shape[1], (b + 1) * ref.input_ids_BS.shape[1])  # noqa: E731
+    assert not torch.equal(again.ids_LNK[:, rows_N(0)], again.ids_LNK[:, rows_N(2)])  # each twin keeps its own routes
+    with pytest.raises(BatchLayoutError, match="batch order differs"):  # a row holding another trace's tokens
+        build_plan([traces[1], traces[0], traces[2]], GEOM, input_ids_BS=ref.input_ids_BS, attention_mask_BS=ref.attention_mask_BS)
+
+
 def test_plan_refuses_bad_traces_naming_them():
     other = ModelGeometry(4, (1, 3), 16, 2, 64)
     with pytest.raises(GeometryMismatchError, match="num_experts"):

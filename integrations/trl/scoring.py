@@ -46,9 +46,8 @@ def check_rows(traces: Sequence[RolloutTrace], input_ids_BS: torch.Tensor, atten
 
     TRL's mask may be narrower than the trace (e.g. `mask_truncated_completions` zeroes a truncated
     row's completion; the loss mask then drops it, and the forward still runs the engine's tokens),
-    never wider. Checked row by row here rather than by `build_plan` on TRL's layout: its batch
-    check looks each row up by its tokens and refuses two rows with identical tokens, which a GRPO
-    group of short completions produces (two of four samples "7<eos>").
+    never wider. `build_plan`'s own batch check requires each row's mask to cover exactly its
+    trace's tokens, so TRL's layout is checked here and the plan lays the batch out again.
     """
     b_count, s_len = attention_mask_BS.shape
     p_cols = s_len - completion_cols

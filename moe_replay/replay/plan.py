@@ -308,13 +308,15 @@ def _check_batch(
         if len(cols) == 0 or cols[-1] - cols[0] + 1 != len(cols):
             raise BatchLayoutError(where, "one contiguous run of real tokens (left or right padding)", f"mask columns {cols[:8].tolist()}...")
         row = ids_np[b, cols].astype(np.int64)
+        offsets_B[b] = cols[0]
+        if np.array_equal(row, trace.token_ids_S):
+            continue  # row b is trace b (GRPO groups can hold identical sequences: never look rows up by tokens first)
         other = by_tokens.get(row.tobytes())
-        if other is not None and other != b:
+        if other is not None:
             raise BatchLayoutError(where, f"tokens of trace {trace.key!r} (trace {b})", f"tokens of trace {traces[other].key!r} (trace {other})", "batch order differs from trace order")
         if len(row) != trace.num_tokens:
             raise BatchLayoutError(where, f"{trace.num_tokens} real tokens", len(row), "sequence length differs from the trace")
         if not np.array_equal(row, trace.token_ids_S):
             j = int(np.flatnonzero(row != trace.token_ids_S)[0])
             raise BatchLayoutError(where, f"token {int(trace.token_ids_S[j])} at position {j}", int(row[j]))
-        offsets_B[b] = cols[0]
     return input_ids_BS.long(), attention_mask_BS.long(), offsets_B
