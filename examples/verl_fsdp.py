@@ -4,7 +4,6 @@ In a verl job (`python -m verl.trainer.main_ppo ...`) the change is these overri
 
     actor_rollout_ref.model.external_lib=moe_replay.integrations.verl.plugin
     +actor_rollout_ref.model.override_config.moe_replay=r3_support
-    actor_rollout_ref.model.use_remove_padding=False
     actor_rollout_ref.actor.strategy=fsdp2
 
 plus one moe_replay trace per sample in the rollout batch (`non_tensor_batch["moe_replay_traces"]`).

@@ -106,6 +106,22 @@ def test_old_log_prob_replays_routes_and_support(rollouts, engines):
         assert (lp - engine_lp).abs().mean() < (full[b, :len(gen)] - engine_lp).abs().mean()
 
 
+def test_remove_padding_maps_through_verls_offsets(rollouts, engines):
+    """use_remove_padding=True packs the micro-batch into one row; the routes follow verl's offsets,
+    so the packed forward replays the same experts and scores the same as the padded one."""
+    from moe_replay.integrations.verl.cpu import build_engine
+    from moe_replay.integrations.verl.local import old_log_prob
+
+    packed = build_engine(str(rollouts["model_dir"]), "r3_support", model_overrides={"use_remove_padding": True})
+    lp, m = old_log_prob(packed, _batch(rollouts))
+    ref, _ = old_log_prob(engines["r3_support"], _batch(rollouts))
+    assert _mean(m["moe_replay/route_flip_rate"]) == 0.0
+    assert sum(m["moe_replay/route_tokens"]) == sum(t.num_tokens - 1 for t in rollouts["traces"])
+    mask = _batch(rollouts).batch["response_mask"].bool()
+    diff = (lp.batch["old_log_probs"] - ref.batch["old_log_probs"])[mask].abs().max().item()
+    assert diff < 1e-4, diff
+
+
 def test_multi_turn_keeps_every_turns_routes(rollouts, engines):
     """A stitched two-turn record: routes from token 0 through the second turn, all replayed."""
     from moe_replay.integrations.verl.local import old_log_prob
@@ -168,8 +184,8 @@ def test_incompatible_settings_and_families_are_refused(rollouts, tmp_path):
     from moe_replay.integrations.verl import VerlOptionError
     from moe_replay.integrations.verl.cpu import build_engine
 
-    with pytest.raises(VerlOptionError, match="use_remove_padding=True"):
-        build_engine(str(rollouts["model_dir"]), "r3", model_overrides={"use_remove_padding": True})
+    with pytest.raises(VerlOptionError, match="ulysses_sequence_parallel_size=2"):
+        build_engine(str(rollouts["model_dir"]), "r3", engine_overrides={"ulysses_sequence_parallel_size": 2})
     with pytest.raises(VerlOptionError, match="estimator"):
         build_engine(str(rollouts["model_dir"]), "r3_support_multisample")
 

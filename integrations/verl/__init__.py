@@ -4,13 +4,14 @@ The user's verl config changes by these lines (Hydra overrides of `verl.trainer.
 
     actor_rollout_ref.model.external_lib=moe_replay.integrations.verl.plugin   # registers the engine
     +actor_rollout_ref.model.override_config.moe_replay=r3_support             # the preset
-    actor_rollout_ref.model.use_remove_padding=False                           # per-sample layout
     actor_rollout_ref.actor.strategy=fsdp2
 
 and the rollouts reach the actor with one moe_replay trace per sample in
 `non_tensor_batch["moe_replay_traces"]` (batch.py). verl imports `external_lib` in every process
 that builds a model config (its plugin hook); `plugin` registers `MoeReplayFSDPEngine` for verl's
-FSDP backends. Without `override_config.moe_replay` that engine is verl's own, unchanged.
+FSDP backends. Without `override_config.moe_replay` that engine is verl's own, unchanged. Both
+of verl's layouts work (`use_remove_padding` on or off: routes follow verl's sequence offsets);
+Ulysses sequence parallelism, `pad_to_length` and fused kernels are refused by name (options.py).
 
 Importing this package does not import verl; verl is imported when the engine or a helper is used.
 """

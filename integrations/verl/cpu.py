@@ -143,7 +143,8 @@ def build_engine(model_dir: str, preset: str | None, *, micro_batch_size: int = 
                  engine_overrides: dict | None = None, model_overrides: dict | None = None) -> Any:
     """verl's FSDP2 actor engine for `model_dir` in this process (world size 1, gloo), under `preset`.
 
-    The config is what a verl user sets (model.override_config.moe_replay, use_remove_padding off),
+    The config is what a verl user sets (model.override_config.moe_replay; use_remove_padding off
+    unless `model_overrides` turn it on),
     built with verl's own dataclasses; the engine comes from verl's EngineRegistry, where
     `registry.install()` put moe_replay's. FSDP1 (`strategy=fsdp`) stops on CPU: it syncs module
     states from rank 0, which torch allows only for parameters on a GPU.

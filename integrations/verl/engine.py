@@ -36,11 +36,11 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree
 
 from ...enablement import TrainBatch
-from ...errors import Where
 from ...metrics import mismatch_metrics
 from ...presets import Preset, load_preset
-from ...replay import BatchLayoutError, build_plan, score_tokens
+from ...replay import build_plan, score_tokens
 from .batch import traces_of
+from .layout import nested_index_G, pack_plan, padded_batch
 from .options import VerlOptionError, check_engine
 
 PRESET_KEY = "moe_replay"
@@ -102,10 +102,21 @@ class MoeReplayFSDPEngine(FSDPEngineWithLMHead):
         model_inputs, output_args = self.prepare_model_inputs(micro_batch=micro_batch)
         _check_temperature(micro_batch["temperature"], traces)
 
+        offsets_B1 = micro_batch["input_ids"].offsets().cpu()
+        packed = model_inputs.get("attention_mask") is None  # verl's remove-padding layout
+        if packed and output_args.get("pad_size"):
+            raise VerlOptionError("packed pad_size", output_args["pad_size"], "0",
+                                  "padding appended to the packed row holds positions no trace has")
+        if packed:
+            ids_BS, mask_BS = padded_batch(offsets_B1, micro_batch["input_ids"].values().cpu())
+        else:
+            ids_BS, mask_BS = model_inputs["input_ids"].detach().cpu(), model_inputs["attention_mask"].detach().cpu()
         with_routes = preset.replay.routes or all(t.routes_TLK is not None for t in traces)
-        plan = build_plan(traces, self._mr_geometry, input_ids_BS=model_inputs["input_ids"].detach().cpu(),
-                          attention_mask_BS=model_inputs["attention_mask"].detach().cpu(), config=preset.replay.plan,
-                          routes=with_routes)
+        plan = build_plan(traces, self._mr_geometry, input_ids_BS=ids_BS, attention_mask_BS=mask_BS,
+                          config=preset.replay.plan, routes=with_routes)
+        temperature_G = plan.temperature_G
+        if packed:
+            plan = pack_plan(plan, offsets_B1)
         stack = contextlib.ExitStack()
         self._mr_open = stack
         session = free = None
@@ -126,9 +137,8 @@ class MoeReplayFSDPEngine(FSDPEngineWithLMHead):
             raw_output = self.module(**model_inputs, use_cache=False)
             model_output = self.prepare_model_outputs(output=raw_output, output_args=output_args, micro_batch=micro_batch,
                                                       logits_processor_func=loss_function)
-            scores = score_tokens(raw_output.logits, plan, use_support=preset.replay.support)
-            offsets_B1 = micro_batch["input_ids"].offsets()
-            model_output = _put_scores(model_output, plan, scores, offsets_B1)
+            scores = score_tokens(raw_output.logits, plan, temperature=temperature_G, use_support=preset.replay.support)
+            model_output = _put_scores(model_output, nested_index_G(plan, offsets_B1, packed), scores, offsets_B1)
             if loss_function is not None:
                 loss, metrics = loss_function(model_output=model_output, data=micro_batch,
                                               dp_group=self.get_data_parallel_group())
@@ -154,21 +164,8 @@ def _check_temperature(temperature: Any, traces: list) -> None:
                                   "the trainer must score at the sampler's temperature")
 
 
-def _put_scores(model_output: dict, plan: Any, scores: Any, offsets_B1: torch.Tensor) -> dict:
-    """verl's jagged log_probs / entropy with moe_replay's scores at the generated tokens (keeps grad).
-
-    verl's value at (sample b, position j) is log p(token j + 1), the logits of column j on its
-    right-padded layout, which is the plan's column: flat index offsets[b] + j.
-    """
-    s_len = plan.seq_len
-    b_G, col_G = plan.score_pos_G // s_len, plan.score_pos_G % s_len
-    offsets_B1 = offsets_B1.to(plan.score_pos_G.device)
-    idx_G = offsets_B1[b_G] + col_G
-    end_G = offsets_B1[b_G + 1]
-    if bool((idx_G >= end_G - 1).any()):  # the last token of a sample predicts nothing
-        g = int((idx_G >= end_G - 1).nonzero()[0])
-        raise BatchLayoutError(Where(record=plan.keys[int(b_G[g])], field="log_probs"),
-                               "a scored position before the sample's last token", f"position {int(col_G[g])}")
+def _put_scores(model_output: dict, idx_G: torch.Tensor, scores: Any, offsets_B1: torch.Tensor) -> dict:
+    """verl's jagged log_probs / entropy with moe_replay's scores at the generated tokens (keeps grad)."""
     out = dict(model_output)
     for name, value_G in (("log_probs", scores.logprobs_G), ("entropy", scores.entropy_G)):
         if name not in out or value_G is None:

@@ -20,21 +20,16 @@ class VerlOptionError(ValueError):
 
 def check_engine(model_config: Any, engine_config: Any, preset: Preset) -> None:
     """Raise VerlOptionError for the first verl setting the preset cannot run with."""
-    if model_config.use_remove_padding:
-        raise VerlOptionError(
-            "actor_rollout_ref.model.use_remove_padding", True, "False",
-            "remove-padding packs every sample into one row whose positions no longer match the traces' "
-            "(flash-attention varlen); moe_replay lays routes out per sample on verl's padded path")
     if engine_config.ulysses_sequence_parallel_size != 1:
         raise VerlOptionError("actor_rollout_ref.actor.ulysses_sequence_parallel_size",
                               engine_config.ulysses_sequence_parallel_size, "1",
-                              "sequence parallelism slices each sequence across ranks; the route slicing is not wired")
+                              "sequence parallelism slices each packed sequence across ranks; the route slicing is not wired")
     if engine_config.use_fused_kernels or model_config.use_fused_kernels:
         raise VerlOptionError("actor_rollout_ref.model.use_fused_kernels", True, "False",
                               "fused kernels return logprobs without logits, so nothing can be renormalised over the support")
     if getattr(engine_config, "pad_to_length", False):
         raise VerlOptionError("actor_rollout_ref.actor.fsdp_config.pad_to_length", True, "False",
-                              "a static pad changes the packed layout the traces are checked against")
+                              "a static pad appends positions no trace holds to the packed row (not wired)")
     if preset.estimator.enabled:
         raise VerlOptionError("moe_replay", preset.name, "a preset without `estimator` (r3, r3_support, none, ...)",
                               "multi-sample pi_old re-scores on a second engine; the verl adapter does not wire it")
