@@ -122,6 +122,30 @@ def test_remove_padding_maps_through_verls_offsets(rollouts, engines):
     assert diff < 1e-4, diff
 
 
+def test_dynamic_batch_size_keeps_each_trace_with_its_sample(rollouts, engines):
+    """verl's default dynamic batching re-orders samples into token-budget micro-batches; each
+    trace travels with its sample (NonTensorStack), so the scores are those of the fixed split."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.utils import prepare_micro_batches
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    from moe_replay.integrations.verl.cpu import build_engine
+    from moe_replay.integrations.verl.local import old_log_prob
+
+    budget = {"use_dynamic_bsz": True, "max_token_len_per_gpu": 48, "infer_max_token_len_per_gpu": 48}
+    td = left_right_2_no_padding(_batch(rollouts).to_tensordict())
+    tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=48)
+    _, order = prepare_micro_batches(td)
+    assert [i for mb in order for i in mb] != list(range(N_PROMPTS)), order  # verl really re-orders this batch
+
+    dyn = build_engine(str(rollouts["model_dir"]), "r3_support", engine_overrides=budget)
+    lp, m = old_log_prob(dyn, _batch(rollouts))
+    ref, _ = old_log_prob(engines["r3_support"], _batch(rollouts))
+    assert _mean(m["moe_replay/route_flip_rate"]) == 0.0
+    mask = _batch(rollouts).batch["response_mask"].bool()
+    assert (lp.batch["old_log_probs"] - ref.batch["old_log_probs"])[mask].abs().max().item() < 1e-4
+
+
 def test_multi_turn_keeps_every_turns_routes(rollouts, engines):
     """A stitched two-turn record: routes from token 0 through the second turn, all replayed."""
     from moe_replay.integrations.verl.local import old_log_prob
@@ -237,3 +261,28 @@ def test_importing_the_adapter_does_not_import_verl():
     code = ("import sys, moe_replay.integrations.verl as v; v.__all__; "
             "sys.exit(sorted(m for m in sys.modules if m.split('.')[0] in ('verl', 'vllm', 'transformers')) != [])")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_verl_config_switches_it_on(tiny_model):
+    """The user's switch: verl's HFModelConfig imports `external_lib` (the plugin registers the engine)
+    and carries the preset in `override_config`; uninstall gives verl its classes back."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from verl.workers.config import HFModelConfig\n"
+        f"c = HFModelConfig(path={str(tiny_model('qwen3_moe'))!r}, external_lib='moe_replay.integrations.verl.plugin', "
+        "override_config={'attn_implementation': 'sdpa', 'moe_replay': 'r3_support'})\n"
+        "from verl.workers.engine import EngineRegistry\n"
+        "from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead\n"
+        "from moe_replay.integrations.verl.engine import MoeReplayFSDPEngine, preset_of\n"
+        "from moe_replay.integrations.verl.registry import uninstall\n"
+        "assert all(EngineRegistry.get_engine_cls('language_model', b) is MoeReplayFSDPEngine for b in ('fsdp', 'fsdp2'))\n"
+        "assert preset_of(c).name == 'r3_support'\n"
+        "uninstall()\n"
+        "assert EngineRegistry.get_engine_cls('language_model', 'fsdp2') is FSDPEngineWithLMHead\n"
+    )
+    env = {**os.environ, "MOE_REPLAY_VERL_CPU": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
