@@ -57,12 +57,14 @@ def stitch_turns(turns: Sequence[RolloutTrace]) -> RolloutTrace:
     return full
 
 
-def traces_of(micro_batch: Any, sample_ids: Sequence[Any] | None = None) -> list[RolloutTrace]:
+def traces_of(micro_batch: Any, sample_ids: Sequence[Any] | None = None, *, decode: bool = True) -> list[Any]:
     """The decoded trace of every sample of a verl TensorDict (micro-)batch, in its row order.
 
     Refuses (MissingTraceError, naming the row and its uid when the batch has one) a batch without
     the key or a sample whose entry is empty: replaying some rows and routing others freely is
-    the silent fall-back this integration exists to prevent.
+    the silent fall-back this integration exists to prevent. `decode=False` only checks presence
+    and returns the entries as they are (the whole batch is checked before its first micro-batch,
+    each micro-batch decodes its own).
     """
     rows = len(micro_batch)
     uids = _uids(micro_batch, rows) if sample_ids is None else list(sample_ids)
@@ -80,7 +82,7 @@ def traces_of(micro_batch: Any, sample_ids: Sequence[Any] | None = None) -> list
         if entry is None or (isinstance(entry, (bytes, bytearray)) and not entry):
             raise MissingTraceError(where, "an encoded moe_replay trace", repr(entry),
                                     "every sample must come from the captured engine")
-        out.append(entry if isinstance(entry, RolloutTrace) else decode_trace(bytes(entry), where))
+        out.append(entry if isinstance(entry, RolloutTrace) or not decode else decode_trace(bytes(entry), where))
     return out
 
 

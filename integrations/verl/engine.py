@@ -77,7 +77,7 @@ class MoeReplayFSDPEngine(FSDPEngineWithLMHead):
     def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
         if self.moe_replay_preset is None:
             return super().forward_backward_batch(data, loss_function, forward_only)
-        traces_of(data)  # every sample has its trace, before any micro-batch runs
+        traces_of(data, decode=False)  # every sample has its trace, before any micro-batch runs
         try:
             out = super().forward_backward_batch(data, loss_function, forward_only)
         except BaseException:
