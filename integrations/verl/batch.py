@@ -4,9 +4,10 @@ verl carries per-sample objects (`uid`, `raw_prompt`, ...) as numpy object array
 `DataProto.non_tensor_batch`; `DataProto.to_tensordict` turns each into a NonTensorStack that
 follows its sample through verl's shuffles, mini-batch and micro-batch splits (also the dynamic
 batch-size re-ordering). moe_replay's traces ride there under `TRACES_KEY`, each as moe_replay's
-compact record (`moe_replay.codec.encode_trace`: varint/bit-packed routes and CSR supports, about
-2 bytes per token-layer at K=2 and E=8, against 16 for verl's dense int64 [B, T, L, K] tensor),
-so verl's own `routed_experts` tensor is not needed. A multi-turn rollout is one stitched record
+compact record (`moe_replay.codec.encode_trace`: entropy-coded routes and CSR supports; 0.62 B
+per token-layer on the tiny model's real traces in benchmarks/store.py, where verl's dense padded
+[B, T, L, K] integer tensor spends K ids of 4-8 B each, padding included), so verl's own
+`routed_experts` tensor is not needed. A multi-turn rollout is one stitched record
 (`stitch_turns`): every turn's routes, in one record.
 
 `to_dataproto` lays the traces out the way verl's agent loop hands rollouts to the trainer
