@@ -11,7 +11,6 @@ against the float32 trainer: the precision mismatch that flips routes. Where CPU
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest

@@ -120,25 +120,6 @@ def _register_engine() -> None:
             EngineRegistry.register(model_type="language_model", backend=backend, device="cpu")(FSDPEngineWithLMHead)
 
 
-@contextlib.contextmanager
-def without_trl_value_head() -> Any:
-    """While verl builds its model, tell verl's monkey_patch that TRL is absent. PATCH, undone on exit.
-
-    verl 0.9.1's `apply_monkey_patch` re-binds `state_dict` on TRL's `AutoModelForCausalLMWithValueHead`
-    whenever TRL is importable; TRL >= 1.x (this project's `trl` extra pins 1.16) no longer has that
-    class, so verl's engine fails with ImportError while building a plain causal LM. The re-bind is
-    for value-head (critic) models only; the actor never has one.
-    """
-    import verl.models.transformers.monkey_patch as mp
-
-    original = mp.is_trl_available
-    mp.is_trl_available = lambda: False
-    try:
-        yield
-    finally:
-        mp.is_trl_available = original
-
-
 def build_engine(model_dir: str, preset: str | None, *, micro_batch_size: int = 4, lr: float = 1e-3,
                  engine_overrides: dict | None = None, model_overrides: dict | None = None) -> Any:
     """verl's FSDP2 actor engine for `model_dir` in this process (world size 1, gloo), under `preset`.
@@ -158,7 +139,7 @@ def build_engine(model_dir: str, preset: str | None, *, micro_batch_size: int = 
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
 
-    from .registry import install
+    from .registry import install, without_trl_value_head
 
     install()
     override = {"attn_implementation": "sdpa"}  # verl defaults to flash-attention 2, which has no CPU build
