@@ -72,13 +72,14 @@ def _batch(rollouts, traces=None, **kw):
     return to_dataproto(rollouts["traces"] if traces is None else traces, pad_token_id=rollouts["pad"], **kw)
 
 
-def test_engine_comes_from_verls_registry(engines):
+def test_engine_comes_from_verls_registry(rollouts, engines):
     from verl.workers.engine import EngineRegistry
 
     from moe_replay.integrations.verl import MoeReplayFSDPEngine
 
     assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is MoeReplayFSDPEngine
     assert engines["r3_support"].moe_replay_preset.name == "r3_support"
+    assert "rollout_log_probs" in _batch(rollouts).batch.keys()  # single-turn: verl's rollout correction can run
 
 
 def test_old_log_prob_replays_routes_and_support(rollouts, engines):
@@ -154,6 +155,7 @@ def test_multi_turn_keeps_every_turns_routes(rollouts, engines):
     assert t2.route_start > 0 and multi.route_start == 0 and multi.num_route_rows == multi.num_tokens - 1
     traces = [multi, *rollouts["traces"][:3]]  # one micro-batch of 4
     batch = _batch(rollouts, traces=traces, prompt_lens=[t1.prompt_len] + [t.prompt_len for t in traces[1:]])
+    assert "rollout_log_probs" not in batch.batch.keys()  # the first turn's engine logprobs are not in the record
     _, m = old_log_prob(engines["r3_support"], batch)  # verl's prompt of the conversation is the first turn's
     assert _mean(m["moe_replay/route_flip_rate"]) == 0.0
     assert sum(m["moe_replay/route_tokens"]) == sum(t.num_tokens - 1 for t in traces)  # all of both turns

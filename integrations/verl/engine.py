@@ -137,7 +137,8 @@ class MoeReplayFSDPEngine(FSDPEngineWithLMHead):
             raw_output = self.module(**model_inputs, use_cache=False)
             model_output = self.prepare_model_outputs(output=raw_output, output_args=output_args, micro_batch=micro_batch,
                                                       logits_processor_func=loss_function)
-            scores = score_tokens(raw_output.logits, plan, temperature=temperature_G, use_support=preset.replay.support)
+            scores = score_tokens(raw_output.logits, plan, temperature=temperature_G, use_support=preset.replay.support,
+                                  entropy="entropy" in model_output)
             model_output = _put_scores(model_output, nested_index_G(plan, offsets_B1, packed), scores, offsets_B1)
             if loss_function is not None:
                 loss, metrics = loss_function(model_output=model_output, data=micro_batch,
