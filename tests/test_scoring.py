@@ -133,6 +133,20 @@ def test_bf16_logits_score_in_float32_with_a_bf16_gradient():
     assert x.grad.dtype == torch.bfloat16 and torch.isfinite(x.grad.float()).all()
 
 
+@pytest.mark.parametrize("with_support", [False, True])
+def test_a_trainers_bf16_autocast_does_not_change_the_scores(with_support):
+    """verl's FSDP engine scores inside torch.autocast(bf16): the statistics stay fp32 math."""
+    logits, target, support, t_G = random_case(6, 8, 300, 20)
+    x = logits.to(torch.bfloat16)
+    sup = support if with_support else None
+    plain = score_logits(x, target, support=sup, temperature=t_G.float(), backend="torch_chunked")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = score_logits(x, target, support=sup, temperature=t_G.float(), backend="torch_chunked")
+    for a, b in ((plain.logprobs_G, under.logprobs_G), (plain.entropy_G, under.entropy_G)):
+        assert b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 # -- bad input: a typed error naming the row and the value, never a NaN --------------------------
 def test_support_row_without_its_sampled_token_is_refused():
     logits, target, _, t_G = random_case(1, 3, 10, 1, temps=(1.0,))

@@ -487,7 +487,10 @@ def score_logits(
     job = _prepare(logits_XV, target_G, rows_G, support, temperature, full, shard, chunk_bytes)
     job.entropy = bool(entropy)
     impl = SCORING_BACKENDS.get(auto_backend(job) if backend == "auto" else backend)
-    lp, ent, lp_full, ent_full = _ScoreFunction.apply(logits_XV, job, impl)
+    # a trainer's autocast (verl's FSDP forward runs under bf16 autocast) would put bmm/matmul in bf16:
+    # the statistics are fp32 math by contract, whatever the ambient autocast says
+    with torch.autocast(logits_XV.device.type, enabled=False):
+        lp, ent, lp_full, ent_full = _ScoreFunction.apply(logits_XV, job, impl)
     return TokenScores(lp, ent if entropy else None, lp_full if full else None, ent_full if full and entropy else None)
 
 
