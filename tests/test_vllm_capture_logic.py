@@ -187,8 +187,8 @@ def test_stitch_keeps_the_typed_fields_and_refuses_mixed_weights():
     with different weights are two policies' routes and never one record."""
     import dataclasses
 
-    from moe_replay.integrations.vllm import CaptureAlignmentError, stitch
-    from moe_replay.trace import Sampling
+    from moe_replay.errors import TraceAlignmentError
+    from moe_replay.trace import Sampling, stitch
 
     from .trace_factory import random_trace
 
@@ -203,5 +203,5 @@ def test_stitch_keeps_the_typed_fields_and_refuses_mixed_weights():
     assert joined.route_start == 0 and joined.num_route_rows == 39
     np.testing.assert_array_equal(joined.routes_TLK[:19], first.routes_TLK[:19])
     np.testing.assert_array_equal(joined.routes_TLK[19:], tail.routes_TLK)
-    with pytest.raises(CaptureAlignmentError, match=r"weights_version 'step-5'.*'step-4'"):
+    with pytest.raises(TraceAlignmentError, match=r"weights_version 'step-5'.*'step-4'"):
         stitch(first, dataclasses.replace(tail, weights_version="step-5"))

@@ -6,7 +6,8 @@ Importing this package does not import vLLM; vLLM is imported when capture or sc
 
 from __future__ import annotations
 
-from .config import CaptureConfig
+from ...capture_config import CaptureConfig
+from ...trace import stitch
 from .errors import (
     CaptureAlignmentError,
     CaptureError,
@@ -28,7 +29,7 @@ __all__ = [
 ]
 
 _LAZY = {"VllmCapture": "api", "AsyncVllmCapture": "api", "capture_engine_kwargs": "api", "EXTENSION": "api",
-         "stitch": "assemble", "VllmScorer": "scorer", "AsyncVllmScorer": "scorer", "VllmScorerConfig": "scorer",
+         "VllmScorer": "scorer", "AsyncVllmScorer": "scorer", "VllmScorerConfig": "scorer",
          "scoring_engine_kwargs": "scorer", "ForceRouteError": "force", "ScoreAlignmentError": "force",
          "ScoringError": "force", "PrefixCacheMissError": "scorer"}
 

@@ -16,7 +16,7 @@ from ...geometry import EngineInfo, ModelGeometry
 from ...trace import RolloutTrace, Sampling
 from . import worker as W
 from .assemble import build_trace, completions_of, raise_install_error
-from .config import CaptureConfig
+from ...capture_config import CaptureConfig
 from .errors import CaptureHookError, CollectError, UnknownRequestError
 
 EXTENSION = "moe_replay.integrations.vllm.worker.CaptureWorkerExtension"

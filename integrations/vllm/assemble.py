@@ -15,7 +15,7 @@ import numpy as np
 from ...errors import Where
 from ...geometry import EngineInfo, ModelGeometry
 from ...trace import RolloutTrace, SamplingSupport
-from .config import CaptureConfig
+from ...capture_config import CaptureConfig
 from .records import unpack_array
 from .errors import (
     CaptureAlignmentError,
@@ -146,42 +146,6 @@ def build_trace(
         extra=extra,
     )
     return trace.validate(Where(record=key))
-
-
-def stitch(previous: RolloutTrace, turn: RolloutTrace) -> RolloutTrace:
-    """Join a multi-turn conversation: `turn` recorded only its new routes (route_start > 0).
-
-    `turn`'s tokens must extend `previous`'s, and its routes must start at or before the last token
-    of `previous` (that token was never forwarded in the previous turn). The result has the
-    earliest route_start and all routes; support and logprobs are those of the latest turn (the
-    format holds one contiguous generated span), the previous turn's key goes to extra['turns'].
-    """
-    where = Where(record=turn.key, field="route_start")
-    P = previous.num_tokens
-    if turn.num_tokens < P or not np.array_equal(turn.token_ids_S[:P], previous.token_ids_S):
-        raise CaptureAlignmentError(f"turn {turn.key!r} does not extend {previous.key!r}: token prefixes differ")
-    if previous.routes_TLK is None or turn.routes_TLK is None:
-        raise CaptureAlignmentError(f"stitching needs routes in both turns ({previous.key!r}, {turn.key!r})")
-    if not previous.route_start <= turn.route_start <= P - 1:
-        raise CaptureAlignmentError(
-            f"{where}: turn routes start at {turn.route_start}, expected in [{previous.route_start}, {P - 1}] "
-            f"(the previous turn covers positions up to {P - 2})"
-        )
-    previous.geometry.check_matches(turn.geometry, where)
-    if previous.weights_version != turn.weights_version:  # one record holds one policy's routes
-        raise CaptureAlignmentError(
-            f"turn {turn.key!r} was sampled with weights_version {turn.weights_version!r}, the turn before it "
-            f"({previous.key!r}) with {previous.weights_version!r}: their routes cannot form one record"
-        )
-    head = previous.routes_TLK[: turn.route_start - previous.route_start]
-    routes = np.concatenate([head, turn.routes_TLK], axis=0)
-    extra = dict(turn.extra)
-    extra["turns"] = [*previous.extra.get("turns", []), previous.key]
-    return RolloutTrace(
-        key=turn.key, token_ids_S=turn.token_ids_S, prompt_len=turn.prompt_len, geometry=turn.geometry,
-        routes_TLK=routes, route_start=previous.route_start, support=turn.support, logprobs_G=turn.logprobs_G,
-        engine=turn.engine, extra=extra, sampling=turn.sampling, weights_version=turn.weights_version,
-    ).validate()
 
 
 def raise_install_error(reply: dict[str, Any]) -> None:

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from .block_cache import SlotRouteCache, kv_slots, route_kv_group
-from .config import CaptureConfig
+from ...capture_config import CaptureConfig
 from .errors import CaptureHookError
 from .records import RecordBook, RequestRecord
 from .route_hook import RouteCapture, geometry_from_runner
