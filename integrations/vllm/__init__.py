@@ -14,8 +14,12 @@ from .errors import (
     CaptureEvictedError,
     CaptureHookError,
     CollectError,
+    ForceRouteError,
     NoMoeLayersError,
+    PrefixCacheMissError,
     RequestAbortedError,
+    ScoreAlignmentError,
+    ScoringError,
     SupportOverflowError,
     UnknownRequestError,
 )
@@ -30,8 +34,7 @@ __all__ = [
 
 _LAZY = {"VllmCapture": "api", "AsyncVllmCapture": "api", "capture_engine_kwargs": "api", "EXTENSION": "api",
          "VllmScorer": "scorer", "AsyncVllmScorer": "scorer", "VllmScorerConfig": "scorer",
-         "scoring_engine_kwargs": "scorer", "ForceRouteError": "force", "ScoreAlignmentError": "force",
-         "ScoringError": "force", "PrefixCacheMissError": "scorer"}
+         "scoring_engine_kwargs": "scorer"}
 
 
 def __getattr__(name: str):

@@ -35,14 +35,9 @@ import numpy as np
 from ...geometry import ModelGeometry
 from ...trace import RolloutTrace
 from .api import EXTENSION, capture_engine_kwargs
-from .errors import CaptureHookError
-from .force import ForceRouteError, ScoreAlignmentError, ScoringError
+from .errors import CaptureHookError, ForceRouteError, PrefixCacheMissError, ScoreAlignmentError, ScoringError
 from .prefix import CACHE_UPTO_KEY, SCHEDULER_QUALNAME, cache_salt, engine_reuse_ready, reusable_tokens
 from .records import pack_array, unpack_array
-
-
-class PrefixCacheMissError(ScoreAlignmentError):
-    """Prompt reuse was promised for a trace (an earlier replica cached its prompt) and missed."""
 
 _METHODS = {"install": "moe_replay_score_install", "register": "moe_replay_score_register",
             "take": "moe_replay_score_take", "discard": "moe_replay_score_discard",
@@ -237,10 +232,10 @@ class _ScorerBase:
 
 
 def _raise_remote(reply: dict[str, Any], what: str) -> None:
-    from . import errors, force
+    from . import errors
 
     kind = reply.get("kind", "")
-    cls = getattr(force, kind, None) or getattr(errors, kind, None)
+    cls = getattr(errors, kind, None)
     if not (isinstance(cls, type) and issubclass(cls, Exception)):
         cls = ScoringError
     raise cls(f"{what}: {reply.get('error')}")
