@@ -112,11 +112,13 @@ def test_greedy_rows_before_the_first_truncation_survive_allocation():
 def test_window_lays_steps_end_to_end():
     """A prefill step (rows of 3 and 2 tokens, the second a chunk short of its prompt end) then a
     decode step: each token gets its row's record, each row its last position and discard flag."""
+    from moe_replay.integrations.vllm.step import StepLayout
     from moe_replay.integrations.vllm.worker import _Batch, _Step, _Window
 
     batch = _Batch(["a", "b"], [None, None], np.array([7, 9]), np.array([3, 4]))
-    prefill = _Step(batch, np.array([0, 3, 5]), np.array([0, 1, 2, 0, 1]), np.array([False, True]), 0, None, None)
-    decode = _Step(batch, np.array([0, 1, 2]), np.array([3, 2]), np.array([False, False]), 5, None, None)
+    prefill = _Step(batch, StepLayout(["a", "b"], np.array([0, 3, 5]), np.array([0, 1, 2, 0, 1]), np.array([False, True])),
+                    0, None, None)
+    decode = _Step(batch, StepLayout(["a", "b"], np.array([0, 1, 2]), np.array([3, 2]), np.array([False, False])), 5, None, None)
     win = _Window.of([prefill, decode])
     assert win.n_S.tolist() == [5, 2] and win.b_S.tolist() == [2, 2]
     assert win.uid_T.tolist() == [7, 7, 7, 9, 9, 7, 9]

@@ -4,8 +4,8 @@ A scoring request is the trace's full token sequence submitted as a prompt (max_
 client first registers it here under its request id (`ScoreJob`: tokens, routes, support,
 temperature). Then, per engine step (StepBracket in patch.py):
 
-  router call   (first MoE layer of a real step) the step's rows are mapped to requests exactly
-                as capture does (input_batch.req_ids, query_start_loc, positions); each MoE
+  router call   (first MoE layer of a real step) the step's rows are mapped to requests from the
+                layout capture uses too (step.py: request ids, query_start_loc, positions); each MoE
                 router returns the engine's own top-k for every row, except rows of registered
                 requests at positions [route_start, S-1), which get the trace's ids (column order
                 kept). Gate weights at those ids are recomputed from the engine's router logits by
@@ -219,13 +219,11 @@ class WorkerScoring:
     def _step_plan(self, n: int) -> _StepPlan:
         if self._plan is not None:
             return self._plan
-        r = self.runner
-        num_reqs = r.input_batch.num_reqs
-        qsl = r.query_start_loc.np[: num_reqs + 1]
-        pos_T = r.positions[:n].numpy()
+        layout = self._bracket.views.layout(n)
+        qsl, pos_T = layout.qsl_B1, layout.pos_T
         jobs = []
         rows, ids = [], []
-        for i, rid in enumerate(r.input_batch.req_ids[:num_reqs]):
+        for i, rid in enumerate(layout.req_ids):
             if rid in self._others:
                 continue
             job = self._by_internal.get(rid)

@@ -88,11 +88,16 @@ class StepBracket:
     register here. Per step, listeners' `before_step(scheduler_output)` run before the original
     (input batch not yet updated) and `after_forward(scheduler_output)` after it (batch, positions
     and the step's hidden states in place). Seconds spent in each listener go to its `hook_s`.
-    The wrapper is removed when the last listener leaves (`remove`).
+    Both read the step's rows from one `views.layout(n)` (step.py). The wrapper is removed when
+    the last listener leaves (`remove`).
     """
 
     def __init__(self, runner: Any) -> None:
+        from .step import StepViews
+
         self.runner = runner
+        self.views = StepViews(runner)
+        """The one layout of each step (request ids, query starts, positions) the listeners share."""
         self.listeners: list[Any] = []
         self.in_step = False
         """True between before_step and after_forward of a real engine step (never in dummy runs)."""
@@ -100,6 +105,7 @@ class StepBracket:
 
         def make_execute(orig):
             def execute_model(scheduler_output, *args, **kwargs):
+                self.views.new_step()
                 for lst in list(self.listeners):
                     t0 = time.perf_counter()
                     lst.before_step(scheduler_output)
@@ -142,10 +148,10 @@ def step_bracket(runner: Any, listener: Any) -> StepBracket:
     return bracket
 
 
-def patch_runner(runner: Any, capture: Any) -> InstancePatches:
+def patch_runner(runner: Any, capture: Any) -> tuple[InstancePatches, Any]:
     """Install capture on one model runner: the step bracket plus the two sampler wrappers.
 
-    The returned patches' undo() also leaves the step bracket.
+    Returns the patches (their undo() also leaves the step bracket) and the bracket's StepViews.
     """
     patches = InstancePatches()
     bracket = step_bracket(runner, capture)
@@ -180,7 +186,7 @@ def patch_runner(runner: Any, capture: Any) -> InstancePatches:
     except Exception:
         patches.undo()
         raise
-    return patches
+    return patches, bracket.views
 
 
 def patch_routers(routers: list[Any], make: Callable[[int, Callable], Callable]) -> InstancePatches:
