@@ -388,7 +388,7 @@ def test_device_runner_path_on_cpu(engine, monkeypatch):
     try:
         dev = VllmCapture(llm, CaptureConfig(flush_bytes=3000))  # and flushes every few steps
         try:
-            assert not llm.llm_engine.model_executor.driver_worker.worker.model_runner._moe_replay_capture.routes.hold
+            assert not llm.llm_engine.model_executor.driver_worker.worker.model_runner._moe_replay.capture.routes.hold
             derived = run(dev)
         finally:
             dev.uninstall()

@@ -43,9 +43,10 @@ import torch
 
 from ...replay.scoring import SupportCSR, engine_support_logprobs
 from .errors import ForceRouteError
-from .records import external_id, pack_array, unpack_array
+from .records import external_id
 from .route_hook import find_moe_layers
 from .router_rules import RouterGate, forced_gate_weights, router_gate
+from .wire import ScoreRequest, ScoreResult
 
 # -- one registered request -----------------------------------------------------------------------
 
@@ -78,18 +79,18 @@ class ScoreJob:
         self.filled_G = np.zeros(g, dtype=bool)
 
     @classmethod
-    def from_payload(cls, p: dict[str, Any], geometry: Any) -> "ScoreJob":
-        tokens = unpack_array(p["tokens"]).astype(np.int64).reshape(-1)
-        S, P = len(tokens), int(p["prompt_len"])
+    def from_request(cls, p: ScoreRequest, geometry: Any) -> "ScoreJob":
+        tokens = np.asarray(p.tokens_S).astype(np.int64).reshape(-1)
+        S, P = len(tokens), int(p.prompt_len)
         if not 1 <= P < S:
-            raise ForceRouteError(f"scoring request {p['key']!r}: expected 1 <= prompt_len < {S} tokens, found {P}")
-        job = cls(str(p["key"]), tokens, P, float(p["temperature"]), int(p.get("route_start", 0)))
-        job.max_cached = int(p.get("max_cached", 0))
+            raise ForceRouteError(f"scoring request {p.key!r}: expected 1 <= prompt_len < {S} tokens, found {P}")
+        job = cls(str(p.key), tokens, P, float(p.temperature), int(p.route_start))
+        job.max_cached = int(p.max_cached)
         if not 0 <= job.max_cached <= P - 1:
             raise ForceRouteError(f"scoring request {job.key!r}: expected max_cached in [0, {P - 1}], found {job.max_cached}")
-        if p.get("routes") is not None:
+        if p.routes_TLK is not None:
             L, K = geometry.num_moe_layers, geometry.top_k
-            r = unpack_array(p["routes"]).astype(np.int64).reshape(-1, L, K)
+            r = np.asarray(p.routes_TLK).astype(np.int64).reshape(-1, L, K)
             if len(r) != S - 1 - job.route_start or job.route_start > P - 1:
                 raise ForceRouteError(
                     f"scoring request {job.key!r}: expected routes for positions [route_start <= {P - 1}, {S - 1}), "
@@ -98,18 +99,18 @@ class ScoreJob:
             if r.size and (r.min() < 0 or r.max() >= geometry.num_experts):
                 raise ForceRouteError(f"scoring request {job.key!r}: expert ids must lie in [0, {geometry.num_experts})")
             job.routes_TLK = torch.from_numpy(r)
-        if p.get("support_offsets") is not None:
-            off = unpack_array(p["support_offsets"]).astype(np.int64).reshape(-1)
+        if p.support_offsets_G1 is not None:
+            off = np.asarray(p.support_offsets_G1).astype(np.int64).reshape(-1)
             if len(off) != S - P + 1:
                 raise ForceRouteError(f"scoring request {job.key!r}: support has {len(off) - 1} rows, expected {S - P}")
-            job.sup_offsets_G1, job.sup_ids_N = off, unpack_array(p["support_ids"]).astype(np.int64).reshape(-1)
+            job.sup_offsets_G1, job.sup_ids_N = off, np.asarray(p.support_ids_N).astype(np.int64).reshape(-1)
         return job
 
-    def payload(self) -> dict[str, Any]:
+    def result(self) -> ScoreResult:
         problems = list(self.problems)
         if not self.filled_G.all():
             problems.append(f"generated token {int(np.flatnonzero(~self.filled_G)[0])} was never scored")
-        return {"status": "ok", "logprobs": pack_array(self.logprobs_G), "problems": problems, "cached": self.cached}
+        return ScoreResult("ok", logprobs_G=self.logprobs_G, problems=problems, cached=self.cached)
 
 
 @dataclass
@@ -167,8 +168,8 @@ class WorkerScoring:
                 raise
 
     # -- registry ---------------------------------------------------------------------------------
-    def register(self, payloads: list[dict[str, Any]]) -> int:
-        jobs = [ScoreJob.from_payload(p, self.geometry) for p in payloads]
+    def register(self, requests: list[ScoreRequest]) -> int:
+        jobs = [ScoreJob.from_request(p, self.geometry) for p in requests]
         if self.force_refusal is not None and any(j.routes_TLK is not None for j in jobs):
             raise ForceRouteError(self.force_refusal)
         dup = [j.key for j in jobs if j.key in self.jobs]
@@ -183,12 +184,12 @@ class WorkerScoring:
     def owns(self, internal_id: str) -> bool:
         return internal_id in self._by_internal or external_id(internal_id) in self.jobs
 
-    def take(self, keys: list[str]) -> list[dict[str, Any]]:
-        """Payloads of jobs whose request has finished on the client side; they leave the worker."""
+    def take(self, keys: list[str]) -> list[ScoreResult]:
+        """Results of jobs whose request has finished on the client side; they leave the worker."""
         out = []
         for k in keys:
             job = self.jobs.pop(k, None)
-            out.append({"status": "unknown", "known": len(self.jobs)} if job is None else job.payload())
+            out.append(ScoreResult("unknown", known=len(self.jobs)) if job is None else job.result())
         return out
 
     def discard(self, keys: list[str]) -> int:

@@ -34,6 +34,8 @@ import functools
 import time
 from typing import Any, Callable
 
+from .endpoint import runner_state
+
 _MISSING = object()
 
 CAPTURE_FLAG = "moe_replay_capture"
@@ -130,16 +132,17 @@ class StepBracket:
             self.listeners.remove(listener)
         if not self.listeners:
             self._patches.undo()
-            if getattr(self.runner, "_moe_replay_bracket", None) is self:
-                self.runner._moe_replay_bracket = None
+            st = runner_state(self.runner)
+            if st.bracket is self:
+                st.bracket = None
 
 
 def step_bracket(runner: Any, listener: Any) -> StepBracket:
     """Register `listener` on the runner's StepBracket, installing the bracket if needed."""
-    bracket = getattr(runner, "_moe_replay_bracket", None)
+    st = runner_state(runner)
+    bracket = st.bracket
     if bracket is None:
-        bracket = StepBracket(runner)
-        runner._moe_replay_bracket = bracket
+        bracket = st.bracket = StepBracket(runner)
     if listener in bracket.listeners:
         from .errors import CaptureHookError
 

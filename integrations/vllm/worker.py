@@ -20,11 +20,10 @@ buffer is about to fill, and before every take/discard/stats, so the client neve
 record. Why: per step, each small tensor or Python operation inside a busy engine costs ~10-70 us;
 batching many steps into one pass is what keeps capture near free (benchmarks/capture.py).
 
-`CaptureWorkerExtension` exposes this through collective_rpc (vLLM's worker_extension_cls), which
-works the same in the in-process and the multi-process engine. vLLM takes one extension class, so
-it also carries scoring (force.py: forced routes + per-token scores, `moe_replay_score_*`); both
-share the runner's one execute_model wrapper (patch.StepBracket), and capture ignores requests
-registered for scoring.
+The client reaches this through endpoint.py (one op table for capture and scoring, one state
+object on the runner). Capture and scoring share the runner's one execute_model wrapper
+(patch.StepBracket) and its step layout (step.py); capture ignores requests registered for
+scoring.
 """
 
 from __future__ import annotations
@@ -34,16 +33,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
-from .block_cache import SlotRouteCache, route_kv_group
 from ...capture_config import CaptureConfig
+from .block_cache import SlotRouteCache, route_kv_group
+from .endpoint import runner_state
 from .errors import CaptureHookError
 from .records import RecordBook, RequestRecord
 from .route_hook import RouteCapture, geometry_from_runner
 from .sampler_hook import SupportStage
 from .step import StepLayout
-from .versions import check_vllm_version
+from .wire import CaptureRecord
 
 
 @dataclass
@@ -196,7 +195,7 @@ class WorkerCapture:
 
     def _resolve_batch(self, layout: StepLayout, reads: list[tuple[RequestRecord, np.ndarray, int, int]]) -> _Batch:
         """Records of a new batch composition; new requests get a record (and a queued prefix read)."""
-        scoring = getattr(self.runner, "_moe_replay_scoring", None)
+        scoring = runner_state(self.runner).scoring
         records: list[RequestRecord | None] = []
         qsl, pos_T = layout.qsl_B1, layout.pos_T
         for i, rid in enumerate(layout.req_ids):
@@ -335,7 +334,7 @@ class WorkerCapture:
                               None if written_T is None else written_T[rows])
 
     # -- control ------------------------------------------------------------------------------
-    def take(self, keys: list[str]) -> list[dict[str, Any]]:
+    def take(self, keys: list[str]) -> list[CaptureRecord]:
         t0 = time.perf_counter()
         self.flush()
         self._batch = None  # a taken live request gets no record on its next step
@@ -404,148 +403,5 @@ def _check_runner(runner: Any) -> None:
         raise CaptureHookError(f"sampler {type(runner.sampler).__name__} has no topk_topp_sampler to hook")
 
 
-# -- RPC surface -----------------------------------------------------------------------------
-
-def _runner_of(worker: Any) -> Any:
-    runner = getattr(worker, "model_runner", None)
-    if runner is None:
-        raise CaptureHookError(f"worker {type(worker).__name__} has no model_runner")
-    return runner
-
-
-def install_on_worker(worker: Any, config: dict[str, Any]) -> dict[str, Any]:
-    """Install capture on this worker's runner; reply {'ok', 'geometry' | 'error', 'kind'}."""
-    try:
-        check_vllm_version()
-        runner = _runner_of(worker)
-        if getattr(runner, "_moe_replay_capture", None) is not None:
-            raise CaptureHookError("capture is already installed on this engine; uninstall() it first")
-        cap = WorkerCapture(runner, CaptureConfig.from_dict(config))
-        runner._moe_replay_capture = cap
-        return {"ok": True, "geometry": cap.geometry.to_dict(), "slot_cache": cap.slot_cache is not None}
-    except Exception as e:  # typed errors travel as (kind, message) and are re-raised client-side
-        return {"ok": False, "kind": type(e).__name__, "error": str(e)}
-
-
-def _capture_of(worker: Any) -> WorkerCapture:
-    cap = getattr(_runner_of(worker), "_moe_replay_capture", None)
-    if cap is None:
-        raise CaptureHookError("capture is not installed on this engine")
-    return cap
-
-
-class CaptureWorkerExtension:
-    """Methods mixed into vLLM's worker class (ParallelConfig.worker_extension_cls).
-
-    Names are prefixed so they cannot clash with the worker's own attributes.
-    """
-
-    def moe_replay_install(self, config: dict[str, Any]) -> dict[str, Any]:
-        return install_on_worker(self, config)
-
-    def moe_replay_take(self, keys: list[str]) -> list[dict[str, Any]]:
-        return _capture_of(self).take(keys)
-
-    def moe_replay_discard(self, keys: list[str]) -> int:
-        return _capture_of(self).discard(keys)
-
-    def moe_replay_stats(self) -> dict[str, Any]:
-        return _capture_of(self).stats()
-
-    def moe_replay_uninstall(self) -> bool:
-        runner = _runner_of(self)
-        cap = getattr(runner, "_moe_replay_capture", None)
-        if cap is None:
-            return False
-        cap.uninstall()
-        runner._moe_replay_capture = None
-        return True
-
-    def moe_replay_score_install(self, options: dict[str, Any]) -> dict[str, Any]:
-        return score_install_on_worker(self, options)
-
-    def moe_replay_score_register(self, payloads: list[dict[str, Any]]) -> dict[str, Any]:
-        return score_register_on_worker(self, payloads)
-
-    def moe_replay_score_take(self, keys: list[str]) -> list[dict[str, Any]]:
-        return score_take_on_worker(self, keys)
-
-    def moe_replay_score_discard(self, keys: list[str]) -> int:
-        return score_discard_on_worker(self, keys)
-
-    def moe_replay_score_stats(self) -> dict[str, Any]:
-        return score_stats_on_worker(self)
-
-    def moe_replay_score_uninstall(self) -> bool:
-        return score_uninstall_on_worker(self)
-
-
-# -- scoring (force.py) ------------------------------------------------------------------------
-
-def score_install_on_worker(worker: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """Install route forcing + scoring on this worker's runner; reply like install_on_worker."""
-    from .force import WorkerScoring
-
-    try:
-        runner = _runner_of(worker)
-        if getattr(runner, "_moe_replay_scoring", None) is not None:
-            raise CaptureHookError("scoring is already installed on this engine; uninstall it first")
-        sc = WorkerScoring(runner, **options)
-        runner._moe_replay_scoring = sc
-        return {"ok": True, "geometry": sc.geometry.to_dict()}
-    except Exception as e:
-        return {"ok": False, "kind": type(e).__name__, "error": str(e)}
-
-
-def _scoring_of(worker: Any) -> Any:
-    sc = getattr(_runner_of(worker), "_moe_replay_scoring", None)
-    if sc is None:
-        raise CaptureHookError("scoring is not installed on this engine")
-    return sc
-
-
-def score_register_on_worker(worker: Any, payloads: list[dict[str, Any]]) -> dict[str, Any]:
-    try:
-        return {"ok": True, "registered": _scoring_of(worker).register(payloads)}
-    except Exception as e:
-        return {"ok": False, "kind": type(e).__name__, "error": str(e)}
-
-
-def score_take_on_worker(worker: Any, keys: list[str]) -> list[dict[str, Any]]:
-    return _scoring_of(worker).take(keys)
-
-
-def score_discard_on_worker(worker: Any, keys: list[str]) -> int:
-    return _scoring_of(worker).discard(keys)
-
-
-def score_stats_on_worker(worker: Any) -> dict[str, Any]:
-    return _scoring_of(worker).stats()
-
-
-def score_uninstall_on_worker(worker: Any) -> bool:
-    runner = _runner_of(worker)
-    sc = getattr(runner, "_moe_replay_scoring", None)
-    if sc is None:
-        return False
-    sc.uninstall()
-    runner._moe_replay_scoring = None
-    return True
-
-
-# Module-level twins of the extension methods: collective_rpc can ship these as callables when the
-# engine was built without the extension (in-process engines, or VLLM_ALLOW_INSECURE_SERIALIZATION).
-def take_on_worker(worker: Any, keys: list[str]) -> list[dict[str, Any]]:
-    return _capture_of(worker).take(keys)
-
-
-def discard_on_worker(worker: Any, keys: list[str]) -> int:
-    return _capture_of(worker).discard(keys)
-
-
-def stats_on_worker(worker: Any) -> dict[str, Any]:
-    return _capture_of(worker).stats()
-
-
-def uninstall_on_worker(worker: Any) -> bool:
-    return CaptureWorkerExtension.moe_replay_uninstall(worker)
+# The extension's former name, as `vllm serve --worker-extension-cls` configurations spell it.
+from .endpoint import ReplayWorkerExtension as CaptureWorkerExtension  # noqa: E402,F401
