@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    if name in ("enable", "Enabled", "TrainBatch"):
+    if name in ("enable", "enable_async", "Enabled", "TrainBatch"):
         from . import enablement as _enable_module
 
         return getattr(_enable_module, name)

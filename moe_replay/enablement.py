@@ -10,8 +10,11 @@
         fix = batch.corrections(logp_G.detach())                  # the preset's IS weights / masks
         loss = ...; loss.backward()                               # inside the `with`
 
-Whatever the preset leaves off is a no-op, so one training loop serves every preset. vLLM and
-transformers are imported only when an engine or a model is given.
+Whatever the preset leaves off is a no-op, so one training loop serves every preset. The engine and
+the model are served by registered bindings (bindings.py: vLLM `LLM` and `AsyncLLM`; Megatron-core
+and Hugging Face models), first match wins; a framework is imported only when its object is given.
+An `AsyncLLM` attaches asynchronously: `mr = await moe_replay.enable_async(preset, llm=engine, ...)`,
+then `await mr.capture.collect(outputs)`; π_old on it is `EstimatorService(mr.scorer, ...)`.
 
 `mr.weights_version = step` names the weights now in use: capture records it in every trace, and
 `train_batch` refuses traces of another version unless `off_policy=True` (then the corrections'
@@ -30,9 +33,10 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from .bindings import ROLLOUT_BINDINGS, TRAINER_BINDINGS, TrainerBinding, binding_for
 from .corrections import CorrectionResult, apply_corrections
 from .presets import Preset, load_preset
-from .replay import RoutePlan, TokenScores, build_plan, score_tokens
+from .replay import RoutePlan, TokenScores, build_plan
 from .trace import RolloutTrace
 
 
@@ -44,11 +48,18 @@ class TrainBatch:
     plan: RoutePlan
     traces: Sequence[RolloutTrace]
     session: Any = None
-    """The HF replay session when the preset replays routes (its `.flips` counts what the
+    """The replay session when the preset replays routes (HF: its `.flips` counts what the
     trainer's router would have chosen differently)."""
+    trainer: TrainerBinding | None = None
+    """How this model is fed and scored (bindings.py); None: Hugging Face."""
+
+    def _binding(self) -> TrainerBinding:
+        return self.trainer if self.trainer is not None else TRAINER_BINDINGS.get("hf")
+
     def model_inputs(self) -> dict[str, torch.Tensor]:
-        """input_ids / attention_mask / position_ids of the padded batch the plan laid out."""
-        return self.plan.model_inputs()
+        """The forward's inputs of the padded batch the plan laid out (HF: input_ids / attention_mask
+        / position_ids; Megatron: its GPTModel's)."""
+        return self._binding().model_inputs(self.plan)
 
     def scores(self, logits_BSV: torch.Tensor, temperature: float | torch.Tensor | None = None, *,
                full: bool = False, entropy: bool = True) -> TokenScores:
@@ -58,8 +69,8 @@ class TrainBatch:
         The temperature defaults to each trace's recorded one (trace.sampling, written by capture).
         The logits are read in place, in float32 whatever their dtype (no [G, V] copy).
         """
-        return score_tokens(logits_BSV, self.plan, temperature=temperature, use_support=self.preset.replay.support,
-                            full=full, entropy=entropy)
+        return self._binding().score(logits_BSV, self.plan, temperature=temperature, use_support=self.preset.replay.support,
+                                     full=full, entropy=entropy)
 
     def logprobs(self, logits_BSV: torch.Tensor, temperature: float | torch.Tensor | None = None) -> torch.Tensor:
         """Logprobs [G] of every generated token (see `scores`; no entropy is computed)."""
@@ -98,24 +109,26 @@ class TrainBatch:
 class Enabled:
     """A preset switched on for an engine (capture, π_old) and/or a trainer model (replay)."""
 
-    def __init__(self, preset: Preset, *, llm: Any = None, model: Any = None) -> None:
+    def __init__(self, preset: Preset, *, llm: Any = None, model: Any = None, family: str = "") -> None:
         self.preset, self.llm, self.model = preset, llm, model
         self.capture = self.scorer = None
         self.geometry = None
+        self.engine_kind = self.trainer_kind = None
+        """Names of the bindings serving the engine and the model (bindings.py)."""
+        self.trainer: TrainerBinding | None = None
+        self._rollout = None
         self._weights_version: str | int | None = None
         if model is not None:
-            self.geometry = _trainer_geometry(model, preset)
+            self.trainer_kind, self.trainer = binding_for(TRAINER_BINDINGS, model, "trainer")
+            self.geometry = _trainer_geometry(self.trainer, model, preset, family)
         if llm is not None:
-            from .integrations.vllm import VllmCapture
+            self.engine_kind, self._rollout = binding_for(ROLLOUT_BINDINGS, llm, "rollout engine")
 
-            self.capture = VllmCapture(llm, preset.capture)
-            if preset.estimator.enabled:
-                from .integrations.vllm.scorer import VllmScorer, VllmScorerConfig
-
-                self.scorer = VllmScorer(llm, VllmScorerConfig(force_routes=preset.estimator.force_routes,
-                                                               use_support=preset.estimator.use_support))
-            if self.geometry is not None:
-                self.geometry.check_matches(self.capture.geometry)
+    def _attached(self, capture: Any, scorer: Any) -> "Enabled":
+        self.capture, self.scorer = capture, scorer
+        if self.geometry is not None:
+            self.geometry.check_matches(self.capture.geometry)
+        return self
 
     @property
     def weights_version(self) -> str | int | None:
@@ -135,12 +148,18 @@ class Enabled:
         """`LLM.generate` with capture: (outputs, traces), one trace per sample."""
         if self.capture is None:
             raise ValueError("enable(...) was given no llm: nothing to generate or capture with")
+        if self._rollout.is_async:
+            raise ValueError(f"{self.engine_kind}: generate with the engine's own async generate, then "
+                             "`await mr.capture.collect(outputs, sampling=...)`")
         return self.capture.generate(prompts, sampling_params, store=store, **kwargs)
 
     def pi_old(self, traces: Sequence[RolloutTrace], *, batch_size: int = 64) -> np.ndarray | None:
         """Flat [G] log π_old from n engine re-scorings (None when the preset has no estimator)."""
         if self.scorer is None:
             return None
+        if self._rollout.is_async:
+            raise ValueError(f"{self.engine_kind}: estimate π_old with moe_replay.estimator.EstimatorService(mr.scorer, "
+                             "preset.estimator.config) (an async scoring backend)")
         from .estimator import estimate
 
         ests = estimate(traces, self.scorer, self.preset.estimator.config, batch_size=batch_size)
@@ -164,27 +183,33 @@ class Enabled:
                           config=self.preset.replay.plan, routes=with_routes, weights_version=self.weights_version,
                           off_policy=off_policy)
         if not self.preset.replay.routes:
-            yield TrainBatch(self.preset, plan, traces)
+            yield TrainBatch(self.preset, plan, traces, trainer=self.trainer)
             return
-        from .integrations.hf.replay import replay
-
-        with replay(self.model, plan, track_flips=track_flips) as session:
-            yield TrainBatch(self.preset, session.plan, traces, session)
+        with self.trainer.replay(self.model, plan, track_flips) as (session, seen_plan):
+            yield TrainBatch(self.preset, seen_plan, traces, session, self.trainer)
 
     def close(self) -> None:
-        """Detach capture and scoring hooks from the engine."""
+        """Detach capture and scoring hooks from a sync engine (AsyncLLM: `await mr.aclose()`)."""
+        if self._rollout is not None and self._rollout.is_async:
+            raise ValueError(f"{self.engine_kind}: detach with `await mr.aclose()`")
         for part in (self.scorer, self.capture):
             if part is not None:
                 part.uninstall()
         self.capture = self.scorer = None
 
+    async def aclose(self) -> None:
+        """Detach capture and scoring hooks from an async engine."""
+        for part in (self.scorer, self.capture):
+            if part is not None:
+                await part.uninstall()
+        self.capture = self.scorer = None
 
-def _trainer_geometry(model: Any, preset: Preset):
-    from .integrations.hf.replay import model_geometry
+
+def _trainer_geometry(trainer: TrainerBinding, model: Any, preset: Preset, family: str):
     from .replay.errors import UnsupportedRouterError
 
     try:
-        return model_geometry(model)
+        return trainer.geometry(model, family)
     except UnsupportedRouterError as e:
         family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
         need = "replays routes" if preset.replay.routes else "needs the MoE geometry for its traces"
@@ -192,8 +217,31 @@ def _trainer_geometry(model: Any, preset: Preset):
                          f"Add a RouterAdapter (moe_replay.integrations.hf.register_router) or train without moe_replay.") from None
 
 
-def enable(preset: str | Path | Preset, *, llm: Any = None, model: Any = None) -> Enabled:
-    """Switch `preset` (a name from configs/, a YAML path, or a Preset) on for `llm` and/or `model`."""
+def _enabled(preset: str | Path | Preset, llm: Any, model: Any, family: str) -> Enabled:
     if llm is None and model is None:
         raise ValueError("enable(...) needs an llm (rollout engine), a model (trainer), or both")
-    return Enabled(preset if isinstance(preset, Preset) else load_preset(preset), llm=llm, model=model)
+    return Enabled(preset if isinstance(preset, Preset) else load_preset(preset), llm=llm, model=model, family=family)
+
+
+def enable(preset: str | Path | Preset, *, llm: Any = None, model: Any = None, family: str = "") -> Enabled:
+    """Switch `preset` (a name from configs/, a YAML path, or a Preset) on for `llm` and/or `model`.
+
+    `family` names the model family where the model does not (a Megatron model: e.g. 'qwen3_moe'),
+    so traces of another family are refused; empty: the model's own, or unknown (matches any).
+    An async engine (AsyncLLM) needs `await enable_async(...)`.
+    """
+    mr = _enabled(preset, llm, model, family)
+    if llm is None:
+        return mr
+    if mr._rollout.is_async:
+        raise ValueError(f"enable(...): a {mr.engine_kind} attaches asynchronously; use `await moe_replay.enable_async(...)`")
+    return mr._attached(*mr._rollout.attach(llm, mr.preset))
+
+
+async def enable_async(preset: str | Path | Preset, *, llm: Any = None, model: Any = None, family: str = "") -> Enabled:
+    """`enable` for any engine, awaiting the attachment of async ones (AsyncLLM)."""
+    mr = _enabled(preset, llm, model, family)
+    if llm is None:
+        return mr
+    pair = mr._rollout.attach(llm, mr.preset)
+    return mr._attached(*(await pair if mr._rollout.is_async else pair))

@@ -72,6 +72,10 @@ class ExpertIdOutOfRangeError(TraceError, ValueError):
     """An expert id is negative or >= num_experts."""
 
 
+class TraceAlignmentError(TraceError, ValueError):
+    """Traces that should line up with one token sequence do not (e.g. conversation turns to stitch)."""
+
+
 class DuplicateKeyError(TraceError, KeyError):
     """A key is written twice to a store that refuses overwrites."""
 

@@ -1,7 +1,7 @@
 """Presets: one YAML file switches capture, replay, π_old estimation and corrections on or off.
 
 Each section is validated by the configuration class of the part it drives, so there is one
-definition of every field: `capture` -> CaptureConfig (vLLM adapter), `replay` -> PlanConfig plus
+definition of every field: `capture` -> CaptureConfig (capture_config.py), `replay` -> PlanConfig plus
 the two replay switches, `estimator` -> EstimatorConfig plus the scorer switches, `corrections`
 -> the correction registry. An unknown key or an invalid value is a ValueError that names the
 preset, the section and the key, and lists what is allowed.
@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
 
+from .capture_config import CaptureConfig
 from .corrections import CorrectionConfig, build_correction
 from .estimator import EstimatorConfig
 from .replay import PlanConfig
@@ -53,8 +54,7 @@ class EstimatorSettings:
 class Preset:
     name: str
     description: str
-    capture: Any
-    """A `moe_replay.integrations.vllm.CaptureConfig`."""
+    capture: CaptureConfig
     replay: ReplaySettings = field(default_factory=ReplaySettings)
     estimator: EstimatorSettings = field(default_factory=EstimatorSettings)
     corrections: tuple[CorrectionConfig, ...] = ()
@@ -90,8 +90,6 @@ def _build(where: str, cls: type, kwargs: dict) -> Any:
 
 def preset_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Preset:
     """Validate a preset's plain data (as loaded from YAML)."""
-    from .integrations.vllm.config import CaptureConfig  # pure-python config; no vLLM import
-
     if not isinstance(data, Mapping):
         raise ValueError(f"preset {source}: expected a mapping at the top level, found {type(data).__name__}")
     unknown = sorted(set(data) - set(SECTIONS))

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ExpertIdOutOfRangeError, TraceFormatError, Where
+from .errors import ExpertIdOutOfRangeError, TraceAlignmentError, TraceFormatError, Where
 from .geometry import EngineInfo, ModelGeometry, token_dtype
 
 SCHEMA_VERSION = 2
@@ -286,3 +286,41 @@ def check_distinct_rows(routes_TLK: np.ndarray, where: Where) -> None:
     if len(dup):
         t, l = dup[0].tolist()
         raise TraceFormatError(where.with_(field=f"{where.field}[{t}, {l}]"), "distinct expert ids per token-layer", routes_TLK[t, l].tolist())
+
+
+def stitch(previous: RolloutTrace, turn: RolloutTrace) -> RolloutTrace:
+    """Join a multi-turn conversation: `turn` recorded only its new routes (route_start > 0).
+
+    `turn`'s tokens must extend `previous`'s, and its routes must start at or before the last token
+    of `previous` (that token was never forwarded in the previous turn: invariant 1). The result
+    has the earliest route_start and all routes; support and logprobs are those of the latest turn
+    (the format holds one contiguous generated span), the previous turn's key goes to
+    extra['turns']. Turns that do not line up raise TraceAlignmentError.
+    """
+    where = Where(record=turn.key)
+    P = previous.num_tokens
+    if turn.num_tokens < P or not np.array_equal(turn.token_ids_S[:P], previous.token_ids_S):
+        raise TraceAlignmentError(where.with_(field="token_ids_S"), f"an extension of the {P} tokens of {previous.key!r}",
+                                  f"{turn.num_tokens} tokens whose prefix differs")
+    if previous.routes_TLK is None or turn.routes_TLK is None:
+        raise TraceAlignmentError(where.with_(field="routes_TLK"), "routes in both turns",
+                                  f"routes in {previous.key!r}: {previous.routes_TLK is not None}, "
+                                  f"in {turn.key!r}: {turn.routes_TLK is not None}")
+    if not previous.route_start <= turn.route_start <= P - 1:
+        raise TraceAlignmentError(where.with_(field="route_start"), f"in [{previous.route_start}, {P - 1}]",
+                                  turn.route_start, f"the previous turn covers positions up to {P - 2}")
+    previous.geometry.check_matches(turn.geometry, where)
+    if previous.weights_version != turn.weights_version:  # one record holds one policy's routes
+        raise TraceAlignmentError(
+            where.with_(field="weights_version"), "one weights_version over the turns (their routes form one record)",
+            f"weights_version {turn.weights_version!r} in {turn.key!r}, {previous.weights_version!r} in "
+            f"the turn before it ({previous.key!r})")
+    head = previous.routes_TLK[: turn.route_start - previous.route_start]
+    routes = np.concatenate([head, turn.routes_TLK], axis=0)
+    extra = dict(turn.extra)
+    extra["turns"] = [*previous.extra.get("turns", []), previous.key]
+    return RolloutTrace(
+        key=turn.key, token_ids_S=turn.token_ids_S, prompt_len=turn.prompt_len, geometry=turn.geometry,
+        routes_TLK=routes, route_start=previous.route_start, support=turn.support, logprobs_G=turn.logprobs_G,
+        engine=turn.engine, extra=extra, sampling=turn.sampling, weights_version=turn.weights_version,
+    ).validate()

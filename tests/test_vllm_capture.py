@@ -364,7 +364,7 @@ def test_device_runner_path_on_cpu(engine, monkeypatch):
     from the host mirrors instead of read from host buffers), run on the CPU engine: for the same
     sampled tokens (torch RNG reseeded) every trace equals the host path's, bit for bit, through
     chunked prefill, mixed sampling and a prefix-cache hit; and it matches HF."""
-    from moe_replay.integrations.vllm import route_hook, worker
+    from moe_replay.integrations.vllm import route_hook, step
 
     family, llm, cap, model_dir = engine
     if family != "qwen3_moe":
@@ -384,11 +384,11 @@ def test_device_runner_path_on_cpu(engine, monkeypatch):
     host = run(cap)
     cap.uninstall()
     monkeypatch.setattr(route_hook, "HOLD_DEVICES", set())
-    monkeypatch.setattr(worker, "HOST_MIRROR_DEVICES", set())
+    monkeypatch.setattr(step, "HOST_MIRROR_DEVICES", set())
     try:
         dev = VllmCapture(llm, CaptureConfig(flush_bytes=3000))  # and flushes every few steps
         try:
-            assert not llm.llm_engine.model_executor.driver_worker.worker.model_runner._moe_replay_capture.routes.hold
+            assert not llm.llm_engine.model_executor.driver_worker.worker.model_runner._moe_replay.capture.routes.hold
             derived = run(dev)
         finally:
             dev.uninstall()

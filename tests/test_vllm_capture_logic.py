@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_replay.integrations.vllm.records import RequestRecord, last_occurrence, unpack_array
+from moe_replay.integrations.vllm.records import RequestRecord, last_occurrence
 from moe_replay.integrations.vllm.sampler_hook import StagedSamples, SupportStage
 
 
@@ -34,7 +34,7 @@ def test_routes_from_pieces_newest_wins_and_prefix_reads_count():
     rec.write_routes_at(np.array([2, 3, 3]), rows(2, 3) + np.arange(3, dtype=np.uint8)[:, None, None])
     rec.write_routes_at(np.array([1]), rows(9, 1))  # recomputed later (preemption): newest wins
     p = rec.payload()
-    routes, filled = unpack_array(p["routes"]), unpack_array(p["routes_filled"])
+    routes, filled = p.routes_TLK, p.routes_filled_T
     assert filled.tolist() == [True, True, True, True]
     assert routes[:, 0, 0].tolist() == [1, 9, 2, 4]  # position 3 written twice in one piece: last kept
 
@@ -54,12 +54,12 @@ def test_samples_gathered_across_flushes_in_g_order():
     rec.write_samples(np.array([1, 0]), np.array([2, 0]), a)  # g=1 from row 2, g=0 from row 0
     rec.write_samples(np.array([2, 1]), np.array([0, 1]), b)  # g=1 drawn again: newest wins
     p = rec.payload()
-    assert unpack_array(p["tokens"]).tolist() == [10, 21, 20]
-    assert unpack_array(p["support_sizes"]).tolist() == [2, 2, 1]
-    off, ids = unpack_array(p["support_offsets"]), unpack_array(p["support_ids"])
+    assert p.tokens_G.tolist() == [10, 21, 20]
+    assert p.support_sizes_G.tolist() == [2, 2, 1]
+    off, ids = p.support_offsets_G1, p.support_ids_N
     assert [ids[off[g]:off[g + 1]].tolist() for g in range(3)] == [[10, 40], [1, 21], [20]]
-    assert np.allclose(unpack_array(p["logprobs"]), [-0.5, -0.2, -0.1])
-    assert p["problems"] == []
+    assert np.allclose(p.logprobs_G, [-0.5, -0.2, -0.1])
+    assert p.problems == []
 
 
 def test_a_missing_sample_is_reported_not_skipped():
@@ -67,8 +67,8 @@ def test_a_missing_sample_is_reported_not_skipped():
     s = _staged([1, 2], [1, 1], [[1], [2]], [0.0, 0.0])
     rec.write_samples(np.array([0, 2]), np.array([0, 1]), s)
     p = rec.payload()
-    assert unpack_array(p["tokens"]).tolist() == [1]
-    assert "generated token 1 never arrived" in p["problems"][0]
+    assert p.tokens_G.tolist() == [1]
+    assert "generated token 1 never arrived" in p.problems[0]
 
 
 def _meta(temperature=None, all_random=True):
@@ -112,11 +112,13 @@ def test_greedy_rows_before_the_first_truncation_survive_allocation():
 def test_window_lays_steps_end_to_end():
     """A prefill step (rows of 3 and 2 tokens, the second a chunk short of its prompt end) then a
     decode step: each token gets its row's record, each row its last position and discard flag."""
+    from moe_replay.integrations.vllm.step import StepLayout
     from moe_replay.integrations.vllm.worker import _Batch, _Step, _Window
 
     batch = _Batch(["a", "b"], [None, None], np.array([7, 9]), np.array([3, 4]))
-    prefill = _Step(batch, np.array([0, 3, 5]), np.array([0, 1, 2, 0, 1]), np.array([False, True]), 0, None, None)
-    decode = _Step(batch, np.array([0, 1, 2]), np.array([3, 2]), np.array([False, False]), 5, None, None)
+    prefill = _Step(batch, StepLayout(["a", "b"], np.array([0, 3, 5]), np.array([0, 1, 2, 0, 1]), np.array([False, True])),
+                    0, None, None)
+    decode = _Step(batch, StepLayout(["a", "b"], np.array([0, 1, 2]), np.array([3, 2]), np.array([False, False])), 5, None, None)
     win = _Window.of([prefill, decode])
     assert win.n_S.tolist() == [5, 2] and win.b_S.tolist() == [2, 2]
     assert win.uid_T.tolist() == [7, 7, 7, 9, 9, 7, 9]
@@ -140,7 +142,7 @@ def test_a_sample_outside_its_recorded_support_is_counted_and_fails_the_trace():
     rec = _record()
     rec.write_samples(np.array([0, 1]), np.array([0, 1]), out)
     p = rec.payload()
-    assert "sampled token 1 of generated token 1 is outside its recorded sampling support (2 tokens" in p["problems"][0]
+    assert "sampled token 1 of generated token 1 is outside its recorded sampling support (2 tokens" in p.problems[0]
 
 
 def test_vllm_outside_the_supported_range_is_refused_by_version():
@@ -187,8 +189,8 @@ def test_stitch_keeps_the_typed_fields_and_refuses_mixed_weights():
     with different weights are two policies' routes and never one record."""
     import dataclasses
 
-    from moe_replay.integrations.vllm import CaptureAlignmentError, stitch
-    from moe_replay.trace import Sampling
+    from moe_replay.errors import TraceAlignmentError
+    from moe_replay.trace import Sampling, stitch
 
     from .trace_factory import random_trace
 
@@ -203,5 +205,5 @@ def test_stitch_keeps_the_typed_fields_and_refuses_mixed_weights():
     assert joined.route_start == 0 and joined.num_route_rows == 39
     np.testing.assert_array_equal(joined.routes_TLK[:19], first.routes_TLK[:19])
     np.testing.assert_array_equal(joined.routes_TLK[19:], tail.routes_TLK)
-    with pytest.raises(CaptureAlignmentError, match=r"weights_version 'step-5'.*'step-4'"):
+    with pytest.raises(TraceAlignmentError, match=r"weights_version 'step-5'.*'step-4'"):
         stitch(first, dataclasses.replace(tail, weights_version="step-5"))

@@ -1,4 +1,4 @@
-"""The router table of forced scoring (force.ROUTER_GATES) against vLLM's own router code.
+"""The router table of forced scoring (router_rules.ROUTER_GATES) against vLLM's own router code.
 
 Each case builds a real vLLM router object and asks it to route random logits; the weights the
 table's GateSpec gives (through the trainer's GATE_RULES) at the router's own ids must equal the
@@ -16,7 +16,8 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-from moe_replay.integrations.vllm.force import ForceRouteError, forced_gate_weights, router_gate  # noqa: E402
+from moe_replay.integrations.vllm.errors import ForceRouteError  # noqa: E402
+from moe_replay.integrations.vllm.router_rules import forced_gate_weights, router_gate  # noqa: E402
 
 E, K, T = 32, 4, 64
 

@@ -122,7 +122,7 @@ def test_update_weights_clears_the_capture_slot_route_cache(tiny_model, tmp_path
     from .conftest import VLLM_TEST_ARGS, shutdown_llm
 
     def valid_slots(llm) -> int:
-        return llm.collective_rpc(lambda w: int(w.model_runner._moe_replay_capture.slot_cache.valid_S.sum()))[0]
+        return llm.collective_rpc(lambda w: int(w.model_runner._moe_replay.capture.slot_cache.valid_S.sum()))[0]
 
     model_dir = tiny_model("qwen3_moe")
     llm = LLM(**capture_engine_kwargs(model=str(model_dir), **{**VLLM_TEST_ARGS, "block_size": BLOCK}))

@@ -6,15 +6,20 @@ Importing this package does not import vLLM; vLLM is imported when capture or sc
 
 from __future__ import annotations
 
-from .config import CaptureConfig
+from ...capture_config import CaptureConfig
+from ...trace import stitch
 from .errors import (
     CaptureAlignmentError,
     CaptureError,
     CaptureEvictedError,
     CaptureHookError,
     CollectError,
+    ForceRouteError,
     NoMoeLayersError,
+    PrefixCacheMissError,
     RequestAbortedError,
+    ScoreAlignmentError,
+    ScoringError,
     SupportOverflowError,
     UnknownRequestError,
 )
@@ -28,9 +33,8 @@ __all__ = [
 ]
 
 _LAZY = {"VllmCapture": "api", "AsyncVllmCapture": "api", "capture_engine_kwargs": "api", "EXTENSION": "api",
-         "stitch": "assemble", "VllmScorer": "scorer", "AsyncVllmScorer": "scorer", "VllmScorerConfig": "scorer",
-         "scoring_engine_kwargs": "scorer", "ForceRouteError": "force", "ScoreAlignmentError": "force",
-         "ScoringError": "force", "PrefixCacheMissError": "scorer"}
+         "VllmScorer": "scorer", "AsyncVllmScorer": "scorer", "VllmScorerConfig": "scorer",
+         "scoring_engine_kwargs": "scorer"}
 
 
 def __getattr__(name: str):

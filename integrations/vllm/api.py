@@ -5,27 +5,23 @@
     with VllmCapture(llm, CaptureConfig(max_support=4096)) as cap:
         outputs, traces = cap.generate(prompts, SamplingParams(top_p=0.9, n=4))
 
-The engine talks to its workers through `collective_rpc`; the worker half lives in worker.py.
+The client reaches the workers through one link (link.py; sync LLM or AsyncLLM); the worker half
+is endpoint.py (ops) and worker.py (capture state on the runner).
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
+from ...capture_config import CaptureConfig
 from ...geometry import EngineInfo, ModelGeometry
 from ...trace import RolloutTrace, Sampling
-from . import worker as W
-from .assemble import build_trace, completions_of, raise_install_error
-from .config import CaptureConfig
+from .assemble import build_trace, completions_of
 from .errors import CaptureHookError, CollectError, UnknownRequestError
+from .link import EXTENSION, AsyncLink, SyncLink
+from .wire import CaptureRecord, InstallReply
 
-EXTENSION = "moe_replay.integrations.vllm.worker.CaptureWorkerExtension"
-"""Qualified name to pass as vLLM's `worker_extension_cls`."""
-
-_BY_NAME = {"install": "moe_replay_install", "take": "moe_replay_take", "discard": "moe_replay_discard",
-            "stats": "moe_replay_stats", "uninstall": "moe_replay_uninstall"}
-_BY_FUNC = {"install": W.install_on_worker, "take": W.take_on_worker, "discard": W.discard_on_worker,
-            "stats": W.stats_on_worker, "uninstall": W.uninstall_on_worker}
+_LINK = {"what": "capture", "default": CaptureHookError, "kwargs_fn": "capture_engine_kwargs"}
 
 
 def capture_abi() -> str:
@@ -78,25 +74,24 @@ def _engine_info(model_config: Any) -> EngineInfo:
 
 
 class _CaptureBase:
-    """Shared logic of the sync and async front ends; `_rpc_*` differ only in how they call."""
+    """Shared logic of the sync and async front ends; their links differ only in how they call."""
 
     config: CaptureConfig
     geometry: ModelGeometry
     engine_info: EngineInfo
-    _methods: dict[str, Any]
     weights_version: str | int | None = None
     """Recorded in every collected trace: set it (a step or checkpoint fingerprint) after each weight sync."""
 
-    def _on_install(self, replies: list[dict[str, Any]], via: str) -> None:
-        bad = [r for r in replies if not r.get("ok")]
-        if bad:
-            raise_install_error(bad[0])
-        geoms = {tuple(sorted(r["geometry"].items(), key=lambda x: x[0])).__repr__() for r in replies}
+    def _on_install(self, link: Any, values: list[dict[str, Any]]) -> None:
+        replies = [InstallReply.from_dict(v) for v in values]
+        geoms = {tuple(sorted(r.geometry.items(), key=lambda x: x[0])).__repr__() for r in replies}
         if len(geoms) != 1:
             raise CaptureHookError(f"workers disagree on the model geometry: {geoms}")
-        self.geometry = ModelGeometry.from_dict(replies[0]["geometry"])
-        self.prefix_routes = bool(replies[0]["slot_cache"])
-        self.via = via
+        self._link = link
+        self.geometry = ModelGeometry.from_dict(replies[0].geometry)
+        self.prefix_routes = replies[0].slot_cache
+        self.via = link.via
+        """How the link reaches the workers: 'worker_extension_cls' or 'callable'."""
 
     def _requests(self, outputs: Iterable[Any]) -> list[tuple[str, str, Any, Any]]:
         items = []
@@ -111,7 +106,8 @@ class _CaptureBase:
             try:
                 if not out.finished:
                     raise UnknownRequestError(f"request {key!r} has not finished; collect final outputs only")
-                trace = build_trace(key, out.prompt_token_ids, comp, payload, self.geometry, self.config, self.engine_info)
+                record = CaptureRecord.from_dict(payload)
+                trace = build_trace(key, out.prompt_token_ids, comp, record, self.geometry, self.config, self.engine_info)
                 if sampling and out.request_id in sampling:
                     trace.sampling = Sampling.from_dict(sampling[out.request_id])
                 trace.weights_version = self.weights_version
@@ -137,32 +133,9 @@ class VllmCapture(_CaptureBase):
     def __init__(self, llm: Any, config: CaptureConfig | None = None, *, reset_prefix_cache: bool = True) -> None:
         self.llm, self.config = llm, config or CaptureConfig()
         self.engine_info = _engine_info(llm.llm_engine.model_config)
-        replies, via = self._install()
-        self._on_install(replies, via)
+        self._on_install(*SyncLink.open(llm, "capture.install", self.config.to_dict(), **_LINK))
         if reset_prefix_cache:
             llm.reset_prefix_cache()
-
-    def _install(self) -> tuple[list[dict[str, Any]], str]:
-        cfg = self.config.to_dict()
-        try:
-            replies = self.llm.collective_rpc(_BY_NAME["install"], args=(cfg,))
-            self._methods = _BY_NAME
-            return replies, "worker_extension_cls"
-        except Exception as e:
-            if "moe_replay_install" not in str(e):
-                raise
-        try:
-            replies = self.llm.collective_rpc(_BY_FUNC["install"], args=(cfg,))
-        except Exception as e:
-            raise CaptureHookError(
-                f"cannot reach the engine's workers to install capture ({type(e).__name__}: {e}); build the engine "
-                f"with LLM(..., **capture_engine_kwargs()) (worker_extension_cls={EXTENSION!r})"
-            ) from e
-        self._methods = _BY_FUNC
-        return replies, "callable"
-
-    def _rpc(self, name: str, *args: Any) -> Any:
-        return self.llm.collective_rpc(self._methods[name], args=args)[0]
 
     def generate(self, prompts: Any, sampling_params: Any = None, *, store: Any = None, **kwargs: Any):
         """`LLM.generate` then `collect`: returns (outputs, traces), traces in output/sample order.
@@ -186,18 +159,18 @@ class VllmCapture(_CaptureBase):
         requests fail (aborted, unknown, evicted, support overflow under 'error', misaligned).
         """
         items = self._requests(outputs)
-        payloads = self._rpc("take", [wkey for _, wkey, _, _ in items]) if items else []
+        payloads = self._link.call("capture.take", [wkey for _, wkey, _, _ in items]) if items else []
         return self._assemble(items, payloads, store, sampling)
 
     def discard(self, request_ids: Sequence[str]) -> int:
         """Drop worker records (e.g. of aborted requests); returns how many were dropped."""
-        return int(self._rpc("discard", list(request_ids)))
+        return int(self._link.call("capture.discard", list(request_ids)))
 
     def stats(self) -> dict[str, Any]:
-        return self._rpc("stats")
+        return self._link.call("capture.stats")
 
     def uninstall(self) -> None:
-        self._rpc("uninstall")
+        self._link.call("capture.uninstall")
 
     def __enter__(self) -> "VllmCapture":
         return self
@@ -215,39 +188,28 @@ class AsyncVllmCapture(_CaptureBase):
     def __init__(self, engine: Any, config: CaptureConfig) -> None:
         self.engine, self.config = engine, config
         self.engine_info = _engine_info(engine.model_config)
-        self._methods = _BY_NAME
 
     @classmethod
     async def attach(cls, engine: Any, config: CaptureConfig | None = None, *, reset_prefix_cache: bool = True):
         self = cls(engine, config or CaptureConfig())
-        try:
-            replies = await engine.collective_rpc(_BY_NAME["install"], args=(self.config.to_dict(),))
-        except Exception as e:
-            raise CaptureHookError(
-                f"cannot install capture on this AsyncLLM ({type(e).__name__}: {e}); build it with "
-                f"AsyncEngineArgs(..., **capture_engine_kwargs())"
-            ) from e
-        self._on_install(replies, "worker_extension_cls")
+        self._on_install(*await AsyncLink.open(engine, "capture.install", self.config.to_dict(), **_LINK))
         if reset_prefix_cache:
             await engine.reset_prefix_cache()
         return self
-
-    async def _rpc(self, name: str, *args: Any) -> Any:
-        return (await self.engine.collective_rpc(self._methods[name], args=args))[0]
 
     async def collect(self, outputs: Sequence[Any], *, store: Any = None,
                       sampling: dict[str, dict[str, Any]] | None = None) -> list[RolloutTrace]:
         """As VllmCapture.collect; pass `sampling` ({request id: sampling_summary(params)}) to record
         each request's sampling parameters in its traces."""
         items = self._requests(outputs)
-        payloads = await self._rpc("take", [wkey for _, wkey, _, _ in items]) if items else []
+        payloads = await self._link.call("capture.take", [wkey for _, wkey, _, _ in items]) if items else []
         return self._assemble(items, payloads, store, sampling)
 
     async def discard(self, request_ids: Sequence[str]) -> int:
-        return int(await self._rpc("discard", list(request_ids)))
+        return int(await self._link.call("capture.discard", list(request_ids)))
 
     async def stats(self) -> dict[str, Any]:
-        return await self._rpc("stats")
+        return await self._link.call("capture.stats")
 
     async def uninstall(self) -> None:
-        await self._rpc("uninstall")
+        await self._link.call("capture.uninstall")

@@ -1,4 +1,4 @@
-"""Client side: turn a finished vLLM RequestOutput plus the worker's record into RolloutTraces.
+"""Client side: turn a finished vLLM RequestOutput plus the worker's CaptureRecord into RolloutTraces.
 
 The RequestOutput is the ground truth for the final tokens (stop strings and async scheduling can
 make the worker see more steps than the sequence keeps): routes are cut to S-1-route_start rows,
@@ -8,23 +8,23 @@ completion's tokens, row for row, or the trace is refused (CaptureAlignmentError
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 
+from ...capture_config import CaptureConfig
 from ...errors import Where
 from ...geometry import EngineInfo, ModelGeometry
 from ...trace import RolloutTrace, SamplingSupport
-from .config import CaptureConfig
-from .records import unpack_array
 from .errors import (
     CaptureAlignmentError,
     CaptureEvictedError,
-    CaptureHookError,
     RequestAbortedError,
     SupportOverflowError,
     UnknownRequestError,
 )
+from .wire import CaptureRecord
 
 
 def trace_key(request_id: str, index: int, n: int) -> str:
@@ -43,75 +43,75 @@ def completions_of(output: Any) -> list[tuple[str, str, Any]]:
     return [(trace_key(output.request_id, c.index, n), worker_key(output.request_id, c.index, n), c) for c in output.outputs]
 
 
-def check_payload(payload: dict[str, Any], key: str) -> None:
-    status = payload.get("status")
-    if status == "ok":
+def check_record(record: CaptureRecord, key: str) -> None:
+    if record.status == "ok":
         return
-    if status == "evicted":
+    if record.status == "evicted":
         raise CaptureEvictedError(
             f"request {key!r}: its capture record was evicted on the worker before collection "
             "(more finished requests than CaptureConfig.max_unclaimed were left uncollected)"
         )
-    if status == "ambiguous":
-        raise UnknownRequestError(f"request {key!r} matches several engine requests {payload['matches']}; use unique request ids")
+    if record.status == "ambiguous":
+        raise UnknownRequestError(f"request {key!r} matches several engine requests {record.matches}; use unique request ids")
     raise UnknownRequestError(
-        f"request {key!r}: no capture record on the worker ({payload.get('known', 0)} records held); "
+        f"request {key!r}: no capture record on the worker ({record.known} records held); "
         "it was never run with capture installed, or was already collected"
     )
 
 
-def normalise_payload(payload: dict[str, Any], geometry: ModelGeometry) -> dict[str, Any]:
-    """Arrays back to their dtypes and shapes (RPC serialisation may turn some into lists)."""
-    p = dict(payload)
+def normalise(record: CaptureRecord, geometry: ModelGeometry) -> CaptureRecord:
+    """Arrays in their dtypes and shapes (an RPC serialiser may hand back lists or other widths)."""
     L, K = geometry.num_moe_layers, geometry.top_k
-    p["routes"] = unpack_array(p["routes"]).astype(geometry.route_dtype, copy=False).reshape(-1, L, K)
-    p["routes_filled"] = unpack_array(p["routes_filled"]).astype(bool, copy=False).reshape(-1)
-    for name, dtype in (("tokens", np.int64), ("logprobs", np.float32), ("support_sizes", np.int64),
-                        ("support_offsets", np.int64), ("support_ids", np.int32)):
-        p[name] = unpack_array(p[name]).astype(dtype, copy=False).reshape(-1)
-    return p
+    flat = lambda a, dtype: np.asarray(a).astype(dtype, copy=False).reshape(-1)  # noqa: E731
+    return dataclasses.replace(
+        record,
+        routes_TLK=np.asarray(record.routes_TLK).astype(geometry.route_dtype, copy=False).reshape(-1, L, K),
+        routes_filled_T=flat(record.routes_filled_T, bool), tokens_G=flat(record.tokens_G, np.int64),
+        logprobs_G=flat(record.logprobs_G, np.float32), support_sizes_G=flat(record.support_sizes_G, np.int64),
+        support_offsets_G1=flat(record.support_offsets_G1, np.int64), support_ids_N=flat(record.support_ids_N, np.int32),
+    )
 
 
 def build_trace(
     key: str,
     prompt_token_ids: list[int],
     completion: Any,
-    payload: dict[str, Any],
+    record: CaptureRecord,
     geometry: ModelGeometry,
     config: CaptureConfig,
     engine: EngineInfo,
 ) -> RolloutTrace:
-    """One RolloutTrace from one completion and its worker payload; raises a typed error on any gap."""
+    """One RolloutTrace from one completion and its worker record; raises a typed error on any gap."""
     if getattr(completion, "finish_reason", None) == "abort":
         raise RequestAbortedError(f"request {key!r} was aborted after {len(completion.token_ids)} tokens: no trace")
-    check_payload(payload, key)
-    payload = normalise_payload(payload, geometry)
-    if payload["problems"]:
-        raise CaptureAlignmentError(f"request {key!r}: {payload['problems'][0]}")
+    check_record(record, key)
+    rec = normalise(record, geometry)
+    if rec.problems:
+        raise CaptureAlignmentError(f"request {key!r}: {rec.problems[0]}")
     prompt = np.asarray(prompt_token_ids, dtype=np.int64)
     gen = np.asarray(completion.token_ids, dtype=np.int64)
     tokens_S = np.concatenate([prompt, gen])
     P, G, S = len(prompt), len(gen), len(prompt) + len(gen)
-    if payload["prompt_len"] != P:
-        raise CaptureAlignmentError(f"request {key!r}: worker saw a prompt of {payload['prompt_len']} tokens, output has {P}")
-    route_start = int(payload["route_start"])
+    if rec.prompt_len != P:
+        raise CaptureAlignmentError(f"request {key!r}: worker saw a prompt of {rec.prompt_len} tokens, output has {P}")
+    route_start = int(rec.route_start)
     extra: dict[str, Any] = {}
 
     routes = None
     if config.routes:
         need = max(S - 1 - route_start, 0)
-        filled = payload["routes_filled"][:need]
+        filled = rec.routes_filled_T[:need]
         if len(filled) < need or not filled.all():
             gap = int(np.flatnonzero(~filled)[0]) if len(filled) and not filled.all() else len(filled)
             raise CaptureAlignmentError(
                 f"request {key!r}: routes cover {gap} of {need} positions from {route_start}; "
                 f"position {route_start + gap} was never captured"
             )
-        routes = payload["routes"][:need]
+        routes = rec.routes_TLK[:need]
 
     support = logprobs = None
     if config.support or config.logprobs:
-        got = payload["tokens"]
+        got = rec.tokens_G
         if len(got) < G or not np.array_equal(got[:G], gen):
             bad = next((g for g in range(min(len(got), G)) if got[g] != gen[g]), min(len(got), G))
             raise CaptureAlignmentError(
@@ -119,9 +119,9 @@ def build_trace(
                 f"(captured {len(got)} samples, output has {G} tokens)"
             )
         if config.logprobs:
-            logprobs = payload["logprobs"][:G]
+            logprobs = rec.logprobs_G[:G]
         if config.support:
-            sizes = payload["support_sizes"][:G]
+            sizes = rec.support_sizes_G[:G]
             over = np.flatnonzero(sizes > config.max_support)
             if len(over):
                 g = int(over[0])
@@ -131,8 +131,8 @@ def build_trace(
                     raise SupportOverflowError(msg + " (policy 'error'; raise max_support or use 'omit')")
                 extra["support_omitted"] = {"row": g, "size": int(sizes[g]), "max_support": config.max_support}
             else:
-                off = payload["support_offsets"][: G + 1]
-                support = SamplingSupport(off.copy(), payload["support_ids"][: off[-1]].copy())
+                off = rec.support_offsets_G1[: G + 1]
+                support = SamplingSupport(off.copy(), rec.support_ids_N[: off[-1]].copy())
     trace = RolloutTrace(
         key=key,
         token_ids_S=tokens_S,
@@ -146,48 +146,3 @@ def build_trace(
         extra=extra,
     )
     return trace.validate(Where(record=key))
-
-
-def stitch(previous: RolloutTrace, turn: RolloutTrace) -> RolloutTrace:
-    """Join a multi-turn conversation: `turn` recorded only its new routes (route_start > 0).
-
-    `turn`'s tokens must extend `previous`'s, and its routes must start at or before the last token
-    of `previous` (that token was never forwarded in the previous turn). The result has the
-    earliest route_start and all routes; support and logprobs are those of the latest turn (the
-    format holds one contiguous generated span), the previous turn's key goes to extra['turns'].
-    """
-    where = Where(record=turn.key, field="route_start")
-    P = previous.num_tokens
-    if turn.num_tokens < P or not np.array_equal(turn.token_ids_S[:P], previous.token_ids_S):
-        raise CaptureAlignmentError(f"turn {turn.key!r} does not extend {previous.key!r}: token prefixes differ")
-    if previous.routes_TLK is None or turn.routes_TLK is None:
-        raise CaptureAlignmentError(f"stitching needs routes in both turns ({previous.key!r}, {turn.key!r})")
-    if not previous.route_start <= turn.route_start <= P - 1:
-        raise CaptureAlignmentError(
-            f"{where}: turn routes start at {turn.route_start}, expected in [{previous.route_start}, {P - 1}] "
-            f"(the previous turn covers positions up to {P - 2})"
-        )
-    previous.geometry.check_matches(turn.geometry, where)
-    if previous.weights_version != turn.weights_version:  # one record holds one policy's routes
-        raise CaptureAlignmentError(
-            f"turn {turn.key!r} was sampled with weights_version {turn.weights_version!r}, the turn before it "
-            f"({previous.key!r}) with {previous.weights_version!r}: their routes cannot form one record"
-        )
-    head = previous.routes_TLK[: turn.route_start - previous.route_start]
-    routes = np.concatenate([head, turn.routes_TLK], axis=0)
-    extra = dict(turn.extra)
-    extra["turns"] = [*previous.extra.get("turns", []), previous.key]
-    return RolloutTrace(
-        key=turn.key, token_ids_S=turn.token_ids_S, prompt_len=turn.prompt_len, geometry=turn.geometry,
-        routes_TLK=routes, route_start=previous.route_start, support=turn.support, logprobs_G=turn.logprobs_G,
-        engine=turn.engine, extra=extra, sampling=turn.sampling, weights_version=turn.weights_version,
-    ).validate()
-
-
-def raise_install_error(reply: dict[str, Any]) -> None:
-    from . import errors
-
-    cls = getattr(errors, reply.get("kind", ""), None)
-    if not (isinstance(cls, type) and issubclass(cls, Exception)):
-        cls = CaptureHookError
-    raise cls(f"installing capture on the engine failed: {reply.get('error')}")

@@ -51,3 +51,19 @@ class CollectError(CaptureError):
             f"(first: {first[0]!r}: {type(first[1]).__name__}: {first[1]}); "
             f"the {len(traces)} good traces are in .traces (and in the store, if one was given)"
         )
+
+
+class ScoringError(CaptureError):
+    """Root of the scoring errors (forced-route re-scoring of traces on a vLLM engine)."""
+
+
+class ForceRouteError(ScoringError, CaptureHookError):
+    """Routes cannot be forced on this engine (router rule not reproducible, bad registration)."""
+
+
+class ScoreAlignmentError(ScoringError):
+    """A trace's scores are incomplete or do not line up with its tokens; names the trace."""
+
+
+class PrefixCacheMissError(ScoreAlignmentError):
+    """Prompt reuse was promised for a trace (an earlier replica cached its prompt) and missed."""

@@ -4,18 +4,19 @@ A scoring request is the trace's full token sequence submitted as a prompt (max_
 client first registers it here under its request id (`ScoreJob`: tokens, routes, support,
 temperature). Then, per engine step (StepBracket in patch.py):
 
-  router call   (first MoE layer of a real step) the step's rows are mapped to requests exactly
-                as capture does (input_batch.req_ids, query_start_loc, positions); each MoE
+  router call   (first MoE layer of a real step) the step's rows are mapped to requests from the
+                layout capture uses too (step.py: request ids, query_start_loc, positions); each MoE
                 router returns the engine's own top-k for every row, except rows of registered
                 requests at positions [route_start, S-1), which get the trace's ids (column order
                 kept). Gate weights at those ids are recomputed from the engine's router logits by
-                the router's own rule, read into a GateSpec by ROUTER_GATES and computed by the
-                trainer's GATE_RULES: only ids are replayed (invariant 4). An engine whose router
+                the router's own rule, read into a GateSpec by router_rules.ROUTER_GATES and
+                computed by the trainer's GATE_RULES: only ids are replayed (invariant 4). An engine whose router
                 kind has no rule still scores freely; registering routes on it is refused by name.
   after_forward the rows at positions [prompt_len-1, S-1) (those whose next token is generated)
                 go through the model's own `compute_logits`; per row, only
                 x[target] - logsumexp(x[support]) (x = logits / temperature) is kept: one float per
-                generated token, never full-vocabulary logprobs.
+                generated token, never full-vocabulary logprobs (the math is the core's
+                `replay.scoring.engine_support_logprobs`).
 
 Why not prompt_logprobs: vLLM computes them for every prompt position and ships top-k lists per
 position through the output processor; here logits are computed at the G scored rows only and the
@@ -35,134 +36,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, NoReturn
+from typing import Any
 
 import numpy as np
 import torch
 
-from ...registry import Registry
-from ...replay.gates import GateSpec, gate_weights
-from .errors import CaptureError, CaptureHookError
-from .records import external_id, pack_array, unpack_array
+from ...replay.scoring import SupportCSR, engine_support_logprobs
+from .errors import ForceRouteError
+from .records import external_id
 from .route_hook import find_moe_layers
-
-
-class ScoringError(CaptureError):
-    """Root of the scoring errors (forced-route re-scoring of traces on a vLLM engine)."""
-
-
-class ForceRouteError(ScoringError, CaptureHookError):
-    """Routes cannot be forced on this engine (router rule not reproducible, bad registration)."""
-
-
-class ScoreAlignmentError(ScoringError):
-    """A trace's scores are incomplete or do not line up with its tokens; names the trace."""
-
-
-# -- the engine's own gate-weight rules at given ids -----------------------------------------------
-# Forcing replaces the ids a router chose and recomputes their weights from the router's logits by
-# the rule the router itself applies (invariant 4: ids are replayed, weights never). The rules are
-# the trainer's (moe_replay.replay.gates.GATE_RULES): this table only reads each vLLM router
-# class's settings into a GateSpec. Dispatch is by class name, so nothing here imports a router
-# module (cpu_router exists only in CPU builds, the fused routers' kernels only in GPU builds).
-# Only CPURouter runs on this machine; the GPU kinds follow vLLM 0.32's sources and are untested.
-
-@dataclass(frozen=True)
-class RouterGate:
-    """A vLLM router's weight rule: the trainer's GateSpec plus where the router rounds."""
-
-    spec: GateSpec
-    rounds_to_logits_dtype: bool = False
-    """The router computes its weights in the logits' dtype (CPURouter's plain softmax: bf16
-    logits give bf16 weights); the fp32 rule's result is rounded the same way."""
-
-
-ROUTER_GATES: Registry[Callable[[Any], RouterGate]] = Registry("vLLM router kind")
-"""vLLM router class name -> its RouterGate (raises ForceRouteError if not reproducible)."""
-
-
-def _refuse(router: Any, why: str) -> NoReturn:
-    raise ForceRouteError(f"router {type(router).__name__}: {why}; its routes cannot be forced "
-                          "(free-routing scoring, force_routes=False, works on any router)")
-
-
-def _groups(router: Any) -> dict[str, int]:
-    g, k = int(router.num_expert_group or 1), int(router.topk_group or 1)
-    return {"num_groups": g, "topk_group": min(k, g)}
-
-
-@ROUTER_GATES.register("CPURouter")
-def _cpu_router(r: Any) -> RouterGate:
-    """vLLM-CPU's one router: plain softmax top-k, or grouped top-k (softmax / sigmoid + bias)."""
-    if r.use_grouped_topk:  # computed in fp32 (gating_output.float())
-        rule = {"softmax": "softmax_topk", "sigmoid": "sigmoid_bias_group"}.get(r.scoring_func)
-        if rule is None:
-            _refuse(r, f"grouped top-k with scoring_func={r.scoring_func!r}")
-        return RouterGate(GateSpec(rule, r.top_k, bool(r.renormalize), float(r.routed_scaling_factor), **_groups(r)))
-    if r.custom_routing_function is not None:
-        _refuse(r, f"custom_routing_function {getattr(r.custom_routing_function, '__name__', r.custom_routing_function)!r}")
-    if r.scoring_func != "softmax":
-        _refuse(r, f"scoring_func={r.scoring_func!r} (DeepSeek-V4 sqrtsoftplus / hash routing has no gate rule)")
-    # renormalised: softmax over the K chosen logits (what cpu_router._softmax_topk computes, bit
-    # for bit); else softmax over all E experts gathered at the ids. Both in the logits' dtype.
-    spec = GateSpec("topk_softmax", r.top_k) if r.renormalize else GateSpec("softmax_topk", r.top_k, renormalize=False)
-    return RouterGate(spec, rounds_to_logits_dtype=True)
-
-
-@ROUTER_GATES.register("FusedTopKRouter")
-def _fused_topk(r: Any) -> RouterGate:
-    """GPU default: topk_softmax / topk_sigmoid kernels (fp32 inside); no scaling (applied downstream)."""
-    if r.scoring_func == "softmax":
-        return RouterGate(GateSpec("softmax_topk", r.top_k, bool(r.renormalize)))
-    if r.scoring_func == "sigmoid":
-        return RouterGate(GateSpec("sigmoid_bias_group", r.top_k, bool(r.renormalize)))
-    _refuse(r, f"scoring_func={r.scoring_func!r}")
-
-
-@ROUTER_GATES.register("GroupedTopKRouter")
-def _grouped_topk(r: Any) -> RouterGate:
-    """DeepSeek-V2/V3 style: groups and the correction bias choose, the scores weigh."""
-    if getattr(r, "num_fused_shared_experts", 0):
-        _refuse(r, f"{r.num_fused_shared_experts} fused shared experts (ROCm AITER)")
-    rule = {"softmax": "softmax_topk", "sigmoid": "sigmoid_bias_group"}.get(r.scoring_func)
-    if rule is None:
-        _refuse(r, f"scoring_func={r.scoring_func!r}")
-    return RouterGate(GateSpec(rule, r.top_k, bool(r.renormalize), float(r.routed_scaling_factor), **_groups(r)))
-
-
-@ROUTER_GATES.register("FusedTopKBiasRouter")
-def _fused_topk_bias(r: Any) -> RouterGate:
-    """Sigmoid + correction bias without groups (the bias chooses, sigmoid weighs)."""
-    for attr, why in (("_hash_indices_table", "hash-routed layer"), ("bias_vl", "vision routing bias")):
-        if getattr(r, attr, None) is not None:
-            _refuse(r, why)
-    if getattr(r, "num_fused_shared_experts", 0):
-        _refuse(r, f"{r.num_fused_shared_experts} fused shared experts")
-    if r.scoring_func != "sigmoid":
-        _refuse(r, f"scoring_func={r.scoring_func!r} with a correction bias")
-    return RouterGate(GateSpec("sigmoid_bias_group", r.top_k, bool(r.renormalize), float(r.routed_scaling_factor)))
-
-
-def router_gate(router: Any, layer_id: int) -> RouterGate:
-    """The rule reproducing `router`'s weights, or ForceRouteError naming its kind."""
-    kind = type(router).__name__
-    if kind not in ROUTER_GATES:
-        raise ForceRouteError(
-            f"MoE layer {layer_id}: router kind {kind} has no gate rule (known: {', '.join(ROUTER_GATES.names())}); "
-            "its routes cannot be forced (free-routing scoring, force_routes=False, works on any router)")
-    try:
-        return ROUTER_GATES.get(kind)(router)
-    except ForceRouteError as e:
-        raise ForceRouteError(f"MoE layer {layer_id}: {e}") from None
-
-
-def forced_gate_weights(gate: RouterGate, logits_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
-    """fp32 weights [T, K] the router's rule gives to experts ids_TK (column order kept)."""
-    w_TK = gate_weights(logits_TE, ids_TK.long(), gate.spec)
-    if gate.rounds_to_logits_dtype and logits_TE.dtype != torch.float32:
-        w_TK = w_TK.to(logits_TE.dtype)
-    return w_TK.to(torch.float32)
-
+from .router_rules import RouterGate, forced_gate_weights, router_gate
+from .wire import ScoreRequest, ScoreResult
 
 # -- one registered request -----------------------------------------------------------------------
 
@@ -195,18 +79,18 @@ class ScoreJob:
         self.filled_G = np.zeros(g, dtype=bool)
 
     @classmethod
-    def from_payload(cls, p: dict[str, Any], geometry: Any) -> "ScoreJob":
-        tokens = unpack_array(p["tokens"]).astype(np.int64).reshape(-1)
-        S, P = len(tokens), int(p["prompt_len"])
+    def from_request(cls, p: ScoreRequest, geometry: Any) -> "ScoreJob":
+        tokens = np.asarray(p.tokens_S).astype(np.int64).reshape(-1)
+        S, P = len(tokens), int(p.prompt_len)
         if not 1 <= P < S:
-            raise ForceRouteError(f"scoring request {p['key']!r}: expected 1 <= prompt_len < {S} tokens, found {P}")
-        job = cls(str(p["key"]), tokens, P, float(p["temperature"]), int(p.get("route_start", 0)))
-        job.max_cached = int(p.get("max_cached", 0))
+            raise ForceRouteError(f"scoring request {p.key!r}: expected 1 <= prompt_len < {S} tokens, found {P}")
+        job = cls(str(p.key), tokens, P, float(p.temperature), int(p.route_start))
+        job.max_cached = int(p.max_cached)
         if not 0 <= job.max_cached <= P - 1:
             raise ForceRouteError(f"scoring request {job.key!r}: expected max_cached in [0, {P - 1}], found {job.max_cached}")
-        if p.get("routes") is not None:
+        if p.routes_TLK is not None:
             L, K = geometry.num_moe_layers, geometry.top_k
-            r = unpack_array(p["routes"]).astype(np.int64).reshape(-1, L, K)
+            r = np.asarray(p.routes_TLK).astype(np.int64).reshape(-1, L, K)
             if len(r) != S - 1 - job.route_start or job.route_start > P - 1:
                 raise ForceRouteError(
                     f"scoring request {job.key!r}: expected routes for positions [route_start <= {P - 1}, {S - 1}), "
@@ -215,18 +99,18 @@ class ScoreJob:
             if r.size and (r.min() < 0 or r.max() >= geometry.num_experts):
                 raise ForceRouteError(f"scoring request {job.key!r}: expert ids must lie in [0, {geometry.num_experts})")
             job.routes_TLK = torch.from_numpy(r)
-        if p.get("support_offsets") is not None:
-            off = unpack_array(p["support_offsets"]).astype(np.int64).reshape(-1)
+        if p.support_offsets_G1 is not None:
+            off = np.asarray(p.support_offsets_G1).astype(np.int64).reshape(-1)
             if len(off) != S - P + 1:
                 raise ForceRouteError(f"scoring request {job.key!r}: support has {len(off) - 1} rows, expected {S - P}")
-            job.sup_offsets_G1, job.sup_ids_N = off, unpack_array(p["support_ids"]).astype(np.int64).reshape(-1)
+            job.sup_offsets_G1, job.sup_ids_N = off, np.asarray(p.support_ids_N).astype(np.int64).reshape(-1)
         return job
 
-    def payload(self) -> dict[str, Any]:
+    def result(self) -> ScoreResult:
         problems = list(self.problems)
         if not self.filled_G.all():
             problems.append(f"generated token {int(np.flatnonzero(~self.filled_G)[0])} was never scored")
-        return {"status": "ok", "logprobs": pack_array(self.logprobs_G), "problems": problems, "cached": self.cached}
+        return ScoreResult("ok", logprobs_G=self.logprobs_G, problems=problems, cached=self.cached)
 
 
 @dataclass
@@ -284,8 +168,8 @@ class WorkerScoring:
                 raise
 
     # -- registry ---------------------------------------------------------------------------------
-    def register(self, payloads: list[dict[str, Any]]) -> int:
-        jobs = [ScoreJob.from_payload(p, self.geometry) for p in payloads]
+    def register(self, requests: list[ScoreRequest]) -> int:
+        jobs = [ScoreJob.from_request(p, self.geometry) for p in requests]
         if self.force_refusal is not None and any(j.routes_TLK is not None for j in jobs):
             raise ForceRouteError(self.force_refusal)
         dup = [j.key for j in jobs if j.key in self.jobs]
@@ -300,12 +184,12 @@ class WorkerScoring:
     def owns(self, internal_id: str) -> bool:
         return internal_id in self._by_internal or external_id(internal_id) in self.jobs
 
-    def take(self, keys: list[str]) -> list[dict[str, Any]]:
-        """Payloads of jobs whose request has finished on the client side; they leave the worker."""
+    def take(self, keys: list[str]) -> list[ScoreResult]:
+        """Results of jobs whose request has finished on the client side; they leave the worker."""
         out = []
         for k in keys:
             job = self.jobs.pop(k, None)
-            out.append({"status": "unknown", "known": len(self.jobs)} if job is None else job.payload())
+            out.append(ScoreResult("unknown", known=len(self.jobs)) if job is None else job.result())
         return out
 
     def discard(self, keys: list[str]) -> int:
@@ -336,13 +220,11 @@ class WorkerScoring:
     def _step_plan(self, n: int) -> _StepPlan:
         if self._plan is not None:
             return self._plan
-        r = self.runner
-        num_reqs = r.input_batch.num_reqs
-        qsl = r.query_start_loc.np[: num_reqs + 1]
-        pos_T = r.positions[:n].numpy()
+        layout = self._bracket.views.layout(n)
+        qsl, pos_T = layout.qsl_B1, layout.pos_T
         jobs = []
         rows, ids = [], []
-        for i, rid in enumerate(r.input_batch.req_ids[:num_reqs]):
+        for i, rid in enumerate(layout.req_ids):
             if rid in self._others:
                 continue
             job = self._by_internal.get(rid)
@@ -467,37 +349,24 @@ class WorkerScoring:
 
     def _score_rows(self, h_RH: torch.Tensor, target_R: torch.Tensor, owners: list[ScoreJob], g_R: np.ndarray) -> np.ndarray:
         """x[target] - logsumexp over the support (or the vocabulary) of x = logits / temperature."""
+        size_R = np.zeros(len(g_R), dtype=np.int64)
+        ids_N = []
+        start = 0
+        for job, cnt in _runs(owners):  # a job's scored rows are consecutive generated tokens
+            if job.sup_offsets_G1 is not None:
+                g0, g1 = int(g_R[start]), int(g_R[start + cnt - 1]) + 1
+                off = job.sup_offsets_G1
+                ids_N.append(job.sup_ids_N[off[g0] : off[g1]])
+                size_R[start : start + cnt] = np.diff(off[g0 : g1 + 1])
+            start += cnt
+        off_R1 = np.zeros(len(g_R) + 1, dtype=np.int64)
+        np.cumsum(size_R, out=off_R1[1:])
+        support = SupportCSR(torch.from_numpy(off_R1),
+                             torch.from_numpy(np.concatenate(ids_N) if ids_N else np.zeros(0, np.int64)))
+        temp_R = torch.tensor([j.temperature for j in owners], dtype=torch.float32)
         with torch.inference_mode():
-            x_RV = self.runner.model.compute_logits(h_RH).float()
-            temp_R = torch.tensor([j.temperature for j in owners], dtype=torch.float32)
-            temp_R = torch.where(temp_R > 0, temp_R, torch.ones_like(temp_R))
-            if bool((temp_R != 1).any()):
-                x_RV = x_RV / temp_R[:, None]
-            lse_R = torch.logsumexp(x_RV, dim=-1)
-            row_N, ids_N = [], []
-            start = 0
-            for job, cnt in _runs(owners):  # a job's scored rows are consecutive generated tokens
-                if job.sup_offsets_G1 is not None:
-                    g0, g1 = int(g_R[start]), int(g_R[start + cnt - 1]) + 1
-                    off = job.sup_offsets_G1
-                    ids_N.append(job.sup_ids_N[off[g0] : off[g1]])
-                    row_N.append(np.repeat(np.arange(start, start + cnt), np.diff(off[g0 : g1 + 1])))
-                start += cnt
-            out_R = x_RV.gather(1, target_R.reshape(-1, 1)).squeeze(1)
-            if row_N:
-                r_N = torch.from_numpy(np.concatenate(row_N))
-                i_N = torch.from_numpy(np.concatenate(ids_N))
-                v_N = x_RV[r_N, i_N]
-                m_R = torch.full_like(lse_R, float("-inf")).scatter_reduce(0, r_N, v_N, "amax")
-                s_R = torch.zeros_like(lse_R).index_add_(0, r_N, (v_N - m_R[r_N]).exp())
-                has_R = torch.zeros_like(lse_R, dtype=torch.bool)
-                has_R[r_N] = True
-                hit_R = torch.zeros_like(has_R)
-                hit_R[r_N[i_N == target_R[r_N]]] = True
-                lse_R = torch.where(has_R, m_R + s_R.log(), lse_R)
-                out_R = torch.where(has_R & ~hit_R, torch.full_like(out_R, float("-inf")), out_R)  # outside: p = 0
-            out = out_R - lse_R
-        return out.numpy().astype(np.float32)
+            out = engine_support_logprobs(self.runner.model.compute_logits(h_RH), target_R, support, temp_R)
+        return out.cpu().numpy().astype(np.float32)
 
     def uninstall(self) -> None:
         if self._patches is not None:

@@ -34,6 +34,8 @@ import functools
 import time
 from typing import Any, Callable
 
+from .endpoint import runner_state
+
 _MISSING = object()
 
 CAPTURE_FLAG = "moe_replay_capture"
@@ -88,11 +90,16 @@ class StepBracket:
     register here. Per step, listeners' `before_step(scheduler_output)` run before the original
     (input batch not yet updated) and `after_forward(scheduler_output)` after it (batch, positions
     and the step's hidden states in place). Seconds spent in each listener go to its `hook_s`.
-    The wrapper is removed when the last listener leaves (`remove`).
+    Both read the step's rows from one `views.layout(n)` (step.py). The wrapper is removed when
+    the last listener leaves (`remove`).
     """
 
     def __init__(self, runner: Any) -> None:
+        from .step import StepViews
+
         self.runner = runner
+        self.views = StepViews(runner)
+        """The one layout of each step (request ids, query starts, positions) the listeners share."""
         self.listeners: list[Any] = []
         self.in_step = False
         """True between before_step and after_forward of a real engine step (never in dummy runs)."""
@@ -100,6 +107,7 @@ class StepBracket:
 
         def make_execute(orig):
             def execute_model(scheduler_output, *args, **kwargs):
+                self.views.new_step()
                 for lst in list(self.listeners):
                     t0 = time.perf_counter()
                     lst.before_step(scheduler_output)
@@ -124,16 +132,17 @@ class StepBracket:
             self.listeners.remove(listener)
         if not self.listeners:
             self._patches.undo()
-            if getattr(self.runner, "_moe_replay_bracket", None) is self:
-                self.runner._moe_replay_bracket = None
+            st = runner_state(self.runner)
+            if st.bracket is self:
+                st.bracket = None
 
 
 def step_bracket(runner: Any, listener: Any) -> StepBracket:
     """Register `listener` on the runner's StepBracket, installing the bracket if needed."""
-    bracket = getattr(runner, "_moe_replay_bracket", None)
+    st = runner_state(runner)
+    bracket = st.bracket
     if bracket is None:
-        bracket = StepBracket(runner)
-        runner._moe_replay_bracket = bracket
+        bracket = st.bracket = StepBracket(runner)
     if listener in bracket.listeners:
         from .errors import CaptureHookError
 
@@ -142,10 +151,10 @@ def step_bracket(runner: Any, listener: Any) -> StepBracket:
     return bracket
 
 
-def patch_runner(runner: Any, capture: Any) -> InstancePatches:
+def patch_runner(runner: Any, capture: Any) -> tuple[InstancePatches, Any]:
     """Install capture on one model runner: the step bracket plus the two sampler wrappers.
 
-    The returned patches' undo() also leaves the step bracket.
+    Returns the patches (their undo() also leaves the step bracket) and the bracket's StepViews.
     """
     patches = InstancePatches()
     bracket = step_bracket(runner, capture)
@@ -180,7 +189,7 @@ def patch_runner(runner: Any, capture: Any) -> InstancePatches:
     except Exception:
         patches.undo()
         raise
-    return patches
+    return patches, bracket.views
 
 
 def patch_routers(routers: list[Any], make: Callable[[int, Callable], Callable]) -> InstancePatches:

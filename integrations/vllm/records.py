@@ -14,17 +14,7 @@ from typing import Any
 
 import numpy as np
 
-
-def pack_array(arr: np.ndarray) -> dict[str, Any]:
-    """Array as plain bytes + dtype + shape: survives every RPC serialiser vLLM uses unchanged."""
-    arr = np.ascontiguousarray(arr)
-    return {"dtype": arr.dtype.str, "shape": list(arr.shape), "data": arr.tobytes()}
-
-
-def unpack_array(d: Any) -> np.ndarray:
-    if isinstance(d, dict) and "data" in d:
-        return np.frombuffer(d["data"], dtype=np.dtype(d["dtype"])).reshape(d["shape"]).copy()
-    return np.asarray(d)
+from .wire import CaptureRecord
 
 
 def external_id(internal_id: str) -> str:
@@ -130,24 +120,15 @@ class RequestRecord:
             ids[np.repeat(offsets[m], c) + within] = staged.ids_N[np.repeat(staged.offsets_R1[row_X[m]], c) + within]
         return {"tokens": tokens, "logprobs": lps, "sizes": sizes, "offsets": offsets, "ids": ids}
 
-    def payload(self) -> dict[str, Any]:
-        """Plain arrays for the RPC reply; the client cuts them to the final sequence length."""
+    def payload(self) -> CaptureRecord:
+        """The record for the RPC reply; the client cuts it to the final sequence length."""
         routes, filled = self._routes()
         s = self._samples()
-        return {
-            "status": "ok",
-            "req_id": self.req_id,
-            "prompt_len": self.prompt_len,
-            "route_start": self.route_start,
-            "routes": pack_array(routes),
-            "routes_filled": pack_array(filled),
-            "tokens": pack_array(s["tokens"]),
-            "logprobs": pack_array(s["logprobs"]),
-            "support_sizes": pack_array(s["sizes"]),
-            "support_offsets": pack_array(s["offsets"]),
-            "support_ids": pack_array(s["ids"]),
-            "problems": list(self.problems),
-        }
+        return CaptureRecord(
+            "ok", key=self.req_id, req_id=self.req_id, prompt_len=self.prompt_len, route_start=self.route_start,
+            routes_TLK=routes, routes_filled_T=filled, tokens_G=s["tokens"], logprobs_G=s["logprobs"],
+            support_sizes_G=s["sizes"], support_offsets_G1=s["offsets"], support_ids_N=s["ids"],
+            problems=list(self.problems))
 
 
 def ranks_within(counts: np.ndarray) -> np.ndarray:
@@ -196,14 +177,14 @@ class RecordBook:
     def _match(self, key: str) -> list[str]:
         return [rid for rid in (*self.finished, *self.live) if rid == key or external_id(rid) == key]
 
-    def take(self, key: str) -> dict[str, Any]:
+    def take(self, key: str) -> CaptureRecord:
         """Remove and return the record of `key` (internal id, or external id as vLLM outputs it)."""
         matches = self._match(key)
         if not matches:
             status = "evicted" if any(r == key or external_id(r) == key for r in self.evicted) else "unknown"
-            return {"status": status, "key": key, "known": len(self.finished) + len(self.live)}
+            return CaptureRecord(status, key=key, known=len(self.finished) + len(self.live))
         if len(matches) > 1:
-            return {"status": "ambiguous", "key": key, "matches": matches}
+            return CaptureRecord("ambiguous", key=key, matches=matches)
         rid = matches[0]
         rec = self.finished.pop(rid, None) or self.live.pop(rid)
         if len(self.taken) == self.taken.maxlen:

@@ -34,19 +34,13 @@ import numpy as np
 
 from ...geometry import ModelGeometry
 from ...trace import RolloutTrace
-from .api import EXTENSION, capture_engine_kwargs
-from .errors import CaptureHookError
-from .force import ForceRouteError, ScoreAlignmentError, ScoringError
+from .api import capture_engine_kwargs
+from .errors import ForceRouteError, PrefixCacheMissError, ScoreAlignmentError, ScoringError
+from .link import AsyncLink, SyncLink
 from .prefix import CACHE_UPTO_KEY, SCHEDULER_QUALNAME, cache_salt, engine_reuse_ready, reusable_tokens
-from .records import pack_array, unpack_array
+from .wire import InstallReply, ScoreRequest, ScoreResult
 
-
-class PrefixCacheMissError(ScoreAlignmentError):
-    """Prompt reuse was promised for a trace (an earlier replica cached its prompt) and missed."""
-
-_METHODS = {"install": "moe_replay_score_install", "register": "moe_replay_score_register",
-            "take": "moe_replay_score_take", "discard": "moe_replay_score_discard",
-            "stats": "moe_replay_score_stats", "uninstall": "moe_replay_score_uninstall"}
+_LINK = {"what": "scoring", "default": ScoringError, "kwargs_fn": "scoring_engine_kwargs"}
 
 
 @dataclass(frozen=True)
@@ -109,11 +103,9 @@ class _ScorerBase:
     geometry: ModelGeometry
     _counter = itertools.count()
 
-    def _on_install(self, replies: list[dict[str, Any]]) -> None:
-        bad = [r for r in replies if not r.get("ok")]
-        if bad:
-            _raise_remote(bad[0], "installing scoring on the engine failed")
-        self.geometry = ModelGeometry.from_dict(replies[0]["geometry"])
+    def _on_install(self, link: Any, values: list[dict[str, Any]]) -> None:
+        self._link = link
+        self.geometry = ModelGeometry.from_dict(InstallReply.from_dict(values[0]).geometry)
 
     def _prepare(self, vllm_config: Any) -> None:
         """Client-side state, checked before anything is installed on the engine."""
@@ -165,7 +157,8 @@ class _ScorerBase:
         return {"prompt_token_ids": trace.token_ids_S.tolist(), "cache_salt": salt}, self._sampling_params(max_cached)
 
     def _requests(self, traces: Sequence[RolloutTrace]) -> tuple[list[str | None], list[dict[str, Any]]]:
-        """Engine request id per trace (None when it has no generated token) and worker payloads."""
+        """Engine request id per trace (None when it has no generated token) and the ScoreRequests
+        (wire dicts) to register."""
         ids: list[str | None] = []
         payloads = []
         tag = uuid.uuid4().hex[:12]
@@ -180,26 +173,21 @@ class _ScorerBase:
             if t.prompt_len < 1:
                 raise ScoringError(f"trace {t.key!r}: expected a prompt of >= 1 token, found prompt_len={t.prompt_len}")
             rid = f"{self.config.request_prefix}:{next(self._counter)}:{tag}"
-            p: dict[str, Any] = {"key": rid, "tokens": pack_array(t.token_ids_S.astype(np.int64)),
-                                 "prompt_len": t.prompt_len, "temperature": self._temperature(t),
-                                 "max_cached": t.prompt_len - 1 if self.prompt_reuse else 0}
+            routes = route_start = None
             if self.config.force_routes:
                 if t.routes_TLK is None:
                     raise ForceRouteError(f"trace {t.key!r} has no routes; force_routes=True needs them")
-                p["routes"], p["route_start"] = pack_array(t.routes_TLK), t.route_start
-            if self.config.use_support and t.support is not None:
-                p["support_offsets"] = pack_array(t.support.offsets_G1)
-                p["support_ids"] = pack_array(t.support.ids_N)
+                routes, route_start = t.routes_TLK, t.route_start
+            sup = t.support if self.config.use_support else None
+            p = ScoreRequest(rid, t.token_ids_S.astype(np.int64), t.prompt_len, self._temperature(t),
+                             max_cached=t.prompt_len - 1 if self.prompt_reuse else 0, route_start=route_start or 0,
+                             routes_TLK=routes, support_offsets_G1=None if sup is None else sup.offsets_G1,
+                             support_ids_N=None if sup is None else sup.ids_N).to_dict()
             if self.prompt_reuse:  # promised: an earlier scoring of this salt cached the prompt's blocks
                 self._promised[rid] = self._warm.get(cache_salt(t, self.config.force_routes, self.config.weights_version), 0)
             ids.append(rid)
             payloads.append(p)
         return ids, payloads
-
-    @staticmethod
-    def _check_register(reply: dict[str, Any]) -> None:
-        if not reply.get("ok"):
-            _raise_remote(reply, "registering scoring requests failed")
 
     def _assemble(self, traces: Sequence[RolloutTrace], ids: list[str | None], replies: list[dict[str, Any]]) -> list[np.ndarray]:
         out, it = [], iter(replies)
@@ -209,12 +197,12 @@ class _ScorerBase:
             if rid is None:
                 out.append(np.zeros(0, dtype=np.float64))
                 continue
-            rep = next(it)
-            if rep.get("status") != "ok":
+            rep = ScoreResult.from_dict(next(it))
+            if rep.status != "ok":
                 raise ScoreAlignmentError(f"trace {t.key!r}: the engine holds no scores for request {rid!r}")
-            if rep["problems"]:
-                raise ScoreAlignmentError(f"trace {t.key!r} (request {rid!r}): {rep['problems'][0]}")
-            got = int(rep.get("cached", 0))
+            if rep.problems:
+                raise ScoreAlignmentError(f"trace {t.key!r} (request {rid!r}): {rep.problems[0]}")
+            got = int(rep.cached)
             st["requests"] += 1
             st["tokens"] += t.num_tokens
             st["cached_tokens"] += got
@@ -229,21 +217,11 @@ class _ScorerBase:
                 reusable = reusable_tokens(t.prompt_len, self.block_size)
                 if reusable:
                     self._warm[cache_salt(t, self.config.force_routes, self.config.weights_version)] = reusable
-            lp = unpack_array(rep["logprobs"]).astype(np.float64).reshape(-1)
+            lp = np.asarray(rep.logprobs_G).astype(np.float64).reshape(-1)
             if lp.shape != (t.num_generated,):
                 raise ScoreAlignmentError(f"trace {t.key!r}: expected {t.num_generated} scores, found {lp.shape}")
             out.append(lp)
         return out
-
-
-def _raise_remote(reply: dict[str, Any], what: str) -> None:
-    from . import errors, force
-
-    kind = reply.get("kind", "")
-    cls = getattr(force, kind, None) or getattr(errors, kind, None)
-    if not (isinstance(cls, type) and issubclass(cls, Exception)):
-        cls = ScoringError
-    raise cls(f"{what}: {reply.get('error')}")
 
 
 class VllmScorer(_ScorerBase):
@@ -254,29 +232,9 @@ class VllmScorer(_ScorerBase):
     """
 
     def __init__(self, llm: Any, config: VllmScorerConfig | None = None) -> None:
-        from . import worker as W
-
         self.llm, self.config = llm, config or VllmScorerConfig()
         self._prepare(llm.llm_engine.vllm_config)
-        opts = {"max_jobs": self.config.max_jobs}
-        try:
-            replies = llm.collective_rpc(_METHODS["install"], args=(opts,))
-            self._call = lambda name, *a: llm.collective_rpc(_METHODS[name], args=a)[0]
-        except Exception as e:
-            if _METHODS["install"] not in str(e):
-                raise
-            funcs = {"install": W.score_install_on_worker, "register": W.score_register_on_worker,
-                     "take": W.score_take_on_worker, "discard": W.score_discard_on_worker,
-                     "stats": W.score_stats_on_worker, "uninstall": W.score_uninstall_on_worker}
-            try:
-                replies = llm.collective_rpc(funcs["install"], args=(opts,))
-            except Exception as e2:
-                raise CaptureHookError(
-                    f"cannot reach the engine's workers to install scoring ({type(e2).__name__}: {e2}); build the "
-                    f"engine with LLM(..., **scoring_engine_kwargs()) (worker_extension_cls={EXTENSION!r})"
-                ) from e2
-            self._call = lambda name, *a: llm.collective_rpc(funcs[name], args=a)[0]
-        self._on_install(replies)
+        self._on_install(*SyncLink.open(llm, "score.install", {"max_jobs": self.config.max_jobs}, **_LINK))
 
     def submit(self, traces: Sequence[RolloutTrace]) -> list[str | None]:
         """Register and enqueue one scoring request per trace without running the engine.
@@ -288,7 +246,7 @@ class VllmScorer(_ScorerBase):
         live = [r for r in ids if r is not None]
         if not live:
             return ids
-        self._check_register(self._call("register", payloads))
+        self._link.call("score.register", payloads, "registering scoring requests failed")
         eng = self.llm.llm_engine
         try:
             for rid, t in zip(ids, traces):
@@ -302,7 +260,7 @@ class VllmScorer(_ScorerBase):
     def finish(self, traces: Sequence[RolloutTrace], ids: list[str | None]) -> list[np.ndarray]:
         """Scores of submitted traces whose requests have finished (they leave the worker)."""
         live = [r for r in ids if r is not None]
-        return self._assemble(traces, ids, self._call("take", live) if live else [])
+        return self._assemble(traces, ids, self._link.call("score.take", live) if live else [])
 
     def cancel(self, ids: list[str | None]) -> None:
         live = [r for r in ids if r is not None]
@@ -311,7 +269,7 @@ class VllmScorer(_ScorerBase):
         try:
             self.llm.llm_engine.abort_request(live)
         finally:
-            self._call("discard", live)
+            self._link.call("score.discard", live)
 
     def score_batch(self, traces: Sequence[RolloutTrace]) -> list[np.ndarray]:
         """Logprobs of each trace's generated tokens [G], in the order given; one engine batch."""
@@ -333,10 +291,10 @@ class VllmScorer(_ScorerBase):
     __call__ = score_batch
 
     def stats(self) -> dict[str, Any]:
-        return self._call("stats")
+        return self._link.call("score.stats")
 
     def uninstall(self) -> None:
-        self._call("uninstall")
+        self._link.call("score.uninstall")
 
 
 class AsyncVllmScorer(_ScorerBase):
@@ -353,41 +311,31 @@ class AsyncVllmScorer(_ScorerBase):
     async def attach(cls, engine: Any, config: VllmScorerConfig | None = None) -> "AsyncVllmScorer":
         self = cls(engine, config or VllmScorerConfig())
         self._prepare(engine.vllm_config)
-        try:
-            replies = await engine.collective_rpc(_METHODS["install"], args=({"max_jobs": self.config.max_jobs},))
-        except Exception as e:
-            raise CaptureHookError(
-                f"cannot install scoring on this AsyncLLM ({type(e).__name__}: {e}); build it with "
-                "AsyncEngineArgs(..., **scoring_engine_kwargs())"
-            ) from e
-        self._on_install(replies)
+        self._on_install(*await AsyncLink.open(engine, "score.install", {"max_jobs": self.config.max_jobs}, **_LINK))
         return self
-
-    async def _call(self, name: str, *args: Any) -> Any:
-        return (await self.engine.collective_rpc(_METHODS[name], args=args))[0]
 
     async def score(self, traces: Sequence[RolloutTrace]) -> list[np.ndarray]:
         ids, payloads = self._requests(traces)
         live = [r for r in ids if r is not None]
         if not live:
             return self._assemble(traces, ids, [])
-        self._check_register(await self._call("register", payloads))
+        await self._link.call("score.register", payloads, "registering scoring requests failed")
         async def one(rid: str, t: RolloutTrace) -> None:
             async for _ in self.engine.generate(*self._prompt(t), request_id=rid):
                 pass
 
         try:
             await asyncio.gather(*(one(r, t) for r, t in zip(ids, traces) if r is not None))
-            replies = await self._call("take", live)
+            replies = await self._link.call("score.take", live)
         except BaseException:
             for r in live:
                 self._promised.pop(r, None)
-            await asyncio.shield(self._call("discard", live))
+            await asyncio.shield(self._link.call("score.discard", live))
             raise
         return self._assemble(traces, ids, replies)
 
     async def stats(self) -> dict[str, Any]:
-        return await self._call("stats")
+        return await self._link.call("score.stats")
 
     async def uninstall(self) -> None:
-        await self._call("uninstall")
+        await self._link.call("score.uninstall")

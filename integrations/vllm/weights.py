@@ -158,7 +158,9 @@ def update_on_worker(worker: Any, path: str) -> dict[str, Any]:
                 f"direct load of {suffixes} (they hold NaN now); do not sample from this engine: rebuild it from the checkpoint")}
         direct = sorted(unloaded)
     repacked = _repack_cpu_moe(model)
-    cap = getattr(runner, "_moe_replay_capture", None)
+    from .endpoint import runner_state
+
+    cap = runner_state(runner).capture
     slot_cache = getattr(cap, "slot_cache", None)
     if slot_cache is not None:
         slot_cache.clear()

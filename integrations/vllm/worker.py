@@ -5,10 +5,9 @@ Per engine step (see patch.py for the wrappers) only cheap snapshots happen:
                 support stage could not hold another full step; per-layer row counters reset;
   forward       routers hand their ids to the route capture (held on eager CPU engines, else
                 written into the step buffer bound at model load: route_hook.py);
-  after_forward the step's layout is snapshotted: which records own the input batch's rows (looked
-                up only when the batch changes), query_start_loc, positions, the discard mask and
-                the KV slots (read from host buffers on CPU runners, derived from host mirrors on
-                device runners: _RunnerViews); a request seen for the first time whose first
+  after_forward the step's layout (step.py, shared with scoring: request ids, query_start_loc,
+                positions, the discard mask) and its KV slots are taken; which records own the
+                input batch's rows is looked up only when the batch changes; a request seen for the first time whose first
                 position is past its route_start hit the prefix cache: a slot-cache read is
                 queued for the flush;
   after_sample  the step's sampled tokens are committed to the support stage (sampler_hook.py).
@@ -21,11 +20,10 @@ buffer is about to fill, and before every take/discard/stats, so the client neve
 record. Why: per step, each small tensor or Python operation inside a busy engine costs ~10-70 us;
 batching many steps into one pass is what keeps capture near free (benchmarks/capture.py).
 
-`CaptureWorkerExtension` exposes this through collective_rpc (vLLM's worker_extension_cls), which
-works the same in the in-process and the multi-process engine. vLLM takes one extension class, so
-it also carries scoring (force.py: forced routes + per-token scores, `moe_replay_score_*`); both
-share the runner's one execute_model wrapper (patch.StepBracket), and capture ignores requests
-registered for scoring.
+The client reaches this through endpoint.py (one op table for capture and scoring, one state
+object on the runner). Capture and scoring share the runner's one execute_model wrapper
+(patch.StepBracket) and its step layout (step.py); capture ignores requests registered for
+scoring.
 """
 
 from __future__ import annotations
@@ -35,15 +33,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
-from .block_cache import SlotRouteCache, kv_slots, route_kv_group
-from .config import CaptureConfig
+from ...capture_config import CaptureConfig
+from .block_cache import SlotRouteCache, route_kv_group
+from .endpoint import runner_state
 from .errors import CaptureHookError
 from .records import RecordBook, RequestRecord
 from .route_hook import RouteCapture, geometry_from_runner
 from .sampler_hook import SupportStage
-from .versions import check_vllm_version
+from .step import StepLayout
+from .wire import CaptureRecord
 
 
 @dataclass
@@ -57,48 +56,13 @@ class _Batch:
     prompt_len_B: np.ndarray
 
 
-HOST_MIRROR_DEVICES = {"cpu"}
-"""Runner device types whose `positions` and slot mapping are host tensors, read as they are. Other
-runners (GPU) fill those on the device; their positions and slots are derived from host mirrors
-(num_computed_tokens_cpu, query_start_loc, the block table), the same way vLLM computes them."""
-
-
-@dataclass
-class _RunnerViews:
-    """The runner's per-step host buffers, viewed once: after each forward only slices are copied."""
-
-    input_batch: Any
-    qsl: np.ndarray | None = None
-    discard: np.ndarray | None = None
-    positions: np.ndarray | None = None
-    """Host positions (HOST_MIRROR_DEVICES), else None: derived from num_computed."""
-    slots: np.ndarray | None = None
-    """Host slot mapping (HOST_MIRROR_DEVICES, slot cache on), else None."""
-    num_computed: np.ndarray | None = None
-    block_ids: np.ndarray | None = None
-    """Host block table [max_reqs, max_blocks] (kernel blocks of block_size tokens)."""
-    block_size: int = 0
-
-    def positions_and_slots(self, num_reqs: int, qsl_B1: np.ndarray, n: int,
-                            want_slots: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        if self.positions is not None:
-            return self.positions[:n].copy(), self.slots[:n].copy() if want_slots else None
-        row_T = np.repeat(np.arange(num_reqs), np.diff(qsl_B1))
-        pos_T = self.num_computed[row_T].astype(np.int64) + np.arange(n) - qsl_B1[row_T]
-        if not want_slots:
-            return pos_T, None
-        return pos_T, kv_slots(self.block_ids[row_T, pos_T // self.block_size], pos_T, self.block_size)
-
-
 @dataclass
 class _Step:
     """Snapshot of one engine step, enough to map its rows to records at the next flush."""
 
     batch: _Batch
-    qsl_B1: np.ndarray
-    pos_T: np.ndarray
-    discard_B: np.ndarray
-    """True where the runner throws the row's sample away (a chunked prefill short of its prompt end)."""
+    layout: StepLayout
+    """The step's rows (step.py; the same arrays scoring saw)."""
     arena_row: int
     slots_T: np.ndarray | None
     problem: str | None
@@ -128,17 +92,18 @@ class _Window:
 
     @classmethod
     def of(cls, steps: list[_Step]) -> "_Window":
-        n_S = np.array([len(st.pos_T) for st in steps])
-        b_S = np.array([len(st.discard_B) for st in steps])
+        lays = [st.layout for st in steps]
+        n_S = np.array([lay.num_tokens for lay in lays])
+        b_S = np.array([len(lay.discard_B) for lay in lays])
         S = np.arange(len(steps))
         tok0_B = np.repeat(np.cumsum(n_S) - n_S, b_S)  # first window token of each row's step
-        start_B = np.concatenate([st.qsl_B1[:-1] for st in steps]) + tok0_B
-        stop_B = np.concatenate([st.qsl_B1[1:] for st in steps]) + tok0_B
+        start_B = np.concatenate([lay.qsl_B1[:-1] for lay in lays]) + tok0_B
+        stop_B = np.concatenate([lay.qsl_B1[1:] for lay in lays]) + tok0_B
         uid_B = np.concatenate([st.batch.uid_B for st in steps])
-        pos_T = np.concatenate([st.pos_T for st in steps])
+        pos_T = np.concatenate([lay.pos_T for lay in lays])
         return cls(n_S, b_S, np.repeat(S, b_S), np.repeat(S, n_S), uid_B,
                    np.concatenate([st.batch.prompt_len_B for st in steps]),
-                   np.concatenate([st.discard_B for st in steps]),
+                   np.concatenate([lay.discard_B for lay in lays]),
                    pos_T[stop_B - 1], np.repeat(uid_B, stop_B - start_B), pos_T)
 
 
@@ -175,7 +140,6 @@ class WorkerCapture:
         self._step: _Step | None = None
         self._batch: _Batch | None = None
         self._arena_row = 0
-        self._views = _RunnerViews(None)
         self.steps = 0
         self.flushes = 0
         self.preemptions = 0
@@ -184,7 +148,7 @@ class WorkerCapture:
         self.hook_s = 0.0
         """Seconds spent in capture code outside the forward (snapshots, flushes, support staging)."""
         try:
-            self._patches = patch_runner(runner, self)
+            self._patches, self.views = patch_runner(runner, self)
         except Exception:
             if self.routes is not None:
                 self.routes.uninstall()
@@ -206,41 +170,21 @@ class WorkerCapture:
         n = scheduler_output.total_num_scheduled_tokens
         if not n:
             return
-        r = self.runner
-        views = self._views if self._views.input_batch is r.input_batch else self._bind_views()
-        num_reqs = r.input_batch.num_reqs
-        req_ids = r.input_batch.req_ids[:num_reqs]
-        qsl = views.qsl[: num_reqs + 1].copy()
+        layout = self.views.layout(n)
         routes, problem, row0 = self.routes, None, self._arena_row
         if routes is not None:
             problem = routes.land(n)
             if problem is None:
                 self._arena_row += n
-        pos_T, slots_T = views.positions_and_slots(num_reqs, qsl, n, problem is None and self.slot_cache is not None)
+        slots_T = self.views.slots(layout, self.kv_group) if problem is None and self.slot_cache is not None else None
         batch = self._batch
         reads: list[tuple[RequestRecord, np.ndarray, int, int]] = []
-        if batch is None or batch.req_ids != req_ids:
-            batch = self._batch = self._resolve_batch(req_ids, qsl, pos_T, reads)
-        step = _Step(batch, qsl, pos_T, views.discard[:num_reqs].copy(), row0, slots_T, problem, reads)
+        if batch is None or batch.req_ids != layout.req_ids:
+            batch = self._batch = self._resolve_batch(layout, reads)
+        step = _Step(batch, layout, row0, slots_T, problem, reads)
         self.pending.append(step)
         self._step = step
         self.steps += 1
-
-    def _bind_views(self) -> _RunnerViews:
-        """Views of the runner's persistent host buffers (re-bound if the input batch is rebuilt)."""
-        r = self.runner
-        ib = r.input_batch
-        bt = ib.block_table.block_tables[self.kv_group]
-        v = _RunnerViews(ib, r.query_start_loc.np, r.discard_request_mask.np)
-        if torch.device(r.device).type in HOST_MIRROR_DEVICES:
-            v.positions = r.positions.numpy()
-            # the tensor vLLM's kernel writes: on CPU runners `.gpu` is a host tensor, and it is not
-            # always `.cpu` (an input batch rebuilt for a hybrid KV layout gets separate buffers)
-            v.slots = bt.slot_mapping.gpu.numpy()
-        else:
-            v.num_computed, v.block_ids, v.block_size = ib.num_computed_tokens_cpu, bt.block_table.np, int(bt.block_size)
-        self._views = v
-        return v
 
     def after_sample(self, sampled_B1: Any, sampling_metadata: Any) -> None:
         step, self._step = self._step, None
@@ -249,12 +193,12 @@ class WorkerCapture:
             return
         step.sample_row = self.support.commit(sampled_B1, sampling_metadata)
 
-    def _resolve_batch(self, req_ids: list[str], qsl: np.ndarray, pos_T: np.ndarray,
-                       reads: list[tuple[RequestRecord, np.ndarray, int, int]]) -> _Batch:
+    def _resolve_batch(self, layout: StepLayout, reads: list[tuple[RequestRecord, np.ndarray, int, int]]) -> _Batch:
         """Records of a new batch composition; new requests get a record (and a queued prefix read)."""
-        scoring = getattr(self.runner, "_moe_replay_scoring", None)
+        scoring = runner_state(self.runner).scoring
         records: list[RequestRecord | None] = []
-        for i, rid in enumerate(req_ids):
+        qsl, pos_T = layout.qsl_B1, layout.pos_T
+        for i, rid in enumerate(layout.req_ids):
             rec = self.book.get(rid)
             if rec is None and scoring is not None and scoring.owns(rid):
                 records.append(None)  # a scoring request: its routes are forced, not captured
@@ -265,7 +209,7 @@ class WorkerCapture:
             records.append(rec)
         uid_B = np.array([-1 if rec is None else rec.uid for rec in records], dtype=np.int64)
         prompt_B = np.array([0 if rec is None else rec.prompt_len for rec in records], dtype=np.int64)
-        return _Batch(list(req_ids), records, uid_B, prompt_B)
+        return _Batch(list(layout.req_ids), records, uid_B, prompt_B)
 
     def _new_record(self, rid: str, row: int, first_pos: int,
                     reads: list[tuple[RequestRecord, np.ndarray, int, int]]) -> RequestRecord | None:
@@ -328,7 +272,7 @@ class WorkerCapture:
         for st in steps:
             if st.problem is not None:
                 continue
-            n = len(st.pos_T)
+            n = st.layout.num_tokens
             bad_TL = unwritten_TL[st.arena_row : st.arena_row + n]
             if bad_TL.any():
                 counts = bad_TL.sum(axis=0)
@@ -385,12 +329,12 @@ class WorkerCapture:
         """Steps with slots are routed steps, so their route rows are one consecutive range."""
         if not seg:
             return
-        rows = slice(seg[0].arena_row, seg[-1].arena_row + len(seg[-1].pos_T))
+        rows = slice(seg[0].arena_row, seg[-1].arena_row + seg[-1].layout.num_tokens)
         self.slot_cache.write(np.concatenate([st.slots_T for st in seg]), chunk_TLK[rows],
                               None if written_T is None else written_T[rows])
 
     # -- control ------------------------------------------------------------------------------
-    def take(self, keys: list[str]) -> list[dict[str, Any]]:
+    def take(self, keys: list[str]) -> list[CaptureRecord]:
         t0 = time.perf_counter()
         self.flush()
         self._batch = None  # a taken live request gets no record on its next step
@@ -459,148 +403,5 @@ def _check_runner(runner: Any) -> None:
         raise CaptureHookError(f"sampler {type(runner.sampler).__name__} has no topk_topp_sampler to hook")
 
 
-# -- RPC surface -----------------------------------------------------------------------------
-
-def _runner_of(worker: Any) -> Any:
-    runner = getattr(worker, "model_runner", None)
-    if runner is None:
-        raise CaptureHookError(f"worker {type(worker).__name__} has no model_runner")
-    return runner
-
-
-def install_on_worker(worker: Any, config: dict[str, Any]) -> dict[str, Any]:
-    """Install capture on this worker's runner; reply {'ok', 'geometry' | 'error', 'kind'}."""
-    try:
-        check_vllm_version()
-        runner = _runner_of(worker)
-        if getattr(runner, "_moe_replay_capture", None) is not None:
-            raise CaptureHookError("capture is already installed on this engine; uninstall() it first")
-        cap = WorkerCapture(runner, CaptureConfig.from_dict(config))
-        runner._moe_replay_capture = cap
-        return {"ok": True, "geometry": cap.geometry.to_dict(), "slot_cache": cap.slot_cache is not None}
-    except Exception as e:  # typed errors travel as (kind, message) and are re-raised client-side
-        return {"ok": False, "kind": type(e).__name__, "error": str(e)}
-
-
-def _capture_of(worker: Any) -> WorkerCapture:
-    cap = getattr(_runner_of(worker), "_moe_replay_capture", None)
-    if cap is None:
-        raise CaptureHookError("capture is not installed on this engine")
-    return cap
-
-
-class CaptureWorkerExtension:
-    """Methods mixed into vLLM's worker class (ParallelConfig.worker_extension_cls).
-
-    Names are prefixed so they cannot clash with the worker's own attributes.
-    """
-
-    def moe_replay_install(self, config: dict[str, Any]) -> dict[str, Any]:
-        return install_on_worker(self, config)
-
-    def moe_replay_take(self, keys: list[str]) -> list[dict[str, Any]]:
-        return _capture_of(self).take(keys)
-
-    def moe_replay_discard(self, keys: list[str]) -> int:
-        return _capture_of(self).discard(keys)
-
-    def moe_replay_stats(self) -> dict[str, Any]:
-        return _capture_of(self).stats()
-
-    def moe_replay_uninstall(self) -> bool:
-        runner = _runner_of(self)
-        cap = getattr(runner, "_moe_replay_capture", None)
-        if cap is None:
-            return False
-        cap.uninstall()
-        runner._moe_replay_capture = None
-        return True
-
-    def moe_replay_score_install(self, options: dict[str, Any]) -> dict[str, Any]:
-        return score_install_on_worker(self, options)
-
-    def moe_replay_score_register(self, payloads: list[dict[str, Any]]) -> dict[str, Any]:
-        return score_register_on_worker(self, payloads)
-
-    def moe_replay_score_take(self, keys: list[str]) -> list[dict[str, Any]]:
-        return score_take_on_worker(self, keys)
-
-    def moe_replay_score_discard(self, keys: list[str]) -> int:
-        return score_discard_on_worker(self, keys)
-
-    def moe_replay_score_stats(self) -> dict[str, Any]:
-        return score_stats_on_worker(self)
-
-    def moe_replay_score_uninstall(self) -> bool:
-        return score_uninstall_on_worker(self)
-
-
-# -- scoring (force.py) ------------------------------------------------------------------------
-
-def score_install_on_worker(worker: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """Install route forcing + scoring on this worker's runner; reply like install_on_worker."""
-    from .force import WorkerScoring
-
-    try:
-        runner = _runner_of(worker)
-        if getattr(runner, "_moe_replay_scoring", None) is not None:
-            raise CaptureHookError("scoring is already installed on this engine; uninstall it first")
-        sc = WorkerScoring(runner, **options)
-        runner._moe_replay_scoring = sc
-        return {"ok": True, "geometry": sc.geometry.to_dict()}
-    except Exception as e:
-        return {"ok": False, "kind": type(e).__name__, "error": str(e)}
-
-
-def _scoring_of(worker: Any) -> Any:
-    sc = getattr(_runner_of(worker), "_moe_replay_scoring", None)
-    if sc is None:
-        raise CaptureHookError("scoring is not installed on this engine")
-    return sc
-
-
-def score_register_on_worker(worker: Any, payloads: list[dict[str, Any]]) -> dict[str, Any]:
-    try:
-        return {"ok": True, "registered": _scoring_of(worker).register(payloads)}
-    except Exception as e:
-        return {"ok": False, "kind": type(e).__name__, "error": str(e)}
-
-
-def score_take_on_worker(worker: Any, keys: list[str]) -> list[dict[str, Any]]:
-    return _scoring_of(worker).take(keys)
-
-
-def score_discard_on_worker(worker: Any, keys: list[str]) -> int:
-    return _scoring_of(worker).discard(keys)
-
-
-def score_stats_on_worker(worker: Any) -> dict[str, Any]:
-    return _scoring_of(worker).stats()
-
-
-def score_uninstall_on_worker(worker: Any) -> bool:
-    runner = _runner_of(worker)
-    sc = getattr(runner, "_moe_replay_scoring", None)
-    if sc is None:
-        return False
-    sc.uninstall()
-    runner._moe_replay_scoring = None
-    return True
-
-
-# Module-level twins of the extension methods: collective_rpc can ship these as callables when the
-# engine was built without the extension (in-process engines, or VLLM_ALLOW_INSECURE_SERIALIZATION).
-def take_on_worker(worker: Any, keys: list[str]) -> list[dict[str, Any]]:
-    return _capture_of(worker).take(keys)
-
-
-def discard_on_worker(worker: Any, keys: list[str]) -> int:
-    return _capture_of(worker).discard(keys)
-
-
-def stats_on_worker(worker: Any) -> dict[str, Any]:
-    return _capture_of(worker).stats()
-
-
-def uninstall_on_worker(worker: Any) -> bool:
-    return CaptureWorkerExtension.moe_replay_uninstall(worker)
+# The extension's former name, as `vllm serve --worker-extension-cls` configurations spell it.
+from .endpoint import ReplayWorkerExtension as CaptureWorkerExtension  # noqa: E402,F401

@@ -602,3 +602,39 @@ def _check_finite(job: _Job, stats: dict[str, torch.Tensor]) -> None:
         raise _fail("logits", r, "finite logits", f"{float(row[col])} at token {col + job.start} (logits row {src})")
     raise _fail("logits", r, "finite scores", f"a non-finite log-sum-exp from logits in [{float(row.min())}, {float(row.max())}]",
                 "the scaled logits overflow; check the temperature")
+
+
+def engine_support_logprobs(logits_GV: torch.Tensor, target_G: torch.Tensor, support: SupportCSR,
+                            temperature_G: torch.Tensor | None = None) -> torch.Tensor:
+    """log p(target) of softmax(logits / T) renormalised over each row's kept ids; forward only, fp32.
+
+    For an inference engine scoring one step's rows (vLLM re-scoring, force.py): the rows of many
+    requests share one call, so a target outside its row's kept set gets -inf (p = 0) for that row
+    instead of the ScoringInputError of `score_logits`, which would fail every request of the step;
+    the client reports it per trace. A row with an empty CSR row (no support recorded) is scored
+    over V. Temperature 0 (greedy) scores unscaled, as in `score_logits`. The engine's rows are
+    already materialised as [G, V] logits (G is a step's scored rows), so no chunking.
+    """
+    x_GV = logits_GV.float()
+    if temperature_G is not None:
+        t_G = temperature_G.to(device=x_GV.device, dtype=torch.float32)
+        t_G = torch.where(t_G > 0, t_G, torch.ones_like(t_G))
+        if bool((t_G != 1).any()):
+            x_GV = x_GV / t_G[:, None]
+    target_G = target_G.reshape(-1).to(device=x_GV.device, dtype=torch.long)
+    lse_G = torch.logsumexp(x_GV, dim=-1)
+    out_G = x_GV.gather(1, target_G.reshape(-1, 1)).squeeze(1)
+    sup = support.to(x_GV.device)
+    if sup.ids_N.numel():
+        r_N = torch.repeat_interleave(torch.arange(sup.num_rows, device=x_GV.device), sup.sizes_G())
+        i_N = sup.ids_N.long()
+        v_N = x_GV[r_N, i_N]
+        m_G = torch.full_like(lse_G, float("-inf")).scatter_reduce(0, r_N, v_N, "amax")
+        s_G = torch.zeros_like(lse_G).index_add_(0, r_N, (v_N - m_G[r_N]).exp())
+        has_G = torch.zeros_like(lse_G, dtype=torch.bool)
+        has_G[r_N] = True
+        hit_G = torch.zeros_like(has_G)
+        hit_G[r_N[i_N == target_G[r_N]]] = True
+        lse_G = torch.where(has_G, m_G + s_G.log(), lse_G)
+        out_G = torch.where(has_G & ~hit_G, torch.full_like(out_G, float("-inf")), out_G)  # outside: p = 0
+    return out_G - lse_G

@@ -1,4 +1,8 @@
-"""What to capture and how much of it to keep: one dataclass, validated on construction."""
+"""What a rollout engine captures and how much of it to keep: one dataclass, validated on construction.
+
+In the core so presets (and any engine adapter) share one definition; the vLLM adapter re-exports
+it as `moe_replay.integrations.vllm.CaptureConfig`.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,142 @@
+"""Typed payloads of the adapter's worker RPC: dataclasses that travel as plain dicts.
+
+vLLM's collective_rpc pickles (in-process engines) or msgpack-encodes (multi-process engines) its
+arguments and replies, so what crosses is a dict of str, int, float, bool, lists and packed
+arrays (bytes + dtype + shape). Each payload class names its fields once; `to_dict` / `from_dict`
+are the only code that knows the wire shape, so client and worker cannot drift apart on a key.
+
+Every op replies in one envelope (`ok` / `fail`), so a worker-side error reaches the client as
+(class name, message) and is re-raised there as the same typed error (link.py).
+
+Legend: S tokens of a sequence, T routed positions, L MoE layers, K top-k, G generated tokens,
+N kept ids over the generated tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+
+
+def pack_array(arr: np.ndarray) -> dict[str, Any]:
+    """Array as plain bytes + dtype + shape: survives every RPC serialiser vLLM uses unchanged."""
+    arr = np.ascontiguousarray(arr)
+    return {"dtype": arr.dtype.str, "shape": list(arr.shape), "data": arr.tobytes()}
+
+
+def unpack_array(d: Any) -> np.ndarray:
+    if isinstance(d, dict) and "data" in d:
+        return np.frombuffer(d["data"], dtype=np.dtype(d["dtype"])).reshape(d["shape"]).copy()
+    return np.asarray(d)
+
+
+class _Wire:
+    """to_dict / from_dict for a dataclass whose ARRAYS fields are numpy arrays (or None)."""
+
+    ARRAYS: ClassVar[tuple[str, ...]] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            out[f.name] = pack_array(v) if f.name in self.ARRAYS and v is not None else (
+                list(v) if isinstance(v, tuple) else v)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown wire field(s) {unknown}; expected {sorted(names)}")
+        return cls(**{k: unpack_array(v) if k in cls.ARRAYS and v is not None else v for k, v in d.items()})
+
+
+def ok(value: Any = None) -> dict[str, Any]:
+    """Reply envelope of an op that succeeded."""
+    return {"ok": True, "value": value}
+
+
+def fail(e: BaseException) -> dict[str, Any]:
+    """Reply envelope of an op that raised: the error's class name and message."""
+    return {"ok": False, "kind": type(e).__name__, "error": str(e)}
+
+
+@dataclass(frozen=True)
+class InstallReply(_Wire):
+    """What a worker reports after installing capture or scoring on its runner."""
+
+    geometry: dict[str, Any]
+    """ModelGeometry.to_dict() of the served model."""
+    slot_cache: bool = False
+    """Capture keeps routes per KV slot (prefix-cache hits get full routes)."""
+
+
+@dataclass(frozen=True)
+class CaptureRecord(_Wire):
+    """One request's capture record as the worker hands it over (status 'ok'), or why not."""
+
+    ARRAYS: ClassVar[tuple[str, ...]] = ("routes_TLK", "routes_filled_T", "tokens_G", "logprobs_G",
+                                         "support_sizes_G", "support_offsets_G1", "support_ids_N")
+
+    status: Literal["ok", "evicted", "ambiguous", "unknown"]
+    key: str = ""
+    """The id the client asked for (engine request id without vLLM's random suffix)."""
+    known: int = 0
+    """Records held on the worker (status 'unknown' / 'evicted')."""
+    matches: list[str] = field(default_factory=list)
+    """Engine request ids matching `key` (status 'ambiguous')."""
+    req_id: str = ""
+    prompt_len: int = 0
+    route_start: int = 0
+    routes_TLK: np.ndarray | None = None
+    """Routes by position from route_start, as many rows as the worker saw."""
+    routes_filled_T: np.ndarray | None = None
+    """Rows of routes_TLK that were written (a gap is an error, never zeros)."""
+    tokens_G: np.ndarray | None = None
+    """Sampled tokens, as the sampler drew them."""
+    logprobs_G: np.ndarray | None = None
+    support_sizes_G: np.ndarray | None = None
+    support_offsets_G1: np.ndarray | None = None
+    support_ids_N: np.ndarray | None = None
+    problems: list[str] = field(default_factory=list)
+    """Why the record cannot make a trace (misaligned rows, unwritten layers, ...); empty if it can."""
+
+
+@dataclass(frozen=True)
+class ScoreRequest(_Wire):
+    """One scoring request registered on the worker before the engine runs it."""
+
+    ARRAYS: ClassVar[tuple[str, ...]] = ("tokens_S", "routes_TLK", "support_offsets_G1", "support_ids_N")
+
+    key: str
+    """Engine request id of the scoring request."""
+    tokens_S: np.ndarray
+    prompt_len: int
+    temperature: float
+    max_cached: int = 0
+    """Prompt tokens the request may read from the prefix cache (prompt reuse: prompt_len - 1)."""
+    route_start: int = 0
+    routes_TLK: np.ndarray | None = None
+    """Forced expert ids of positions [route_start, S - 1); None: free routing."""
+    support_offsets_G1: np.ndarray | None = None
+    support_ids_N: np.ndarray | None = None
+    """The trace's kept sets (CSR); None: score over the vocabulary."""
+
+
+@dataclass(frozen=True)
+class ScoreResult(_Wire):
+    """A finished scoring request's log-probabilities (status 'ok'), or 'unknown'."""
+
+    ARRAYS: ClassVar[tuple[str, ...]] = ("logprobs_G",)
+
+    status: Literal["ok", "unknown"]
+    logprobs_G: np.ndarray | None = None
+    problems: list[str] = field(default_factory=list)
+    cached: int = 0
+    """Tokens the engine read from the prefix cache (the first forwarded position); -1: never seen."""
+    known: int = 0
+    """Scoring requests registered on the worker (status 'unknown')."""
