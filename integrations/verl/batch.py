@@ -27,7 +27,7 @@ import torch
 from ...codec import decode_trace, encode_trace
 from ...errors import Where
 from ...replay import BatchLayoutError
-from ...trace import RolloutTrace
+from ...trace import RolloutTrace, stitch
 
 TRACES_KEY = "moe_replay_traces"
 """Key of the per-sample encoded traces in `DataProto.non_tensor_batch` (and the TensorDict)."""
@@ -48,8 +48,6 @@ def encode_traces(traces: Sequence[RolloutTrace]) -> np.ndarray:
 def stitch_turns(turns: Sequence[RolloutTrace]) -> RolloutTrace:
     """One record of a multi-turn rollout: each later turn recorded only its new routes
     (vLLM's `routed_experts_prompt_start`), and stitching keeps every turn's routes."""
-    from ..vllm import stitch
-
     if not turns:
         raise ValueError("stitch_turns needs at least one turn, got 0")
     full = turns[0]
