@@ -205,6 +205,14 @@ class Enabled:
         self.capture = self.scorer = None
 
 
+def trainer_geometry(model: Any, preset: Preset, family: str = ""):
+    """The MoE geometry of a trainer model (HF or Megatron, through its registered binding), or a
+    ValueError naming the family when `preset` needs replay and the model has no supported router.
+    Trainer adapters (verl's engine) call this before their first forward."""
+    _, trainer = binding_for(TRAINER_BINDINGS, model, "trainer")
+    return _trainer_geometry(trainer, model, preset, family)
+
+
 def _trainer_geometry(trainer: TrainerBinding, model: Any, preset: Preset, family: str):
     from .replay.errors import UnsupportedRouterError
 

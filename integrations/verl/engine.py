@@ -69,9 +69,9 @@ class MoeReplayFSDPEngine(FSDPEngineWithLMHead):
     def initialize(self) -> None:
         super().initialize()
         if self.moe_replay_preset is not None:
-            from ...enablement import _trainer_geometry
+            from ...enablement import trainer_geometry
 
-            self._mr_geometry = _trainer_geometry(self.module, self.moe_replay_preset)  # refuses an unsupported family
+            self._mr_geometry = trainer_geometry(self.module, self.moe_replay_preset)  # refuses an unsupported family
 
     # -- verl's batch loop -----------------------------------------------------------------------
     def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
