@@ -207,3 +207,47 @@ def test_stitch_keeps_the_typed_fields_and_refuses_mixed_weights():
     np.testing.assert_array_equal(joined.routes_TLK[19:], tail.routes_TLK)
     with pytest.raises(TraceAlignmentError, match=r"weights_version 'step-5'.*'step-4'"):
         stitch(first, dataclasses.replace(tail, weights_version="step-5"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_stage_in_numpy_equals_the_device_path(monkeypatch, dtype):
+    """compute() on a host stage runs in numpy (sampler_hook._kept_numpy), on a device stage in
+    torch (_kept_torch): over random truncated rows of several steps (a mixed greedy step, rows
+    above max_support, a token outside its row) the two give the same tokens, sizes, ids and
+    outside flags, and logprobs within 1e-6 of torch's x[token] - logsumexp(x) in fp32."""
+    from moe_replay.integrations.vllm import sampler_hook
+
+    gen = torch.Generator().manual_seed(0)
+    steps = []
+    for b in (5, 3, 4):
+        logits = torch.randn(b, 64, generator=gen).to(dtype)
+        keep = torch.rand(b, 64, generator=gen) < torch.linspace(0.05, 0.9, b).view(-1, 1)
+        keep[:, 0] = True
+        logits = logits.masked_fill(~keep, float("-inf"))
+        tokens = [int(torch.multinomial(keep[i].float(), 1, generator=gen)) for i in range(b)]
+        steps.append((logits, tokens))
+    steps[1][1][2] = int(torch.nonzero(steps[1][0][2] == float("-inf"))[0])  # drawn outside its set
+
+    def run():
+        stage = SupportStage(max_support=40, want_support=True, want_logprobs=True, budget_bytes=0, min_rows=16)
+        for i, (logits, tokens) in enumerate(steps):
+            stage.truncate_and_observe(lambda x, g, k, p: (None, None), logits.clone(), {}, None, None)
+            meta = _meta(torch.tensor([1.0, 0.0, 1.0]), all_random=False) if i == 1 else _meta()
+            stage.commit(torch.tensor(tokens).view(-1, 1), meta)
+        return stage.compute()
+
+    host = run()
+    monkeypatch.setattr(sampler_hook, "_host_array", lambda t: None)
+    dev = run()
+    for name in ("tokens_R", "sizes_R", "offsets_R1", "ids_N", "outside_R"):
+        assert np.array_equal(getattr(host, name), getattr(dev, name)), name
+    assert host.sizes_R.max() > 40 and host.outside_R.sum() == 1 and host.sizes_R[6] == 1  # the cases ran
+    all_RV = torch.cat([lg for lg, _ in steps]).float()
+    tok_R = torch.from_numpy(host.tokens_R)
+    want_R = (all_RV.gather(1, tok_R.view(-1, 1)).view(-1) - torch.logsumexp(all_RV, 1)).numpy()
+    want_R[6] = 0.0  # the greedy row: a point mass
+    assert host.logprobs_R[7] == want_R[7] == float("-inf")  # the token outside its set
+    fin = np.isfinite(want_R)
+    assert fin.sum() == 11 and np.abs(host.logprobs_R[fin] - want_R[fin]).max() <= 1e-6
+    if dtype == torch.float32:
+        assert np.abs(host.logprobs_R[fin] - dev.logprobs_R[fin]).max() <= 1e-6
