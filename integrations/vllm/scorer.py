@@ -13,7 +13,8 @@ Each trace becomes one request: its full token sequence as the prompt, max_token
 under a cache salt keyed by its prompt routes and the weights version. With prompt reuse (the
 default on engines built by `scoring_engine_kwargs`; prefix.py) a replica reads the prompt's KV
 cached by an earlier replica and forwards only the last prompt token and the response; with
-`prompt_reuse=False` every replica forwards every token. The worker (force.py) forces the trace's expert ids on that request's
+`prompt_reuse=False` every replica forwards every token; with `read_rollout_kv=True` (scoring on
+the engine that sampled) every replica, the first one too, reads the rollout's own prompt blocks. The worker (force.py) forces the trace's expert ids on that request's
 rows only (other requests in the same step route freely) and returns, per generated token,
 log softmax(logits / temperature) renormalised over the trace's kept set, so the only thing that
 varies between replicas is the engine's numerics. Results line up with
