@@ -429,3 +429,51 @@ def test_rollout_kv_miss_is_an_error_naming_the_rollout(fp32):
     counting = _rollout_kv(fp32, on_reuse_miss="count")
     assert np.array_equal(counting.score_batch([a])[0], ref)
     assert counting.reuse_stats["misses"] == 1
+
+
+def test_sidecar_reads_the_rollouts_prompt_kv_as_each_finishes(fp32):
+    """A sidecar on the rollout AsyncLLM with read_rollout_kv: each rollout goes to the service as
+    soon as it is collected; every replica of every rollout, the first included, reads exactly its
+    rollout's reusable prompt tokens (no miss), and the estimates equal full re-scoring."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from moe_replay.estimator.service import EstimatorService
+    from moe_replay.integrations.vllm import AsyncVllmCapture, CaptureConfig
+    from moe_replay.integrations.vllm.api import sampling_summary
+    from moe_replay.integrations.vllm.prefix import reusable_tokens
+
+    prompts = [prompt_text(n, seed=90 + i) for i, n in enumerate(WORDS_LENS)]
+    sps = [sampling_params(1.0, -1, 0.9, 0.0, max_tokens=m) for m in MAX_TOKENS]
+
+    async def run():
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(fp32["model_dir"])))
+        try:
+            cap = await AsyncVllmCapture.attach(engine, CaptureConfig())
+            backend = await AsyncVllmScorer.attach(engine, VllmScorerConfig(read_rollout_kv=True))
+            async with EstimatorService(backend, EstimatorConfig(n=2), ServiceConfig(batch_size=2, concurrency=2)) as svc:
+                async def one(i):
+                    final = None
+                    async for o in engine.generate(prompts[i], sps[i], request_id=f"rk-{i}"):
+                        final = o
+                    (t,) = await cap.collect([final], sampling={f"rk-{i}": sampling_summary(sps[i])})
+                    await svc.submit(t)
+                    return t
+
+                traces = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+                svc.close()
+                outcomes = {k: e async for k, e in svc.results()}
+            return traces, outcomes, backend.reuse_stats
+        finally:
+            engine.shutdown()
+
+    traces, outcomes, st = asyncio.run(run())
+    want = sum(reusable_tokens(t.prompt_len, 32) for t in traces)
+    assert want > 0
+    assert st["cached_tokens"] == st["promised_tokens"] == 2 * want and st["misses"] == 0, dict(st)
+    full = fp32["scorer"].with_config(VllmScorerConfig(prompt_reuse=False)).score_batch(traces)
+    for t, f in zip(traces, full):
+        e = outcomes[t.key]
+        assert not isinstance(e, Exception), e
+        # replicas equal full re-scoring (replica_var 0); the mean's exp/log round trip costs an ulp
+        assert e.n == 2 and not e.replica_var_G.any() and np.abs(e.logprob_G - f).max() <= 1e-12
