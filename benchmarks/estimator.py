@@ -40,6 +40,10 @@ and `raw_s` are kept too, since the 2-core machine is shared and one repeat can 
                    cached by the rollout's first replica and forwards only the prompt's tail and the
                    response (whole 32-token blocks); each timed run uses a fresh cache salt, so it starts cold. The other
                    figures use prompt_reuse=False (every replica forwards every token);
+  estimator_s_rollout_kv[4], pipelined_same_engine_s_rollout_kv  scoring on the engine that sampled
+                   (VllmScorerConfig(read_rollout_kv=True)): every replica, the first one included, reads
+                   the rollout's own prompt blocks (unsalted; the read cap stops at the prompt, the write
+                   cap is 0) on the in-process engine, n = 4, and the single-engine pipelined layout with it;
   *_same_engine_s  the earlier single-engine figures, kept: rollouts, serial and pipelined on ONE
                    in-process engine (pipelined: each finished rollout's 4 scoring replicas join
                    the engine's running batches), so scoring and decode share the same compute.
@@ -414,7 +418,13 @@ def main() -> None:
     def rollout():
         return cap.generate(P, sps, use_tqdm=False)[1]
 
-    def pipelined():
+    rk_scorer = scorer.with_config(VllmScorerConfig(force_routes=True, use_support=True, read_rollout_kv=True,
+                                                    on_reuse_miss="count"))
+    """Scoring on the engine that sampled: every replica reads the rollout's own prompt blocks (the
+    rollouts here all run on `llm` with the same prompts, so their prompt blocks stay cached)."""
+
+    def pipelined(sc=None):
+        sc = sc or scorer
         eng = llm.llm_engine
         for i, p in enumerate(P):
             eng.add_request(f"pipe-{time.perf_counter_ns()}-{i}", p, sps)
@@ -427,13 +437,13 @@ def main() -> None:
                     (t,) = cap.collect([o])
                     traces.append(t)
                     for _ in range(4):  # replicas as separate requests: they land in different steps
-                        ids = scorer.submit([t])
+                        ids = sc.submit([t])
                         subs.append((t, ids))
                         pending.update(ids)
                 else:
                     pending.discard(o.request_id)
         assert not pending
-        return [scorer.finish([t], ids)[0] for t, ids in subs]
+        return [sc.finish([t], ids)[0] for t, ids in subs]
 
     traces = rollout()
     for _ in range(2):  # warm-up of every path
@@ -456,6 +466,13 @@ def main() -> None:
                                                                    for e, f in zip(est_reuse, full4)),
                    "stats_n4": dict(rs.reuse_stats)}
     assert reuse_check["max_abs_n4_reuse_estimate_vs_full_score"] <= 1e-6, reuse_check
+    est_rk = estimate(traces, rk_scorer, EstimatorConfig(n=4), batch_size=args.requests)
+    reuse_check["max_abs_n4_rollout_kv_estimate_vs_full_score"] = max(float(np.abs(e.logprob_G - f).max())
+                                                                      for e, f in zip(est_rk, full4))
+    reuse_check["stats_n4_rollout_kv"] = dict(rk_scorer.reuse_stats)
+    assert reuse_check["max_abs_n4_rollout_kv_estimate_vs_full_score"] <= 1e-6, reuse_check
+    assert rk_scorer.reuse_stats["misses"] == 0, reuse_check
+    rk_scorer.reuse_stats.clear()
 
     # -- noise: does the engine itself give different replicas? ---------------------------------
     single = scorer.score_batch(traces)
@@ -493,6 +510,8 @@ def main() -> None:
     jobs += [(f"est{n}", lambda n=n: estimate(traces, scorer, EstimatorConfig(n=n), batch_size=args.requests)) for n in NS]
     jobs += [(f"est{n}_reuse", lambda n=n: estimate(traces, reuse_scorer(), EstimatorConfig(n=n), batch_size=args.requests))
              for n in NS]
+    jobs += [("est4_rollout_kv", lambda: estimate(traces, rk_scorer, EstimatorConfig(n=4), batch_size=args.requests)),
+             ("pipelined_same_engine_rollout_kv", lambda: pipelined(rk_scorer))]
     jobs += [("pipelined_reuse", lambda: side.run(side.pipelined(P, sps_side, "reuse", backend=side.reuse_backend())))]
     SIDECAR_JOBS = {"rollout", "serial", "pipelined", "rollout_fixed", "serial_fixed", "pipelined_fixed",
                     "pipelined_adaptive", "pipelined_reuse"}
@@ -573,6 +592,13 @@ def main() -> None:
                   "token and caches whole prompt blocks (fresh salt per run); later replicas read "
                   "floor((P-1)/block)*block prompt tokens and forward the rest",
                   "pipelined_rollouts_done_s": done_s["reuse"], "check": reuse_check, "sidecar_check": check_reuse},
+        "estimator_s_rollout_kv": {"4": med["est4_rollout_kv"]},
+        "n4_rollout_kv_over_hf_recompute": med["est4_rollout_kv"] / med["hf"],
+        "pipelined_same_engine_s_rollout_kv": med["pipelined_same_engine_rollout_kv"],
+        "pipelined_same_engine_overhead_rollout_kv": med["pipelined_same_engine_rollout_kv"] / med["rollout_same_engine"] - 1.0,
+        "rollout_kv": {"note": "scoring on the engine that sampled (VllmScorerConfig(read_rollout_kv=True)): every "
+                       "replica, the first included, reads the rollout's own unsalted prompt blocks and caches nothing",
+                       "timed_stats": dict(rk_scorer.reuse_stats)},
         "estimator_adaptive": {
             "config": {"n": ADAPTIVE.n, "min_n": ADAPTIVE.min_n, "max_n": ADAPTIVE.max_n, "rel_tol": ADAPTIVE.rel_tol},
             "s": med["est_adaptive"], "over_hf_recompute": med["est_adaptive"] / med["hf"],

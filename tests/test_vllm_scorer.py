@@ -353,3 +353,127 @@ def test_sidecar_on_the_rollout_engine(fp32):
         assert not isinstance(e, Exception), e
         assert e.n == 3 and np.abs(e.logprob_G - s).max() <= 1e-6
     assert stats["misses"] == 0 and stats["cached_tokens"] > 0
+
+
+def test_config_refuses_reading_rollout_kv_without_forced_routes_or_reuse():
+    with pytest.raises(ValueError, match="read_rollout_kv=True needs force_routes=True.*force_routes=False"):
+        VllmScorerConfig(read_rollout_kv=True, force_routes=False)
+    with pytest.raises(ValueError, match="prompt_reuse=False"):
+        VllmScorerConfig(read_rollout_kv=True, prompt_reuse=False)
+
+
+def _rollout_kv(fp32, **kw):
+    return fp32["scorer"].with_config(VllmScorerConfig(read_rollout_kv=True, **kw))
+
+
+def test_replicas_read_the_rollouts_own_prompt_kv(fp32):
+    """Scoring on the engine that sampled: every replica, the first one included, reads exactly
+    floor((P-1)/32)*32 prompt tokens that the rollout itself cached (the engine's count), never a
+    block of the rollout's response (which hashes the same tokens: the read cap stops the lookup at
+    the prompt), and its scores equal full re-scoring bit for bit, n = 3 replicas per rollout."""
+    from moe_replay.integrations.vllm.prefix import reusable_tokens
+
+    llm, cap = fp32["llm"], fp32["cap"]
+    assert llm.reset_prefix_cache()
+    traces = rollouts(cap, seed=60)  # fresh prompts: the only KV cached now is these rollouts'
+    want = sum(reusable_tokens(t.prompt_len, 32) for t in traces)
+    assert want > 0, "some prompt must span a whole block for the test to mean anything"
+    assert any((t.num_tokens - 1) // 32 > (t.prompt_len - 1) // 32 for t in traces), \
+        "some rollout must have cached a response block for the read cap to be tested"
+    full = fp32["scorer"].with_config(VllmScorerConfig(prompt_reuse=False)).score_batch(traces)
+    rk = _rollout_kv(fp32)
+    est = estimate(traces, rk, EstimatorConfig(n=3), batch_size=2, keep_replicas=True)
+    for e, f in zip(est, full):
+        assert np.array_equal(e.replicas_RG, np.stack([f] * 3)), np.abs(e.replicas_RG - f).max()
+    st = rk.reuse_stats
+    assert st["cached_tokens"] == st["promised_tokens"] == 3 * want and st["misses"] == 0
+    assert st["tokens"] == 3 * sum(t.num_tokens for t in traces)
+
+
+def test_rollout_kv_reads_write_nothing_a_free_request_could_read(fp32):
+    """A replica reading unsalted rollout KV has write cap 0: after scoring a rollout under routes
+    no free forward would take (random expert ids, every token forwarded: its cache was reset and the
+    miss is counted), a free request of the same token sequence reads no KV at all."""
+    from vllm import TokensPrompt
+
+    traces, llm, cap = fp32["traces"], fp32["llm"], fp32["cap"]
+    b = max(traces, key=lambda t: t.prompt_len)
+    rng = np.random.default_rng(2)
+    E, K = b.geometry.num_experts, b.geometry.top_k
+    rand = np.stack([[rng.permutation(E)[:K] for _ in range(b.geometry.num_moe_layers)] for _ in range(b.num_route_rows)])
+    b2 = dataclasses.replace(b, key="b-random-unsalted", routes_TLK=rand.astype(b.routes_TLK.dtype))
+    assert llm.reset_prefix_cache()
+    rk = _rollout_kv(fp32, on_reuse_miss="count")
+    rk.score_batch([b2])
+    assert rk.reuse_stats["misses"] == 1 and rk.reuse_stats["cached_tokens"] == 0
+    (o,), _ = cap.generate([TokensPrompt(prompt_token_ids=b2.token_ids_S.tolist())],
+                           sampling_params(1.0, -1, 0.9, 0.0, max_tokens=2))
+    assert o.num_cached_tokens == 0, f"a free request read {o.num_cached_tokens} tokens of KV computed under forced routes"
+
+
+def test_rollout_kv_miss_is_an_error_naming_the_rollout(fp32):
+    """The rollout's blocks are gone (the prefix cache was reset, as update_weights does): the
+    replica fails naming the rollout instead of scoring under other KV; with on_reuse_miss='count'
+    it is scored in full (same scores) and counted."""
+    from moe_replay.integrations.vllm import PrefixCacheMissError
+
+    llm, cap = fp32["llm"], fp32["cap"]
+    assert llm.reset_prefix_cache()
+    traces = rollouts(cap, seed=80)
+    a = max(traces, key=lambda t: t.prompt_len)
+    ref = _rollout_kv(fp32).score_batch([a])[0]  # its rollout's blocks are still cached
+    assert llm.reset_prefix_cache()
+    with pytest.raises(PrefixCacheMissError, match=f"trace {a.key!r}.*promised [1-9][0-9]* cached prompt tokens "
+                                                   r"\(its rollout on this engine cached them\), found 0"):
+        _rollout_kv(fp32).score_batch([a])
+    counting = _rollout_kv(fp32, on_reuse_miss="count")
+    assert np.array_equal(counting.score_batch([a])[0], ref)
+    assert counting.reuse_stats["misses"] == 1
+
+
+def test_sidecar_reads_the_rollouts_prompt_kv_as_each_finishes(fp32):
+    """A sidecar on the rollout AsyncLLM with read_rollout_kv: each rollout goes to the service as
+    soon as it is collected; every replica of every rollout, the first included, reads exactly its
+    rollout's reusable prompt tokens (no miss), and the estimates equal full re-scoring."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from moe_replay.estimator.service import EstimatorService
+    from moe_replay.integrations.vllm import AsyncVllmCapture, CaptureConfig
+    from moe_replay.integrations.vllm.api import sampling_summary
+    from moe_replay.integrations.vllm.prefix import reusable_tokens
+
+    prompts = [prompt_text(n, seed=90 + i) for i, n in enumerate(WORDS_LENS)]
+    sps = [sampling_params(1.0, -1, 0.9, 0.0, max_tokens=m) for m in MAX_TOKENS]
+
+    async def run():
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(fp32["model_dir"])))
+        try:
+            cap = await AsyncVllmCapture.attach(engine, CaptureConfig())
+            backend = await AsyncVllmScorer.attach(engine, VllmScorerConfig(read_rollout_kv=True))
+            async with EstimatorService(backend, EstimatorConfig(n=2), ServiceConfig(batch_size=2, concurrency=2)) as svc:
+                async def one(i):
+                    final = None
+                    async for o in engine.generate(prompts[i], sps[i], request_id=f"rk-{i}"):
+                        final = o
+                    (t,) = await cap.collect([final], sampling={f"rk-{i}": sampling_summary(sps[i])})
+                    await svc.submit(t)
+                    return t
+
+                traces = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+                svc.close()
+                outcomes = {k: e async for k, e in svc.results()}
+            return traces, outcomes, backend.reuse_stats
+        finally:
+            engine.shutdown()
+
+    traces, outcomes, st = asyncio.run(run())
+    want = sum(reusable_tokens(t.prompt_len, 32) for t in traces)
+    assert want > 0
+    assert st["cached_tokens"] == st["promised_tokens"] == 2 * want and st["misses"] == 0, dict(st)
+    full = fp32["scorer"].with_config(VllmScorerConfig(prompt_reuse=False)).score_batch(traces)
+    for t, f in zip(traces, full):
+        e = outcomes[t.key]
+        assert not isinstance(e, Exception), e
+        # replicas equal full re-scoring (replica_var 0); the mean's exp/log round trip costs an ulp
+        assert e.n == 2 and not e.replica_var_G.any() and np.abs(e.logprob_G - f).max() <= 1e-12

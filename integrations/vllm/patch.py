@@ -225,6 +225,36 @@ def patch_cache_writes(coordinator: Any, cap: Callable[[Any], int | None]) -> In
     return patches
 
 
+def patch_cache_reads(manager: Any, cap: Callable[[Any], int | None]) -> InstancePatches:
+    """Wrap `KVCacheManager.get_computed_blocks(request)` so its prefix-cache lookup hits at most
+    cap(request) tokens: vLLM's own `find_longest_cache_hit` gets min(its limit, cap), so block
+    alignment across KV-cache groups stays vLLM's. The scheduler runs lookups one at a time."""
+    patches = InstancePatches()
+    coordinator = manager.coordinator
+    current: list[int | None] = [None]
+
+    def make_lookup(orig):
+        def get_computed_blocks(request, *args, **kwargs):
+            current[0] = cap(request)
+            try:
+                return orig(request, *args, **kwargs)
+            finally:
+                current[0] = None
+
+        return get_computed_blocks
+
+    def make_hit(orig):
+        def find_longest_cache_hit(block_hashes, max_cache_hit_length, *args, **kwargs):
+            n = current[0]
+            return orig(block_hashes, max_cache_hit_length if n is None else min(n, max_cache_hit_length), *args, **kwargs)
+
+        return find_longest_cache_hit
+
+    patches.wrap(manager, "get_computed_blocks", make_lookup)
+    patches.wrap(coordinator, "find_longest_cache_hit", make_hit)
+    return patches
+
+
 class LoadHook:
     """THE class-level patch: wraps BaseModelLoader.load_model, once per process, undoable."""
 

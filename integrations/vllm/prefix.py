@@ -19,6 +19,15 @@ pieces make only the prompt shareable:
               rollout's blocks (whose response KV would be hit too); a weight update changes the
               salt, and `weights.update_weights` also resets the prefix cache.
 
+Scoring on the engine that sampled (`VllmScorerConfig(read_rollout_kv=True)`) reads the rollout's
+own prompt blocks instead: the rollout forwarded its prompt under exactly the routes its trace
+recorded, so that KV is what a forced replica would compute. Such a request carries no salt (the
+rollout's blocks have none), a read cap (`extra_args["moe_replay_read_upto"]`: the prompt minus
+its last token, so the rollout's response blocks, which hash the same tokens, are never hit and
+every generated token is forwarded and scored) and a write cap of 0: nothing it computes under
+forced routes is keyed where a free request could read it. A weight update resets the prefix
+cache, so a later replica misses and fails naming its rollout instead of reading old-weights KV.
+
 Hits are whole blocks, so a replica reuses floor((P - 1) / block_size) * block_size prompt
 tokens and forwards the rest: the prompt's tail and every generated token (the row at P - 1
 gives the first generated token's logits and is always forwarded).
@@ -35,6 +44,8 @@ from ...trace import RolloutTrace
 
 CACHE_UPTO_KEY = "moe_replay_cache_upto"
 """SamplingParams.extra_args key: tokens of this request the scheduler may cache (write cap)."""
+READ_UPTO_KEY = "moe_replay_read_upto"
+"""SamplingParams.extra_args key: tokens of this request the prefix-cache lookup may hit (read cap)."""
 SCHEDULER_QUALNAME = "moe_replay.integrations.vllm.prefix.ScoringScheduler"
 
 
@@ -45,14 +56,22 @@ def cache_upto(request: Any) -> int | None:
     return None if not extra or CACHE_UPTO_KEY not in extra else int(extra[CACHE_UPTO_KEY])
 
 
+def read_upto(request: Any) -> int | None:
+    """The read cap of a scheduler-side request (None: no cap beyond vLLM's own)."""
+    sp = getattr(request, "sampling_params", None)
+    extra = getattr(sp, "extra_args", None)
+    return None if not extra or READ_UPTO_KEY not in extra else int(extra[READ_UPTO_KEY])
+
+
 class ScoringScheduler:
     """`scheduler_cls` of a scoring engine: vLLM's own scheduler (sync or async, as configured)
-    with the write cap on its KV-cache coordinator. `__new__` returns the vLLM scheduler itself."""
+    with the write cap on its KV-cache coordinator and the read cap on its prefix-cache lookup.
+    `__new__` returns the vLLM scheduler itself."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         from vllm.v1.core.sched.scheduler import Scheduler
 
-        from .patch import patch_cache_writes
+        from .patch import patch_cache_reads, patch_cache_writes
 
         vllm_config = kwargs.get("vllm_config", args[0] if args else None)
         base = Scheduler
@@ -62,6 +81,7 @@ class ScoringScheduler:
             base = AsyncScheduler
         sched = base(*args, **kwargs)
         sched._moe_replay_cache_patch = patch_cache_writes(sched.kv_cache_manager.coordinator, cache_upto)
+        sched._moe_replay_read_patch = patch_cache_reads(sched.kv_cache_manager, read_upto)
         return sched
 
 

@@ -13,7 +13,8 @@ Each trace becomes one request: its full token sequence as the prompt, max_token
 under a cache salt keyed by its prompt routes and the weights version. With prompt reuse (the
 default on engines built by `scoring_engine_kwargs`; prefix.py) a replica reads the prompt's KV
 cached by an earlier replica and forwards only the last prompt token and the response; with
-`prompt_reuse=False` every replica forwards every token. The worker (force.py) forces the trace's expert ids on that request's
+`prompt_reuse=False` every replica forwards every token; with `read_rollout_kv=True` (scoring on
+the engine that sampled) every replica, the first one too, reads the rollout's own prompt blocks. The worker (force.py) forces the trace's expert ids on that request's
 rows only (other requests in the same step route freely) and returns, per generated token,
 log softmax(logits / temperature) renormalised over the trace's kept set, so the only thing that
 varies between replicas is the engine's numerics. Results line up with
@@ -37,7 +38,7 @@ from ...trace import RolloutTrace
 from .api import capture_engine_kwargs
 from .errors import ForceRouteError, PrefixCacheMissError, ScoreAlignmentError, ScoringError
 from .link import AsyncLink, SyncLink
-from .prefix import CACHE_UPTO_KEY, SCHEDULER_QUALNAME, cache_salt, engine_reuse_ready, reusable_tokens
+from .prefix import CACHE_UPTO_KEY, READ_UPTO_KEY, SCHEDULER_QUALNAME, cache_salt, engine_reuse_ready, reusable_tokens
 from .wire import InstallReply, ScoreRequest, ScoreResult
 
 _LINK = {"what": "scoring", "default": ScoringError, "kwargs_fn": "scoring_engine_kwargs"}
@@ -61,6 +62,13 @@ class VllmScorerConfig:
     """A replica whose prompt blocks were cached by an earlier scoring of the same salt but were not
     hit (evicted, reset): 'error' fails that rollout naming it; 'count' scores it in full and counts
     it in `reuse_stats['misses']`."""
+    read_rollout_kv: bool = False
+    """The traces were sampled on this engine (a sidecar on the rollout engine): every replica reads
+    the rollout's own unsalted prompt blocks (computed under the routes the trace recorded), caches
+    nothing (write cap 0) and forwards the prompt's tail and the response (prefix.py). Every
+    replica is promised floor((P - 1) / block_size) * block_size cached tokens, the first one too;
+    a miss (evicted, reset by a weight update, sampled elsewhere) is handled per `on_reuse_miss`.
+    Needs force_routes (the rollout's KV matches its recorded routes only) and prompt reuse."""
     weights_version: str = ""
     """Part of every cache salt: KV cached under other weights is never read (update_weights also
     resets the prefix cache)."""
@@ -76,6 +84,9 @@ class VllmScorerConfig:
             raise ValueError(f"VllmScorerConfig.on_reuse_miss must be 'error' or 'count', got {self.on_reuse_miss!r}")
         if self.prompt_reuse not in (None, True, False):
             raise ValueError(f"VllmScorerConfig.prompt_reuse must be None, True or False, got {self.prompt_reuse!r}")
+        if self.read_rollout_kv and (not self.force_routes or self.prompt_reuse is False):
+            raise ValueError("VllmScorerConfig.read_rollout_kv=True needs force_routes=True and prompt_reuse not False, "
+                             f"got force_routes={self.force_routes!r}, prompt_reuse={self.prompt_reuse!r}")
         if self.max_jobs < 1:
             raise ValueError(f"VllmScorerConfig.max_jobs must be >= 1, got {self.max_jobs}")
 
@@ -129,22 +140,24 @@ class _ScorerBase:
         return other
 
     def _check_reuse(self, config: VllmScorerConfig) -> None:
-        if config.prompt_reuse and self._reuse_block is not None:
-            raise ScoringError(f"VllmScorerConfig(prompt_reuse=True): this engine cannot reuse prompt KV: {self._reuse_block}")
+        if (config.prompt_reuse or config.read_rollout_kv) and self._reuse_block is not None:
+            what = "read_rollout_kv=True" if config.read_rollout_kv else "prompt_reuse=True"
+            raise ScoringError(f"VllmScorerConfig({what}): this engine cannot reuse prompt KV: {self._reuse_block}")
 
     @property
     def prompt_reuse(self) -> bool:
         """Whether this scorer reads prompt KV from the prefix cache (config, resolved on the engine)."""
         return self._reuse_block is None if self.config.prompt_reuse is None else self.config.prompt_reuse
 
-    def _sampling_params(self, max_cached: int) -> Any:
+    def _sampling_params(self, max_cached: int, max_read: int) -> Any:
         from vllm import SamplingParams
 
         # write cap: a reusing request caches its prompt (minus the last token), never its response;
-        # full re-scoring caches nothing (extra_args are read by prefix.ScoringScheduler)
+        # full re-scoring and reads of the rollout's unsalted blocks cache nothing; read cap: the
+        # lookup never hits past the prompt (extra_args are read by prefix.ScoringScheduler)
         return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                               skip_reading_prefix_cache=not self.prompt_reuse,
-                              extra_args={CACHE_UPTO_KEY: max_cached})
+                              extra_args={CACHE_UPTO_KEY: max_cached, READ_UPTO_KEY: max_read})
 
     def _temperature(self, trace: RolloutTrace) -> float:
         """The trace's recorded sampling temperature (trace.sampling; v1 records migrate theirs)."""
@@ -152,9 +165,12 @@ class _ScorerBase:
 
     def _prompt(self, trace: RolloutTrace) -> tuple[dict[str, Any], Any]:
         """vLLM prompt (tokens + cache salt) and sampling params of one scoring request."""
-        max_cached = trace.prompt_len - 1 if self.prompt_reuse else 0
+        max_read = trace.prompt_len - 1 if self.prompt_reuse else 0
+        if self.config.read_rollout_kv:  # the rollout's own blocks: no salt, write nothing
+            return {"prompt_token_ids": trace.token_ids_S.tolist()}, self._sampling_params(0, max_read)
         salt = cache_salt(trace, self.config.force_routes, self.config.weights_version)
-        return {"prompt_token_ids": trace.token_ids_S.tolist(), "cache_salt": salt}, self._sampling_params(max_cached)
+        prompt = {"prompt_token_ids": trace.token_ids_S.tolist(), "cache_salt": salt}
+        return prompt, self._sampling_params(max_read, max_read)
 
     def _requests(self, traces: Sequence[RolloutTrace]) -> tuple[list[str | None], list[dict[str, Any]]]:
         """Engine request id per trace (None when it has no generated token) and the ScoreRequests
@@ -183,7 +199,9 @@ class _ScorerBase:
                              max_cached=t.prompt_len - 1 if self.prompt_reuse else 0, route_start=route_start or 0,
                              routes_TLK=routes, support_offsets_G1=None if sup is None else sup.offsets_G1,
                              support_ids_N=None if sup is None else sup.ids_N).to_dict()
-            if self.prompt_reuse:  # promised: an earlier scoring of this salt cached the prompt's blocks
+            if self.config.read_rollout_kv:  # promised: the rollout cached its prompt's blocks
+                self._promised[rid] = reusable_tokens(t.prompt_len, self.block_size)
+            elif self.prompt_reuse:  # promised: an earlier scoring of this salt cached the prompt's blocks
                 self._promised[rid] = self._warm.get(cache_salt(t, self.config.force_routes, self.config.weights_version), 0)
             ids.append(rid)
             payloads.append(p)
@@ -210,10 +228,13 @@ class _ScorerBase:
             if got < want:
                 st["misses"] += 1
                 if self.config.on_reuse_miss == "error":
+                    who = ("its rollout on this engine cached them" if self.config.read_rollout_kv
+                           else "an earlier replica cached them")
                     raise PrefixCacheMissError(
-                        f"trace {t.key!r} (request {rid!r}): prompt reuse promised {want} cached prompt tokens (an "
-                        f"earlier replica cached them), found {got}: the blocks were evicted or the cache was reset")
-            if self.prompt_reuse:
+                        f"trace {t.key!r} (request {rid!r}): prompt reuse promised {want} cached prompt tokens ({who}), "
+                        f"found {got}: the blocks were evicted, the cache was reset (weight update) or the rollout "
+                        "ran elsewhere")
+            if self.prompt_reuse and not self.config.read_rollout_kv:
                 reusable = reusable_tokens(t.prompt_len, self.block_size)
                 if reusable:
                     self._warm[cache_salt(t, self.config.force_routes, self.config.weights_version)] = reusable
