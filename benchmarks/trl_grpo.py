@@ -46,6 +46,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from _trainer_ab import ab_summary  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 
@@ -219,26 +220,11 @@ def main() -> None:
             if arm in logs and rep == 0:
                 logs[arm] = hist
 
-    def mean(arm: str, key: str) -> float:
-        return statistics.fmean(h[key] for h in logs[arm])
-
-    med = {arm: statistics.median(ts) for arm, ts in times.items()}
-    med_cpu = {arm: statistics.median(ts) for arm, ts in cpu.items()}
     out = {
         "device": "cpu (vLLM-CPU engine, HF trainer)",
         "steps": a.steps,
         "repeats": a.repeats,
-        "route_flip_rate_none": mean("none", "moe_replay/route_flip_rate"),
-        f"route_flip_rate_{a.preset}": mean(a.preset, "moe_replay/route_flip_rate"),
-        "k3_kl_none": mean("none", "rollout_corr/k3_kl"),
-        f"k3_kl_{a.preset}": mean(a.preset, "rollout_corr/k3_kl"),
-        **{f"step_time_s_{arm}": m for arm, m in med.items()},
-        "step_time_ratio": med[a.preset] / med["trl"],
-        "step_time_ratio_vs_none": med[a.preset] / med["none"],
-        **{f"step_cpu_s_{arm}": m for arm, m in med_cpu.items()},
-        "step_cpu_ratio": med_cpu[a.preset] / med_cpu["trl"],
-        "step_cpu_ratio_vs_none": med_cpu[a.preset] / med_cpu["none"],
-        "load_average_1min": os.getloadavg()[0],
+        **ab_summary(a.preset, "trl", logs, times, cpu),
     }
     print(json.dumps(out, indent=2))
 

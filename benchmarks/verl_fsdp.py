@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _trainer_ab import ab_summary
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -85,26 +87,11 @@ def main() -> None:
     capture.close()
     llm.llm_engine.engine_core.shutdown()
 
-    def mean(arm: str, key: str) -> float:
-        return statistics.fmean(h[key] for h in logs[arm])
-
-    med = {arm: statistics.median(ts[1:]) for arm, ts in wall.items()}  # the first step pays warm-up
-    med_cpu = {arm: statistics.median(ts[1:]) for arm, ts in cpu.items()}
     out = {
         "device": "cpu (vLLM-CPU engine bf16, verl FSDP2 engine fp32, gloo world size 1)",
         "steps": a.steps,
         "prompts": a.prompts,
-        "route_flip_rate_none": mean("none", "moe_replay/route_flip_rate"),
-        f"route_flip_rate_{a.preset}": mean(a.preset, "moe_replay/route_flip_rate"),
-        "k3_kl_none": mean("none", "rollout_corr/k3_kl"),
-        f"k3_kl_{a.preset}": mean(a.preset, "rollout_corr/k3_kl"),
-        **{f"step_time_s_{arm}": m for arm, m in med.items()},
-        "step_time_ratio": med[a.preset] / med["verl"],
-        "step_time_ratio_vs_none": med[a.preset] / med["none"],
-        **{f"step_cpu_s_{arm}": m for arm, m in med_cpu.items()},
-        "step_cpu_ratio": med_cpu[a.preset] / med_cpu["verl"],
-        "step_cpu_ratio_vs_none": med_cpu[a.preset] / med_cpu["none"],
-        "load_average_1min": os.getloadavg()[0],
+        **ab_summary(a.preset, "verl", logs, wall, cpu, skip_first=1),  # the first step pays warm-up
     }
     print(json.dumps(out, indent=2))
 
