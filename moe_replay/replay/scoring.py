@@ -626,7 +626,7 @@ def engine_support_logprobs(logits_GV: torch.Tensor, target_G: torch.Tensor, sup
     out_G = x_GV.gather(1, target_G.reshape(-1, 1)).squeeze(1)
     sup = support.to(x_GV.device)
     if sup.ids_N.numel():
-        r_N = torch.repeat_interleave(torch.arange(sup.num_rows, device=x_GV.device), sup.sizes_G())
+        r_N = _entry_rows(sup.offsets_G1, 0, sup.num_rows)  # the CSR row lookup score_logits uses (no repeat_interleave)
         i_N = sup.ids_N.long()
         v_N = x_GV[r_N, i_N]
         m_G = torch.full_like(lse_G, float("-inf")).scatter_reduce(0, r_N, v_N, "amax")
