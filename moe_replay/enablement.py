@@ -35,6 +35,7 @@ import torch
 
 from .bindings import ROLLOUT_BINDINGS, TRAINER_BINDINGS, TrainerBinding, binding_for
 from .corrections import CorrectionResult, apply_corrections
+from .metrics import mismatch_metrics
 from .presets import Preset, load_preset
 from .replay import RoutePlan, TokenScores, build_plan
 from .trace import RolloutTrace
@@ -94,6 +95,20 @@ class TrainBatch:
     def row_mask(self) -> torch.Tensor:
         """bool [B, Gm]: True on real generated tokens."""
         return self.to_rows(torch.ones(int(self.plan.gen_offsets_B1[-1]))) > 0
+
+    def mismatch_metrics(self, train_logprobs_G: torch.Tensor, ran_ids: dict[int, torch.Tensor] | None = None) -> dict[str, float]:
+        """rollout_corr/* (trainer vs engine logprobs) and, given the expert ids each MoE layer ran
+        ({layer id: ids [N, K]}, N = the plan's positions), moe_replay/route_* against the trace's."""
+        plan = self.plan
+        route_kwargs: dict[str, Any] = {}
+        if ran_ids:
+            lids = plan.geometry.moe_layer_ids
+            routed_N = plan.routed_N.cpu()
+            ran_NLK = torch.stack([ran_ids[lid].cpu().reshape(plan.num_positions, -1) for lid in lids], dim=1)
+            trace_NLK = plan.ids_LNK.cpu().permute(1, 0, 2)
+            route_kwargs = dict(train_routes=ran_NLK[routed_N], trace_routes=trace_NLK[routed_N], layer_ids=lids)
+        return mismatch_metrics(self.to_rows(train_logprobs_G.double().cpu()), self.to_rows(self.rollout_logprobs.cpu()),
+                                self.row_mask(), **route_kwargs)
 
     def corrections(self, train_logprobs_G: torch.Tensor, *, reference_G: torch.Tensor | None = None,
                     advantages: torch.Tensor | None = None) -> CorrectionResult:

@@ -24,7 +24,6 @@ import torch
 from ...enablement import TrainBatch
 from ...errors import Where
 from ...geometry import ModelGeometry
-from ...metrics import mismatch_metrics
 from ...presets import Preset
 from ...replay import BatchLayoutError, build_plan, score_tokens
 from ...replay.ledger import in_backward
@@ -169,17 +168,8 @@ def score_chunk(
 
 
 def _metrics(batch: TrainBatch, train_G: torch.Tensor, ran: _RoutesRan | None, session: Any) -> dict[str, float]:
-    """rollout_corr/* (trainer vs engine logprobs) and moe_replay/route_* (experts that ran vs the engine's)."""
-    plan = batch.plan
-    route_kwargs: dict[str, Any] = {}
-    if ran is not None:
-        lids = plan.geometry.moe_layer_ids
-        routed_N = plan.routed_N.cpu()
-        ran_NLK = torch.stack([ran.ids[lid].cpu() for lid in lids], dim=1)
-        trace_NLK = plan.ids_LNK.cpu().permute(1, 0, 2)
-        route_kwargs = dict(train_routes=ran_NLK[routed_N], trace_routes=trace_NLK[routed_N], layer_ids=lids)
-    cpu_G = train_G.double().cpu()
-    m = mismatch_metrics(batch.to_rows(cpu_G), batch.to_rows(batch.rollout_logprobs.cpu()), batch.row_mask(), **route_kwargs)
+    """The batch's mismatch metrics, plus how often free routing would have picked other experts."""
+    m = batch.mismatch_metrics(train_G, ran.ids if ran is not None else None)
     if session is not None and session.flips is not None:
         m["moe_replay/free_route_flip_rate"] = session.flips.rate
     return m

@@ -36,7 +36,6 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree
 
 from ...enablement import TrainBatch
-from ...metrics import mismatch_metrics
 from ...presets import Preset, load_preset
 from ...replay import build_plan, score_tokens
 from .batch import traces_of
@@ -150,7 +149,7 @@ class MoeReplayFSDPEngine(FSDPEngineWithLMHead):
             self._mr_open = None
         ran = session.routes.used_ids if session is not None else free
         metrics = dict(metrics)
-        metrics.update(_metrics(TrainBatch(preset, plan, traces), scores.logprobs_G.detach(), ran))
+        metrics.update(TrainBatch(preset, plan, traces).mismatch_metrics(scores.logprobs_G.detach(), ran))
         return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
 
 
@@ -175,18 +174,3 @@ def _put_scores(model_output: dict, idx_G: torch.Tensor, scores: Any, offsets_B1
         values = values.index_put((idx_G.to(values.device),), value_G.to(values.dtype))
         out[name] = torch.nested.nested_tensor_from_jagged(values, offsets_B1.to(values.device))
     return out
-
-
-def _metrics(batch: TrainBatch, train_G: torch.Tensor, ran: dict | None) -> dict[str, float]:
-    """rollout_corr/* (trainer vs engine logprobs) and moe_replay/route_* (experts that ran vs the engine's)."""
-    plan = batch.plan
-    route_kwargs: dict[str, Any] = {}
-    if ran:
-        lids = plan.geometry.moe_layer_ids
-        routed_N = plan.routed_N.cpu()
-        ran_NLK = torch.stack([ran[lid].cpu().reshape(plan.num_positions, -1) for lid in lids], dim=1)
-        trace_NLK = plan.ids_LNK.cpu().permute(1, 0, 2)
-        route_kwargs = dict(train_routes=ran_NLK[routed_N], trace_routes=trace_NLK[routed_N], layer_ids=lids)
-    cpu_G = train_G.double().cpu()
-    return mismatch_metrics(batch.to_rows(cpu_G), batch.to_rows(batch.rollout_logprobs.cpu()), batch.row_mask(),
-                            **route_kwargs)
