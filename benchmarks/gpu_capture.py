@@ -11,6 +11,16 @@ interleaved rounds, so drift of the machine hits every setting alike:
   graphs_capture      graphs + moe_replay capture (routes written into the step buffer bound at
                       model load, inside the CUDA graph; support + logprobs; collect included)
 
+And one check, `native_vs_hooks` (chosen with --settings; not a throughput setting): one engine built
+with vLLM's `enable_return_routed_experts=True`, the capture extension and prefix caching runs the
+workload twice (the second pass reads cached prefixes); every completion's routes from vLLM's
+output (integrations/vllm/native.py) are compared with moe_replay's hook capture of the same run.
+Prints `native_vs_hooks`: identical-route fraction per MoE layer (column order kept) and overall,
+the same as sets, and how many traces are identical. Where the hooks cannot bind next to vLLM's own
+capture function (a router holds one capture_fn), the refusal is reported and the hooks run on a
+second engine without the flag on the same seeded requests (`same_engine: false`; positions of
+completions whose tokens differ between the engines are left out and counted).
+
 Model: `build_tiny_model("qwen3_moe", size="bench", num_experts=64, num_experts_per_tok=8,
 hidden_size=1024, moe_intermediate_size=512, num_hidden_layers=8)`, bf16; 128 prompts of 16-64
 words, 128 generated tokens each (ignore_eos), top_p 0.95, max_num_seqs 128, prefix caching off.
@@ -21,7 +31,8 @@ Needs a GPU build of vLLM in the supported range (integrations/vllm/versions.py)
 vLLM 0.26 on one H100. `--dry-run` checks the plan on any machine: it builds every setting's
 EngineArgs against the installed vLLM (on the tiny model; no engine, no GPU) and prints the plan as JSON.
 
-Usage: python benchmarks/gpu_capture.py [--rounds 3] [--settings graphs,graphs_capture,...] [--dry-run]
+Usage: python benchmarks/gpu_capture.py [--rounds 3] [--settings graphs,graphs_capture,...,native_vs_hooks]
+       [--plan | --dry-run] [--compare-eager]
 """
 
 from __future__ import annotations
@@ -37,20 +48,22 @@ import time
 from pathlib import Path
 
 SETTINGS = ("graphs", "graphs_native", "eager", "eager_capture", "graphs_capture")
+COMPARE = "native_vs_hooks"
 MODEL = dict(family="qwen3_moe", size="bench", num_experts=64, num_experts_per_tok=8, hidden_size=1024,
              moe_intermediate_size=512, num_hidden_layers=8)
 
 
-def engine_kwargs(setting: str, model_dir: str, gpu_memory_utilization: float, num_prompts: int) -> dict:
+def engine_kwargs(setting: str, model_dir: str, gpu_memory_utilization: float, num_prompts: int,
+                  compare_eager: bool = False) -> dict:
     """LLM(...) keyword arguments of one setting."""
-    if setting not in SETTINGS:
-        raise ValueError(f"unknown setting {setting!r}; expected one of {SETTINGS}")
+    if setting not in SETTINGS + (COMPARE,):
+        raise ValueError(f"unknown setting {setting!r}; expected one of {SETTINGS + (COMPARE,)}")
     kw = dict(model=model_dir, dtype="bfloat16", max_model_len=512, max_num_seqs=num_prompts, seed=0,
-              enable_prefix_caching=False, gpu_memory_utilization=gpu_memory_utilization,
-              enforce_eager=setting.startswith("eager"))
-    if setting == "graphs_native":
+              enable_prefix_caching=setting == COMPARE, gpu_memory_utilization=gpu_memory_utilization,
+              enforce_eager=setting.startswith("eager") or (setting == COMPARE and compare_eager))
+    if setting in ("graphs_native", COMPARE):
         kw["enable_return_routed_experts"] = True
-    if setting.endswith("_capture"):
+    if setting.endswith("_capture") or setting == COMPARE:
         from moe_replay.integrations.vllm import capture_engine_kwargs
 
         kw = capture_engine_kwargs(**kw)
@@ -66,7 +79,74 @@ def workload(num_prompts: int, seed: int = 0) -> list[str]:
 
 
 def plan(args: argparse.Namespace, model_dir: str) -> dict:
-    return {name: engine_kwargs(name, model_dir, args.gpu_memory_utilization, args.prompts) for name in args.settings}
+    return {name: engine_kwargs(name, model_dir, args.gpu_memory_utilization, args.prompts, args.compare_eager)
+            for name in args.settings}
+
+
+def compare_native_hooks(kwargs: dict, prompts: list[str], max_tokens: int, top_p: float) -> dict:
+    """Routes from vLLM's own output vs moe_replay's hooks on one run (see the module docstring)."""
+    import numpy as np
+    from vllm import LLM, SamplingParams
+
+    from moe_replay.integrations.vllm import CaptureConfig, CaptureHookError, CollectError, VllmCapture
+    from moe_replay.integrations.vllm.native import routes_from_native
+
+    params = [SamplingParams(temperature=1.0, top_p=top_p, max_tokens=max_tokens, ignore_eos=True, seed=i)
+              for i in range(len(prompts))]
+    out: dict = {"same_engine": True, "sources": ["native", "hooks"]}
+    native_outs, hooks_traces, geometry = [], [], None
+    llm = LLM(**kwargs)
+    try:
+        try:
+            with VllmCapture(llm, CaptureConfig(source="hooks")) as cap:
+                for _ in range(2):  # the second pass reads the prefix cache the first one filled
+                    o, t = cap.generate(prompts, params, use_tqdm=False)
+                    native_outs += o
+                    hooks_traces += t
+                geometry = cap.geometry
+        except (CaptureHookError, CollectError) as e:  # vLLM's capturer holds the routers' capture_fn
+            out.update(same_engine=False, hooks_refused=f"{type(e).__name__}: {e}")
+            llm.reset_prefix_cache()
+            native_outs, hooks_traces = [], []
+            for _ in range(2):
+                native_outs += llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    if not out["same_engine"]:
+        kw = {k: v for k, v in kwargs.items() if k != "enable_return_routed_experts"}
+        llm = LLM(**kw)
+        try:
+            with VllmCapture(llm, CaptureConfig(source="hooks")) as cap:
+                for _ in range(2):
+                    hooks_traces += cap.generate(prompts, params, use_tqdm=False)[1]
+                geometry = cap.geometry
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+    comps = [(o, c) for o in native_outs for c in o.outputs]
+    same_RL, same_set_RL, identical, token_mismatch = [], [], 0, 0
+    for (o, c), t in zip(comps, hooks_traces):
+        if not np.array_equal(t.token_ids_S[t.prompt_len:], np.asarray(c.token_ids)):
+            token_mismatch += 1
+            continue
+        nat_TLK = routes_from_native(t.key, c.routed_experts, t.num_tokens, 0, geometry)[t.route_start:]
+        eq_TLK = nat_TLK == t.routes_TLK
+        same_RL.append(eq_TLK.all(-1))
+        same_set_RL.append((np.sort(nat_TLK, -1) == np.sort(t.routes_TLK, -1)).all(-1))
+        identical += bool(eq_TLK.all())
+    same, same_set = np.concatenate(same_RL), np.concatenate(same_set_RL)
+    out.update(
+        completions=len(comps), compared=len(same_RL), token_mismatch=token_mismatch, positions=int(len(same)),
+        prefix_hit_requests=sum(1 for o in native_outs if (o.num_cached_tokens or 0) > 0),
+        identical_route_fraction={str(lid): round(float(same[:, j].mean()), 6)
+                                  for j, lid in enumerate(geometry.moe_layer_ids)},
+        identical_route_fraction_all=round(float(same.mean()), 6),
+        identical_set_fraction_all=round(float(same_set.mean()), 6),
+        traces_identical=identical)
+    return out
 
 
 def check_plan(p: dict) -> None:
@@ -119,12 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.12,
                     help="per engine; all settings' engines are alive at once")
     ap.add_argument("--model-dir", default=None, help="reuse a built model instead of building it")
-    ap.add_argument("--dry-run", action="store_true", help="check and print the plan only (no engine, no GPU)")
+    ap.add_argument("--dry-run", "--plan", dest="dry_run", action="store_true",
+                    help="check and print the plan only (no engine, no GPU)")
+    ap.add_argument("--compare-eager", action="store_true", help=f"run {COMPARE} with enforce_eager=True")
     args = ap.parse_args(argv)
     args.settings = [s for s in args.settings.split(",") if s]
-    bad = [s for s in args.settings if s not in SETTINGS]
+    bad = [s for s in args.settings if s not in SETTINGS + (COMPARE,)]
     if bad or not args.settings:
-        ap.error(f"--settings: unknown {bad}; choose from {','.join(SETTINGS)}")
+        ap.error(f"--settings: unknown {bad}; choose from {','.join(SETTINGS + (COMPARE,))}")
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     if args.dry_run:  # EngineArgs wants a real checkpoint: the tiny one stands in for the bench model
@@ -133,9 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             p = plan(args, args.model_dir or str(build_tiny_model("qwen3_moe", Path(tmp) / "tiny", seed=0)))
             check_plan(p)
-        print(json.dumps({"benchmark": "gpu_capture", "dry_run": True, "model": MODEL, "rounds": args.rounds,
-                          "prompts": args.prompts, "max_tokens": args.max_tokens, "top_p": args.top_p,
-                          "settings": p}, default=str))
+        out = {"benchmark": "gpu_capture", "dry_run": True, "model": MODEL, "rounds": args.rounds,
+               "prompts": args.prompts, "max_tokens": args.max_tokens, "top_p": args.top_p, "settings": p}
+        if COMPARE in p:
+            out["compare"] = {"setting": COMPARE, "sources": ["native", "hooks"], "passes": 2}
+        print(json.dumps(out, default=str))
         return 0
 
     import vllm
@@ -150,11 +234,14 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = str(build_tiny_model(spec.pop("family"), Path(tmp) / "bench", seed=0, **spec))
         prompts = workload(args.prompts)
         params = SamplingParams(temperature=1.0, top_p=args.top_p, max_tokens=args.max_tokens, ignore_eos=True)
-        settings = [Setting(name, kw) for name, kw in plan(args, model_dir).items()]
+        engines = plan(args, model_dir)
+        compare = compare_native_hooks(engines.pop(COMPARE), prompts, args.max_tokens, args.top_p) \
+            if COMPARE in engines else None
+        settings = [Setting(name, kw) for name, kw in engines.items()]
+        tps: dict[str, list[float]] = {s.name: [] for s in settings}
         try:
             for s in settings:  # warm-up pass each (compile / graph capture already happened at start)
                 s.run(prompts, params)
-            tps: dict[str, list[float]] = {s.name: [] for s in settings}
             for r in range(args.rounds):
                 order = settings[r % len(settings):] + settings[: r % len(settings)]  # rotate the order
                 for s in order:
@@ -170,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         if "graphs" in tps:
             row["vs_graphs"] = round(statistics.median(a / b for a, b in zip(runs, tps["graphs"])), 4)
         out["settings"][name] = row
+    if compare is not None:
+        out[COMPARE] = compare
     print(json.dumps(out))
     return 0
 

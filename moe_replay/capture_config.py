@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 SupportOverflowPolicy = Literal["error", "omit"]
+CaptureSource = Literal["auto", "hooks", "native"]
+CAPTURE_SOURCES = ("auto", "hooks", "native")
 
 
 @dataclass
@@ -40,6 +42,12 @@ class CaptureConfig:
     always holds at least one full step, whatever the budget: with a large vocabulary the logit stage
     is max_num_seqs x V x 4 bytes on the logits' device (e.g. 256 x 152k -> 155 MB), flushed every
     step, where per-op overhead no longer matters."""
+    source: CaptureSource = "auto"
+    """Where routes, support and logprobs come from. 'hooks': moe_replay's worker hooks.
+    'native': the engine's own outputs (vLLM: `enable_return_routed_experts` for routes,
+    `return_sampling_mask` with `logprobs_mode="processed_logprobs"` for support and logprobs); an
+    engine without the flag a wanted part needs is refused, naming the flag. 'auto': each part from
+    the engine where its flag is on, from hooks otherwise (vLLM 0.26 returns routes but no mask)."""
     max_unclaimed: int = 65536
     """Finished requests held on the worker until collected; beyond it the oldest is dropped and
     collecting it raises CaptureEvictedError (never a silent gap)."""
@@ -55,6 +63,8 @@ class CaptureConfig:
             raise ValueError(f"CaptureConfig.flush_bytes must be a non-negative int, got {self.flush_bytes!r}")
         if not isinstance(self.max_unclaimed, int) or self.max_unclaimed < 1:
             raise ValueError(f"CaptureConfig.max_unclaimed must be a positive int, got {self.max_unclaimed!r}")
+        if self.source not in CAPTURE_SOURCES:
+            raise ValueError(f"CaptureConfig.source must be one of {CAPTURE_SOURCES}, got {self.source!r}")
         if not (self.routes or self.support or self.logprobs):
             raise ValueError("CaptureConfig captures nothing: routes, support and logprobs are all False")
 

@@ -6,7 +6,8 @@
         outputs, traces = cap.generate(prompts, SamplingParams(top_p=0.9, n=4))
 
 The client reaches the workers through one link (link.py; sync LLM or AsyncLLM); the worker half
-is endpoint.py (ops) and worker.py (capture state on the runner).
+is endpoint.py (ops) and worker.py (capture state on the runner). Parts the engine returns itself
+(`CaptureConfig.source`; native.py) are read from the outputs, and hooks capture the rest.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ...trace import RolloutTrace, Sampling
 from .assemble import build_trace, completions_of
 from .errors import CaptureHookError, CollectError, UnknownRequestError
 from .link import EXTENSION, AsyncLink, SyncLink
+from .native import EngineFlags, native_trace, plan_sources
 from .wire import CaptureRecord, InstallReply
 
 _LINK = {"what": "capture", "default": CaptureHookError, "kwargs_fn": "capture_engine_kwargs"}
@@ -66,6 +68,15 @@ def sampling_summary(params: Any) -> dict[str, Any]:
     }
 
 
+def _with_logprobs(params: Any) -> Any:
+    """`params` asking for the sampled token's logprob (logprobs=0) if it asked for none."""
+    if params.logprobs is not None:
+        return params
+    params = params.clone()
+    params.logprobs = 0
+    return params
+
+
 def _engine_info(model_config: Any) -> EngineInfo:
     import vllm
 
@@ -81,6 +92,18 @@ class _CaptureBase:
     engine_info: EngineInfo
     weights_version: str | int | None = None
     """Recorded in every collected trace: set it (a step or checkpoint fingerprint) after each weight sync."""
+
+    def _plan(self, vllm_config: Any) -> dict[str, Any] | None:
+        """Decide each part's source; returns the hooks' config dict, or None when every part is native."""
+        self.plan = plan_sources(self.config, EngineFlags.of(vllm_config))
+        self._hooks_config = self.plan.hooks_config(self.config)
+        if self._hooks_config is not None:
+            return self._hooks_config.to_dict()
+        from ...models.layout import geometry_of
+
+        self._link, self.prefix_routes, self.via = None, None, "native"
+        self.geometry = geometry_of(vllm_config.model_config.hf_text_config)
+        return None
 
     def _on_install(self, link: Any, values: list[dict[str, Any]]) -> None:
         replies = [InstallReply.from_dict(v) for v in values]
@@ -100,14 +123,29 @@ class _CaptureBase:
                 items.append((key, wkey, comp, out))
         return items
 
-    def _assemble(self, items, payloads, store, sampling: dict[str, dict[str, Any]] | None = None) -> list[RolloutTrace]:
+    def _take(self, items) -> Any:
+        """The call that fetches the items' worker records; None when no part comes from hooks."""
+        if self._link is None or not items:
+            return None
+        return self._link.call("capture.take", [wkey for _, wkey, _, _ in items])
+
+    def _assemble(self, items, payloads, store, sampling: dict[str, dict[str, Any]] | None = None,
+                  route_starts: dict[str, int] | None = None) -> list[RolloutTrace]:
         traces, failures = [], {}
+        payloads = [None] * len(items) if payloads is None else payloads
         for (key, _, comp, out), payload in zip(items, payloads):
             try:
                 if not out.finished:
                     raise UnknownRequestError(f"request {key!r} has not finished; collect final outputs only")
-                record = CaptureRecord.from_dict(payload)
-                trace = build_trace(key, out.prompt_token_ids, comp, record, self.geometry, self.config, self.engine_info)
+                trace = None
+                if payload is not None:
+                    record = CaptureRecord.from_dict(payload)
+                    trace = build_trace(key, out.prompt_token_ids, comp, record, self.geometry, self._hooks_config,
+                                        self.engine_info)
+                if self.plan.native:
+                    trace = native_trace(key, out.prompt_token_ids, comp, self.plan, self.geometry, self.config,
+                                         self.engine_info, base=trace,
+                                         route_start=(route_starts or {}).get(out.request_id, 0))
                 if sampling and out.request_id in sampling:
                     trace.sampling = Sampling.from_dict(sampling[out.request_id])
                 trace.weights_version = self.weights_version
@@ -133,7 +171,9 @@ class VllmCapture(_CaptureBase):
     def __init__(self, llm: Any, config: CaptureConfig | None = None, *, reset_prefix_cache: bool = True) -> None:
         self.llm, self.config = llm, config or CaptureConfig()
         self.engine_info = _engine_info(llm.llm_engine.model_config)
-        self._on_install(*SyncLink.open(llm, "capture.install", self.config.to_dict(), **_LINK))
+        hooks = self._plan(llm.llm_engine.vllm_config)
+        if hooks is not None:
+            self._on_install(*SyncLink.open(llm, "capture.install", hooks, **_LINK))
         if reset_prefix_cache:
             llm.reset_prefix_cache()
 
@@ -143,34 +183,41 @@ class VllmCapture(_CaptureBase):
         Each trace's `sampling` records its request's sampling parameters (temperature, top_p,
         top_k, min_p, seed), so a trainer or scorer reads them from the trace.
         """
-        outputs = self.llm.generate(prompts, sampling_params, **kwargs)
         if sampling_params is None:
             sampling_params = self.llm.get_default_sampling_params()
+        if "logprobs" in self.plan.native:  # the engine returns the sampled token's logprob only when asked
+            sampling_params = ([_with_logprobs(sp) for sp in sampling_params]
+                               if isinstance(sampling_params, (list, tuple)) else _with_logprobs(sampling_params))
+        outputs = self.llm.generate(prompts, sampling_params, **kwargs)
         per_prompt = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(outputs)
         sampling = {out.request_id: sampling_summary(sp) for out, sp in zip(outputs, per_prompt)}
-        return outputs, self.collect(outputs, store=store, sampling=sampling)
+        starts = {out.request_id: int(getattr(sp, "routed_experts_prompt_start", 0) or 0)
+                  for out, sp in zip(outputs, per_prompt)}
+        return outputs, self.collect(outputs, store=store, sampling=sampling, route_starts=starts)
 
-    def collect(self, outputs: Sequence[Any], *, store: Any = None,
-                sampling: dict[str, dict[str, Any]] | None = None) -> list[RolloutTrace]:
+    def collect(self, outputs: Sequence[Any], *, store: Any = None, sampling: dict[str, dict[str, Any]] | None = None,
+                route_starts: dict[str, int] | None = None) -> list[RolloutTrace]:
         """One trace per sample of each finished RequestOutput; the records leave the worker.
 
-        `sampling` (request id -> sampling_summary(params)) becomes each trace's `sampling`.
+        `sampling` (request id -> sampling_summary(params)) becomes each trace's `sampling`;
+        `route_starts` (request id -> SamplingParams.routed_experts_prompt_start, default 0) places
+        native routes.
         Raises CollectError (with `.traces` = every good trace, already put to `store`) when some
         requests fail (aborted, unknown, evicted, support overflow under 'error', misaligned).
         """
         items = self._requests(outputs)
-        payloads = self._link.call("capture.take", [wkey for _, wkey, _, _ in items]) if items else []
-        return self._assemble(items, payloads, store, sampling)
+        return self._assemble(items, self._take(items), store, sampling, route_starts)
 
     def discard(self, request_ids: Sequence[str]) -> int:
         """Drop worker records (e.g. of aborted requests); returns how many were dropped."""
-        return int(self._link.call("capture.discard", list(request_ids)))
+        return int(self._link.call("capture.discard", list(request_ids))) if self._link is not None else 0
 
     def stats(self) -> dict[str, Any]:
-        return self._link.call("capture.stats")
+        return self._link.call("capture.stats") if self._link is not None else {"source": "native"}
 
     def uninstall(self) -> None:
-        self._link.call("capture.uninstall")
+        if self._link is not None:
+            self._link.call("capture.uninstall")
 
     def __enter__(self) -> "VllmCapture":
         return self
@@ -192,24 +239,28 @@ class AsyncVllmCapture(_CaptureBase):
     @classmethod
     async def attach(cls, engine: Any, config: CaptureConfig | None = None, *, reset_prefix_cache: bool = True):
         self = cls(engine, config or CaptureConfig())
-        self._on_install(*await AsyncLink.open(engine, "capture.install", self.config.to_dict(), **_LINK))
+        hooks = self._plan(engine.vllm_config)
+        if hooks is not None:
+            self._on_install(*await AsyncLink.open(engine, "capture.install", hooks, **_LINK))
         if reset_prefix_cache:
             await engine.reset_prefix_cache()
         return self
 
     async def collect(self, outputs: Sequence[Any], *, store: Any = None,
-                      sampling: dict[str, dict[str, Any]] | None = None) -> list[RolloutTrace]:
+                      sampling: dict[str, dict[str, Any]] | None = None,
+                      route_starts: dict[str, int] | None = None) -> list[RolloutTrace]:
         """As VllmCapture.collect; pass `sampling` ({request id: sampling_summary(params)}) to record
         each request's sampling parameters in its traces."""
         items = self._requests(outputs)
-        payloads = await self._link.call("capture.take", [wkey for _, wkey, _, _ in items]) if items else []
-        return self._assemble(items, payloads, store, sampling)
+        pending = self._take(items)
+        return self._assemble(items, None if pending is None else await pending, store, sampling, route_starts)
 
     async def discard(self, request_ids: Sequence[str]) -> int:
-        return int(await self._link.call("capture.discard", list(request_ids)))
+        return int(await self._link.call("capture.discard", list(request_ids))) if self._link is not None else 0
 
     async def stats(self) -> dict[str, Any]:
-        return await self._link.call("capture.stats")
+        return await self._link.call("capture.stats") if self._link is not None else {"source": "native"}
 
     async def uninstall(self) -> None:
-        await self._link.call("capture.uninstall")
+        if self._link is not None:
+            await self._link.call("capture.uninstall")
