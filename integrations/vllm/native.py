@@ -135,8 +135,8 @@ def native_engine_kwargs(*, support: bool = True, hooks: bool = False, **engine_
     except (TypeError, ValueError) as e:
         import vllm
 
-        reason = str(e).strip().splitlines()
-        reason = next((line.strip() for line in reason if "rror" in line and "validation error" not in line), reason[-1])
+        errors = e.errors() if callable(getattr(e, "errors", None)) else None  # pydantic's ValidationError
+        reason = "; ".join(str(x.get("msg", x)) for x in errors) if errors else str(e).strip()
         raise NativeSourceError(
             f"vLLM {vllm.__version__} refuses the native-output flags {sorted(flags)} "
             f"({ENGINE_FLAG['routes']}" + (f", {ENGINE_FLAG['support']}" if support else "") + f"): {reason}. "
