@@ -334,3 +334,50 @@ def test_gpu_benchmark_native_vs_hooks_plan():
     kw = out["settings"]["native_vs_hooks"]
     assert kw["enable_return_routed_experts"] is True and kw["enable_prefix_caching"] is True
     assert "worker_extension_cls" in kw and out["compare"]["sources"] == ["native", "hooks"]
+
+
+def test_async_capture_native_round_trip(model_dir, monkeypatch):
+    """AsyncVllmCapture on a real AsyncLLM: 'auto' captures by hooks there; planned native, its
+    collect turns the same outputs' native fields into the same traces, bit for bit, with no
+    worker call (every part from the outputs)."""
+    import asyncio
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from moe_replay.integrations.vllm import AsyncVllmCapture
+
+    async def final(engine, prompt, sp, rid):
+        last = None
+        async for o in engine.generate(prompt, sp, request_id=rid):
+            last = o
+        return last
+
+    # FINAL_ONLY: a streamed n = 2 request's last yield may hold only the child that finished last
+    from vllm.sampling_params import RequestOutputKind
+
+    final_only = dict(output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def run():
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**capture_engine_kwargs(model=str(model_dir), **ENGINE)))
+        try:
+            hooks = await AsyncVllmCapture.attach(engine, CaptureConfig(source="auto"))
+            assert hooks.plan.native == frozenset()
+            outs = [await final(engine, PROMPTS[0], params(SEEDS[0], **final_only), "a0")]
+            outs += await asyncio.gather(*(final(engine, p, params(s, n=2, **final_only), f"a{i + 1}")
+                                           for i, (p, s) in enumerate(zip(PROMPTS[1:], SEEDS[1:]))))
+            traces = await hooks.collect(outs)
+            await hooks.uninstall()
+            monkeypatch.setattr(native.EngineFlags, "of", classmethod(lambda cls, _cfg: ALL_FLAGS))
+            nat = await AsyncVllmCapture.attach(engine, CaptureConfig(source="native"), reset_prefix_cache=False)
+            assert nat._link is None and nat.via == "native"
+            got = await nat.collect([as_native(o, g, nat.geometry) for o, g in zip(outs, grouped(outs, traces))])
+            return outs, traces, got
+        finally:
+            engine.shutdown()
+
+    outs, traces, got = asyncio.run(run())
+    assert len(got) == len(traces) == 5 and [len(o.outputs) for o in outs] == [1, 2, 2] and any((o.num_cached_tokens or 0) >= BLOCK for o in outs[1:])
+    for a, b in zip(got, traces):
+        assert a.key == b.key
+        same_trace(a, b)
