@@ -29,12 +29,13 @@ __all__ = [
     "CaptureHookError", "CollectError", "EXTENSION", "NoMoeLayersError", "RequestAbortedError",
     "SupportOverflowError", "UnknownRequestError", "VllmCapture", "capture_engine_kwargs", "stitch",
     "AsyncVllmScorer", "ForceRouteError", "ScoreAlignmentError", "ScoringError", "VllmScorer", "VllmScorerConfig",
-    "scoring_engine_kwargs", "PrefixCacheMissError",
+    "scoring_engine_kwargs", "PrefixCacheMissError", "native_engine_kwargs", "NativeSourceError", "NativeOutputError",
 ]
 
 _LAZY = {"VllmCapture": "api", "AsyncVllmCapture": "api", "capture_engine_kwargs": "api", "EXTENSION": "api",
          "VllmScorer": "scorer", "AsyncVllmScorer": "scorer", "VllmScorerConfig": "scorer",
-         "scoring_engine_kwargs": "scorer"}
+         "scoring_engine_kwargs": "scorer", "native_engine_kwargs": "native", "NativeSourceError": "native",
+         "NativeOutputError": "native"}
 
 
 def __getattr__(name: str):
