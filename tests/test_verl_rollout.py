@@ -198,3 +198,25 @@ def test_a_sample_without_its_trace_is_refused(served, engines):
     del outs[5].extra_fields[TRACES_KEY]  # e.g. a sample from a server without capture
     with pytest.raises(MissingTraceError, match="row 5"):
         old_log_prob(engines["r3_support"], served["pack"](outs))
+
+
+def test_uninstall_gives_verl_its_rollout_back(served):
+    """The rollout patches (registry.py) are undoable: verl's replica, client and agent loop return."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.workers.rollout.llm_server import LLMServerClient
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMReplica
+
+    from moe_replay.integrations.verl.registry import install, uninstall
+    from moe_replay.integrations.verl.rollout import MoeReplayVLLMReplica
+
+    patched = (LLMServerClient.generate, AgentLoopWorker._run_agent_loop)
+    uninstall()
+    try:
+        assert RolloutReplicaRegistry.get("vllm") is vLLMReplica
+        original = (LLMServerClient.generate, AgentLoopWorker._run_agent_loop)
+        assert all(o is not p for o, p in zip(original, patched))
+    finally:
+        install()
+    assert RolloutReplicaRegistry.get("vllm") is MoeReplayVLLMReplica
+    assert all(n is not o for n, o in zip((LLMServerClient.generate, AgentLoopWorker._run_agent_loop), original))

