@@ -156,9 +156,28 @@ def test_multi_turn_keeps_every_turns_routes(rollouts, engines):
     traces = [multi, *rollouts["traces"][:3]]  # one micro-batch of 4
     batch = _batch(rollouts, traces=traces, prompt_lens=[t1.prompt_len] + [t.prompt_len for t in traces[1:]])
     assert "rollout_log_probs" not in batch.batch.keys()  # the first turn's engine logprobs are not in the record
-    _, m = old_log_prob(engines["r3_support"], batch)  # verl's prompt of the conversation is the first turn's
+    engine = engines["r3_support"]
+    logits = []
+    hook = engine.module.register_forward_hook(lambda mod, args, out: logits.append(out.logits.detach().float()))
+    try:
+        out, m = old_log_prob(engine, batch)  # verl's prompt of the conversation is the first turn's
+    finally:
+        hook.remove()
     assert _mean(m["moe_replay/route_flip_rate"]) == 0.0
     assert sum(m["moe_replay/route_tokens"]) == sum(t.num_tokens - 1 for t in traces)  # all of both turns
+
+    # the first turn's text and the tool text are response too: scored over the full vocabulary
+    # (the record keeps the second turn's kept sets only), the second turn's tokens over their kept sets
+    (logits_BSV,) = logits
+    p1, n = t1.prompt_len, multi.num_tokens
+    full = torch.log_softmax(logits_BSV[0, p1 - 1: n - 1], -1)
+    ids = torch.from_numpy(multi.token_ids_S[p1:]).long()
+    lp = out.batch["old_log_probs"][0, : n - p1]
+    first = multi.prompt_len - p1  # response tokens before the second turn's generated ones
+    torch.testing.assert_close(lp[:first], full[torch.arange(first), ids[:first]], rtol=0, atol=2e-5)
+    support = [torch.from_numpy(multi.support.row(g)).long() for g in range(n - multi.prompt_len)]
+    ref = torch.stack([full[first + g, ids[first + g]] - torch.logsumexp(full[first + g, s], 0) for g, s in enumerate(support)])
+    torch.testing.assert_close(lp[first:], ref, rtol=0, atol=2e-5)
 
 
 def test_missing_trace_is_refused_by_sample(rollouts, engines):
