@@ -6,7 +6,8 @@ with the preset named in verl's own model config (`override_config.moe_replay`);
 verl's DataProto -> TensorDict -> no-padding conversions, `infer_batch` (compute_log_prob) and
 `train_batch` with verl's `ppo_loss` (update_actor). vLLM runs the float32 checkpoint in bfloat16
 against the float32 trainer: the precision mismatch that flips routes. Where CPU stops: FSDP1
-(`strategy=fsdp`), Ray worker groups and verl's async vLLM rollout server are not run here.
+(`strategy=fsdp`) and Ray worker groups are not run here; verl's own vLLM rollout server feeding
+this engine is tests/test_verl_rollout.py.
 """
 
 from __future__ import annotations
