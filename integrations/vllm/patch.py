@@ -153,7 +153,8 @@ class StepBracket:
             return model_forward
 
         self._patches.wrap(runner, "execute_model", make_execute)
-        self._patches.wrap(runner, "_model_forward", make_forward)
+        if hasattr(runner, "_model_forward"):  # absent: forced rows fail as never filled (force.py)
+            self._patches.wrap(runner, "_model_forward", make_forward)
 
     def remove(self, listener: Any) -> None:
         if listener in self.listeners:
