@@ -156,6 +156,10 @@ class WorkerScoring:
             self._own_force = True
         if self.force is not None and self.force.refusal is not None:
             self.force_refusal = self.force.refusal
+        dp = int(getattr(runner.vllm_config.parallel_config, "data_parallel_size", 1) or 1)
+        if dp > 1:  # the forcing step maps router row t to step row t: rows gathered from other ranks break that
+            self.force_refusal = (f"data_parallel_size={dp}: MoE routers see rows gathered from other data-parallel ranks, "
+                                  "which the forcing buffers (one row per row of this rank's step) cannot address")
         if self.force is not None and self.force.layer_ids != self.geometry.moe_layer_ids:
             raise ForceRouteError(f"load-time forcing step covers layers {self.force.layer_ids}, the model has MoE "
                                   f"layers {self.geometry.moe_layer_ids}")

@@ -18,6 +18,10 @@ of registered requests before each forward and clears them after. After the forw
 that some layer did not acknowledge (a router that never ran the forcing step: a graph traced
 before it was bound, a monolithic kernel) fails its request; it is never scored as if forced.
 
+Row t of a router call is row t of the engine step (vLLM 0.26-0.32 route the whole step in one
+call per layer; padding rows come after the scheduled ones and stay free). Data parallelism, whose
+routers see rows gathered from other ranks, is refused (force.py).
+
 Two ways to bind, one per kind of forward (as route_hook.py does for capture):
 
   load time  (compiled / graph forwards) `bind_force_at_load` wraps the routers when the model is
