@@ -55,7 +55,7 @@ def engines(tiny_model):
     cap = VllmCapture(eager)
     traces = rollouts(cap, seed=20)
     cap.uninstall()
-    yield compiled, eager, traces
+    yield compiled, eager, traces, model_dir
     shutdown(eager)
     shutdown(compiled)
 
@@ -76,7 +76,7 @@ def test_compiled_forced_scoring_equals_eager(engines):
     them), the eager one's at install. Forced scoring of the same rollouts agrees between them to
     COMPILED_TOL and with the rollout's own sampled logprobs; random routes, forced on both, agree
     too and differ from free scoring: the compiled forward really uses the forced ids."""
-    compiled, eager, traces = engines
+    compiled, eager, traces, _ = engines
     assert getattr(_runner(compiled).model, FORCE_STEP_ATTR, None) is not None
     assert getattr(_runner(eager).model, FORCE_STEP_ATTR, None) is None  # eager: bound at install
     sc, se = _scorers(compiled, eager)
@@ -106,7 +106,7 @@ def test_unregistered_rows_in_the_same_step_route_freely(engines):
     and the scored request still gets its forced scores."""
     from vllm import SamplingParams
 
-    compiled, _, traces = engines
+    compiled, _, traces, _ = engines
     sc = VllmScorer(compiled, VllmScorerConfig(prompt_reuse=False))
     eng = compiled.llm_engine
     plain = {"prompt_token_ids": traces[0].token_ids_S[:20].tolist()}
@@ -134,7 +134,7 @@ def test_unregistered_rows_in_the_same_step_route_freely(engines):
 def test_estimator_on_a_compiled_engine(engines):
     """The π_old estimator (n = 3, prompt reuse on: later replicas read the first one's prompt KV)
     runs on the compiled engine; every replica agrees with the eager engine's single score."""
-    compiled, eager, traces = engines
+    compiled, eager, traces, _ = engines
     sc, se = _scorers(compiled, eager)
     try:
         ref = se.score_batch(traces)
@@ -151,7 +151,7 @@ def test_estimator_on_a_compiled_engine(engines):
 def test_compiled_engine_without_load_time_forcing_refuses_forced_routes(engines, monkeypatch):
     """A compiled forward whose routers got no forcing step at load would route freely whatever is
     registered: forced scoring is refused by name (free scoring still works), never routed freely."""
-    compiled, _, traces = engines
+    compiled, _, traces, _ = engines
     monkeypatch.delitem(_runner(compiled).model.__dict__, FORCE_STEP_ATTR)
     sc = VllmScorer(compiled, VllmScorerConfig(prompt_reuse=False))
     try:
@@ -169,7 +169,7 @@ def test_a_router_that_skips_the_forcing_step_fails_its_request(engines):
     whose router bypasses the forcing step (here: its wrapper replaced by the plain router on the
     eager engine) fails the requests of that step with an error naming the layer, never a score
     under free routing; the next batch scores normally."""
-    _, eager, traces = engines
+    _, eager, traces, _ = engines
     se = VllmScorer(eager, VllmScorerConfig(prompt_reuse=False))
     router = find_moe_layers(_runner(eager).model)[1][1].router
     wrapped = router.__dict__["_compute_routing"]
@@ -184,3 +184,39 @@ def test_a_router_that_skips_the_forcing_step_fails_its_request(engines):
         assert all(np.abs(s - t.logprobs_G).max() < COMPILED_TOL for s, t in zip(ok, traces))
     finally:
         se.uninstall()
+
+
+def test_async_scorer_on_a_compiled_engine_in_its_own_process(engines):
+    """AsyncLLM, engine core in its own process (the load hook arrives there through the package's
+    vllm.general_plugins entry point), enforce_eager=False: AsyncVllmScorer's forced scores equal
+    the eager engine's to COMPILED_TOL, and random routes are honoured there too."""
+    import asyncio
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from moe_replay.integrations.vllm import AsyncVllmScorer
+
+    _, eager, traces, model_dir = engines
+    rand = [_random_routes(t, seed=30 + i) for i, t in enumerate(traces[:2])]
+
+    async def run():
+        kw = engine_kwargs(model_dir, enforce_eager=False)
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
+        try:
+            backend = await AsyncVllmScorer.attach(engine, VllmScorerConfig(prompt_reuse=False))
+            return await backend.score(traces + rand)
+        finally:
+            engine.shutdown()
+
+    got = asyncio.run(run())
+    se = VllmScorer(eager, VllmScorerConfig(prompt_reuse=False))
+    try:
+        ref = se.score_batch(traces + rand)
+        free = se.with_config(VllmScorerConfig(prompt_reuse=False, force_routes=False)).score_batch(rand)
+    finally:
+        se.uninstall()
+    for t, g, r in zip(traces + rand, got, ref):
+        assert np.abs(g - r).max() < COMPILED_TOL, t.key
+    for g, f in zip(got[len(traces):], free):
+        assert np.abs(g - f).max() > 1e-2
