@@ -95,6 +95,7 @@ def test_compiled_forced_scoring_equals_eager(engines):
             assert np.abs(c - f).max() > 1e-2, f"{t.key}: random routes scored like free routing"
         st = sc.stats()
         assert st["forced_rows"] > 0 and st["force_refusal"] is None
+        assert st["force_binding"] == "load" and se.stats()["force_binding"] == "install"
     finally:
         sc.uninstall()
         se.uninstall()

@@ -110,13 +110,14 @@ def test_unreproducible_routers_are_refused_by_name():
         router_gate(RoutingSimulatorRouter(K, E), 5)
 
 
-@pytest.mark.parametrize("kind", ["softmax", "softmax_plain", "grouped_sigmoid_bias", "bf16"])
+@pytest.mark.parametrize("kind", ["softmax", "softmax_plain", "grouped_sigmoid_bias", "bf16", "softmax_device_path"])
 def test_forcing_step_traces_whole_and_forces_only_masked_rows(kind):
     """The forcing step of force_step.py around a real router: torch.compile traces it as one graph
     (fullgraph, dynamic row count: no Python branch on tensor values, no data-dependent shape); the
     compiled call equals the eager one; masked rows get the forced ids and the rule's weights at
     them, every other row the router's own ids and weights exactly; every forced row is
-    acknowledged; after clear() the same compiled call routes freely (the buffers are read live)."""
+    acknowledged; after clear() the same compiled call routes freely (the buffers are read live).
+    `softmax_device_path` runs the fills and reads device runners use (torch ops, no numpy views)."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -130,6 +131,8 @@ def test_forcing_step_traces_whole_and_forces_only_masked_rows(kind):
     else:
         r = cpu_router(renormalize=kind != "softmax_plain")
     step = ForceStep([(0, SimpleNamespace(router=r))], rows=T + 8, device=torch.device("cpu"))
+    if kind == "softmax_device_path":  # the torch fills device runners use (no host views)
+        step._np = None
     step.bind(forced_routing)
     try:
         rng = np.random.default_rng(0)

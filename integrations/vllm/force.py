@@ -220,7 +220,8 @@ class WorkerScoring:
     def stats(self) -> dict[str, Any]:
         return {"registered": len(self.jobs), "steps": self.steps, "forced_rows": self.forced_rows,
                 "scored_rows": self.scored_rows, "hook_s": self.hook_s, "force_refusal": self.force_refusal,
-                "gate_rules": sorted({g.spec.rule for g in self.gates})}
+                "gate_rules": sorted({g.spec.rule for g in self.gates}),
+                "force_binding": None if self.force_refusal is not None else ("install" if self._own_force else "load")}
 
     # -- step hooks (StepBracket) -------------------------------------------------------------------
     def before_step(self, scheduler_output: Any) -> None:
