@@ -2,18 +2,19 @@
 
 Written for one H100 with vLLM 0.26 (../shared/notes/gpu.md); never run by the tests. On the
 gpu.md bench model (qwen3_moe, 8 layers, hidden 1024, 64 experts top-8, bf16), `--requests`
-rollouts of `--tokens` tokens (top_p 0.9) are sampled and captured on an eager engine, then:
+rollouts of `--tokens` tokens (top_p 0.9) are sampled and captured on the main engine, then
+scored on it. `--engine graph` (default, vLLM's default: torch.compile + CUDA graphs; the routers'
+forcing step is bound at model load, integrations/vllm/force_step.py) or `--engine eager`
+(enforce_eager=True); a second engine in the other mode gives the cross-mode placements:
 
   forced_vs_rollout     forced re-scoring (routes + support) vs the rollout's own logprobs: the
                         engine's noise level between decode and prefill (max / mean |Δ| nats);
   placements            the same traces scored under placements that change the engine's kernels:
                         batch sizes 1/4/16/64 (batch-size buckets of the GEMMs and attention),
-                        prompt reuse vs full, and graph mode (a second engine, enforce_eager=False).
-                        Per placement: max |Δ| vs the eager batch-of-all score, the fraction of
-                        token logprobs that moved, and how many distinct results (bit patterns)
-                        the placements gave. Forcing needs the routers to run in Python: on the
-                        graph engine forced scoring is expected to be refused (its error is
-                        recorded) and free-routing scores are compared instead, labelled;
+                        prompt reuse vs full, and the other mode (the second engine), forced too.
+                        Per placement: max |Δ| vs the main engine's batch-of-all score, the
+                        fraction of token logprobs that moved, and how many distinct results (bit
+                        patterns) the placements gave; free-routing placements are labelled;
   estimator_s[n]        estimate(traces, VllmScorer, n) for n = 1/2/4/8, full re-scoring, replicas
                         placed in rotating batch-size buckets; estimator_s_reuse[n] with prompt
                         reuse (fresh cache salt per run, so each run starts cold);
@@ -28,8 +29,8 @@ rollouts of `--tokens` tokens (top_p 0.9) are sampled and captured on an eager e
 Timings: median of `--repeats` (interleaved, torch.cuda.synchronize around each). Output is JSON
 labelled with the GPU name and the vLLM / torch versions.
 
-Usage: python benchmarks/gpu_estimator.py --json [--requests 64] [--tokens 128] [--repeats 3]
-       [--variance-repeats 8] [--gpu-memory-utilization 0.25] [--plan]
+Usage: python benchmarks/gpu_estimator.py --json [--engine graph|eager] [--requests 64] [--tokens 128]
+       [--repeats 3] [--variance-repeats 8] [--gpu-memory-utilization 0.25] [--plan]
 `--plan` prints the configuration as JSON and exits (checks the script on a machine without a GPU).
 """
 
@@ -58,6 +59,8 @@ WORDS = "the cat route token model expert layer sample mixture alpha beta dog".s
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--engine", default="graph", choices=["graph", "eager"],
+                    help="mode of the main engine (rollouts, timings, variance); the other mode is the second engine")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
@@ -127,7 +130,8 @@ def main(argv=None) -> None:
     model_dir = str(build_tiny_model("qwen3_moe", Path(tmp.name) / "bench", size="bench", seed=0, **MODEL))
     kw = dict(model=model_dir, dtype="bfloat16", max_model_len=1024, max_num_seqs=max(64, args.requests * 4),
               gpu_memory_utilization=args.gpu_memory_utilization, seed=0, block_size=args.block_size)
-    llm = LLM(**scoring_engine_kwargs(enforce_eager=True, **kw))
+    main_mode, other_mode = args.engine, "eager" if args.engine == "graph" else "graph"
+    llm = LLM(**scoring_engine_kwargs(enforce_eager=main_mode == "eager", **kw))
     cap = VllmCapture(llm, CaptureConfig())
     full_cfg = VllmScorerConfig(force_routes=True, use_support=True, prompt_reuse=False)
     scorer = VllmScorer(llm, full_cfg)
@@ -150,15 +154,16 @@ def main(argv=None) -> None:
     # -- noise: forced vs rollout, placements ------------------------------------------------------
     ref = scorer.score_batch(traces)
     gap = np.concatenate([np.abs(s - t.logprobs_G) for s, t in zip(ref, traces)])
-    placements = {"eager_all": {"max_abs": 0.0, "moved_fraction": 0.0, "digest": digest(ref)}}
+    placements = {f"{main_mode}_all": {"max_abs": 0.0, "moved_fraction": 0.0, "digest": digest(ref)}}
     for b in BUCKETS:
-        placements[f"eager_batch{b}"] = compare(ref, BucketScorer(scorer, len(traces), BUCKETS.index(b)).score_batch(traces))
+        placements[f"{main_mode}_batch{b}"] = compare(
+            ref, BucketScorer(scorer, len(traces), BUCKETS.index(b)).score_batch(traces))
     rs = reuse()
     rs.score_batch(traces)  # cold: caches the prompts
-    placements["eager_all_prompt_reuse"] = compare(ref, rs.score_batch(traces))
+    placements[f"{main_mode}_all_prompt_reuse"] = compare(ref, rs.score_batch(traces))
     free = scorer.with_config(dataclasses.replace(full_cfg, force_routes=False))
     free_ref = free.score_batch(traces)
-    placements["eager_all_free_routing"] = compare(ref, free_ref)
+    placements[f"{main_mode}_all_free_routing"] = compare(ref, free_ref)
 
     # -- timings, interleaved ---------------------------------------------------------------------
     times: dict[str, list[float]] = {}
@@ -204,25 +209,25 @@ def main(argv=None) -> None:
             probs[n].append(np.concatenate([e.prob_G for e in est]))
     var = {n: float(np.stack(probs[n]).var(axis=0, ddof=1).sum()) for n in NS}
 
-    # -- graph mode: a second engine (forcing needs Python routers; expected to be refused) ----------
-    graph = {}
-    llm_g = LLM(**scoring_engine_kwargs(enforce_eager=False, **kw))
-    sg = VllmScorer(llm_g, full_cfg)
-    try:
-        placements["graph_all_forced"] = compare(ref, sg.score_batch(traces))
-    except ScoringError as e:
-        graph["forced_refused"] = f"{type(e).__name__}: {e}"
-    free_g = sg.with_config(dataclasses.replace(full_cfg, force_routes=False))
+    # -- the other mode: a second engine, forced in every bucket, and free for reference ------------
+    other = {}
+    llm_o = LLM(**scoring_engine_kwargs(enforce_eager=other_mode == "eager", **kw))
+    so = VllmScorer(llm_o, full_cfg)
     for b in BUCKETS:
-        placements[f"graph_batch{b}_free_routing_vs_eager_free"] = compare(
-            free_ref, BucketScorer(free_g, len(traces), BUCKETS.index(b)).score_batch(traces))
+        try:
+            placements[f"{other_mode}_batch{b}"] = compare(
+                ref, BucketScorer(so, len(traces), BUCKETS.index(b)).score_batch(traces))
+        except ScoringError as e:  # recorded, never silent: a forcing failure is a finding
+            other[f"batch{b}_forced_error"] = f"{type(e).__name__}: {e}"
+    free_o = so.with_config(dataclasses.replace(full_cfg, force_routes=False))
+    placements[f"{other_mode}_all_free_routing_vs_{main_mode}_free"] = compare(free_ref, free_o.score_batch(traces))
 
     digests = {k: v["digest"] for k, v in placements.items() if "free" not in k}
     result = {
         "gpu": torch.cuda.get_device_name(), "vllm": vllm.__version__, "torch": torch.__version__, "plan": plan,
         "scored_tokens": int(sum(t.num_generated for t in traces)),
         "forced_vs_rollout": {"max_abs": float(gap.max()), "mean_abs": float(gap.mean())},
-        "placements": placements, "graph": graph,
+        "engine": main_mode, "placements": placements, "other_engine": {"mode": other_mode, **other},
         "distinct_forced_results": len(set(digests.values())), "forced_placements": len(digests),
         "estimator_s": {str(n): med[f"est{n}"] for n in NS},
         "estimator_s_reuse": {str(n): med[f"est{n}_reuse"] for n in NS},

@@ -108,3 +108,55 @@ def test_unreproducible_routers_are_refused_by_name():
         router_gate(cpu_router(scoring_func="sqrtsoftplus", e_score_correction_bias=torch.zeros(E)), 0)
     with pytest.raises(ForceRouteError, match="MoE layer 5: router kind RoutingSimulatorRouter has no gate rule"):
         router_gate(RoutingSimulatorRouter(K, E), 5)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "softmax_plain", "grouped_sigmoid_bias", "bf16", "softmax_device_path"])
+def test_forcing_step_traces_whole_and_forces_only_masked_rows(kind):
+    """The forcing step of force_step.py around a real router: torch.compile traces it as one graph
+    (fullgraph, dynamic row count: no Python branch on tensor values, no data-dependent shape); the
+    compiled call equals the eager one; masked rows get the forced ids and the rule's weights at
+    them, every other row the router's own ids and weights exactly; every forced row is
+    acknowledged; after clear() the same compiled call routes freely (the buffers are read live).
+    `softmax_device_path` runs the fills and reads device runners use (torch ops, no numpy views)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from moe_replay.integrations.vllm.force_step import ForceStep, forced_routing
+
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    if kind == "grouped_sigmoid_bias":
+        r = cpu_router(use_grouped_topk=True, num_expert_group=4, topk_group=2, scoring_func="sigmoid",
+                       routed_scaling_factor=2.5, e_score_correction_bias=torch.randn(E, generator=torch.Generator().manual_seed(5)))
+    else:
+        r = cpu_router(renormalize=kind != "softmax_plain")
+    step = ForceStep([(0, SimpleNamespace(router=r))], rows=T + 8, device=torch.device("cpu"))
+    if kind == "softmax_device_path":  # the torch fills device runners use (no host views)
+        step._np = None
+    step.bind(forced_routing)
+    try:
+        rng = np.random.default_rng(0)
+        rows_R = np.arange(1, T, 3)
+        ids_RLK = np.stack([rng.permutation(E)[:K] for _ in rows_R])[:, None, :].astype(np.int32)
+        step.fill(rows_R, ids_RLK)
+        compiled = torch.compile(r._compute_routing, fullgraph=True, backend="eager", dynamic=True)
+        for n in (T, T // 2 + 3):  # two row counts: one trace serves both
+            x, h = _logits(dtype, seed=n)
+            x, h = x[:n], h[:n]
+            own_w, own_ids = type(r)._compute_routing(r, h, x, None)
+            w, ids = compiled(h, x, None)
+            ew, eids = r._compute_routing(h, x, None)
+            assert torch.equal(w, ew) and torch.equal(ids, eids)
+            m = torch.zeros(n, dtype=torch.bool)
+            rows = torch.from_numpy(rows_R[rows_R < n])
+            m[rows] = True
+            assert torch.equal(ids[~m], own_ids[~m]) and torch.equal(w[~m], own_w[~m])
+            forced = torch.from_numpy(ids_RLK[rows_R < n, 0]).to(ids.dtype)
+            assert torch.equal(ids[rows], forced)
+            assert torch.equal(w[rows], forced_gate_weights(step.gates[0], x[rows], forced))
+            assert step.unforced(rows_R[rows_R < n]) == []
+        step.clear()
+        w, ids = compiled(h, x, None)
+        assert torch.equal(ids, own_ids) and torch.equal(w, own_w)
+    finally:
+        step.unbind()

@@ -4,14 +4,19 @@ A scoring request is the trace's full token sequence submitted as a prompt (max_
 client first registers it here under its request id (`ScoreJob`: tokens, routes, support,
 temperature). Then, per engine step (StepBracket in patch.py):
 
-  router call   (first MoE layer of a real step) the step's rows are mapped to requests from the
-                layout capture uses too (step.py: request ids, query_start_loc, positions); each MoE
-                router returns the engine's own top-k for every row, except rows of registered
-                requests at positions [route_start, S-1), which get the trace's ids (column order
-                kept). Gate weights at those ids are recomputed from the engine's router logits by
-                the router's own rule, read into a GateSpec by router_rules.ROUTER_GATES and
-                computed by the trainer's GATE_RULES: only ids are replayed (invariant 4). An engine whose router
-                kind has no rule still scores freely; registering routes on it is refused by name.
+  before_forward (inputs prepared, model not yet run; outside any compiled graph) the step's rows
+                are mapped to requests from the layout capture uses too (step.py: request ids,
+                query_start_loc, positions) and the rows of registered requests at positions
+                [route_start, S-1) are written into the forcing buffers (force_step.py) with the
+                trace's ids (column order kept); every other row stays free.
+  router call   inside the forward, compiled or eager, each MoE router takes the forced ids on
+                those rows and the engine's own top-k elsewhere; gate weights at forced ids are
+                recomputed from the engine's router logits by the router's own rule, read into a
+                GateSpec by router_rules.ROUTER_GATES and computed by the trainer's GATE_RULES: only
+                ids are replayed (invariant 4). An engine whose router kind has no rule, or a
+                compiled engine whose routers got no forcing step at load, still scores freely;
+                registering routes on it is refused by name. A forced row that some layer did not
+                acknowledge fails its request.
   after_forward the rows at positions [prompt_len-1, S-1) (those whose next token is generated)
                 go through the model's own `compute_logits`; per row, only
                 x[target] - logsumexp(x[support]) (x = logits / temperature) is kept: one float per
@@ -34,7 +39,6 @@ V vocabulary, N kept ids over the scored rows, S tokens of a sequence, G generat
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,9 +47,9 @@ import torch
 
 from ...replay.scoring import SupportCSR, engine_support_logprobs
 from .errors import ForceRouteError
+from .force_step import FORCE_STEP_ATTR, ForceStep, eager_routing
 from .records import external_id
-from .route_hook import find_moe_layers
-from .router_rules import RouterGate, forced_gate_weights, router_gate
+from .route_hook import find_moe_layers, forward_is_traced
 from .wire import ScoreRequest, ScoreResult
 
 # -- one registered request -----------------------------------------------------------------------
@@ -59,8 +63,8 @@ class ScoreJob:
     prompt_len: int
     temperature: float
     route_start: int = 0
-    routes_TLK: torch.Tensor | None = None
-    """int64 forced ids of positions [route_start, S-1); None: free routing."""
+    routes_TLK: np.ndarray | None = None
+    """int32 forced ids of positions [route_start, S-1); None: free routing."""
     sup_offsets_G1: np.ndarray | None = None
     sup_ids_N: np.ndarray | None = None
     logprobs_G: np.ndarray = field(init=False)
@@ -98,7 +102,7 @@ class ScoreJob:
                 )
             if r.size and (r.min() < 0 or r.max() >= geometry.num_experts):
                 raise ForceRouteError(f"scoring request {job.key!r}: expert ids must lie in [0, {geometry.num_experts})")
-            job.routes_TLK = torch.from_numpy(r)
+            job.routes_TLK = r.astype(np.int32)
         if p.support_offsets_G1 is not None:
             off = np.asarray(p.support_offsets_G1).astype(np.int64).reshape(-1)
             if len(off) != S - P + 1:
@@ -120,49 +124,60 @@ class _StepPlan:
     n: int
     jobs: list[tuple[ScoreJob, int, int, int]]
     """(job, first row, end row, first position) per registered request in the step."""
-    force_mask_T: torch.Tensor | None = None
-    force_rows_R: torch.Tensor | None = None
-    force_ids_RLK: torch.Tensor | None = None
-    device: Any = torch.device("cpu")
-    router_calls: int = 0
-    """MoE router calls that went through the forcing wrapper this step (must be one per layer)."""
+    force_rows_R: np.ndarray | None = None
+    force_ids_RLK: np.ndarray | None = None
+    filled: bool = False
+    """The forcing buffers hold this plan's rows (before_forward ran for this step)."""
 
 
 class WorkerScoring:
     """Route forcing + per-token scoring installed on one model runner (`uninstall()` undoes it)."""
 
     def __init__(self, runner: Any, max_jobs: int = 65536) -> None:
-        from .patch import patch_routers, step_bracket
+        from .patch import step_bracket
         from .route_hook import geometry_from_runner
 
         self.runner, self.max_jobs = runner, max_jobs
         self.geometry = geometry_from_runner(runner)
         layers = find_moe_layers(runner.model)
-        self.gates: list[RouterGate] = []
+        self.force: ForceStep | None = getattr(runner.model, FORCE_STEP_ATTR, None)
+        """The forcing buffers: bound at load (compiled forwards) or here (eager ones, `_own_force`)."""
+        self._own_force = False
         self.force_refusal: str | None = None
         """Why routes cannot be forced on this engine (None: they can); free scoring works regardless."""
-        for lid, moe in layers:
-            try:
-                self.gates.append(router_gate(moe.router, lid))
-            except ForceRouteError as e:
-                self.force_refusal = str(e)
-                break
+        if self.force is None and forward_is_traced(runner.vllm_config):
+            self.force_refusal = (
+                "this engine compiles its forward (enforce_eager=False: torch.compile / CUDA graphs) and its routers "
+                "got no forcing step at model load, so routes set later would never be forced. Build the engine with "
+                "LLM(..., **scoring_engine_kwargs()) (it sets additional_config 'moe_replay_force', read by the "
+                "moe_replay load hook), or use enforce_eager=True")
+        elif self.force is None:
+            self.force = ForceStep(layers, int(runner.max_num_tokens), torch.device(runner.device))
+            self._own_force = True
+        if self.force is not None and self.force.refusal is not None:
+            self.force_refusal = self.force.refusal
+        dp = int(getattr(runner.vllm_config.parallel_config, "data_parallel_size", 1) or 1)
+        if dp > 1:  # the forcing step maps router row t to step row t: rows gathered from other ranks break that
+            self.force_refusal = (f"data_parallel_size={dp}: MoE routers see rows gathered from other data-parallel ranks, "
+                                  "which the forcing buffers (one row per row of this rank's step) cannot address")
+        if self.force is not None and self.force.layer_ids != self.geometry.moe_layer_ids:
+            raise ForceRouteError(f"load-time forcing step covers layers {self.force.layer_ids}, the model has MoE "
+                                  f"layers {self.geometry.moe_layer_ids}")
+        self.gates = self.force.gates if self.force is not None else []
         self.jobs: dict[str, ScoreJob] = {}
         """Registered jobs by request id (the client's id, without vLLM's random suffix)."""
         self._by_internal: dict[str, ScoreJob] = {}
         self._others: set[str] = set()
         self._plan: _StepPlan | None = None
         self._step_n = 0
-        self._routers = [m.router for _, m in layers]
         self.hook_s = 0.0
         self.steps = 0
         self.forced_rows = 0
         self.scored_rows = 0
         self._bracket = step_bracket(runner, self)
-        self._patches = None
-        if self.force_refusal is None:
+        if self._own_force and self.force_refusal is None:
             try:
-                self._patches = patch_routers([m.router for _, m in layers], self._make_router)
+                self.force.bind(eager_routing)
             except Exception:
                 self._bracket.remove(self)
                 raise
@@ -205,7 +220,8 @@ class WorkerScoring:
     def stats(self) -> dict[str, Any]:
         return {"registered": len(self.jobs), "steps": self.steps, "forced_rows": self.forced_rows,
                 "scored_rows": self.scored_rows, "hook_s": self.hook_s, "force_refusal": self.force_refusal,
-                "gate_rules": sorted({g.spec.rule for g in self.gates})}
+                "gate_rules": sorted({g.spec.rule for g in self.gates}),
+                "force_binding": None if self.force_refusal is not None else ("install" if self._own_force else "load")}
 
     # -- step hooks (StepBracket) -------------------------------------------------------------------
     def before_step(self, scheduler_output: Any) -> None:
@@ -249,56 +265,38 @@ class WorkerScoring:
                 a = max(first, job.route_start)
                 b = min(first + hi - lo, len(job.tokens_S) - 1)
                 if b > a:
-                    rows.append(torch.arange(lo + a - first, lo + b - first))
+                    rows.append(np.arange(lo + a - first, lo + b - first))
                     ids.append(job.routes_TLK[a - job.route_start : b - job.route_start])
         plan = _StepPlan(n, jobs)
         if rows:
-            plan.force_rows_R = torch.cat(rows)
-            plan.force_ids_RLK = torch.cat(ids)
-            mask = torch.zeros(n, dtype=torch.bool)
-            mask[plan.force_rows_R] = True
-            plan.force_mask_T = mask
+            plan.force_rows_R = np.concatenate(rows)
+            plan.force_ids_RLK = np.concatenate(ids)
             self.forced_rows += len(plan.force_rows_R)
         self._plan = plan
         return plan
 
-    def _make_router(self, j: int, orig):
-        bracket = self._bracket
-
-        def compute_routing(hidden_states, router_logits, indices_type, *, input_ids=None):
-            w_TK, ids_TK = orig(hidden_states, router_logits, indices_type, input_ids=input_ids)
-            if not bracket.in_step or not self.jobs:
-                return w_TK, ids_TK
-            t0 = time.perf_counter()
-            plan = self._step_plan(self._step_n)
-            plan.router_calls += 1
-            if plan.force_rows_R is None:
-                self.hook_s += time.perf_counter() - t0
-                return w_TK, ids_TK
-            T = router_logits.shape[0]
-            if T < plan.n:  # a chunked MoE call: rows cannot be matched; never force the wrong ones
-                for job, *_ in plan.jobs:
-                    job.problems.append(f"MoE layer call with {T} rows in a step of {plan.n}: routes not forced")
-                plan.force_rows_R = None
-                return w_TK, ids_TK
-            dev = ids_TK.device
-            if plan.device != dev:  # device runners: the plan's index tensors move once per step
-                plan.force_rows_R, plan.force_ids_RLK = plan.force_rows_R.to(dev), plan.force_ids_RLK.to(dev)
-                plan.force_mask_T, plan.device = plan.force_mask_T.to(dev), dev
-            ids2_TK = ids_TK.clone()
-            ids2_TK[plan.force_rows_R] = plan.force_ids_RLK[:, j].to(ids_TK.dtype)
-            mask_T1 = torch.zeros(T, 1, dtype=torch.bool, device=dev)
-            mask_T1[: plan.n, 0] = plan.force_mask_T
-            w2_TK = torch.where(mask_T1, forced_gate_weights(self.gates[j], router_logits, ids2_TK), w_TK)
-            self.hook_s += time.perf_counter() - t0
-            return w2_TK.contiguous(), ids2_TK
-
-        return compute_routing
+    def before_forward(self) -> None:
+        """Fill the forcing buffers with this step's forced rows (StepBracket, before the model runs)."""
+        if not self.jobs or not self._step_n:
+            return
+        plan = self._step_plan(self._step_n)
+        if plan.force_rows_R is None or self.force is None:
+            return
+        try:
+            self.force.fill(plan.force_rows_R, plan.force_ids_RLK)
+        except ForceRouteError as e:
+            for job, *_ in plan.jobs:
+                job.problems.append(f"engine step {self.steps + 1}: {e}")
+            plan.force_rows_R = None
+            return
+        plan.filled = True
 
     def after_forward(self, scheduler_output: Any) -> None:
         n = scheduler_output.total_num_scheduled_tokens
         plan, self._plan = self._plan, None
         if not n or not self.jobs:
+            if self.force is not None:
+                self.force.clear()
             return
         if plan is None:
             plan = self._step_plan(n)
@@ -306,13 +304,17 @@ class WorkerScoring:
         self.steps += 1
         if not plan.jobs:
             return
-        if plan.force_rows_R is not None and plan.router_calls != len(self.gates):
-            # a router that did not run in Python (CUDA-graph replay, a compiled region) cannot have
-            # forced anything: these rows were routed freely, never scored as if forced
-            for job, *_ in plan.jobs:
-                if job.routes_TLK is not None:
-                    job.problems.append(f"engine step {self.steps}: {plan.router_calls} of {len(self.gates)} MoE routers ran "
-                                        "in Python (CUDA graphs / compiled?): routes not forced; score on an eager engine")
+        if plan.force_rows_R is not None:
+            # a router that did not run the forcing step (a graph traced before it was bound, a kernel
+            # that bypasses the router) forced nothing: these rows were routed freely, never scored
+            # as if forced
+            missed = self.force.unforced(plan.force_rows_R) if plan.filled else ["all (forcing buffers never filled)"]
+            self.force.clear()
+            if missed:
+                for job, *_ in plan.jobs:
+                    if job.routes_TLK is not None:
+                        job.problems.append(f"engine step {self.steps}: MoE layers {missed} did not force the "
+                                            "registered rows (routes not forced)")
         r = self.runner
         ids_T = r.input_ids.cpu[:n].numpy()
         rows, targets, g_idx, owners = [], [], [], []
@@ -369,8 +371,10 @@ class WorkerScoring:
         return out.cpu().numpy().astype(np.float32)
 
     def uninstall(self) -> None:
-        if self._patches is not None:
-            self._patches.undo()
+        if self.force is not None:
+            self.force.clear()
+            if self._own_force:  # a load-time step stays bound: the compiled graph holds it
+                self.force.unbind()
         self._bracket.remove(self)
         self.jobs.clear()
         self._by_internal.clear()

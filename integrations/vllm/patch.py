@@ -6,10 +6,15 @@ routes. We wrap, on the *instances* of one model runner only (never on classes):
 
   * runner.execute_model                       -> step bookkeeping before/after the forward, once
                                                   per runner, shared by listeners (StepBracket);
+  * runner._model_forward                       -> the point between input preparation and the
+                                                  forward (layout known, graph not yet run):
+                                                  scoring fills its forcing buffers (StepBracket);
   * runner.sampler.forward                      -> sampled tokens of the step (capture);
   * runner.sampler.topk_topp_sampler.forward    -> the kept set, where truncation happens (capture);
   * <MoE layer>.router._compute_routing         -> forced expert ids per request row (scoring,
-                                                  force.py), one wrapper per CPURouter instance.
+                                                  force_step.py), one wrapper per router instance;
+                                                  on eager engines at install, on compiled ones
+                                                  at load (below).
 
 One class-level wrapper exists, because a compiled forward only calls capture functions set
 before torch.compile traces it, i.e. before any runner instance can be reached:
@@ -18,7 +23,10 @@ before torch.compile traces it, i.e. before any runner instance can be reached:
                                                   route step buffer (route_hook.bind_at_load) when
                                                   the engine's additional_config carries
                                                   CAPTURE_FLAG and the forward is compiled; inert
-                                                  for every other engine.
+                                                  for every other engine; and, when it carries
+                                                  FORCE_FLAG (scoring_engine_kwargs), bind the
+                                                  routers' forcing step (force_step.py) the same
+                                                  way, before the forward is compiled.
 
 vLLM loads `register_plugin` in every process (entry point group `vllm.general_plugins`,
 pyproject.toml); `capture_engine_kwargs()` also installs it in the calling process, so in-process
@@ -42,6 +50,11 @@ CAPTURE_FLAG = "moe_replay_capture"
 """Key in vLLM's `additional_config` that asks for load-time capture. vLLM hashes additional_config
 into its compile-cache key, so compiled artifacts with and without the capture function (and with
 different versions of it: the value is a hash of route_hook.py) never mix."""
+
+FORCE_FLAG = "moe_replay_force"
+"""Key in vLLM's `additional_config` that asks for the load-time forcing step (force_step.py) on a
+compiled forward; its value is force_step.force_abi() (a hash of what the step traces), for the same
+compile-cache reason as CAPTURE_FLAG."""
 
 
 class InstancePatches:
@@ -88,8 +101,10 @@ class StepBracket:
     vLLM takes one worker_extension_cls and an instance attribute can be wrapped once, so capture
     (worker.WorkerCapture) and scoring (force.WorkerScoring) do not each wrap execute_model: they
     register here. Per step, listeners' `before_step(scheduler_output)` run before the original
-    (input batch not yet updated) and `after_forward(scheduler_output)` after it (batch, positions
-    and the step's hidden states in place). Seconds spent in each listener go to its `hook_s`.
+    (input batch not yet updated), `before_forward()` (listeners that have it) inside it, once the
+    inputs are prepared and before the model runs (outside any compiled graph), and
+    `after_forward(scheduler_output)` after it (batch, positions and the step's hidden states in
+    place). Seconds spent in each listener go to its `hook_s`.
     Both read the step's rows from one `views.layout(n)` (step.py). The wrapper is removed when
     the last listener leaves (`remove`).
     """
@@ -125,7 +140,21 @@ class StepBracket:
 
             return execute_model
 
+        def make_forward(orig):
+            def model_forward(*args, **kwargs):
+                if self.in_step:  # never in dummy / warm-up / graph-capture runs
+                    for lst in list(self.listeners):
+                        if hasattr(lst, "before_forward"):
+                            t0 = time.perf_counter()
+                            lst.before_forward()
+                            lst.hook_s += time.perf_counter() - t0
+                return orig(*args, **kwargs)
+
+            return model_forward
+
         self._patches.wrap(runner, "execute_model", make_execute)
+        if hasattr(runner, "_model_forward"):  # absent: forced rows fail as never filled (force.py)
+            self._patches.wrap(runner, "_model_forward", make_forward)
 
     def remove(self, listener: Any) -> None:
         if listener in self.listeners:
@@ -193,9 +222,9 @@ def patch_runner(runner: Any, capture: Any) -> tuple[InstancePatches, Any]:
 
 
 def patch_routers(routers: list[Any], make: Callable[[int, Callable], Callable]) -> InstancePatches:
-    """Wrap `_compute_routing` on each router *instance* (CPURouter); make(j, orig) -> replacement.
+    """Wrap `_compute_routing` on each router *instance*; make(j, orig) -> replacement.
 
-    This is the forcing point of scoring (force.py): BaseRouter.select_experts calls
+    This is the forcing point of scoring (force_step.py): BaseRouter.select_experts calls
     self._compute_routing(hidden_states, router_logits, indices_type, input_ids=...) and feeds its
     (weights fp32 [T, K], ids int32 [T, K]) to the experts kernel and to set_capture_fn.
     """
@@ -276,8 +305,12 @@ class LoadHook:
                 from .versions import check_vllm_version
 
                 check_vllm_version()
-                if forward_is_traced(vllm_config):  # eager forwards get their function at install
+                if forward_is_traced(vllm_config):  # eager forwards get their functions at install
                     bind_at_load(model, vllm_config)
+                    if extra.get(FORCE_FLAG):
+                        from .force_step import bind_force_at_load
+
+                        bind_force_at_load(model, vllm_config)
             return model
 
         functools.update_wrapper(load_model, original)

@@ -37,7 +37,9 @@ from ...geometry import ModelGeometry
 from ...trace import RolloutTrace
 from .api import capture_engine_kwargs
 from .errors import ForceRouteError, PrefixCacheMissError, ScoreAlignmentError, ScoringError
+from .force_step import force_abi
 from .link import AsyncLink, SyncLink
+from .patch import FORCE_FLAG
 from .prefix import CACHE_UPTO_KEY, READ_UPTO_KEY, SCHEDULER_QUALNAME, cache_salt, engine_reuse_ready, reusable_tokens
 from .wire import InstallReply, ScoreRequest, ScoreResult
 
@@ -92,8 +94,10 @@ class VllmScorerConfig:
 
 
 def scoring_engine_kwargs(*, prompt_reuse: bool = True, **engine_kwargs: Any) -> dict[str, Any]:
-    """Engine kwargs with the moe_replay worker extension (capture + scoring) and, for prompt
-    reuse, prefix caching on and the scheduler that caps what scoring requests cache (prefix.py).
+    """Engine kwargs with the moe_replay worker extension (capture + scoring), the load-time forcing
+    step for compiled forwards (additional_config FORCE_FLAG: forced scoring works with vLLM's
+    default enforce_eager=False) and, for prompt reuse, prefix caching on and the scheduler that
+    caps what scoring requests cache (prefix.py).
 
     Rollouts on the same engine are unaffected: their requests carry no cap, and scoring requests
     carry their own cache salt, so neither ever reads the other's KV.
@@ -106,6 +110,11 @@ def scoring_engine_kwargs(*, prompt_reuse: bool = True, **engine_kwargs: Any) ->
         engine_kwargs.setdefault("scheduler_cls", SCHEDULER_QUALNAME)
     else:
         engine_kwargs.setdefault("enable_prefix_caching", False)
+    extra = engine_kwargs.get("additional_config") or {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"additional_config must be a dict to add {FORCE_FLAG!r}, got {type(extra).__name__}")
+    # the routers' forcing step, bound at load when the forward is compiled (force_step.py)
+    engine_kwargs["additional_config"] = {**extra, FORCE_FLAG: force_abi()}
     return capture_engine_kwargs(**engine_kwargs)
 
 

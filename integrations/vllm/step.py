@@ -11,7 +11,7 @@ are derived from host mirrors (num_computed_tokens_cpu, query_start_loc, the blo
 same way vLLM computes them, so nothing waits on a device copy.
 
 The layout is taken once per step (`StepViews.layout`), by whichever listener asks first: scoring
-asks inside the forward (its first router call), capture after it; both see the same arrays.
+asks before the forward (StepBracket.before_forward), capture after it; both see the same arrays.
 Legend: B requests of the step, T tokens forwarded in it.
 """
 
