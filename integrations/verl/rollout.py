@@ -83,13 +83,9 @@ class MoeReplayHttpServer(vLLMHttpServer):
             return
         from ..vllm.api import capture_engine_kwargs
 
-        ext = engine_kwargs.get("worker_extension_cls")
-        if ext not in (None, EXTENSION):
-            raise ValueError(f"moe_replay: rollout.engine_kwargs.vllm.worker_extension_cls={ext!r}; capture needs "
-                             f"{EXTENSION!r} (verl's colocate extension with moe_replay's endpoint)")
-        kwargs = capture_engine_kwargs(additional_config=engine_kwargs.get("additional_config"))
-        engine_kwargs["additional_config"] = kwargs["additional_config"]
-        engine_kwargs["worker_extension_cls"] = EXTENSION
+        kwargs = capture_engine_kwargs(additional_config=engine_kwargs.get("additional_config"),
+                                       worker_extension_cls=engine_kwargs.get("worker_extension_cls") or EXTENSION)
+        engine_kwargs.update(additional_config=kwargs["additional_config"], worker_extension_cls=kwargs["worker_extension_cls"])
 
     async def run_server(self, args: Any) -> None:
         await super().run_server(args)

@@ -46,15 +46,31 @@ def capture_engine_kwargs(**engine_kwargs: Any) -> dict[str, Any]:
     from .versions import check_vllm_version
 
     check_vllm_version()
-    ext = engine_kwargs.get("worker_extension_cls")
-    if ext and ext != EXTENSION:
-        raise ValueError(f"worker_extension_cls is already set to {ext!r}; capture needs {EXTENSION!r}")
+    ext = engine_kwargs.get("worker_extension_cls") or EXTENSION
+    if ext != EXTENSION and not _serves_endpoint(ext):
+        raise ValueError(f"worker_extension_cls is already set to {ext!r}; capture needs {EXTENSION!r} "
+                         "or a subclass of it (vLLM takes one extension: mix ReplayWorkerExtension into yours)")
     extra = engine_kwargs.get("additional_config") or {}
     if not isinstance(extra, dict):
         raise ValueError(f"additional_config must be a dict to add {CAPTURE_FLAG!r}, got {type(extra).__name__}")
     install_load_hook()
-    return {**engine_kwargs, "worker_extension_cls": EXTENSION,
+    return {**engine_kwargs, "worker_extension_cls": ext,
             "additional_config": {**extra, CAPTURE_FLAG: capture_abi()}}
+
+
+def _serves_endpoint(qualname: Any) -> bool:
+    """Whether a worker extension named by its qualified name mixes in moe_replay's endpoint (verl's
+    rollout does: its colocate extension + ReplayWorkerExtension, integrations/verl/extension.py)."""
+    import importlib
+
+    from .endpoint import ReplayWorkerExtension
+
+    module, _, name = str(qualname).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"worker_extension_cls {qualname!r} cannot be imported: {e}") from e
+    return isinstance(cls, type) and issubclass(cls, ReplayWorkerExtension)
 
 
 def sampling_summary(params: Any) -> dict[str, Any]:
