@@ -223,9 +223,9 @@ def affinity_tree(pid: int) -> list[dict]:
 class Sidecar:
     """Rollout AsyncLLM on one core, scoring AsyncLLM + EstimatorService on the other."""
 
-    def __init__(self, model_dir: str, dtype: str, requests: int) -> None:
+    def __init__(self, model_dir: str, dtype: str, requests: int, eager: bool) -> None:
         self.model_dir, self.dtype, self.requests = model_dir, dtype, requests
-        self.engine_kw = dict(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=512,
+        self.engine_kw = dict(model=model_dir, dtype=dtype, enforce_eager=eager, max_model_len=512,
                               max_num_seqs=max(8, requests * SIDECAR_N), max_num_batched_tokens=2048, seed=0,
                               distributed_executor_backend="uni", block_size=BLOCK)
         self.loop = asyncio.new_event_loop()
@@ -352,6 +352,9 @@ class Sidecar:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--engine", default="compiled", choices=["compiled", "eager"],
+                    help="vLLM's default compiled forward (enforce_eager=False; forcing runs inside it, "
+                         "integrations/vllm/force_step.py) or enforce_eager=True, for every engine")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
@@ -394,11 +397,12 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     model_dir = build_tiny_model("qwen3_moe", Path(tmp.name) / "bench", size="bench", seed=0)
     L = lengths(args.requests, args.tokens, args.lengths)
-    side = Sidecar(str(model_dir), args.dtype, args.requests)
+    eager = args.engine == "eager"
+    side = Sidecar(str(model_dir), args.dtype, args.requests, eager)
     side.start(rollout_cpus, scoring_cpus)
     layout("single")
 
-    llm = LLM(**scoring_engine_kwargs(model=str(model_dir), dtype=args.dtype, enforce_eager=True, max_model_len=512,
+    llm = LLM(**scoring_engine_kwargs(model=str(model_dir), dtype=args.dtype, enforce_eager=eager, max_model_len=512,
                                       max_num_seqs=max(8, args.requests * 5), max_num_batched_tokens=2048, seed=0,
                                       distributed_executor_backend="uni", block_size=BLOCK))
     cap = VllmCapture(llm, CaptureConfig())
@@ -570,7 +574,7 @@ def main() -> None:
         "check": check,
     }
     result = {
-        "model": "qwen3_moe/bench", "engine_dtype": args.dtype, "requests": args.requests, "tokens": args.tokens,
+        "model": "qwen3_moe/bench", "engine_dtype": args.dtype, "engine": args.engine, "requests": args.requests, "tokens": args.tokens,
         "scored_tokens": int(sum(t.num_generated for t in traces)),
         "estimator_s": {str(n): med[f"est{n}"] for n in NS},
         "hf_recompute_s": med["hf"],
