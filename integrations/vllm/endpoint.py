@@ -91,6 +91,13 @@ def _score_register(runner: Any, st: RunnerState, requests: list[dict[str, Any]]
     return _part(st, "scoring").register([ScoreRequest.from_dict(d) for d in requests])
 
 
+@OPS.register("weights.after_load")
+def _weights_after_load(runner: Any, st: RunnerState, payload: Any) -> dict[str, Any]:
+    from .weights import after_load
+
+    return after_load(runner)
+
+
 def _uninstall(name: str) -> Op:
     def op(runner: Any, st: RunnerState, payload: Any) -> bool:
         obj = getattr(st, name)
