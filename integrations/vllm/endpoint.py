@@ -7,7 +7,8 @@ payload)`: OPS maps an op name to a handler of the runner's `RunnerState`, and t
 back in wire.py's envelope, so a worker-side error is re-raised typed on the client (link.py).
 
 vLLM takes one extension class, so capture (worker.py) and scoring (force.py) share it, as they
-share the runner's one step bracket (patch.StepBracket) and its step layout (step.py).
+share the runner's one step bracket (patch.StepBracket) and its step layout (step.py). The weight
+repack after a trainer's own weight load (weights.py `repack_cpu_moe`) is one more op on it.
 """
 
 from __future__ import annotations
