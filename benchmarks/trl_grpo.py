@@ -25,10 +25,20 @@ worker's flush of the staged rows, the records' transfer and trace assembly; the
 same, so capture's in-engine hooks, built in at load, run on both sides: their cost is
 benchmarks/capture.py's `compiled.overhead`), `score_s_{trl,replay}`
 (TRL's fused logprob/entropy forward + backward vs moe_replay's replayed, support-renormalised
-one on the same batch), `sync_s_{trl,repack}` (TRL's weight sync vs sync + the vLLM-CPU repack),
-each with its `*_extra_s` difference, and `step_s_trl_parts` (the stock parts' sum).
+one on the same batch), `old_s_{trl,measured}` (the no-grad π_old pass TRL runs for its importance
+sampling, vs moe_replay's, which also measures the mismatch metrics and route flips once per
+generation), `sync_s_{trl,repack}` (TRL's weight sync vs sync + the vLLM-CPU repack),
+each with its `*_extra_s` difference, and `step_s_trl_parts` (the stock parts' sum); the same in
+process CPU seconds as `*_cpu_s_*`, `*_cpu_extra_s`, `step_cpu_ratio_parts`.
 
-Usage: python benchmarks/trl_grpo.py [--steps 6] [--repeats 2] [--preset r3_support] [--breakdown 20]
+`--size` picks the checkpoint's size preset (moe_replay.models.SIZES): `tiny` (default; 2 MoE
+layers, hidden 128, a ~0.2 s step on a quiet machine, so capture's and scoring's fixed per-step
+work is a large share) or `bench` (8 MoE layers, hidden 512, 32 experts top-4: MoE compute, not
+Python, dominates a step). Every output carries `size` and the 1-minute load average at the start
+and at the end (`load_average_1min_start`, `load_average_1min`): the CPU machine is shared.
+
+Usage: python benchmarks/trl_grpo.py [--steps 6] [--repeats 2] [--preset r3_support] [--size tiny|bench]
+       [--breakdown 20]
 """
 
 from __future__ import annotations
@@ -156,6 +166,16 @@ def breakdown(model_dir: Path, preset: str, pairs: int, out_dir: str) -> dict:
                         trainer._mr_stack = trainer._mr_rows = None
             return run
 
+        def old(fn, measure):
+            def run():  # TRL's no-grad pi_old pass; moe_replay measures its metrics on it
+                with torch.no_grad():
+                    trainer._mr_rows, trainer._mr_measure_next = batch[TRACES_KEY], measure
+                    try:
+                        fn(trainer.model, ids_BS, mask_BS, cols)
+                    finally:
+                        trainer._mr_rows, trainer._mr_measure_next = None, False
+            return run
+
         def sync_trl():
             trainer.vllm_generation.sync_weights()
 
@@ -164,26 +184,34 @@ def breakdown(model_dir: Path, preset: str, pairs: int, out_dir: str) -> dict:
 
         seams = {"gen": (gen_trl, gen_capture), "score": (
             score(lambda *a, **k: GRPOTrainer._get_per_token_logps_and_entropies(trainer, *a, **k)),
-            score(trainer._get_per_token_logps_and_entropies)), "sync": (sync_trl, sync_repack)}
-        names = {"gen": ("trl", "capture"), "score": ("trl", "replay"), "sync": ("trl", "repack")}
-        times = {f"{seam}_s_{n}": [] for seam, ns in names.items() for n in ns}
+            score(trainer._get_per_token_logps_and_entropies)),
+            "old": (old(lambda *a, **k: GRPOTrainer._get_per_token_logps_and_entropies(trainer, *a, **k), False),
+                    old(trainer._get_per_token_logps_and_entropies, True)),
+            "sync": (sync_trl, sync_repack)}
+        names = {"gen": ("trl", "capture"), "score": ("trl", "replay"), "old": ("trl", "measured"),
+                 "sync": ("trl", "repack")}
+        times = {f"{seam}_{clock}_{n}": [] for seam, ns in names.items() for n in ns for clock in ("s", "cpu_s")}
         for i in range(pairs):
             for seam, fns in seams.items():
                 order = (0, 1) if i % 2 == 0 else (1, 0)  # alternate which side runs first
                 if seam == "sync":
                     order = (0, 1)  # the repacking sync last, so the engine is left repaired
                 for j in order:
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     cleanup = fns[j]()
                     times[f"{seam}_s_{names[seam][j]}"].append(time.perf_counter() - t0)
+                    times[f"{seam}_cpu_s_{names[seam][j]}"].append(time.process_time() - c0)
                     if cleanup is not None:
                         cleanup()
         med = {k: statistics.median(v) for k, v in times.items()}
-        for seam, (a, b) in names.items():
-            med[f"{seam}_extra_s"] = med[f"{seam}_s_{b}"] - med[f"{seam}_s_{a}"]
-        med["step_s_trl_parts"] = sum(med[f"{seam}_s_trl"] for seam in names)
-        med["step_extra_s"] = sum(med[f"{seam}_extra_s"] for seam in names)
-        med["step_ratio_parts"] = 1 + med["step_extra_s"] / med["step_s_trl_parts"]
+        # wall seconds, and process CPU seconds (all threads: on a shared machine wall time mostly
+        # measures the neighbours)
+        for tag, clock, extra in (("", "s", "extra_s"), ("cpu_", "cpu_s", "cpu_extra_s")):
+            for seam, (a, b) in names.items():
+                med[f"{seam}_{extra}"] = med[f"{seam}_{clock}_{b}"] - med[f"{seam}_{clock}_{a}"]
+            med[f"step_{clock}_trl_parts"] = sum(med[f"{seam}_{clock}_trl"] for seam in names)
+            med[f"step_{extra}"] = sum(med[f"{seam}_{extra}"] for seam in names)
+            med[f"step_{tag}ratio_parts"] = 1 + med[f"step_{extra}"] / med[f"step_{clock}_trl_parts"]
         return med
     finally:
         trainer.close_moe_replay()
@@ -195,16 +223,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--preset", default="r3_support")
+    ap.add_argument("--size", default="tiny", choices=["tiny", "bench"],
+                    help="checkpoint size preset (moe_replay.models.SIZES)")
     ap.add_argument("--breakdown", type=int, default=0, metavar="PAIRS",
                     help="time each seam stock vs moe_replay in one process instead of whole runs")
     ap.add_argument("--json", action="store_true", help="accepted for symmetry with the other benchmarks")
     a = ap.parse_args()
     from moe_replay.models import build_tiny_model
 
+    load_start = os.getloadavg()[0]
     tmp = tempfile.mkdtemp(prefix="bench_trl_")
-    model_dir = build_tiny_model("qwen3_moe", Path(tmp) / "model")
+    model_dir = build_tiny_model("qwen3_moe", Path(tmp) / "model", size=a.size)
+    head = {"device": "cpu (vLLM-CPU engine, HF trainer)", "size": a.size, "load_average_1min_start": load_start}
     if a.breakdown:
-        out = {"device": "cpu (vLLM-CPU engine, HF trainer)", "preset": a.preset, "pairs": a.breakdown,
+        out = {**head, "preset": a.preset, "pairs": a.breakdown,
                **breakdown(model_dir, a.preset, a.breakdown, str(Path(tmp) / "out")),
                "load_average_1min": os.getloadavg()[0]}
         print(json.dumps(out, indent=2))
@@ -221,7 +253,7 @@ def main() -> None:
                 logs[arm] = hist
 
     out = {
-        "device": "cpu (vLLM-CPU engine, HF trainer)",
+        **head,
         "steps": a.steps,
         "repeats": a.repeats,
         **ab_summary(a.preset, "trl", logs, times, cpu),

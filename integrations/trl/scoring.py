@@ -129,9 +129,11 @@ def score_chunk(
     check_rows(traces, input_ids_BS, attention_mask_BS, completion_cols)
     with_routes = all(t.routes_TLK is not None for t in traces)
     # the plan's own left-padded batch: every completion ends in the last column, so the k = C + 1
-    # kept logit columns hold every scored position, as in TRL's [prompt | completion] layout
+    # kept logit columns hold every scored position, as in TRL's [prompt | completion] layout.
+    # Routes are laid out where they are replayed or measured (route flips); a preset that routes
+    # freely (`none`) skips them on its unmeasured passes (TRL's training forward, π_ref)
     plan = build_plan(traces, geometry, config=dataclasses.replace(preset.replay.plan, padding_side="left"),
-                      routes=with_routes or preset.replay.routes)
+                      routes=preset.replay.routes or (measure and with_routes))
     session = None
     if preset.replay.routes:
         session = stack.enter_context(replay(hf_model, plan, track_flips=measure))

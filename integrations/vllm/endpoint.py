@@ -7,7 +7,8 @@ payload)`: OPS maps an op name to a handler of the runner's `RunnerState`, and t
 back in wire.py's envelope, so a worker-side error is re-raised typed on the client (link.py).
 
 vLLM takes one extension class, so capture (worker.py) and scoring (force.py) share it, as they
-share the runner's one step bracket (patch.StepBracket) and its step layout (step.py).
+share the runner's one step bracket (patch.StepBracket) and its step layout (step.py). The weight
+repack after a trainer's own weight load (weights.py `repack_cpu_moe`) is one more op on it.
 """
 
 from __future__ import annotations
@@ -89,6 +90,13 @@ def _score_install(runner: Any, st: RunnerState, options: dict[str, Any]) -> dic
 @OPS.register("score.register")
 def _score_register(runner: Any, st: RunnerState, requests: list[dict[str, Any]]) -> int:
     return _part(st, "scoring").register([ScoreRequest.from_dict(d) for d in requests])
+
+
+@OPS.register("weights.after_load")
+def _weights_after_load(runner: Any, st: RunnerState, payload: Any) -> dict[str, Any]:
+    from .weights import after_load
+
+    return after_load(runner)
 
 
 def _uninstall(name: str) -> Op:

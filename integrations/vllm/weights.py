@@ -70,22 +70,44 @@ def _repack_cpu_moe(model: Any) -> int:
             )
         for attr in ("w13_weight", "w2_weight"):
             param = getattr(layer, attr)
-            param.data.copy_(cpu_prepack_moe_weight(param.data.clone(), experts.isa))
+            # the kernel reads `param` and writes a fresh tensor (vllm._custom_ops), so no clone of
+            # the input: one full copy of every expert weight less per sync; copied back in place
+            # because the compiled forward holds this storage
+            param.data.copy_(cpu_prepack_moe_weight(param.data, experts.isa))
         fixed += 1
     return fixed
 
 
 def repack_cpu_moe(llm: Any) -> int:
     """After weights were loaded into `llm` by any route (reload_weights, a trainer's per-tensor
-    `load_weights`), re-apply the CPU experts kernel's prepack; returns layers repacked (0 off the
-    CPU backend). Call it once per full load: prepacking prepacked values scrambles them again."""
-    fixed = llm.collective_rpc(_repack_on_worker)
-    return int(fixed[0]) if fixed else 0
+    `load_weights`), re-apply the CPU experts kernel's prepack and drop the capture's per-KV-slot
+    route cache (routes computed with the old weights); returns layers repacked (0 off the CPU
+    backend). Call it once per full load: prepacking prepacked values scrambles them again.
+
+    One worker op through the adapter's endpoint (endpoint.py `weights.after_load`), reached as
+    capture and scoring reach the workers (link.py): by the worker extension's method name where
+    the engine has it, so a multi-process engine needs no pickled function."""
+    from .link import SyncLink
+
+    _, replies = SyncLink.open(llm, "weights.after_load", None, what="the weight repack",
+                               default=WeightSyncError, kwargs_fn="capture_engine_kwargs")
+    return int(replies[0]["repacked"]) if replies else 0
 
 
-def _repack_on_worker(worker: Any) -> int:
-    """Worker side of `repack_cpu_moe` (collective_rpc hands each worker to it)."""
-    return _repack_cpu_moe(worker.model_runner.get_model())
+def after_load(runner: Any) -> dict[str, Any]:
+    """Worker side of `repack_cpu_moe`: {'repacked': layers, 'slot_routes_cleared': bool}."""
+    repacked = _repack_cpu_moe(runner.get_model())
+    return {"repacked": repacked, "slot_routes_cleared": _clear_slot_routes(runner)}
+
+
+def _clear_slot_routes(runner: Any) -> bool:
+    """Drop capture's per-KV-slot routes, if capture keeps them: they came from the old weights."""
+    from .endpoint import runner_state
+
+    slot_cache = getattr(runner_state(runner).capture, "slot_cache", None)
+    if slot_cache is not None:
+        slot_cache.clear()
+    return slot_cache is not None
 
 
 def _checkpoint_params(info: Any) -> list[str]:
@@ -157,14 +179,7 @@ def update_on_worker(worker: Any, path: str) -> dict[str, Any]:
                 f"model type {model_type!r}: parameters {stale[:6]} were not written by the reload nor by the "
                 f"direct load of {suffixes} (they hold NaN now); do not sample from this engine: rebuild it from the checkpoint")}
         direct = sorted(unloaded)
-    repacked = _repack_cpu_moe(model)
-    from .endpoint import runner_state
-
-    cap = runner_state(runner).capture
-    slot_cache = getattr(cap, "slot_cache", None)
-    if slot_cache is not None:
-        slot_cache.clear()
-    return {"ok": True, "repacked": repacked, "reloaded_directly": direct, "slot_routes_cleared": slot_cache is not None}
+    return {"ok": True, "reloaded_directly": direct, **after_load(runner)}
 
 
 def update_weights(llm: Any, weights_dir: str | Path) -> dict[str, Any]:
