@@ -29,8 +29,8 @@ def engine_options(preset: Preset) -> Iterator[None]:
 
     A preset with the π_old estimator also re-scores on this engine (`VllmScorer`): its engine
     gets scoring's settings (prefix caching with the scoring scheduler, so replicas read the
-    prompt's KV), and runs eager when routes are forced, because forcing rewrites the router's ids
-    in Python every step, which a compiled forward never calls (integrations/vllm/force.py).
+    prompt's KV) and the routers' forcing step bound at model load, so forced scoring runs inside
+    TRL's compiled forward as it is (integrations/vllm/force_step.py).
     """
     import trl.generation.vllm_generation as vg
 
@@ -41,8 +41,6 @@ def engine_options(preset: Preset) -> Iterator[None]:
     def build(*args: Any, **kwargs: Any) -> Any:
         if not preset.estimator.enabled:
             return original(*args, **capture_engine_kwargs(**kwargs))
-        if preset.estimator.force_routes:
-            kwargs["enforce_eager"] = True
         return original(*args, **scoring_engine_kwargs(prompt_reuse=True, **kwargs))
 
     vg.LLM = build
