@@ -29,12 +29,10 @@ _LINK = {"what": "capture", "default": CaptureHookError, "kwargs_fn": "capture_e
 def capture_abi() -> str:
     """Hash of the capture function's source (route_hook.py): the value of the load-time flag, so
     vLLM's compile cache never serves a graph traced with another version of it."""
-    import hashlib
-    from pathlib import Path
-
     from . import route_hook
+    from .patch import source_hash
 
-    return hashlib.sha256(Path(route_hook.__file__).read_bytes()).hexdigest()[:16]
+    return source_hash(route_hook.__file__)
 
 
 def capture_engine_kwargs(**engine_kwargs: Any) -> dict[str, Any]:

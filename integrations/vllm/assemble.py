@@ -43,6 +43,21 @@ def completions_of(output: Any) -> list[tuple[str, str, Any]]:
     return [(trace_key(output.request_id, c.index, n), worker_key(output.request_id, c.index, n), c) for c in output.outputs]
 
 
+def support_overflow(key: str, sizes_G: np.ndarray, config: CaptureConfig, prompt_len: int | None = None) -> dict[str, int] | None:
+    """Apply `config.on_support_overflow` to a request's support row sizes (hooks and native sources
+    alike): None when every row fits, the `extra["support_omitted"]` entry under 'omit'; 'error' raises."""
+    over = np.flatnonzero(sizes_G > config.max_support)
+    if not len(over):
+        return None
+    g = int(over[0])
+    at = "" if prompt_len is None else f" (position {prompt_len + g})"
+    msg = (f"request {key!r}: sampling support of generated token {g}{at} has {int(sizes_G[g])} tokens, "
+           f"above CaptureConfig.max_support={config.max_support}")
+    if config.on_support_overflow == "error":
+        raise SupportOverflowError(msg + " (policy 'error'; raise max_support or use 'omit')")
+    return {"row": g, "size": int(sizes_G[g]), "max_support": config.max_support}
+
+
 def check_record(record: CaptureRecord, key: str) -> None:
     if record.status == "ok":
         return
@@ -121,15 +136,9 @@ def build_trace(
         if config.logprobs:
             logprobs = rec.logprobs_G[:G]
         if config.support:
-            sizes = rec.support_sizes_G[:G]
-            over = np.flatnonzero(sizes > config.max_support)
-            if len(over):
-                g = int(over[0])
-                msg = (f"request {key!r}: sampling support of generated token {g} has {int(sizes[g])} tokens, "
-                       f"above CaptureConfig.max_support={config.max_support}")
-                if config.on_support_overflow == "error":
-                    raise SupportOverflowError(msg + " (policy 'error'; raise max_support or use 'omit')")
-                extra["support_omitted"] = {"row": g, "size": int(sizes[g]), "max_support": config.max_support}
+            omitted = support_overflow(key, rec.support_sizes_G[:G], config)
+            if omitted:
+                extra["support_omitted"] = omitted
             else:
                 off = rec.support_offsets_G1[: G + 1]
                 support = SamplingSupport(off.copy(), rec.support_ids_N[: off[-1]].copy())

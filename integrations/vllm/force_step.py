@@ -195,13 +195,8 @@ def force_abi() -> str:
     """Hash of what the load-time forcing step traces (this file, the router rules, the gate rules):
     the value of FORCE_FLAG, so vLLM's compile cache never serves a graph traced with another
     version of it."""
-    import hashlib
-    from pathlib import Path
-
     from ...replay import gates
     from . import router_rules
+    from .patch import source_hash
 
-    h = hashlib.sha256()
-    for f in (__file__, router_rules.__file__, gates.__file__):
-        h.update(Path(f).read_bytes())
-    return h.hexdigest()[:16]
+    return source_hash(__file__, router_rules.__file__, gates.__file__)

@@ -29,7 +29,8 @@ from ...capture_config import CaptureConfig
 from ...errors import ExpertIdOutOfRangeError, TraceFormatError, Where
 from ...geometry import EngineInfo, ModelGeometry
 from ...trace import RolloutTrace, SamplingSupport
-from .errors import CaptureError, CaptureHookError, SupportOverflowError
+from .assemble import support_overflow
+from .errors import CaptureError, CaptureHookError
 
 PARTS = ("routes", "support", "logprobs")
 
@@ -189,14 +190,9 @@ def support_from_native(key: str, sampling_mask: Any, gen_G: np.ndarray, prompt_
     if len(rows) != G:
         raise NativeOutputError(w, f"{G} rows (one per generated token)", f"{len(rows)} rows")
     sizes_G = np.fromiter((len(r) for r in rows), dtype=np.int64, count=G)
-    over = np.flatnonzero(sizes_G > config.max_support)
-    if len(over):
-        g = int(over[0])
-        msg = (f"request {key!r}: sampling support of generated token {g} (position {prompt_len + g}) has "
-               f"{int(sizes_G[g])} tokens, above CaptureConfig.max_support={config.max_support}")
-        if config.on_support_overflow == "error":
-            raise SupportOverflowError(msg + " (policy 'error'; raise max_support or use 'omit')")
-        return None, {"support_omitted": {"row": g, "size": int(sizes_G[g]), "max_support": config.max_support}}
+    omitted = support_overflow(key, sizes_G, config, prompt_len)
+    if omitted:
+        return None, {"support_omitted": omitted}
     offsets_G1 = np.zeros(G + 1, dtype=np.int64)
     np.cumsum(sizes_G, out=offsets_G1[1:])
     ids_N = np.concatenate([np.asarray(r, dtype=np.int64).reshape(-1) for r in rows]) if G else np.zeros(0, np.int64)

@@ -57,6 +57,18 @@ compiled forward; its value is force_step.force_abi() (a hash of what the step t
 compile-cache reason as CAPTURE_FLAG."""
 
 
+
+def source_hash(*files: str) -> str:
+    """Hash of the source files a load-time step traces: the value of CAPTURE_FLAG / FORCE_FLAG."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    for f in files:
+        h.update(Path(f).read_bytes())
+    return h.hexdigest()[:16]
+
+
 class InstancePatches:
     """Set attributes on instances, remember what was there, put it back on undo()."""
 
