@@ -76,6 +76,11 @@ class TraceAlignmentError(TraceError, ValueError):
     """Traces that should line up with one token sequence do not (e.g. conversation turns to stitch)."""
 
 
+class MultiSpanTraceError(TraceFormatError):
+    """A reader that scores one contiguous generated span got a record with several (a stitched
+    multi-turn conversation, `RolloutTrace.generated_spans`): refused rather than misaligned."""
+
+
 class DuplicateKeyError(TraceError, KeyError):
     """A key is written twice to a store that refuses overwrites."""
 

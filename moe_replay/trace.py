@@ -7,7 +7,7 @@ Shape legend (used in every tensor/array name of the project):
   K  experts per token (top_k), in the engine's column order
   E  experts per layer
   V  vocabulary (logits width)
-  G  generated tokens: S - prompt_len
+  G  generated tokens: S - prompt_len, or the sum of `generated_spans` in a multi-turn record
   N  kept tokens over all generated positions (CSR payload of the sampling support)
 
 Position p of routes_TLK is the route of token route_start + p, i.e. the forward pass that
@@ -21,14 +21,16 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ExpertIdOutOfRangeError, TraceAlignmentError, TraceFormatError, Where
+from .errors import ExpertIdOutOfRangeError, MultiSpanTraceError, TraceAlignmentError, TraceFormatError, Where
 from .geometry import EngineInfo, ModelGeometry, token_dtype
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Bumped on any change a reader of the previous version could misread. v2 added the typed
-`sampling` parameters and `weights_version` (v1 kept the sampling in extra["sampling"])."""
-READABLE_SCHEMA_VERSIONS = (1, 2)
-"""Versions this reader decodes (v1 records are migrated on read)."""
+`sampling` parameters and `weights_version` (v1 kept the sampling in extra["sampling"]); v3 added
+`generated_spans` (a v2 reader would take a multi-turn record's support rows for S - prompt_len
+contiguous tokens)."""
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+"""Versions this reader decodes (v1 records are migrated on read; v1/v2 records are single-span)."""
 
 
 @dataclass(frozen=True)
@@ -155,9 +157,9 @@ class RolloutTrace:
     route_start: int = 0
     """First position with a route (> 0 when a turn records only its new tokens)."""
     support: SamplingSupport | None = None
-    """Kept token ids per generated token (G rows)."""
+    """Kept token ids per generated token (G rows, in position order over `spans`)."""
     logprobs_G: np.ndarray | None = None
-    """The engine's logprob of each sampled token, float32."""
+    """The engine's logprob of each sampled token, float32 (G, like `support`)."""
     engine: EngineInfo = field(default_factory=EngineInfo)
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form msgpack-able metadata (step, turns, ...)."""
@@ -167,8 +169,19 @@ class RolloutTrace:
     """Which weights sampled this rollout: a step or checkpoint fingerprint the user or trainer sets
     and capture records (schema v2; None = not recorded). Replay refuses another version unless
     told the batch is off-policy on purpose."""
+    generated_spans: tuple[tuple[int, int], ...] | None = None
+    """Positions [start, end) of token_ids_S the engine sampled, when they are not one span from
+    prompt_len to the end: a stitched conversation whose turns are separated by text the engine
+    did not sample (tool output). Ascending, non-empty, separated (adjacent spans are one span),
+    inside [prompt_len, S). None = the single span [prompt_len, S) (schema v3; v1/v2 records)."""
 
     def __post_init__(self) -> None:
+        if self.generated_spans is not None:
+            try:
+                self.generated_spans = tuple((int(a), int(b)) for a, b in self.generated_spans)
+            except (TypeError, ValueError) as e:
+                raise TraceFormatError(Where(record=self.key, field="generated_spans"), "(start, end) int pairs",
+                                       repr(self.generated_spans)[:80], str(e)) from None
         self.token_ids_S = np.asarray(self.token_ids_S).astype(np.int64, copy=False)
         if self.routes_TLK is not None:
             self.routes_TLK = _as_routes(self.routes_TLK, self.geometry, Where(record=self.key, field="routes_TLK"))
@@ -185,8 +198,31 @@ class RolloutTrace:
         return len(self.token_ids_S)
 
     @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """The generated spans [start, end), the single-span default included."""
+        return self.generated_spans if self.generated_spans is not None else ((self.prompt_len, self.num_tokens),)
+
+    @property
+    def multi_span(self) -> bool:
+        """True when the generated tokens are not the one span [prompt_len, S) (a stitched conversation)."""
+        return self.spans != ((self.prompt_len, self.num_tokens),)
+
+    @property
     def num_generated(self) -> int:
-        return self.num_tokens - self.prompt_len
+        """G: rows of `support` and `logprobs_G` (S - prompt_len for a single-span record)."""
+        return sum(b - a for a, b in self.spans)
+
+    def generated_positions(self) -> np.ndarray:
+        """int64 [G]: the position in token_ids_S of each generated token (support / logprobs row g)."""
+        return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in self.spans] or [np.zeros(0, np.int64)])
+
+    def require_single_span(self, reader: str) -> None:
+        """Refuse a multi-span record by name for a reader that scores positions prompt_len..S-1 only."""
+        if self.multi_span:
+            raise MultiSpanTraceError(
+                Where(record=self.key, field="generated_spans"), f"one generated span [{self.prompt_len}, {self.num_tokens})",
+                f"{len(self.spans)} spans {list(self.spans)[:4]}",
+                f"{reader} scores a single contiguous span; score multi-turn records with build_plan / score_tokens")
 
     @property
     def num_route_rows(self) -> int:
@@ -217,6 +253,7 @@ class RolloutTrace:
                 raise TraceFormatError(w.with_(field="routes_TLK"), f"shape {list(want)} [S-1-route_start, L, K]", list(self.routes_TLK.shape))
             check_expert_range(self.routes_TLK, g.num_experts, w.with_(field="routes_TLK"))
             check_distinct_rows(self.routes_TLK, w.with_(field="routes_TLK"))
+        self._validate_spans(w)
         if self.support is not None:
             self.support.validate(g.vocab_size, self.num_generated, w)
         if not isinstance(self.sampling, Sampling):
@@ -227,6 +264,21 @@ class RolloutTrace:
         if self.logprobs_G is not None and self.logprobs_G.shape != (self.num_generated,):
             raise TraceFormatError(w.with_(field="logprobs_G"), f"shape [{self.num_generated}]", list(self.logprobs_G.shape))
         return self
+
+    def _validate_spans(self, w: Where) -> None:
+        if self.generated_spans is None:
+            return
+        sw, spans = w.with_(field="generated_spans"), self.generated_spans
+        if not spans:
+            raise TraceFormatError(sw, ">= 1 span (None for the single span [prompt_len, S))", "an empty tuple")
+        lo = self.prompt_len
+        for i, (a, b) in enumerate(spans):
+            if not (max(lo, 1) <= a < b <= self.num_tokens):
+                after = f"after span {i - 1} ends at {lo - 1}" if i else f"from prompt_len {self.prompt_len} (and >= 1)"
+                raise TraceFormatError(sw.with_(field=f"generated_spans[{i}]"),
+                                       f"a non-empty span inside [{lo}, {self.num_tokens}), {after}", (a, b),
+                                       "spans are ascending and separated by text the engine did not sample")
+            lo = b + 1  # adjacent spans are one span: at least one unsampled token between two
 
     def equals(self, other: "RolloutTrace") -> bool:
         """Exact equality of every field (arrays bit for bit, NaN logprobs compared by bits)."""
@@ -246,6 +298,7 @@ class RolloutTrace:
             and self.extra == other.extra
             and self.sampling == other.sampling
             and self.weights_version == other.weights_version
+            and self.spans == other.spans
             and same(self.routes_TLK, other.routes_TLK)
             and same(self.logprobs_G, other.logprobs_G)
             and ((self.support is None and other.support is None) or (
@@ -293,9 +346,13 @@ def stitch(previous: RolloutTrace, turn: RolloutTrace) -> RolloutTrace:
 
     `turn`'s tokens must extend `previous`'s, and its routes must start at or before the last token
     of `previous` (that token was never forwarded in the previous turn: invariant 1). The result
-    has the earliest route_start and all routes; support and logprobs are those of the latest turn
-    (the format holds one contiguous generated span), the previous turn's key goes to
-    extra['turns']. Turns that do not line up raise TraceAlignmentError.
+    has the first turn's prompt_len, the earliest route_start and all routes, and every turn's
+    generated span with its kept sets and logprobs (`generated_spans`; the text between two turns,
+    a tool's output, has none); the previous turn's key goes to extra['turns']. Turns that do not
+    line up, or that hold different things (routes, kept sets or logprobs in one turn only, other
+    sampling parameters or weights), raise TraceAlignmentError: one record holds one policy's
+    sampling. A turn whose kept sets capture omitted (extra['support_omitted']) makes the record's
+    kept sets absent, as capture's 'omit' policy does for a single turn.
     """
     where = Where(record=turn.key)
     P = previous.num_tokens
@@ -309,18 +366,70 @@ def stitch(previous: RolloutTrace, turn: RolloutTrace) -> RolloutTrace:
     if not previous.route_start <= turn.route_start <= P - 1:
         raise TraceAlignmentError(where.with_(field="route_start"), f"in [{previous.route_start}, {P - 1}]",
                                   turn.route_start, f"the previous turn covers positions up to {P - 2}")
+    if turn.num_generated and turn.spans[0][0] < P:
+        raise TraceAlignmentError(where.with_(field="prompt_len"), f">= {P} (the tokens of {previous.key!r} were sampled there)",
+                                  turn.spans[0][0], "a turn samples only tokens after the previous turn's")
     previous.geometry.check_matches(turn.geometry, where)
     if previous.weights_version != turn.weights_version:  # one record holds one policy's routes
         raise TraceAlignmentError(
             where.with_(field="weights_version"), "one weights_version over the turns (their routes form one record)",
             f"weights_version {turn.weights_version!r} in {turn.key!r}, {previous.weights_version!r} in "
             f"the turn before it ({previous.key!r})")
+    a, b = previous.sampling.to_dict(), turn.sampling.to_dict()
+    a.pop("seed"), b.pop("seed")  # informative; the rest says how every turn's rows are scored
+    if a != b:
+        raise TraceAlignmentError(where.with_(field="sampling"), f"the sampling of {previous.key!r}: {a}", b,
+                                  "one record is scored at one temperature / top-k / top-p / min-p")
     head = previous.routes_TLK[: turn.route_start - previous.route_start]
     routes = np.concatenate([head, turn.routes_TLK], axis=0)
     extra = dict(turn.extra)
     extra["turns"] = [*previous.extra.get("turns", []), previous.key]
+    support, omitted = _join_supports(previous, turn, where)
+    if omitted is not None:
+        extra["support_omitted"] = omitted
+    spans = _merge_spans([*previous.spans, *turn.spans])
+    prompt_len = previous.prompt_len if spans else turn.num_tokens
+    one = len(spans) == 1 and spans[0] == (prompt_len, turn.num_tokens)
     return RolloutTrace(
-        key=turn.key, token_ids_S=turn.token_ids_S, prompt_len=turn.prompt_len, geometry=turn.geometry,
-        routes_TLK=routes, route_start=previous.route_start, support=turn.support, logprobs_G=turn.logprobs_G,
+        key=turn.key, token_ids_S=turn.token_ids_S, prompt_len=prompt_len, geometry=turn.geometry,
+        routes_TLK=routes, route_start=previous.route_start, support=support,
+        logprobs_G=_join_present(previous.logprobs_G, turn.logprobs_G, "logprobs_G", previous.key, where),
         engine=turn.engine, extra=extra, sampling=turn.sampling, weights_version=turn.weights_version,
+        generated_spans=None if one or not spans else tuple(spans),
     ).validate()
+
+
+def _merge_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Drop empty spans and join adjacent ones (a resumed generation continues its span)."""
+    out: list[tuple[int, int]] = []
+    for a, b in spans:
+        if b <= a:
+            continue
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _join_present(a: np.ndarray | None, b: np.ndarray | None, name: str, prev_key: str, where: Where) -> np.ndarray | None:
+    if a is None and b is None:
+        return None
+    if a is None or b is None:
+        raise TraceAlignmentError(where.with_(field=name), f"{name} in every turn or in none",
+                                  f"in {prev_key!r}: {a is not None}, in this turn: {b is not None}")
+    return np.concatenate([a, b])
+
+
+def _join_supports(previous: RolloutTrace, turn: RolloutTrace, where: Where) -> tuple[SamplingSupport | None, Any]:
+    """(the turns' kept sets, row after row, or None; the 'support_omitted' entry that made it None)."""
+    p, t = previous.support, turn.support
+    if p is not None and t is not None:
+        off = np.concatenate([p.offsets_G1, t.offsets_G1[1:] + p.offsets_G1[-1]])
+        return SamplingSupport(off, np.concatenate([p.ids_N, t.ids_N])), None
+    omitted = turn.extra.get("support_omitted", previous.extra.get("support_omitted"))
+    if (p is None and t is None) or omitted is not None:
+        return None, omitted
+    raise TraceAlignmentError(where.with_(field="support"), "kept sets in every turn or in none",
+                              f"in {previous.key!r}: {p is not None}, in {turn.key!r}: {t is not None}",
+                              "and no extra['support_omitted'] saying capture dropped them")

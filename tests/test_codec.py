@@ -29,8 +29,11 @@ from moe_replay.geometry import EngineInfo, ModelGeometry
 from moe_replay.trace import RolloutTrace, Sampling, SamplingSupport
 
 GOLDEN = Path(__file__).parent / "golden" / "trace_v1.msgpack"
-"""Written by schema v1 (frozen: today's writer writes v2); its extra held {"sampling": {"top_p": 0.9}}."""
+"""Written by schema v1 (frozen: today's writer writes v3); its extra held {"sampling": {"top_p": 0.9}}."""
 GOLDEN_V2 = Path(__file__).parent / "golden" / "trace_v2.msgpack"
+"""Written by schema v2 (frozen): single-span, typed sampling and weights_version."""
+GOLDEN_V3 = Path(__file__).parent / "golden" / "trace_v3.msgpack"
+"""Written by schema v3: a two-span (stitched two-turn) record."""
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -269,7 +272,7 @@ def _rewrap(data: bytes, **outer_changes) -> bytes:
 
 def test_unknown_schema_version_is_refused_with_reason():
     data = _rewrap(encode_trace(make_trace(11)), v=99)
-    with pytest.raises(SchemaVersionError, match=r"expected a schema version in \[1, 2\], found 99"):
+    with pytest.raises(SchemaVersionError, match=r"expected a schema version in \[1, 2, 3\], found 99"):
         decode_trace(data)
 
 
@@ -337,7 +340,7 @@ def test_geometry_validation(kwargs, match):
         ModelGeometry(**{**base, **kwargs})
 
 
-# -- golden files: records written by schema v1 and v2 stay readable --------------------------------
+# -- golden files: records written by schema v1, v2 and v3 stay readable ----------------------------
 def golden_trace() -> RolloutTrace:
     """What the v1 golden record decodes to: extra["sampling"] migrated to the typed field."""
     return make_trace(2026, e=8, k=2, s=24, prompt=8)
@@ -405,7 +408,77 @@ def test_bad_sampling_fields_are_refused_by_name():
         Sampling(min_p=2.0)
 
 
-if __name__ == "__main__":  # the v1 golden file is frozen: only v2 is (re)written
-    GOLDEN_V2.parent.mkdir(parents=True, exist_ok=True)
-    GOLDEN_V2.write_bytes(encode_trace(golden_trace_v2()))
-    print(f"wrote {GOLDEN_V2}")
+# -- schema v3: several generated spans (a stitched multi-turn record) ------------------------------
+def two_span_trace(seed: int = 2026) -> RolloutTrace:
+    """24 tokens: prompt 0..5, turn 1 sampled 6..11, tool text 12..15, turn 2 sampled 16..23 (14 rows)."""
+    t = make_trace(seed, e=8, k=2, s=24, prompt=6, weights_version=3,
+                   sampling=Sampling(temperature=0.7, top_p=0.9, seed=1))
+    rng = np.random.default_rng(seed)
+    t.generated_spans = ((6, 12), (16, 24))
+    t.support = random_support(rng, 14, 512)
+    t.logprobs_G = rng.normal(size=14).astype(np.float32)
+    return t.validate()
+
+
+def test_golden_v3_record_decodes():
+    if not GOLDEN_V3.exists():  # regenerate with: python -m tests.test_codec
+        pytest.fail(f"golden file {GOLDEN_V3} is missing")
+    data = GOLDEN_V3.read_bytes()
+    assert msgpack.unpackb(data)["v"] == 3
+    trace = decode_trace(data, Where(file=str(GOLDEN_V3)))
+    assert trace.equals(two_span_trace()) and trace.spans == ((6, 12), (16, 24)) and trace.num_generated == 14
+    assert trace.generated_positions().tolist() == [*range(6, 12), *range(16, 24)]
+
+
+def test_multi_span_round_trip_and_single_span_writes_nil():
+    t = two_span_trace(7)
+    assert decode_trace(encode_trace(t)).equals(t)
+    body = msgpack.unpackb(msgpack.unpackb(encode_trace(t))["body"])
+    assert body["spans"] == [[6, 12], [16, 24]]
+    single = make_trace(8)
+    single.generated_spans = ((single.prompt_len, single.num_tokens),)  # the default, spelled out
+    body = msgpack.unpackb(msgpack.unpackb(encode_trace(single))["body"])
+    assert body["spans"] is None and not single.multi_span and decode_trace(encode_trace(single)).equals(single)
+
+
+@pytest.mark.parametrize("spans, match", [
+    (((6, 12), (12, 24)), r"generated_spans\[1\]'.*inside \[13, 24\)"),   # adjacent: one span, not two
+    (((6, 12), (10, 24)), r"generated_spans\[1\]'.*inside \[13, 24\)"),   # overlapping
+    (((16, 24), (6, 12)), r"generated_spans\[1\]'.*inside \[25, 24\)"),   # descending
+    (((4, 12), (16, 24)), r"generated_spans\[0\]'.*inside \[6, 24\).*from prompt_len 6"),  # inside the prompt
+    (((6, 12), (16, 25)), r"generated_spans\[1\]'.*found \(16, 25\)"),    # past the sequence
+    (((6, 6), (16, 24)), r"generated_spans\[0\]'.*non-empty"),
+    ((), r"generated_spans'.*>= 1 span"),
+])
+def test_bad_spans_are_refused_on_construction_and_read(spans, match):
+    t = two_span_trace(9)
+    t.generated_spans = spans
+    with pytest.raises(TraceFormatError, match=match):
+        t.validate()
+    body_spans = [list(s) for s in spans]
+    data = _edit_body(encode_trace(two_span_trace(9)), lambda b: b.update(spans=body_spans))
+    with pytest.raises(TraceFormatError, match=match):
+        decode_trace(data)
+
+
+def test_spans_field_is_checked_by_name():
+    with pytest.raises(TraceFormatError, match=r"field 'spans'.*missing"):
+        decode_trace(_edit_body(encode_trace(make_trace(10)), lambda b: b.pop("spans")))
+    with pytest.raises(TraceFormatError, match=r"field 'spans'.*\[start, end\] int pairs"):
+        decode_trace(_edit_body(encode_trace(make_trace(10)), lambda b: b.update(spans=[[1, 2, 3]])))
+    # rows follow the spans: logprobs of S - prompt_len tokens do not fit a two-span record of 14
+    with pytest.raises(TraceFormatError, match=r"field 'logprobs'.*56 bytes"):
+        decode_trace(_edit_body(encode_trace(make_trace(2026, s=24, prompt=6)), lambda b: b.update(spans=[[6, 12], [16, 24]])))
+
+
+def test_v2_body_with_spans_is_single_span():
+    """A v2 reader never wrote spans: a v2 envelope is read as one span whatever its body holds."""
+    t = make_trace(11)
+    back = decode_trace(_edit_body(encode_trace(t), lambda b: b.pop("spans"), version=2))
+    assert back.equals(t) and not back.multi_span
+
+
+if __name__ == "__main__":  # the v1 and v2 golden files are frozen: only v3 is (re)written
+    GOLDEN_V3.parent.mkdir(parents=True, exist_ok=True)
+    GOLDEN_V3.write_bytes(encode_trace(two_span_trace()))
+    print(f"wrote {GOLDEN_V3}")

@@ -8,6 +8,9 @@ field; any failure is a typed TraceFormatError naming the file, record and field
 Schema v2 adds "sampling" (a map of Sampling's fields) and "weights_version" (str, int or nil).
 A v1 record is migrated on read: its extra["sampling"] (what capture wrote) becomes the typed
 field (defaults where absent) and leaves `extra`; its weights_version is None (not recorded).
+Schema v3 adds "spans": nil (the single generated span [prompt_len, S)) or a list of [start, end]
+pairs, the generated spans of a stitched multi-turn record, which the support rows and logprobs
+follow; v1 and v2 records are single-span.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def encode_trace(trace: RolloutTrace, route_codec: str = DEFAULT_ROUTE_CODEC, va
         "logprobs": None,
         "sampling": trace.sampling.to_dict(),
         "weights_version": trace.weights_version,
+        "spans": [list(s) for s in trace.spans] if trace.multi_span else None,
     }
     if trace.routes_TLK is not None:
         codec = ROUTE_CODECS.get(route_codec)
@@ -133,6 +137,7 @@ def decode_trace(data: bytes, where: Where = Where(), validate: bool = True) -> 
         raise TraceFormatError(w.with_(field="tokens"), f"{num_tokens * tdt.itemsize} bytes", len(tokens_b))
     trace = RolloutTrace(
         key=key,
+        generated_spans=_spans(body, version, w),
         token_ids_S=np.frombuffer(tokens_b, dtype=tdt),
         prompt_len=_field(body, "prompt_len", int, w),
         route_start=_field(body, "route_start", int, w),
@@ -142,6 +147,7 @@ def decode_trace(data: bytes, where: Where = Where(), validate: bool = True) -> 
         sampling=sampling,
         weights_version=weights_version,
     )
+    trace._validate_spans(w)  # the support and logprobs sizes below follow the spans
     routes = body.get("routes")
     if routes is not None:
         rw = w.with_(field="routes")
@@ -169,6 +175,21 @@ def decode_trace(data: bytes, where: Where = Where(), validate: bool = True) -> 
     if validate:
         trace.validate(where)
     return trace
+
+
+def _spans(body: dict, version: int, where: Where) -> tuple[tuple[int, int], ...] | None:
+    """A v3 body's generated spans (checked against the tokens by validate); None before v3."""
+    if version < 3:
+        return None
+    if "spans" not in body:
+        raise TraceFormatError(where.with_(field="spans"), "present (nil for one span)", "missing")
+    spans = body["spans"]
+    if spans is None:
+        return None
+    if not isinstance(spans, list) or not all(
+            isinstance(s, list) and len(s) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in s) for s in spans):
+        raise TraceFormatError(where.with_(field="spans"), "nil or a list of [start, end] int pairs", repr(spans)[:80])
+    return tuple((a, b) for a, b in spans)
 
 
 def _identity(body: dict, version: int, extra: dict, where: Where) -> tuple[Sampling, str | int | None]:
