@@ -53,6 +53,7 @@ def check_rows(traces: Sequence[RolloutTrace], input_ids_BS: torch.Tensor, atten
     ids_BS = input_ids_BS.detach().cpu().numpy()
     mask_BS = attention_mask_BS.detach().cpu().numpy() != 0
     for b, trace in enumerate(traces):
+        trace.require_single_span("TRL's prompt/completion layout")
         gen = trace.num_generated
         if trace.prompt_len > p_cols or gen > completion_cols:
             raise BatchLayoutError(Where(record=trace.key, field=f"trl batch row {b}"),

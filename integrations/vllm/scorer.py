@@ -189,6 +189,7 @@ class _ScorerBase:
         tag = uuid.uuid4().hex[:12]
         g = self.geometry
         for t in traces:
+            t.require_single_span("the vLLM scorer (it scores positions prompt_len..S-1)")
             if t.num_generated == 0:
                 ids.append(None)
                 continue

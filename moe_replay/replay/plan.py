@@ -199,7 +199,7 @@ def build_plan(
         if routes:
             rows_T = base + trace.route_start + np.arange(trace.num_route_rows)
             ids_LNK[:, rows_T, :] = np.transpose(trace.routes_TLK, (1, 0, 2))
-        gen_J = np.arange(trace.prompt_len, trace.num_tokens)
+        gen_J = trace.generated_positions()  # every generated span of a stitched conversation
         score_pos.append(base + gen_J - 1)
         targets.append(trace.token_ids_S[gen_J])
         gen_offsets.append(gen_offsets[-1] + len(gen_J))
@@ -259,14 +259,14 @@ def _check_trace(trace: RolloutTrace, geometry: ModelGeometry, config: PlanConfi
             f"tokens 0..{trace.route_start - 1} would be routed by the trainer, not the engine",
         )
     if trace.support is not None:
-        sup, gen_G = trace.support, trace.token_ids_S[trace.prompt_len :]
+        sup, gen_G = trace.support, trace.token_ids_S[trace.generated_positions()]
         vocab = geometry.vocab_size
         kept_N = np.repeat(np.arange(sup.num_rows, dtype=np.int64), sup.sizes_G()) * vocab + sup.ids_N
         missing = np.flatnonzero(~np.isin(np.arange(len(gen_G), dtype=np.int64) * vocab + gen_G, kept_N))
         if len(missing):
             g = int(missing[0])
             raise TraceFormatError(
-                where.with_(field=f"support[row {g}]"),
+                where.with_(field=f"support[row {g}, position {int(trace.generated_positions()[g])}]"),
                 f"the sampled token {int(gen_G[g])} in its kept set",
                 f"a kept set of {len(sup.row(g))} ids without it ({len(missing)} such rows)",
             )
