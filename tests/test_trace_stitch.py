@@ -15,7 +15,7 @@ import torch
 from moe_replay.codec import decode_trace, encode_trace
 from moe_replay.errors import MultiSpanTraceError, TraceAlignmentError, TraceFormatError
 from moe_replay.replay import build_plan, score_tokens
-from moe_replay.trace import RolloutTrace, Sampling, stitch
+from moe_replay.trace import RolloutTrace, Sampling, SamplingSupport, stitch
 
 from .trace_factory import TINY_GEOMETRY, random_routes, random_support
 
@@ -126,3 +126,33 @@ def test_single_span_readers_refuse_by_name():
         check_rows([multi], ids, torch.ones_like(ids), S2 - P1)
     with pytest.raises(MultiSpanTraceError, match="the vLLM scorer"):
         multi.require_single_span("the vLLM scorer (it scores positions prompt_len..S-1)")
+
+
+@pytest.mark.hf
+def test_hf_scorer_scores_every_span_over_its_kept_set(tiny_model):
+    """The HF scorer (the π_old estimator's HF backend) through build_plan: a two-span record under
+    its routes, each sampled token over its own kept set, by hand from the model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_replay.integrations.hf import model_geometry
+    from moe_replay.integrations.hf.replay import self_routed_trace
+    from moe_replay.integrations.hf.scorer import HFScorer, HFScorerConfig
+
+    model_dir = tiny_model("qwen3_moe")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    geometry = model_geometry(model)
+    rng = np.random.default_rng(6)
+    tokens = rng.integers(0, geometry.vocab_size, S2)
+    routed = self_routed_trace(model, tokens, P1, request_id="conv")  # the model's own routes: replay = free
+    spans = ((P1, S1), (S1 + TOOL, S2))
+    pos = np.concatenate([np.arange(a, b) for a, b in spans])
+    rows = [np.unique(np.concatenate([[tokens[p]], rng.integers(0, geometry.vocab_size, 7)])) for p in pos]
+    multi = RolloutTrace("conv", tokens, P1, geometry, routes_TLK=routed.routes_TLK, support=SamplingSupport.from_rows(rows),
+                         generated_spans=spans).validate()
+    got = HFScorer(HFScorerConfig(str(model_dir), force_routes=True, use_support=True)).score_batch([multi])[0]
+    with torch.no_grad():
+        logits_SV = model(torch.from_numpy(tokens)[None]).logits[0].double()
+    want = [float(logits_SV[p - 1, tokens[p]] - torch.logsumexp(logits_SV[p - 1, torch.from_numpy(r).long()], 0))
+            for p, r in zip(pos, rows)]
+    assert got.shape == (G1 + G2,)
+    np.testing.assert_allclose(got, want, atol=2e-5)
