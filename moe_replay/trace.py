@@ -253,7 +253,7 @@ class RolloutTrace:
                 raise TraceFormatError(w.with_(field="routes_TLK"), f"shape {list(want)} [S-1-route_start, L, K]", list(self.routes_TLK.shape))
             check_expert_range(self.routes_TLK, g.num_experts, w.with_(field="routes_TLK"))
             check_distinct_rows(self.routes_TLK, w.with_(field="routes_TLK"))
-        self._validate_spans(w)
+        self.validate_spans(w)
         if self.support is not None:
             self.support.validate(g.vocab_size, self.num_generated, w)
         if not isinstance(self.sampling, Sampling):
@@ -265,7 +265,8 @@ class RolloutTrace:
             raise TraceFormatError(w.with_(field="logprobs_G"), f"shape [{self.num_generated}]", list(self.logprobs_G.shape))
         return self
 
-    def _validate_spans(self, w: Where) -> None:
+    def validate_spans(self, w: Where) -> None:
+        """Check `generated_spans` against the tokens (the codec runs it before sizing support and logprobs)."""
         if self.generated_spans is None:
             return
         sw, spans = w.with_(field="generated_spans"), self.generated_spans

@@ -147,7 +147,7 @@ def decode_trace(data: bytes, where: Where = Where(), validate: bool = True) -> 
         sampling=sampling,
         weights_version=weights_version,
     )
-    trace._validate_spans(w)  # the support and logprobs sizes below follow the spans
+    trace.validate_spans(w)  # the support and logprobs sizes below follow the spans
     routes = body.get("routes")
     if routes is not None:
         rw = w.with_(field="routes")
