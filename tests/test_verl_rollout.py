@@ -12,6 +12,8 @@ verl's fully-async rollouter's client (`FullyAsyncLLMServerClient`, its resume-o
 over the base `generate`) runs against the same server through verl's own load balancer class
 (`GlobalRequestLoadBalancer`), with Ray's actor calls made in-process (`_InProcess`), and an abort
 mid-request (vLLM's `AsyncLLM.abort`: verl 0.9.1's own aborts fail on vLLM 0.32, README).
+verl's `AgentLoopWorker._run_agent_loop` (as the registry wraps it) then runs its single-turn agent
+loop over that client, and its padded outputs go through `_postprocess` into the actor.
 Where CPU stops (not run here): the server as a Ray actor placed by `vLLMReplica` on GPU
 resources, Ray actors for the load balancer and the agent-loop workers, and
 `FullyAsyncRollouter` itself (README, "verl").
@@ -175,10 +177,34 @@ def served(tiny_model):
             except Exception as e:  # noqa: BLE001  (the test asserts what it is)
                 return done, e
 
-        return singles, multi, turns, fully_async, await aborted()
+        resumed = await aborted()
+
+        # verl's own AgentLoopWorker._run_agent_loop (as the registry wraps it) running verl's
+        # single-turn agent loop over the fully-async client: nothing called by hand in between
+        import verl.experimental.agent_loop.single_turn_agent_loop  # noqa: F401  (registers "single_turn_agent")
+
+        loop_tok = copy.deepcopy(tok)  # the tiny tokenizer has no chat template; verl's agent loops render one
+        loop_tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                                  "{% if add_generation_prompt %}assistant:{% endif %}")
+        loop_worker = _worker(rc, loop_tok)
+        loop_worker.config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm", "prompt_length": PROMPT_LEN,
+                                                                                "response_length": 2 * PROMPT_LEN}},
+                                               "data": {}})
+        loop_worker.llm_client, loop_worker.hf_model_type, loop_worker.dataset_cls, loop_worker.tools = client, None, None, []
+
+        async def agent_loop(i):
+            try:
+                return await loop_worker._run_agent_loop(
+                    params(300 + i), {"step": 0, "sample_index": i, "rollout_n": 0, "validate": False},
+                    agent_name="single_turn_agent", raw_prompt=[{"role": "user", "content": f"Q: {i} + {i % 7} = ? A:"}])
+            except Exception as e:  # noqa: BLE001  (the test names it)
+                return e
+
+        looped = list(await asyncio.gather(*(asyncio.create_task(agent_loop(i)) for i in range(4))))
+        return singles, multi, turns, fully_async, resumed, looped
 
     try:
-        singles, multi, turns, fully_async, resumed = asyncio.run(run())
+        singles, multi, turns, fully_async, resumed, looped = asyncio.run(run())
     finally:
         engine = getattr(server, "engine", None)
         if engine is not None:
@@ -194,7 +220,7 @@ def served(tiny_model):
         return asyncio.run(post())
 
     return dict(model_dir=model_dir, singles=singles, multi=multi, turns=turns, pack=pack, pad=tok.pad_token_id or 0,
-                fully_async=fully_async, resumed=resumed)
+                fully_async=fully_async, resumed=resumed, looped=looped, postprocess=worker._postprocess)
 
 
 @pytest.fixture(scope="module")
@@ -302,6 +328,23 @@ def test_fully_async_client_carries_traces_into_the_actor(served, engines):
         assert all(trace.token_ids_S[p] in trace.support.row(g) for g, p in enumerate(trace.generated_positions()))
         np.testing.assert_allclose(trace.logprobs_G, out.response_logprobs, atol=1e-5)
     _, m = old_log_prob(engines["r3_support"], served["pack"](outs))
+    assert _mean(m["moe_replay/route_flip_rate"]) == 0.0
+
+
+def test_verls_agent_loop_over_the_fully_async_client(served, engines):
+    """verl's `_run_agent_loop` (wrapped by the registry) runs its single-turn agent loop over the
+    fully-async client; the padded outputs it returns carry their traces through verl's
+    `_postprocess` into the actor: 0 route flips."""
+    from moe_replay.integrations.verl import TRACES_KEY
+    from moe_replay.integrations.verl.local import old_log_prob
+
+    looped = served["looped"]
+    bad = [o for o in looped if isinstance(o, BaseException)]
+    assert not bad, repr(bad[0])
+    assert all(TRACES_KEY in o.extra_fields for o in looped)
+    batch = served["postprocess"](looped, input_non_tensor_batch=None)
+    assert len(batch.non_tensor_batch[TRACES_KEY]) == len(looped)
+    _, m = old_log_prob(engines["r3_support"], batch)
     assert _mean(m["moe_replay/route_flip_rate"]) == 0.0
 
 

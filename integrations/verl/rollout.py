@@ -182,12 +182,24 @@ def finish_sample(output: Any, token: contextvars.Token) -> Any:
     return output
 
 
+def _prompt_len_and_mask(output: Any) -> tuple[int, np.ndarray]:
+    """(real prompt length, response_mask over the real response) of an agent-loop output: verl's
+    `AgentLoopOutput` (lists) or the padded `_InternalAgentLoopOutput` its `_run_agent_loop` returns
+    (prompt left-padded to prompt_length, response right-padded; attention_mask says which is real)."""
+    prompt = output.prompt_ids
+    if not hasattr(prompt, "shape"):
+        return len(prompt), np.asarray(output.response_mask, dtype=bool)
+    p_cols = prompt.shape[-1]
+    attn_S = np.asarray(output.attention_mask).reshape(-1)
+    return int(attn_S[:p_cols].sum()), np.asarray(output.response_mask).reshape(-1)[: int(attn_S[p_cols:].sum())] != 0
+
+
 def check_sampled_rows(record: Any, output: Any) -> None:
     """Every response token verl's agent loop marks as sampled (`response_mask` 1) is a sampled row
     of the record (it has its kept set and logprob); otherwise the actor would score it over the
     full vocabulary as if it were prompt or tool text. Raises TraceAlignmentError naming the position."""
-    p = len(output.prompt_ids)
-    mask_R = np.asarray(output.response_mask, dtype=bool)[: max(record.num_tokens - p, 0)]
+    p, mask_R = _prompt_len_and_mask(output)
+    mask_R = mask_R[: max(record.num_tokens - p, 0)]
     sampled_R = np.isin(p + np.arange(len(mask_R)), record.generated_positions())
     missing = np.flatnonzero(mask_R & ~sampled_R)
     if len(missing):
