@@ -155,7 +155,7 @@ def test_multi_turn_keeps_every_turns_routes(rollouts, engines):
     multi = rollouts["multi"]
     assert t2.route_start > 0 and multi.route_start == 0 and multi.num_route_rows == multi.num_tokens - 1
     traces = [multi, *rollouts["traces"][:3]]  # one micro-batch of 4
-    batch = _batch(rollouts, traces=traces, prompt_lens=[t1.prompt_len] + [t.prompt_len for t in traces[1:]])
+    batch = _batch(rollouts, traces=traces)
     assert "rollout_log_probs" not in batch.batch.keys()  # the first turn's engine logprobs are not in the record
     engine = engines["r3_support"]
     logits = []
@@ -167,18 +167,21 @@ def test_multi_turn_keeps_every_turns_routes(rollouts, engines):
     assert _mean(m["moe_replay/route_flip_rate"]) == 0.0
     assert sum(m["moe_replay/route_tokens"]) == sum(t.num_tokens - 1 for t in traces)  # all of both turns
 
-    # the first turn's text and the tool text are response too: scored over the full vocabulary
-    # (the record keeps the second turn's kept sets only), the second turn's tokens over their kept sets
+    # the tool text between the turns is response too: scored over the full vocabulary; each
+    # turn's sampled tokens over their own kept sets (the stitched record keeps every turn's)
     (logits_BSV,) = logits
     p1, n = t1.prompt_len, multi.num_tokens
+    assert multi.prompt_len == p1 and multi.spans == ((p1, t1.num_tokens), (t2.prompt_len, n))
     full = torch.log_softmax(logits_BSV[0, p1 - 1: n - 1], -1)
     ids = torch.from_numpy(multi.token_ids_S[p1:]).long()
     lp = out.batch["old_log_probs"][0, : n - p1]
-    first = multi.prompt_len - p1  # response tokens before the second turn's generated ones
-    torch.testing.assert_close(lp[:first], full[torch.arange(first), ids[:first]], rtol=0, atol=2e-5)
-    support = [torch.from_numpy(multi.support.row(g)).long() for g in range(n - multi.prompt_len)]
-    ref = torch.stack([full[first + g, ids[first + g]] - torch.logsumexp(full[first + g, s], 0) for g, s in enumerate(support)])
-    torch.testing.assert_close(lp[first:], ref, rtol=0, atol=2e-5)
+    want = full[torch.arange(n - p1), ids].clone()
+    for g, p in enumerate(multi.generated_positions()):
+        kept = torch.from_numpy(multi.support.row(g)).long()
+        want[p - p1] = full[p - p1, ids[p - p1]] - torch.logsumexp(full[p - p1, kept], 0)
+    turn1 = torch.arange(t1.num_tokens - p1)  # top_p < 1: turn 1's kept sets change its values too
+    assert (want[turn1] != full[turn1, ids[turn1]]).any()
+    torch.testing.assert_close(lp, want, rtol=0, atol=2e-5)
 
 
 def test_missing_trace_is_refused_by_sample(rollouts, engines):
