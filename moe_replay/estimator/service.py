@@ -2,10 +2,11 @@
 
 Each submitted rollout yields exactly one outcome: a PiOldEstimate, a ScoringFailed error
 after `max_attempts` tries of each of its replicas, a RolloutReplicaError when its recorded
-logprobs were to count as a replica (EstimatorConfig.rollout_replica) and cannot, or Cancelled. Memory stays flat because `submit` waits
-while the tokens of unfinished rollouts exceed `max_inflight_tokens` (backpressure). Replicas of
-one rollout are queued round-robin with other rollouts' replicas, so they land in different
-batches (different neighbours, different slots), which is what makes engine noise independent.
+logprobs were to count as a replica (EstimatorConfig.rollout_replica) and cannot, or Cancelled.
+Memory stays flat because `submit` waits while the tokens of unfinished rollouts exceed
+`max_inflight_tokens` (backpressure). Replicas of one rollout are queued round-robin with other
+rollouts' replicas, so they land in different batches (different neighbours, different slots),
+which is what makes engine noise independent.
 
 A backend is anything with `async score(traces) -> list[logprobs_G]` for one batch; the local
 backend wraps a synchronous scorer in a thread, the Ray pool (integrations/ray) spreads batches
