@@ -44,6 +44,16 @@ and `raw_s` are kept too, since the 2-core machine is shared and one repeat can 
                    (VllmScorerConfig(read_rollout_kv=True)): every replica, the first one included, reads
                    the rollout's own prompt blocks (unsalted; the read cap stops at the prompt, the write
                    cap is 0) on the in-process engine, n = 4, and the single-engine pipelined layout with it;
+  estimator_s_reuse_rollout[n], pipelined_s_reuse_rollout  prompt reuse with the rollout as replica 0
+                   (EstimatorConfig(rollout_replica=True)): n replicas = the trace's recorded logprobs
+                   + n - 1 re-scorings (n = 2, 4, 8; n = 1 would score nothing), in-process and in the
+                   sidecar layout;
+  estimator_s_rollout_kv_rollout[4], pipelined_same_engine_s_rollout_kv_rollout  the same on the engine
+                   that sampled (read_rollout_kv): 3 re-scorings, each reading the rollout's prompt blocks;
+  cost_model       tokens each n = 4 variant forwards (the engine's own prefix-hit counts, one untimed run
+                   each), seconds per forwarded token of a full vLLM re-scoring (estimator_s[1] / tokens)
+                   and of the HF recompute (hf_recompute_s / tokens), and the n = 4 / HF ratio that the
+                   token counts predict, next to the measured one;
   *_same_engine_s  the earlier single-engine figures, kept: rollouts, serial and pipelined on ONE
                    in-process engine (pipelined: each finished rollout's 4 scoring replicas join
                    the engine's running batches), so scoring and decode share the same compute.
@@ -109,6 +119,11 @@ SIDECAR_N = 4
 BLOCK = 32
 """KV block size of every engine here: prompt reuse reads whole blocks and the prompts are 20-83
 tokens; vLLM-CPU's default is 128 and its attention takes multiples of 32 only."""
+ROLLOUT_REPLICA = EstimatorConfig(n=SIDECAR_N, rollout_replica=True)
+"""n = 4 with the rollout's recorded logprobs as replica 0: 3 re-scorings."""
+RR_TOL = 2e-5
+"""With the rollout as replica 0 the estimate differs from the single re-score by a quarter of the
+prefill-vs-decode gap (fp32 CPU: <= ~1e-5, `prefill_score_vs_rollout_logprob_max_abs`)."""
 ADAPTIVE = EstimatorConfig(n=SIDECAR_N, adaptive=True, min_n=2, max_n=8, rel_tol=1e-3)
 """Variance-adaptive: 2 replicas first, doubled (up to 8) while any token's relative standard error
 of the mean probability exceeds 1e-3. On an engine whose replicas agree it stops at 2."""
@@ -314,8 +329,9 @@ class Sidecar:
             out = {k: e async for k, e in svc.results()}  # ends with the last estimate
         return traces, out
 
-    def check(self, traces, out, sync_scorer, backend=None) -> dict:
-        """Estimates line up with the traces and equal the single score (deterministic engine)."""
+    def check(self, traces, out, sync_scorer, backend=None, tol: float = 1e-6) -> dict:
+        """Estimates line up with the traces and equal the single score (deterministic engine; with the
+        rollout as replica 0, to the prefill-vs-decode gap `tol`)."""
         single = self.run((backend or self.backend).score(traces))
         inproc = sync_scorer.score_batch(traces)
         assert set(out) == {t.key for t in traces}, "estimates do not line up with the traces"
@@ -327,9 +343,9 @@ class Sidecar:
                 (e.key, e.n, e.logprob_G.shape)
             dev = max(dev, float(np.abs(e.logprob_G - s).max()))
             cross = max(cross, float(np.abs(s - s2).max()))
-        assert dev <= 1e-6, f"sidecar estimate differs from the single score by {dev}"
+        assert dev <= tol, f"sidecar estimate differs from the single score by {dev}"
         return {"estimates": len(out), "max_abs_estimate_vs_single_score": dev,
-                "max_abs_scoring_engine_vs_in_process_engine": cross, "tol": 1e-6, "ok": True}
+                "max_abs_scoring_engine_vs_in_process_engine": cross, "tol": tol, "ok": True}
 
     def describe(self) -> dict:
         rows = affinity_tree(os.getpid())
@@ -427,7 +443,7 @@ def main() -> None:
     """Scoring on the engine that sampled: every replica reads the rollout's own prompt blocks (the
     rollouts here all run on `llm` with the same prompts, so their prompt blocks stay cached)."""
 
-    def pipelined(sc=None):
+    def pipelined(sc=None, replicas=4):
         sc = sc or scorer
         eng = llm.llm_engine
         for i, p in enumerate(P):
@@ -440,7 +456,7 @@ def main() -> None:
                 if o.request_id.startswith("pipe-"):
                     (t,) = cap.collect([o])
                     traces.append(t)
-                    for _ in range(4):  # replicas as separate requests: they land in different steps
+                    for _ in range(replicas):  # replicas as separate requests: they land in different steps
                         ids = sc.submit([t])
                         subs.append((t, ids))
                         pending.update(ids)
@@ -462,6 +478,10 @@ def main() -> None:
     rb = side.reuse_backend()
     check_reuse = side.check(*side.run(side.pipelined(P, sps_side, backend=rb)), scorer, rb)
     check_reuse["reuse_stats"] = dict(rb.reuse_stats)
+    rb = side.reuse_backend()
+    check_reuse_rollout = side.check(*side.run(side.pipelined(P, sps_side, backend=rb, est_cfg=ROLLOUT_REPLICA)), scorer, rb,
+                                     tol=RR_TOL)
+    check_reuse_rollout["reuse_stats"] = dict(rb.reuse_stats)
     layout("single")
     rs = reuse_scorer()
     est_reuse = estimate(traces, rs, EstimatorConfig(n=4), batch_size=args.requests)
@@ -477,6 +497,26 @@ def main() -> None:
     assert reuse_check["max_abs_n4_rollout_kv_estimate_vs_full_score"] <= 1e-6, reuse_check
     assert rk_scorer.reuse_stats["misses"] == 0, reuse_check
     rk_scorer.reuse_stats.clear()
+    # the rollout as replica 0: the estimate is the mean over the recorded values and n - 1 re-scorings
+    est_rr = estimate(traces, reuse_scorer(), ROLLOUT_REPLICA, batch_size=args.requests)
+    reuse_check["max_abs_n4_reuse_rollout_estimate_vs_full_score"] = max(float(np.abs(e.logprob_G - f).max())
+                                                                         for e, f in zip(est_rr, full4))
+    assert all(e.n == 4 and e.from_rollout for e in est_rr)
+    assert reuse_check["max_abs_n4_reuse_rollout_estimate_vs_full_score"] <= RR_TOL, reuse_check
+
+    def forwarded(sc, cfg: EstimatorConfig) -> dict:
+        """Engine requests and tokens forwarded (tokens - the engine's prefix hits) by one n = 4 estimate."""
+        sc.reuse_stats.clear()
+        estimate(traces, sc, cfg, batch_size=args.requests)
+        st = dict(sc.reuse_stats)
+        sc.reuse_stats.clear()
+        return {"requests": st["requests"], "tokens": st["tokens"], "cached_tokens": st["cached_tokens"],
+                "forwarded_tokens": st["tokens"] - st["cached_tokens"]}
+
+    n4 = EstimatorConfig(n=4)
+    forwarded_n4 = {"full": forwarded(scorer, n4), "reuse": forwarded(reuse_scorer(), n4),
+                    "reuse_rollout": forwarded(reuse_scorer(), ROLLOUT_REPLICA),
+                    "rollout_kv": forwarded(rk_scorer, n4), "rollout_kv_rollout": forwarded(rk_scorer, ROLLOUT_REPLICA)}
 
     # -- noise: does the engine itself give different replicas? ---------------------------------
     single = scorer.score_batch(traces)
@@ -517,8 +557,14 @@ def main() -> None:
     jobs += [("est4_rollout_kv", lambda: estimate(traces, rk_scorer, EstimatorConfig(n=4), batch_size=args.requests)),
              ("pipelined_same_engine_rollout_kv", lambda: pipelined(rk_scorer))]
     jobs += [("pipelined_reuse", lambda: side.run(side.pipelined(P, sps_side, "reuse", backend=side.reuse_backend())))]
+    jobs += [(f"est{n}_reuse_rollout", lambda n=n: estimate(traces, reuse_scorer(), dataclasses.replace(ROLLOUT_REPLICA, n=n),
+                                                           batch_size=args.requests)) for n in NS if n > 1]
+    jobs += [("est4_rollout_kv_rollout", lambda: estimate(traces, rk_scorer, ROLLOUT_REPLICA, batch_size=args.requests)),
+             ("pipelined_same_engine_rollout_kv_rollout", lambda: pipelined(rk_scorer, replicas=SIDECAR_N - 1)),
+             ("pipelined_reuse_rollout", lambda: side.run(side.pipelined(P, sps_side, "reuse_rollout", ROLLOUT_REPLICA,
+                                                                         backend=side.reuse_backend())))]
     SIDECAR_JOBS = {"rollout", "serial", "pipelined", "rollout_fixed", "serial_fixed", "pipelined_fixed",
-                    "pipelined_adaptive", "pipelined_reuse"}
+                    "pipelined_adaptive", "pipelined_reuse", "pipelined_reuse_rollout"}
     adaptive_n: list[int] = []
     side.rollouts_done_s.clear()
     for r in range(args.repeats):
@@ -545,6 +591,24 @@ def main() -> None:
 
     real_noise = measure_real_noise(traces, str(model_dir), args.real_noise_repeats)
 
+    hf_tokens = int(sum(t.num_tokens for t in traces))
+    n4_jobs = {"full": "est4", "reuse": "est4_reuse", "reuse_rollout": "est4_reuse_rollout",
+               "rollout_kv": "est4_rollout_kv", "rollout_kv_rollout": "est4_rollout_kv_rollout"}
+
+    def model(stat: dict[str, float]) -> dict:
+        c_vllm, c_hf = stat["est1"] / hf_tokens, stat["hf"] / hf_tokens
+        return {"vllm_s_per_token": c_vllm, "hf_s_per_token": c_hf, "vllm_over_hf_per_token": c_vllm / c_hf,
+                "n4_budget_forwarded_tokens": hf_tokens * c_hf / c_vllm,
+                "n4_predicted_over_hf": {k: v["forwarded_tokens"] * c_vllm / (hf_tokens * c_hf) for k, v in forwarded_n4.items()},
+                "n4_measured_over_hf": {k: stat[j] / stat["hf"] for k, j in n4_jobs.items()}}
+
+    cost_model = {
+        "note": "n = 4 cost / HF recompute ~ forwarded_tokens x vllm_s_per_token / (hf_tokens x hf_s_per_token); "
+                "per-token costs from full re-scoring at n = 1 (every token forwarded once) and the HF forward; "
+                "from the medians and from the minima of the repeats (on a shared machine the least disturbed repeat)",
+        "hf_tokens": hf_tokens, "n4_forwarded": forwarded_n4,
+        "from_median_s": model(med), "from_min_s": model({k: min(v) for k, v in times.items()}),
+    }
     sidecar = {
         "layout": "two AsyncLLM engines (uni executor: model in each engine-core process), one core each; "
                   "finished rollouts streamed into an EstimatorService over the scoring engine",
@@ -596,6 +660,19 @@ def main() -> None:
                   "token and caches whole prompt blocks (fresh salt per run); later replicas read "
                   "floor((P-1)/block)*block prompt tokens and forward the rest",
                   "pipelined_rollouts_done_s": done_s["reuse"], "check": reuse_check, "sidecar_check": check_reuse},
+        "estimator_s_reuse_rollout": {str(n): med[f"est{n}_reuse_rollout"] for n in NS if n > 1},
+        "n4_reuse_rollout_over_hf_recompute": med["est4_reuse_rollout"] / med["hf"],
+        "pipelined_s_reuse_rollout": med["pipelined_reuse_rollout"],
+        "pipelined_overhead_reuse_rollout": med["pipelined_reuse_rollout"] / med["rollout"] - 1.0,
+        "estimator_s_rollout_kv_rollout": {"4": med["est4_rollout_kv_rollout"]},
+        "n4_rollout_kv_rollout_over_hf_recompute": med["est4_rollout_kv_rollout"] / med["hf"],
+        "pipelined_same_engine_s_rollout_kv_rollout": med["pipelined_same_engine_rollout_kv_rollout"],
+        "pipelined_same_engine_overhead_rollout_kv_rollout":
+            med["pipelined_same_engine_rollout_kv_rollout"] / med["rollout_same_engine"] - 1.0,
+        "rollout_replica": {"note": "EstimatorConfig(rollout_replica=True): replica 0 is the trace's recorded logprobs "
+                            "(what the rollout's sampler scored), so n = 4 costs 3 re-scorings",
+                            "pipelined_rollouts_done_s": done_s["reuse_rollout"], "sidecar_check": check_reuse_rollout},
+        "cost_model": cost_model,
         "estimator_s_rollout_kv": {"4": med["est4_rollout_kv"]},
         "n4_rollout_kv_over_hf_recompute": med["est4_rollout_kv"] / med["hf"],
         "pipelined_same_engine_s_rollout_kv": med["pipelined_same_engine_rollout_kv"],

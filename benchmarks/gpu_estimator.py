@@ -24,7 +24,12 @@ forcing step is bound at model load, integrations/vllm/force_step.py) or `--engi
                         (null where the replicas agree bit for bit);
   rollout_s, pipelined_s(_reuse)  one engine: rollouts alone; rollouts with each finished
                         rollout's n = 4 replicas submitted to the same engine as it finishes
-                        (the sidecar on the engine that sampled), to the last score.
+                        (the sidecar on the engine that sampled), to the last score;
+  estimator_s_reuse_rollout[n], pipelined_s_reuse_rollout  the same with the rollout's recorded
+                        logprobs as replica 0 (EstimatorConfig(rollout_replica=True)): n - 1
+                        re-scorings; the rollout's decode kernels are one more placement, whose
+                        distance from the prefill score is `forced_vs_rollout`. No variance ratio is
+                        taken for it: replica 0 is the same in every repeat of one trace.
 
 Timings: median of `--repeats` (interleaved, torch.cuda.synchronize around each). Output is JSON
 labelled with the GPU name and the vLLM / torch versions.
@@ -97,6 +102,13 @@ class BucketScorer:
         return out
 
 
+class RolloutScorer(BucketScorer):
+    """A BucketScorer that vouches for the rollout's recorded logprobs through the VllmScorer it wraps."""
+
+    def recorded_logprobs_problem(self, trace):
+        return self.scorer.recorded_logprobs_problem(trace)
+
+
 def digest(scores) -> str:
     return hashlib.sha256(b"".join(np.asarray(s, dtype=np.float64).tobytes() for s in scores)).hexdigest()[:16]
 
@@ -109,7 +121,7 @@ def compare(ref, other) -> dict:
 def main(argv=None) -> None:
     args = parse_args(argv)
     plan = {"model": {"family": "qwen3_moe", "size": "bench", **MODEL}, "dtype": "bfloat16", "ns": NS,
-            "buckets": BUCKETS, **{k: v for k, v in vars(args).items() if k not in ("json", "plan")}}
+            "buckets": BUCKETS, "rollout_replica_ns": [n for n in NS if n > 1], **{k: v for k, v in vars(args).items() if k not in ("json", "plan")}}
     if args.plan:
         print(json.dumps(plan, indent=1))
         return
@@ -168,7 +180,7 @@ def main(argv=None) -> None:
     # -- timings, interleaved ---------------------------------------------------------------------
     times: dict[str, list[float]] = {}
 
-    def pipelined(sc):
+    def pipelined(sc, replicas=4):
         eng = llm.llm_engine
         for i, p in enumerate(P):
             eng.add_request(f"pipe-{uuid.uuid4().hex[:8]}-{i}", p, sp)
@@ -179,7 +191,7 @@ def main(argv=None) -> None:
                     continue
                 if o.request_id.startswith("pipe-"):
                     (t,) = cap.collect([o])
-                    for _ in range(4):
+                    for _ in range(replicas):
                         ids = sc.submit([t])
                         subs.append((t, ids))
                         pending.update(ids)
@@ -188,12 +200,17 @@ def main(argv=None) -> None:
         return [sc.finish([t], ids)[0] for t, ids in subs]
 
     jobs = [("rollout", lambda: cap.generate(P, sp, use_tqdm=False)), ("hf", lambda: hf.score_batch(traces)),
-            ("pipelined", lambda: pipelined(scorer)), ("pipelined_reuse", lambda: pipelined(reuse()))]
+            ("pipelined", lambda: pipelined(scorer)), ("pipelined_reuse", lambda: pipelined(reuse())),
+            ("pipelined_reuse_rollout", lambda: pipelined(reuse(), replicas=3))]
     for n in NS:
         jobs.append((f"est{n}", lambda n=n: estimate(traces, BucketScorer(scorer, len(traces)), EstimatorConfig(n=n),
                                                      batch_size=len(traces))))
         jobs.append((f"est{n}_reuse", lambda n=n: estimate(traces, BucketScorer(reuse(), len(traces)),
                                                            EstimatorConfig(n=n), batch_size=len(traces))))
+        if n > 1:
+            jobs.append((f"est{n}_reuse_rollout", lambda n=n: estimate(
+                traces, RolloutScorer(reuse(), len(traces)), EstimatorConfig(n=n, rollout_replica=True),
+                batch_size=len(traces))))
     for name, fn in jobs:  # warm-up
         fn()
     for r in range(args.repeats):
@@ -233,6 +250,10 @@ def main(argv=None) -> None:
         "estimator_s_reuse": {str(n): med[f"est{n}_reuse"] for n in NS},
         "hf_recompute_s": med["hf"],
         "n4_over_hf_recompute": med["est4"] / med["hf"], "n4_reuse_over_hf_recompute": med["est4_reuse"] / med["hf"],
+        "estimator_s_reuse_rollout": {str(n): med[f"est{n}_reuse_rollout"] for n in NS if n > 1},
+        "n4_reuse_rollout_over_hf_recompute": med["est4_reuse_rollout"] / med["hf"],
+        "pipelined_s_reuse_rollout": med["pipelined_reuse_rollout"],
+        "pipelined_overhead_reuse_rollout": med["pipelined_reuse_rollout"] / med["rollout"] - 1.0,
         "rollout_s": med["rollout"], "pipelined_s": med["pipelined"], "pipelined_s_reuse": med["pipelined_reuse"],
         "pipelined_overhead": med["pipelined"] / med["rollout"] - 1.0,
         "pipelined_overhead_reuse": med["pipelined_reuse"] / med["rollout"] - 1.0,

@@ -142,6 +142,68 @@ def test_replicas_agree_and_give_the_single_score(fp32):
         assert np.abs(e.logprob_G - s).max() <= 1e-6
 
 
+def _shifted(traces):
+    """The traces with their recorded logprobs lowered by 0.05-0.15 nats: CPU scoring reproduces the
+    recorded values to ~1e-5, so only shifted ones can tell the rollout's replica from an engine one."""
+    return [dataclasses.replace(t, logprobs_G=(t.logprobs_G - 0.05 * (1 + np.arange(t.num_generated) % 3)).astype(np.float32))
+            for t in traces]
+
+
+def test_the_rollout_counts_as_one_replica(fp32):
+    """EstimatorConfig(rollout_replica=True) on the engine: n = 4 sends 3 scoring requests per rollout
+    (the engine's count) and the estimate is the mean over the rollout's recorded logprobs and the 3
+    engine replicas, in probability and in log space (recorded values shifted, see _shifted). Unshifted,
+    the recorded values equal a replica to 2e-5 and adaptive mode stops at min_n = 2 after one scoring;
+    shifted, it doubles to max_n = 8 (7 scorings)."""
+    traces = fp32["traces"]
+    single = fp32["scorer"].score_batch(traces)
+    shifted = _shifted(traces)
+    for averaging in ("prob", "log"):
+        sc = fp32["scorer"].with_config(VllmScorerConfig(prompt_reuse=False))
+        cfg = EstimatorConfig(n=4, averaging=averaging, rollout_replica=True)
+        est = estimate(shifted, sc, cfg, batch_size=3, keep_replicas=True)
+        assert sc.reuse_stats["requests"] == 3 * len(traces)
+        for t, e, s in zip(shifted, est, single):
+            reps = np.stack([t.logprobs_G.astype(np.float64)] + [s] * 3)
+            want = np.log(np.exp(reps).mean(0)) if averaging == "prob" else reps.mean(0)
+            assert e.n == 4 and e.from_rollout and np.array_equal(e.replicas_RG[0], reps[0])
+            assert np.abs(e.replicas_RG[1:] - s).max() <= 1e-6
+            assert np.abs(e.logprob_G - want).max() <= 1e-9
+            assert np.abs(e.logprob_G - s).max() > 1e-3, "the rollout's replica must move the estimate"
+    adaptive = EstimatorConfig(n=2, adaptive=True, min_n=2, max_n=8, rel_tol=1e-3, rollout_replica=True)
+    for given, n, scorings in ((traces, 2, 1), (shifted, 8, 7)):
+        sc = fp32["scorer"].with_config(VllmScorerConfig(prompt_reuse=False))
+        est = estimate(given, sc, adaptive, batch_size=3)
+        assert [e.n for e in est] == [n] * len(traces) and sc.reuse_stats["requests"] == scorings * len(traces)
+    for t, s in zip(traces, single):
+        assert np.abs(t.logprobs_G - s).max() < TOL
+
+
+def test_the_rollout_replica_is_refused_where_it_means_something_else(fp32):
+    """Recorded logprobs are normalised over the kept set, in the rollout's precision, under its
+    weights: a scorer over the vocabulary, a trace without its kept set (not recorded or omitted),
+    a rollout in another dtype or under other weights is refused by name before anything is scored."""
+    from moe_replay.estimator import RolloutReplicaError
+    from moe_replay.geometry import EngineInfo
+
+    t = fp32["traces"][0]
+    cfg = EstimatorConfig(n=2, rollout_replica=True)
+    def scorer(**kw):  # fresh request counts
+        return fp32["scorer"].with_config(VllmScorerConfig(**kw))
+
+    cases = [(scorer(use_support=False), t, "whole vocabulary"),
+             (scorer(), dataclasses.replace(t, support=None), "kept set is not recorded"),
+             (scorer(), dataclasses.replace(t, support=None, extra={"support_omitted": 3}), "omitted"),
+             (scorer(), dataclasses.replace(t, engine=EngineInfo("vllm", t.engine.version, "bfloat16")),
+              "ran in bfloat16, this scoring engine in float32"),
+             (scorer(weights_version="w2"),
+              dataclasses.replace(t, weights_version="w1"), "weights 'w1', this scorer under 'w2'")]
+    for sc, tr, why in cases:
+        with pytest.raises(RolloutReplicaError, match=f"record {tr.key!r}.*{why}"):
+            estimate([tr], sc, cfg)
+        assert sc.reuse_stats["requests"] == 0
+
+
 def test_forced_routes_are_honoured_per_request(fp32):
     """Forcing the engine's own routes reproduces the free-routing score bit for bit; one changed
     expert in one request changes its scores from that position on (not before), while a
@@ -176,7 +238,9 @@ def test_forced_routes_are_honoured_per_request(fp32):
 
 def test_async_backend_under_estimator_service(fp32):
     """AsyncLLM (engine core in its own process) as the EstimatorService backend: n = 2,
-    two batches in flight; every estimate equals the sync scorer's score to 1e-6."""
+    two batches in flight; every estimate equals the sync scorer's score to 1e-6. With the rollout
+    as replica 0 (n = 3: 2 scorings each), a trace without its kept set gets its refusal as its one
+    outcome and the others the mean over their recorded values and 2 engine replicas."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -187,15 +251,29 @@ def test_async_backend_under_estimator_service(fp32):
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(fp32["model_dir"])))
         try:
             backend = await AsyncVllmScorer.attach(engine, VllmScorerConfig())
-            return await estimate_stream(traces, backend, EstimatorConfig(n=2), ServiceConfig(batch_size=2, concurrency=2))
+            svc = ServiceConfig(batch_size=2, concurrency=2)
+            out = await estimate_stream(traces, backend, EstimatorConfig(n=2), svc)
+            rr = backend.with_config(VllmScorerConfig(prompt_reuse=False))
+            given = [dataclasses.replace(traces[0], support=None)] + _shifted(traces)[1:]
+            out_rr = await estimate_stream(given, rr, EstimatorConfig(n=3, rollout_replica=True), svc)
+            return out, out_rr, rr.reuse_stats
         finally:
             engine.shutdown()
 
-    out = asyncio.run(run())
+    out, out_rr, stats_rr = asyncio.run(run())
     for t, s in zip(traces, single):
         e = out[t.key]
         assert not isinstance(e, Exception), e
         assert e.n == 2 and np.abs(e.logprob_G - s).max() <= 1e-6
+    # the rollout as replica 0: exactly one outcome per rollout, the refused one named, 2 scorings each
+    shifted = _shifted(traces)
+    for t, s in zip(shifted[1:], single[1:]):
+        e = out_rr[t.key]
+        assert e.n == 3 and e.from_rollout
+        want = np.log(np.exp(np.stack([t.logprobs_G.astype(np.float64), s, s])).mean(0))
+        assert np.abs(e.logprob_G - want).max() <= 1e-6
+    assert "kept set is not recorded" in str(out_rr[traces[0].key])
+    assert stats_rr["requests"] == 2 * (len(traces) - 1)
 
 
 def _reuse(fp32, version, **kw):

@@ -130,6 +130,8 @@ class _ScorerBase:
     def _prepare(self, vllm_config: Any) -> None:
         """Client-side state, checked before anything is installed on the engine."""
         self.block_size = int(vllm_config.cache_config.block_size)
+        self.engine_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        """The scoring engine's compute dtype, spelt as capture records it (EngineInfo.dtype)."""
         self._reuse_block = engine_reuse_ready(vllm_config)
         """None if this engine can reuse prompt KV, else why not."""
         self._warm: dict[str, int] = {}
@@ -157,6 +159,34 @@ class _ScorerBase:
     def prompt_reuse(self) -> bool:
         """Whether this scorer reads prompt KV from the prefix cache (config, resolved on the engine)."""
         return self._reuse_block is None if self.config.prompt_reuse is None else self.config.prompt_reuse
+
+    def recorded_logprobs_problem(self, trace: RolloutTrace) -> str | None:
+        """None when `trace.logprobs_G` is exactly what one replica of this scorer returns, else why not
+        (EstimatorConfig.rollout_replica counts the recorded values as a replica only then).
+
+        What capture records per generated token (sampler_hook; native: processed_logprobs) is
+        x[token] - logsumexp(x[kept]) with x = logits / T, routed by the routes the trace holds; a
+        replica returns the same expression with the trace's T and kept set, routed by those routes
+        (forced) or by the engine again (free, as the rollout was). It differs where the replica
+        normalises over the vocabulary (no use_support, or no kept set recorded), where the rollout
+        ran in another precision or under other weights, or where the numbers come from an engine
+        other than vLLM's sampler.
+        """
+        if not self.config.use_support:
+            return ("this scorer normalises over the whole vocabulary (use_support=False); the rollout's "
+                    "recorded logprob is normalised over its kept set")
+        if trace.support is None:
+            how = "omitted (support overflow)" if trace.extra.get("support_omitted") else "not recorded"
+            return (f"the trace's kept set is {how}: its recorded logprob is normalised over that set, a "
+                    "replica would normalise over the vocabulary")
+        if trace.engine.name != "vllm":
+            return f"the trace's logprobs come from engine {trace.engine.name!r}, not vLLM's sampler"
+        if trace.engine.dtype != self.engine_dtype:
+            return f"the rollout ran in {trace.engine.dtype}, this scoring engine in {self.engine_dtype}"
+        v = self.config.weights_version
+        if v and trace.weights_version is not None and str(trace.weights_version) != v:
+            return f"the rollout ran under weights {trace.weights_version!r}, this scorer under {v!r}"
+        return None
 
     def _sampling_params(self, max_cached: int, max_read: int) -> Any:
         from vllm import SamplingParams

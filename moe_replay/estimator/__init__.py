@@ -1,5 +1,7 @@
 """Multi-sample π_old estimation (engine-agnostic core; engine scorers live in integrations)."""
 
-from .core import BatchScorer, EstimatorConfig, PiOldEstimate, combine, estimate, placements
+from .core import (BatchScorer, EstimatorConfig, PiOldEstimate, RolloutReplicaError, combine, estimate, placements,
+                   rollout_replica_G)
 
-__all__ = ["BatchScorer", "EstimatorConfig", "PiOldEstimate", "combine", "estimate", "placements"]
+__all__ = ["BatchScorer", "EstimatorConfig", "PiOldEstimate", "RolloutReplicaError", "combine", "estimate", "placements",
+           "rollout_replica_G"]

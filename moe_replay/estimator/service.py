@@ -1,10 +1,12 @@
 """The async π_old sidecar: rollouts stream in as they finish, estimates stream out.
 
-Each submitted rollout yields exactly one outcome: a PiOldEstimate, or a ScoringFailed error
-after `max_attempts` tries of each of its replicas. Memory stays flat because `submit` waits
-while the tokens of unfinished rollouts exceed `max_inflight_tokens` (backpressure). Replicas of
-one rollout are queued round-robin with other rollouts' replicas, so they land in different
-batches (different neighbours, different slots), which is what makes engine noise independent.
+Each submitted rollout yields exactly one outcome: a PiOldEstimate, a ScoringFailed error
+after `max_attempts` tries of each of its replicas, a RolloutReplicaError when its recorded
+logprobs were to count as a replica (EstimatorConfig.rollout_replica) and cannot, or Cancelled.
+Memory stays flat because `submit` waits while the tokens of unfinished rollouts exceed
+`max_inflight_tokens` (backpressure). Replicas of one rollout are queued round-robin with other
+rollouts' replicas, so they land in different batches (different neighbours, different slots),
+which is what makes engine noise independent.
 
 A backend is anything with `async score(traces) -> list[logprobs_G]` for one batch; the local
 backend wraps a synchronous scorer in a thread, the Ray pool (integrations/ray) spreads batches
@@ -22,7 +24,7 @@ import numpy as np
 
 from ..errors import MoeReplayError
 from ..trace import RolloutTrace
-from .core import EstimatorConfig, PiOldEstimate, _rel_stderr_max, combine
+from .core import EstimatorConfig, PiOldEstimate, RolloutReplicaError, _rel_stderr_max, combine, rollout_replica_G
 
 
 class ScoringBackend(Protocol):
@@ -83,13 +85,25 @@ class _Job:
 
 
 class ThreadBackend:
-    """Runs a synchronous batch scorer in a worker thread so the event loop stays responsive."""
+    """Runs a synchronous batch scorer in a worker thread so the event loop stays responsive.
 
-    def __init__(self, score_batch: Callable[[Sequence[RolloutTrace]], list[np.ndarray]]) -> None:
-        self._score = score_batch
+    Takes a scorer (anything with `score_batch`) or a batch function; whether a rollout's recorded
+    logprobs count as a replica is the scorer's to say (`recorded_logprobs_problem`), so a bare
+    function, or the bound method of a scorer that cannot say, is refused for it.
+    """
+
+    def __init__(self, score_batch: Callable[[Sequence[RolloutTrace]], list[np.ndarray]] | object) -> None:
+        self._score = getattr(score_batch, "score_batch", score_batch)
+        self._owner = score_batch if hasattr(score_batch, "score_batch") else getattr(score_batch, "__self__", None)
 
     async def score(self, traces):
         return await asyncio.to_thread(self._score, list(traces))
+
+    def recorded_logprobs_problem(self, trace: RolloutTrace) -> str | None:
+        check = getattr(self._owner, "recorded_logprobs_problem", None)
+        if check is None:
+            return f"the wrapped scorer ({type(self._owner or self._score).__name__}) cannot say what its scores mean"
+        return check(trace)
 
 
 class EstimatorService:
@@ -144,7 +158,18 @@ class EstimatorService:
         self._jobs[trace.key] = job
         self.stats["submitted"] += 1
         first = self.config.min_n if self.config.adaptive else self.config.n
-        self._enqueue(job, first)
+        if self.config.rollout_replica:  # replica 0 is the rollout's own; refused here, before any scoring
+            try:
+                job.replicas.append(rollout_replica_G(trace, self.backend))
+            except RolloutReplicaError as e:
+                self._finish(job, error=e)
+                return
+            job.target = 1
+            self.stats["rollout_replicas"] += 1
+            if first == 1:
+                self._settle(job)
+                return
+        self._enqueue(job, first - job.target)
 
     async def result(self, key: str) -> PiOldEstimate:
         """The estimate for one rollout (raises its ScoringFailed / Cancelled)."""
@@ -255,14 +280,19 @@ class EstimatorService:
             return
         job.replicas.append(lp)
         job.queued -= 1
-        if job.queued:
-            return
+        if not job.queued:
+            self._settle(job)
+
+    def _settle(self, job: _Job) -> None:
+        """Every queued replica is in: add replicas (adaptive) or finish with the estimate."""
         cfg = self.config
         if cfg.adaptive and job.target < cfg.max_n and _rel_stderr_max(job.replicas) > cfg.rel_tol:
             self._enqueue(job, min(cfg.max_n, job.target * 2) - job.target)
             return
         try:
-            self._finish(job, estimate=combine(job.trace.key, np.stack(job.replicas), cfg.averaging, self.keep_replicas))
+            est = combine(job.trace.key, np.stack(job.replicas), cfg.averaging, self.keep_replicas)
+            est.from_rollout = cfg.rollout_replica
+            self._finish(job, estimate=est)
         except ValueError as e:
             self._finish(job, error=ScoringFailed(job.trace.key, 1, e))
 
@@ -273,7 +303,7 @@ class EstimatorService:
             self.stats["estimated"] += 1
         else:
             job.future.set_exception(error)
-            self.stats["failed" if isinstance(error, ScoringFailed) else "cancelled"] += 1
+            self.stats["cancelled" if isinstance(error, Cancelled) else "failed"] += 1
         self._finished.put_nowait((job.trace.key, estimate if estimate is not None else error))
         self._inflight_tokens -= min(job.trace.num_tokens, self.service.max_inflight_tokens)
         asyncio.get_running_loop().create_task(self._notify())
