@@ -52,6 +52,13 @@ class Sampling:
     """Drop tokens below min_p * the top token's probability; 0 = off."""
     seed: int | None = None
     """The request's sampling seed, when it had one (informative)."""
+    adjusted: tuple[str, ...] = ()
+    """The request's options that changed the sampler's logits besides temperature and the cut
+    above (repetition / presence / frequency penalties, logit_bias, allowed or bad words, min_tokens,
+    structured outputs, logits processors), by vLLM's parameter names. The kept set is still what
+    the sampler drew from, but the recorded logprobs are of those adjusted logits, which no scorer
+    reproduces: a recorded logprob then cannot stand in for a replica (EstimatorConfig.rollout_replica).
+    Empty in records written before it was recorded (schema <= 2)."""
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -69,18 +76,24 @@ class Sampling:
             object.__setattr__(self, name, kind(getattr(self, name)))
         if self.seed is not None:
             object.__setattr__(self, "seed", int(self.seed))
+        if isinstance(self.adjusted, str) or not all(isinstance(a, str) for a in self.adjusted):
+            raise ValueError(f"Sampling.adjusted must be a sequence of option names, got {self.adjusted!r}")
+        object.__setattr__(self, "adjusted", tuple(sorted(set(self.adjusted))))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p, "seed": self.seed}
+        d = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p, "seed": self.seed}
+        if self.adjusted:  # written only when set: a record without adjustments encodes as before
+            d["adjusted"] = list(self.adjusted)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Sampling":
         """From a dict of these keys (unknown keys are ignored: v1's extra["sampling"] is free-form)."""
-        return cls(**{k: d[k] for k in ("temperature", "top_k", "top_p", "min_p", "seed") if k in d})
+        return cls(**{k: d[k] for k in ("temperature", "top_k", "top_p", "min_p", "seed", "adjusted") if k in d})
 
 
 @dataclass

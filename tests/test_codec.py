@@ -406,6 +406,10 @@ def test_bad_sampling_fields_are_refused_by_name():
         decode_trace(_edit_body(encode_trace(make_trace(7)), lambda b: b.update(weights_version=1.5)))
     with pytest.raises(ValueError, match="Sampling.min_p"):
         Sampling(min_p=2.0)
+    with pytest.raises(ValueError, match="Sampling.adjusted.*'repetition_penalty'"):
+        Sampling(adjusted="repetition_penalty")  # a name, not a sequence of names
+    with pytest.raises(TraceFormatError, match=r"field 'sampling'.*adjusted"):
+        decode_trace(_edit_body(encode_trace(make_trace(7)), lambda b: b["sampling"].update(adjusted=[3])))
 
 
 # -- schema v3: several generated spans (a stitched multi-turn record) ------------------------------

@@ -198,6 +198,18 @@ def test_the_rollout_replica_is_refused_where_it_means_something_else(fp32):
               "ran in bfloat16, this scoring engine in float32"),
              (scorer(weights_version="w2"),
               dataclasses.replace(t, weights_version="w1"), "weights 'w1', this scorer under 'w2'")]
+    # a request with a repetition penalty and min_tokens: capture records both by name (the codec
+    # keeps them), so its recorded logprob, of the penalised logits, is no replica
+    from vllm import SamplingParams
+
+    from moe_replay.codec import decode_trace, encode_trace
+
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=6, seed=3, repetition_penalty=1.3, min_tokens=2)
+    (pen,) = fp32["cap"].generate([prompt_text(16, seed=5)], params)[1]
+    assert pen.sampling.adjusted == ("min_tokens", "repetition_penalty")
+    assert decode_trace(encode_trace(pen)).sampling == pen.sampling
+    assert t.sampling.adjusted == ()  # the fixture's rollouts adjusted nothing
+    cases.append((scorer(), pen, "adjusted by min_tokens, repetition_penalty"))
     for sc, tr, why in cases:
         with pytest.raises(RolloutReplicaError, match=f"record {tr.key!r}.*{why}"):
             estimate([tr], sc, cfg)

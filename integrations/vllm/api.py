@@ -71,6 +71,21 @@ def _serves_endpoint(qualname: Any) -> bool:
     return isinstance(cls, type) and issubclass(cls, ReplayWorkerExtension)
 
 
+LOGIT_ADJUSTMENTS: tuple[tuple[str, Any], ...] = (
+    ("repetition_penalty", lambda v: v is not None and float(v) != 1.0),
+    ("presence_penalty", lambda v: bool(v)),
+    ("frequency_penalty", lambda v: bool(v)),
+    ("logit_bias", lambda v: bool(v)),
+    ("allowed_token_ids", lambda v: v is not None),
+    ("bad_words", lambda v: bool(v)),
+    ("min_tokens", lambda v: bool(v)),
+    ("structured_outputs", lambda v: v is not None),
+    ("logits_processors", lambda v: bool(v)),
+)
+"""vLLM SamplingParams options that change the logits the sampler draws from (and whose recorded
+logprob is of), each with its test for "set"; recorded by name in Sampling.adjusted."""
+
+
 def sampling_summary(params: Any) -> dict[str, Any]:
     """The sampling parameters a trainer needs to score like the sampler did (msgpack-able)."""
     return {
@@ -79,6 +94,7 @@ def sampling_summary(params: Any) -> dict[str, Any]:
         "top_k": int(params.top_k if params.top_k is not None else -1),
         "min_p": float(params.min_p),
         "seed": params.seed,
+        "adjusted": [name for name, is_set in LOGIT_ADJUSTMENTS if is_set(getattr(params, name, None))],
     }
 
 

@@ -181,6 +181,9 @@ class _ScorerBase:
                     "replica would normalise over the vocabulary")
         if trace.engine.name != "vllm":
             return f"the trace's logprobs come from engine {trace.engine.name!r}, not vLLM's sampler"
+        if trace.sampling.adjusted:
+            return (f"the rollout's logits were adjusted by {', '.join(trace.sampling.adjusted)} before "
+                    "sampling: its recorded logprob is of those logits, a replica scores the model's own")
         if trace.engine.dtype != self.engine_dtype:
             return f"the rollout ran in {trace.engine.dtype}, this scoring engine in {self.engine_dtype}"
         v = self.config.weights_version
