@@ -24,7 +24,9 @@ how moe_replay's fixed per-step cost shrinks against the model's compute.
 Prints one JSON object: route_flip_rate_none, route_flip_rate_<preset>, k3_kl_none, k3_kl_<preset>,
 step_time_s_{verl,none,<preset>}, step_time_ratio (<preset> / verl, of the medians),
 step_time_ratio_vs_none, step_cpu_s_*, step_cpu_ratio, step_cpu_ratio_vs_none,
-step_{time,cpu}_ratio{,_vs_none}_paired (median of per-step ratios) and _iqr ([q25, q75]),
+step_{time,cpu}_ratio{,_vs_none}_paired (median of per-step ratios) and _iqr ([q25, q75]), _min
+(fastest step of <preset> / fastest of the baseline: load only adds time, so the minimum is the
+least-disturbed run of the same work),
 size, threads, load_average_1min_start, load_average_1min (at the end).
 
 Usage: python benchmarks/verl_fsdp.py [--steps 8] [--preset r3_support] [--size tiny|bench] [--threads N] [--json]
@@ -134,6 +136,8 @@ def paired_ratios(preset: str, stock: str, wall: dict[str, list[float]], cpu: di
             med, q25, q75 = q(ratios)
             out[f"step_{kind}_ratio{suffix}_paired"] = med
             out[f"step_{kind}_ratio{suffix}_iqr"] = [q25, q75]
+            # the least-disturbed step of each arm: load only ever adds time to a fixed amount of work
+            out[f"step_{kind}_ratio{suffix}_min"] = min(times[preset][skip_first:]) / min(times[base][skip_first:])
     return out
 
 
