@@ -17,8 +17,9 @@ The machine is shared and noisy, so the ratio is also taken per step: each step'
 back (order flipped every step), and <preset> / verl of that step pairs two runs seconds apart;
 the median of those paired ratios and their quartiles (`*_paired`, `*_iqr`) say how far one run's
 figure can be trusted. Process CPU time is the steadier figure under load, but torch's intra-op
-threads spin while they wait for a core, so `--threads 1` (torch.set_num_threads) keeps it to the
-work itself on a loaded machine. `--size bench` (8 MoE layers, 32 experts, ~57M parameters) shows
+threads spin while they wait for a core, so the default `--threads 1` (torch.set_num_threads) keeps
+it to the work itself (on this shared 2-core machine, 2 threads gave wall 1.3-2.5x CPU and ratios
+of 1.1-2.1 between runs minutes apart; 1 thread, wall = CPU within 2%); `--threads 0` is torch's own. `--size bench` (8 MoE layers, 32 experts, ~57M parameters) shows
 how moe_replay's fixed per-step cost shrinks against the model's compute.
 
 Prints one JSON object: route_flip_rate_none, route_flip_rate_<preset>, k3_kl_none, k3_kl_<preset>,
@@ -29,7 +30,7 @@ step_{time,cpu}_ratio{,_vs_none}_paired (median of per-step ratios) and _iqr ([q
 least-disturbed run of the same work),
 size, threads, load_average_1min_start, load_average_1min (at the end).
 
-Usage: python benchmarks/verl_fsdp.py [--steps 8] [--preset r3_support] [--size tiny|bench] [--threads N] [--json]
+Usage: python benchmarks/verl_fsdp.py [--steps 8] [--preset r3_support] [--size tiny|bench] [--threads 1] [--json]
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def main() -> None:
     ap.add_argument("--preset", default="r3_support")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--size", default="tiny", choices=["tiny", "bench"], help="moe_replay.models.SIZES preset")
-    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (0: torch's default; 1 keeps CPU time to the work on a shared machine)")
     ap.add_argument("--json", action="store_true", help="accepted for symmetry with the other benchmarks")
     a = ap.parse_args()
 
