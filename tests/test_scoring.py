@@ -317,3 +317,22 @@ def test_auto_backend_stays_eager_and_warns_where_compiling_fails(monkeypatch):
         check_against_reference(logits, target, support, t_G, full=True)
     assert isinstance(scoring_compiled._COMPILE_PROBE["error"], RuntimeError)
     check_against_reference(logits, target, support, t_G, full=True)  # decided once: no second warning needed
+
+
+def test_default_chunks_are_not_cut_below_the_byte_floor():
+    """Small work runs as one chunk (every chunk pays each eager op's fixed cost); large work is still
+    cut so the extra peak stays near 1/4 of the logits, and the cap still bounds a chunk."""
+    from moe_replay.replay import scoring
+
+    floor_rows = scoring.CHUNK_BYTES_FLOOR // (2 * 512 * 4)  # fp32: two [C, V] buffers
+    logits, target = torch.randn(64, 512), torch.randint(0, 512, (64,))
+    small = scoring._prepare(logits, target, None, None, 1.0, False, None, None)
+    assert small.chunk_rows == 64 and len(small.chunks()) == 1  # the logits/4 rule alone gave 8 rows
+    g = 16 * floor_rows  # the fraction rule is above the floor here
+    big = scoring._prepare(torch.empty(g, 512), torch.zeros(g, dtype=torch.long), None, None, 1.0, False, None, None)
+    assert big.chunk_rows == g * 512 * 4 // 4 // (2 * 512 * 4) < g
+    wide_v = 151_936
+    wide = scoring._prepare(torch.empty(2048, wide_v), torch.zeros(2048, dtype=torch.long), None, None, 1.0, False, None, None)
+    assert wide.chunk_rows == scoring.CHUNK_BYTES_CAP // (2 * wide_v * 4)
+    explicit = scoring._prepare(logits, target, None, None, 1.0, False, None, 2 * 512 * 4 * 3)
+    assert explicit.chunk_rows == 3  # an explicit chunk_bytes is taken as given

@@ -197,6 +197,37 @@ def test_missing_trace_is_refused_by_sample(rollouts, engines):
         old_log_prob(engines["r3_support"], batch)
 
 
+def test_each_trace_is_decoded_once_per_batch_and_still_checked(rollouts, engines, monkeypatch):
+    """π_old and the update carry the same records: decoded once (cache), yet a batch re-ordered or
+    missing a trace after the cache is warm is still refused by row before the forward."""
+    import moe_replay.integrations.verl.batch as vb
+    from moe_replay.integrations.verl import TRACES_KEY, MissingTraceError
+    from moe_replay.integrations.verl.local import advantages_from_rewards, old_log_prob, update_actor
+
+    decoded = []  # records decoded (the engine may hold some from an earlier test's batch)
+    real = vb.decode_trace
+    monkeypatch.setattr(vb, "decode_trace", lambda record, where=None: decoded.append(record) or real(record, where))
+    engine = engines["r3_support"]
+    batch = _batch(rollouts)
+    advantages_from_rewards(batch, torch.linspace(-1, 1, N_PROMPTS))
+    old, _ = old_log_prob(engine, batch)
+    n_old = len(decoded)
+    assert n_old <= N_PROMPTS and len(set(decoded)) == n_old
+    batch = batch.union(old)
+    m = update_actor(engine, batch)
+    assert len(decoded) == n_old and max(m["moe_replay/route_flip_rate"]) == 0.0  # the update decoded nothing
+
+    enc = batch.non_tensor_batch[TRACES_KEY]
+    enc[0], enc[1] = enc[1], enc[0]  # every record is in the cache: only the order is wrong
+    with pytest.raises(BatchLayoutError, match=rollouts["traces"][1].key):
+        update_actor(engine, batch)
+    enc[0], enc[1] = enc[1], enc[0]
+    enc[5] = b""
+    with pytest.raises(MissingTraceError, match=r"row 5, uid"):
+        update_actor(engine, batch)
+    assert len(decoded) == n_old
+
+
 def test_truncated_or_reordered_batch_is_refused(rollouts, engines):
     """A sample verl truncated after generation, or traces in another order: refused before the forward."""
     from moe_replay.integrations.verl import TRACES_KEY

@@ -34,9 +34,10 @@ _ACTIVE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 """Router modules currently under a replay or capture hook (nesting is refused)."""
 
 
-def model_geometry(model: nn.Module) -> ModelGeometry:
-    """The ModelGeometry of an HF MoE causal LM, read from its routers and config."""
-    sites = find_routers(model)
+def model_geometry(model: nn.Module, sites: dict[int, RouterSite] | None = None) -> ModelGeometry:
+    """The ModelGeometry of an HF MoE causal LM, read from its routers (`sites`: find_routers's
+    answer when the caller has it already) and config."""
+    sites = find_routers(model) if sites is None else sites
     first = next(iter(sites.values()))
     config = model.config
     out = model.get_output_embeddings()
@@ -53,7 +54,7 @@ def model_geometry(model: nn.Module) -> ModelGeometry:
 
 def _check_model(model: nn.Module, sites: dict[int, RouterSite], geometry: ModelGeometry) -> None:
     check_layers({lid: (s.adapter.num_experts(s.module), s.adapter.top_k(s.module)) for lid, s in sites.items()}, geometry)
-    mine = model_geometry(model)
+    mine = model_geometry(model, sites)
     for name in ("num_layers", "vocab_size"):
         if getattr(mine, name) != getattr(geometry, name):
             raise GeometryMismatchError(Where(field=f"geometry.{name}"), getattr(mine, name), getattr(geometry, name), "model vs trace")

@@ -56,14 +56,17 @@ def stitch_turns(turns: Sequence[RolloutTrace]) -> RolloutTrace:
     return full
 
 
-def traces_of(micro_batch: Any, sample_ids: Sequence[Any] | None = None, *, decode: bool = True) -> list[Any]:
+def traces_of(micro_batch: Any, sample_ids: Sequence[Any] | None = None, *, decode: bool = True,
+              cache: dict[bytes, RolloutTrace] | None = None) -> list[Any]:
     """The decoded trace of every sample of a verl TensorDict (micro-)batch, in its row order.
 
     Refuses (MissingTraceError, naming the row and its uid when the batch has one) a batch without
     the key or a sample whose entry is empty: replaying some rows and routing others freely is
     the silent fall-back this integration exists to prevent. `decode=False` only checks presence
     and returns the entries as they are (the whole batch is checked before its first micro-batch,
-    each micro-batch decodes its own).
+    each micro-batch decodes its own). `cache` ({encoded record: decoded trace}) is read and
+    filled: the π_old pass and the update pass carry the same records, so each is decoded once
+    per batch (decoding 16 records cost ~25 ms of CPU a step on the tiny model, about 3% of it).
     """
     rows = len(micro_batch)
     uids = _uids(micro_batch, rows) if sample_ids is None else list(sample_ids)
@@ -81,7 +84,16 @@ def traces_of(micro_batch: Any, sample_ids: Sequence[Any] | None = None, *, deco
         if entry is None or (isinstance(entry, (bytes, bytearray)) and not entry):
             raise MissingTraceError(where, "an encoded moe_replay trace", repr(entry),
                                     "every sample must come from the captured engine")
-        out.append(entry if isinstance(entry, RolloutTrace) or not decode else decode_trace(bytes(entry), where))
+        if isinstance(entry, RolloutTrace) or not decode:
+            out.append(entry)
+            continue
+        record = bytes(entry)
+        trace = None if cache is None else cache.get(record)
+        if trace is None:
+            trace = decode_trace(record, where)
+            if cache is not None:
+                cache[record] = trace
+        out.append(trace)
     return out
 
 

@@ -67,6 +67,8 @@ class MoeReplayFSDPEngine(FSDPEngineWithLMHead):
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
         self._mr_geometry = None
         self._mr_open: contextlib.ExitStack | None = None
+        self._mr_decoded: dict[bytes, Any] = {}
+        """Decoded traces of the current batch by encoded record (batch.traces_of's cache)."""
 
     def initialize(self) -> None:
         super().initialize()
@@ -79,7 +81,10 @@ class MoeReplayFSDPEngine(FSDPEngineWithLMHead):
     def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
         if self.moe_replay_preset is None:
             return super().forward_backward_batch(data, loss_function, forward_only)
-        traces_of(data, decode=False)  # every sample has its trace, before any micro-batch runs
+        entries = traces_of(data, decode=False)  # every sample has its trace, before any micro-batch runs
+        # keep the decoded traces this batch shares with the last one (π_old, then the update)
+        kept = [bytes(e) for e in entries if isinstance(e, (bytes, bytearray))]
+        self._mr_decoded = {rec: self._mr_decoded[rec] for rec in kept if rec in self._mr_decoded}
         try:
             out = super().forward_backward_batch(data, loss_function, forward_only)
         except BaseException:
@@ -100,7 +105,7 @@ class MoeReplayFSDPEngine(FSDPEngineWithLMHead):
         self._close_session()  # the previous micro-batch's forward and backward are done
         preset = self.moe_replay_preset
         micro_batch = micro_batch.to(get_device_id())
-        traces = traces_of(micro_batch)
+        traces = traces_of(micro_batch, cache=self._mr_decoded)
         model_inputs, output_args = self.prepare_model_inputs(micro_batch=micro_batch)
         _check_temperature(micro_batch["temperature"], traces)
 
@@ -157,12 +162,15 @@ class MoeReplayFSDPEngine(FSDPEngineWithLMHead):
 
 
 def _check_temperature(temperature: Any, traces: list) -> None:
-    """verl scales the logits by its rollout temperature; moe_replay scores at the trace's: they must agree."""
-    t_B = temperature.detach().cpu().reshape(-1) if isinstance(temperature, torch.Tensor) else None
-    for b, trace in enumerate(traces):
-        mine = float(t_B[b if len(t_B) > 1 else 0]) if t_B is not None else float(temperature)
-        if not np.isclose(mine, trace.sampling.temperature, rtol=0, atol=1e-6):
-            raise VerlOptionError("actor_rollout_ref.rollout.temperature", mine,
-                                  f"{trace.sampling.temperature} (the temperature trace {trace.key!r} was sampled at)",
-                                  "the trainer must score at the sampler's temperature")
+    """verl scales the logits by its rollout temperature; moe_replay scores at the trace's: they must agree
+    (checked for all rows at once, one comparison instead of one per row)."""
+    mine_B = np.broadcast_to(np.asarray(temperature.detach().cpu() if isinstance(temperature, torch.Tensor) else temperature,
+                                        dtype=np.float64).reshape(-1), (len(traces),))
+    theirs_B = np.array([t.sampling.temperature for t in traces], dtype=np.float64)
+    bad = np.flatnonzero(~np.isclose(mine_B, theirs_B, rtol=0, atol=1e-6))
+    if len(bad):
+        b = int(bad[0])
+        raise VerlOptionError("actor_rollout_ref.rollout.temperature", float(mine_B[b]),
+                              f"{theirs_B[b]} (the temperature trace {traces[b].key!r} was sampled at)",
+                              "the trainer must score at the sampler's temperature")
 
