@@ -156,7 +156,12 @@ def test_multi_turn_keeps_every_turns_routes(rollouts, engines):
     assert t2.route_start > 0 and multi.route_start == 0 and multi.num_route_rows == multi.num_tokens - 1
     traces = [multi, *rollouts["traces"][:3]]  # one micro-batch of 4
     batch = _batch(rollouts, traces=traces)
-    assert "rollout_log_probs" not in batch.batch.keys()  # the first turn's engine logprobs are not in the record
+    # as verl's agent loop: the loss and verl's rollout correction see the sampled tokens of both
+    # turns (their recorded logprobs), not the tool text between them
+    sampled = torch.from_numpy(multi.generated_positions() - multi.prompt_len)
+    mask_R, lp_R = batch.batch["response_mask"][0], batch.batch["rollout_log_probs"][0]
+    assert mask_R[sampled].all() and int(mask_R.sum()) == multi.num_generated < multi.num_tokens - multi.prompt_len
+    assert torch.equal(lp_R[sampled], torch.from_numpy(multi.logprobs_G)) and int((lp_R != 0).sum()) <= multi.num_generated
     engine = engines["r3_support"]
     logits = []
     hook = engine.module.register_forward_hook(lambda mod, args, out: logits.append(out.logits.detach().float()))

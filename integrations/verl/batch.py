@@ -113,12 +113,11 @@ def to_dataproto(traces: Sequence[RolloutTrace], *, pad_token_id: int, uids: Seq
                  prompt_lens: Sequence[int] | None = None) -> Any:
     """A verl `DataProto` of rollouts as verl's agent loop emits them, with the traces attached.
 
-    `prompt_lens` (default: each trace's prompt_len) is where verl's prompt ends; for a stitched
-    multi-turn record it is the first turn's prompt, and the later turns' text is response (with
-    `response_mask` 1 on it, as verl's agent loop masks only tool tokens it knows about).
-    `rollout_log_probs` (the engine's logprobs, for verl's own rollout correction) is set only when
-    every trace holds a logprob for each response token: a stitched record keeps the latest turn's
-    only, and a made-up value for the others would bias verl's IS ratios.
+    `prompt_lens` (default: each trace's prompt_len) is where verl's prompt ends. As verl's agent
+    loop does, `response_mask` is 1 on the tokens the engine sampled (every span of a stitched
+    multi-turn record) and 0 on the text between them (tool output), which the loss skips.
+    `rollout_log_probs` (the engine's logprobs, for verl's own rollout correction) holds each
+    sampled token's recorded logprob and 0 elsewhere, set only when every trace recorded them.
     """
     from verl import DataProto
 
@@ -133,20 +132,26 @@ def to_dataproto(traces: Sequence[RolloutTrace], *, pad_token_id: int, uids: Seq
     responses_BR = torch.full((b_count, r_cols), pad_token_id, dtype=torch.long)
     mask_BS = torch.zeros((b_count, p_cols + r_cols), dtype=torch.long)
     rollout_lp_BR = torch.zeros((b_count, r_cols), dtype=torch.float32)
-    full_lp = all(t.logprobs_G is not None and t.num_generated == r for t, r in zip(traces, r_lens))
+    response_mask_BR = torch.zeros((b_count, r_cols), dtype=torch.long)
+    with_lp = all(t.logprobs_G is not None for t in traces)
     for b, (t, p, r) in enumerate(zip(traces, p_lens, r_lens)):
         ids = torch.from_numpy(t.token_ids_S)
         prompts_BP[b, p_cols - p:] = ids[:p]
         responses_BR[b, :r] = ids[p:]
         mask_BS[b, p_cols - p: p_cols + r] = 1
-        if full_lp:
-            rollout_lp_BR[b, :r] = torch.from_numpy(t.logprobs_G)
+        sampled_J = torch.from_numpy(t.generated_positions()) - p
+        if len(sampled_J) and int(sampled_J[0]) < 0:
+            raise ValueError(f"to_dataproto: trace {t.key!r} sampled position {int(sampled_J[0]) + p}, inside the "
+                             f"prompt of {p} tokens given for it (prompt_lens)")
+        response_mask_BR[b, sampled_J] = 1
+        if with_lp:
+            rollout_lp_BR[b, sampled_J] = torch.from_numpy(t.logprobs_G)
     position_ids_BS = (mask_BS.cumsum(-1) - 1).clamp(min=0)
     tensors = {
         "prompts": prompts_BP, "responses": responses_BR, "input_ids": torch.cat([prompts_BP, responses_BR], 1),
-        "attention_mask": mask_BS, "position_ids": position_ids_BS, "response_mask": mask_BS[:, p_cols:].clone(),
+        "attention_mask": mask_BS, "position_ids": position_ids_BS, "response_mask": response_mask_BR,
     }
-    if full_lp:
+    if with_lp:
         tensors["rollout_log_probs"] = rollout_lp_BR
     keys = [t.key for t in traces] if uids is None else list(uids)
     non_tensors = {TRACES_KEY: encode_traces(traces), "uid": np.array(keys, dtype=object)}
