@@ -26,6 +26,10 @@ by 10-30%; hence many interleaved pairs); hook_time_fraction is not.
 engines live side by side, one built plainly and one with `capture_engine_kwargs()` (its routers
 write into the step buffer bound at load, inside the compiled graph), runs interleaved between
 them; `compiled.overhead` is capture on vs off with the same keys as above. Target <= 2%.
+`compiled.ops` (one torch.profiler run per side): op counts per engine step off / on, the ops capture
+adds per step, their self CPU ms per step, and compiled-graph calls (equal off and on: the route
+writes run inside the compiled graph, no split). Counts do not move with the machine's load; on a
+loaded 2-core machine process CPU time does (OpenMP threads spin while waiting for a core).
 
 Usage: python benchmarks/capture.py --json [--pairs N] [--models tiny,bench] [--compiled-pairs N]
 """
@@ -107,6 +111,7 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
     cap_mode: list[str | None] = [None]
 
     run(False), run(True)  # warm both paths
+    prof = _op_profile(run) if compiled else None
     hook_fracs.clear()
     off, on, ratios, off_w, on_w, ratios_w, traces = [], [], [], [], [], [], None
     for i in range(pairs):
@@ -149,6 +154,37 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
         "trace_bytes_per_token": round(nbytes / tokens, 2),
         "support_rows_mean": round(sum(int(t.support.sizes_G().sum()) for t in traces)
                                    / sum(t.num_generated for t in traces), 2),
+        **({"ops": prof} if prof else {}),
+    }
+
+
+def _op_profile(run) -> dict:
+    """torch.profiler op counts per engine step, capture off vs on (one run each). Counts do not
+    depend on the machine's load, unlike times: what capture adds per step inside and around the
+    compiled forward (graph calls = compiled pieces run per forward: more means graph splits)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def counts(flag: bool) -> dict[str, tuple[int, float]]:
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            run(flag)
+        return {e.key: (e.count, e.self_cpu_time_total / 1e3) for e in p.key_averages()}
+
+    off, on = counts(False), counts(True)
+    graph = "## Call CompiledFxGraph"
+    fwd_off = sum(c for k, (c, _) in off.items() if k.startswith(graph)) or 1
+    fwd_on = sum(c for k, (c, _) in on.items() if k.startswith(graph)) or 1
+    steps = sum(c for k, (c, _) in on.items() if k == "_C::compute_slot_mapping_kernel_impl") or fwd_on
+    added = {k: on.get(k, (0, 0))[0] - off.get(k, (0, 0))[0] for k in set(on) | set(off)}
+    added = {k: v for k, v in added.items() if v}
+    return {
+        "forwards": fwd_on,
+        "ops_per_step_off": round(sum(c for c, _ in off.values()) / steps, 1),
+        "ops_per_step_on": round(sum(c for c, _ in on.values()) / steps, 1),
+        "graph_calls_off": fwd_off, "graph_calls_on": fwd_on,
+        "added_ops_per_step": {k: round(v / steps, 2) for k, v in sorted(added.items(), key=lambda x: -abs(x[1]))[:8]},
+        "added_op_self_ms_per_step": round(sum(max(0.0, on.get(k, (0, 0))[1] - off.get(k, (0, 0))[1])
+                                               for k in added) / steps, 4),
+        "self_ms_per_step_off": round(sum(t for _, t in off.values()) / steps, 3),
     }
 
 

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Sequence
 from ...capture_config import CaptureConfig
 from ...geometry import EngineInfo, ModelGeometry
 from ...trace import RolloutTrace, Sampling
-from .assemble import build_trace, completions_of
+from .assemble import build_trace, merge_stream
 from .errors import CaptureHookError, CollectError, UnknownRequestError
 from .link import EXTENSION, AsyncLink, SyncLink
 from .native import EngineFlags, native_trace, plan_sources
@@ -146,12 +146,10 @@ class _CaptureBase:
         self.via = link.via
         """How the link reaches the workers: 'worker_extension_cls' or 'callable'."""
 
-    def _requests(self, outputs: Iterable[Any]) -> list[tuple[str, str, Any, Any]]:
-        items = []
-        for out in outputs:
-            for key, wkey, comp in completions_of(out):
-                items.append((key, wkey, comp, out))
-        return items
+    def _requests(self, outputs: Iterable[Any], n: dict[str, int] | None = None):
+        """(items, failures): one item per sample, `n` (request id -> SamplingParams.n) over what
+        was recorded at submit; a request in neither takes n from its outputs."""
+        return merge_stream(list(outputs), {**getattr(self, "_submitted_n", {}), **(n or {})})
 
     def _take(self, items) -> Any:
         """The call that fetches the items' worker records; None when no part comes from hooks."""
@@ -160,12 +158,13 @@ class _CaptureBase:
         return self._link.call("capture.take", [wkey for _, wkey, _, _ in items])
 
     def _assemble(self, items, payloads, store, sampling: dict[str, dict[str, Any]] | None = None,
-                  route_starts: dict[str, int] | None = None) -> list[RolloutTrace]:
-        traces, failures = [], {}
+                  route_starts: dict[str, int] | None = None, failures: dict[str, Exception] | None = None
+                  ) -> list[RolloutTrace]:
+        traces, failures = [], dict(failures or {})
         payloads = [None] * len(items) if payloads is None else payloads
         for (key, _, comp, out), payload in zip(items, payloads):
             try:
-                if not out.finished:
+                if getattr(comp, "finish_reason", None) is None:  # a streamed child ends before its parent
                     raise UnknownRequestError(f"request {key!r} has not finished; collect final outputs only")
                 trace = None
                 if payload is not None:
@@ -223,20 +222,22 @@ class VllmCapture(_CaptureBase):
         sampling = {out.request_id: sampling_summary(sp) for out, sp in zip(outputs, per_prompt)}
         starts = {out.request_id: int(getattr(sp, "routed_experts_prompt_start", 0) or 0)
                   for out, sp in zip(outputs, per_prompt)}
-        return outputs, self.collect(outputs, store=store, sampling=sampling, route_starts=starts)
+        n = {out.request_id: int(sp.n) for out, sp in zip(outputs, per_prompt)}
+        return outputs, self.collect(outputs, store=store, sampling=sampling, route_starts=starts, n=n)
 
     def collect(self, outputs: Sequence[Any], *, store: Any = None, sampling: dict[str, dict[str, Any]] | None = None,
-                route_starts: dict[str, int] | None = None) -> list[RolloutTrace]:
+                route_starts: dict[str, int] | None = None, n: dict[str, int] | None = None) -> list[RolloutTrace]:
         """One trace per sample of each finished RequestOutput; the records leave the worker.
 
         `sampling` (request id -> sampling_summary(params)) becomes each trace's `sampling`;
         `route_starts` (request id -> SamplingParams.routed_experts_prompt_start, default 0) places
-        native routes.
+        native routes; `n` (request id -> SamplingParams.n) says how many samples each request must
+        show (default: as many as its outputs hold).
         Raises CollectError (with `.traces` = every good trace, already put to `store`) when some
         requests fail (aborted, unknown, evicted, support overflow under 'error', misaligned).
         """
-        items = self._requests(outputs)
-        return self._assemble(items, self._take(items), store, sampling, route_starts)
+        items, missing = self._requests(outputs, n)
+        return self._assemble(items, self._take(items), store, sampling, route_starts, missing)
 
     def discard(self, request_ids: Sequence[str]) -> int:
         """Drop worker records (e.g. of aborted requests); returns how many were dropped."""
@@ -265,6 +266,20 @@ class AsyncVllmCapture(_CaptureBase):
     def __init__(self, engine: Any, config: CaptureConfig) -> None:
         self.engine, self.config = engine, config
         self.engine_info = _engine_info(engine.model_config)
+        self._submitted_n: dict[str, int] = {}
+        """request id -> SamplingParams.n of requests submitted through `generate` (dropped at collect)."""
+        self._submitted_sampling: dict[str, dict[str, Any]] = {}
+
+    async def generate(self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any):
+        """`AsyncLLM.generate`, yielding its outputs unchanged, that records the request's n and
+        sampling parameters for `collect`: with vLLM's default (cumulative) streaming an n > 1
+        request's children arrive one output each, so pass every yielded output to `collect`."""
+        if "logprobs" in self.plan.native:
+            sampling_params = _with_logprobs(sampling_params)
+        self._submitted_n[request_id] = int(sampling_params.n)
+        self._submitted_sampling[request_id] = sampling_summary(sampling_params)
+        async for out in self.engine.generate(prompt, sampling_params, request_id=request_id, **kwargs):
+            yield out
 
     @classmethod
     async def attach(cls, engine: Any, config: CaptureConfig | None = None, *, reset_prefix_cache: bool = True):
@@ -278,12 +293,21 @@ class AsyncVllmCapture(_CaptureBase):
 
     async def collect(self, outputs: Sequence[Any], *, store: Any = None,
                       sampling: dict[str, dict[str, Any]] | None = None,
-                      route_starts: dict[str, int] | None = None) -> list[RolloutTrace]:
+                      route_starts: dict[str, int] | None = None, n: dict[str, int] | None = None
+                      ) -> list[RolloutTrace]:
         """As VllmCapture.collect; pass `sampling` ({request id: sampling_summary(params)}) to record
-        each request's sampling parameters in its traces."""
-        items = self._requests(outputs)
+        each request's sampling parameters in its traces (requests sent through `generate` have
+        theirs and their n recorded). Streamed outputs are welcome: a request's chunks are merged."""
+        outputs = list(outputs)
+        items, missing = self._requests(outputs, n)
+        rids = {out.request_id for out in outputs}
+        sampling = {**{r: s for r, s in self._submitted_sampling.items() if r in rids}, **(sampling or {})}
+        for r in rids:
+            self._submitted_n.pop(r, None)
+            self._submitted_sampling.pop(r, None)
         pending = self._take(items)
-        return self._assemble(items, None if pending is None else await pending, store, sampling, route_starts)
+        return self._assemble(items, None if pending is None else await pending, store, sampling or None,
+                              route_starts, missing)
 
     async def discard(self, request_ids: Sequence[str]) -> int:
         return int(await self._link.call("capture.discard", list(request_ids))) if self._link is not None else 0

@@ -37,10 +37,45 @@ def worker_key(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
 
-def completions_of(output: Any) -> list[tuple[str, str, Any]]:
-    """(trace key, worker key, CompletionOutput) for every sample of one RequestOutput."""
-    n = len(output.outputs)
+def completions_of(output: Any, n: int | None = None) -> list[tuple[str, str, Any]]:
+    """(trace key, worker key, CompletionOutput) for every sample of one RequestOutput.
+
+    `n` is the request's SamplingParams.n: a streamed n > 1 request's output may hold fewer than n
+    children (AsyncLLM yields each child's output alone), and the keys depend on n, not on how
+    many arrived together. None takes it from the output (final-only outputs hold all n)."""
+    n = len(output.outputs) if n is None else n
     return [(trace_key(output.request_id, c.index, n), worker_key(output.request_id, c.index, n), c) for c in output.outputs]
+
+
+def merge_stream(outputs: list[Any], n_of: dict[str, int]) -> tuple[list[tuple[str, str, Any, Any]], dict[str, Exception]]:
+    """Items (trace key, worker key, completion, its RequestOutput) from final or streamed outputs.
+
+    Outputs of one request id (streamed chunks, in arrival order) are grouped; each sample keeps
+    its last finished completion (cumulative streaming, vLLM's default, carries every token in
+    it). A request with n in `n_of` must show all n samples finished, or each missing one is a
+    failure (never a shorter trace list)."""
+    order: list[str] = []
+    last: dict[str, dict[int, tuple[Any, Any]]] = {}
+    for out in outputs:
+        if out.request_id not in last:
+            order.append(out.request_id)
+            last[out.request_id] = {}
+        for c in out.outputs:
+            prev = last[out.request_id].get(c.index)
+            if prev is None or c.finish_reason is not None or prev[0].finish_reason is None:
+                last[out.request_id][c.index] = (c, out)
+    items, missing = [], {}
+    for rid in order:
+        got = last[rid]
+        n = n_of.get(rid, len(got))
+        for i in sorted(got):
+            c, out = got[i]
+            items.append((trace_key(rid, i, n), worker_key(rid, i, n), c, out))
+        for i in sorted(set(range(n)) - set(got)):
+            missing[trace_key(rid, i, n)] = UnknownRequestError(
+                f"request {rid!r} asked for n={n} samples; sample {i} is not in the outputs passed "
+                f"(samples {sorted(got)} are): pass every output the stream yielded, or its final-only output")
+    return items, missing
 
 
 def support_overflow(key: str, sizes_G: np.ndarray, config: CaptureConfig, prompt_len: int | None = None) -> dict[str, int] | None:
