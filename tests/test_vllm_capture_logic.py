@@ -185,8 +185,9 @@ def test_load_hook_is_declared_as_a_vllm_plugin_and_undoable():
 
 
 def test_stitch_keeps_the_typed_fields_and_refuses_mixed_weights():
-    """A stitched conversation keeps the latest turn's sampling and weights version; turns sampled
-    with different weights are two policies' routes and never one record."""
+    """A stitched conversation keeps its turns' sampling and weights version; turns sampled with
+    different weights (two policies' routes) or different sampling parameters (scored two ways)
+    are never one record."""
     import dataclasses
 
     from moe_replay.errors import TraceAlignmentError
@@ -196,7 +197,7 @@ def test_stitch_keeps_the_typed_fields_and_refuses_mixed_weights():
 
     rng = np.random.default_rng(3)
     first = random_trace("conv#0", rng, num_tokens=20, prompt_len=8)
-    first.weights_version = "step-4"
+    first.weights_version, first.sampling = "step-4", Sampling(temperature=0.7, top_p=0.9, seed=1)
     tail = random_trace("conv#1", rng, num_tokens=40, prompt_len=30, route_start=19)
     tail.token_ids_S[:20] = first.token_ids_S
     tail.sampling, tail.weights_version = Sampling(temperature=0.7, top_p=0.9), "step-4"
@@ -207,6 +208,8 @@ def test_stitch_keeps_the_typed_fields_and_refuses_mixed_weights():
     np.testing.assert_array_equal(joined.routes_TLK[19:], tail.routes_TLK)
     with pytest.raises(TraceAlignmentError, match=r"weights_version 'step-5'.*'step-4'"):
         stitch(first, dataclasses.replace(tail, weights_version="step-5"))
+    with pytest.raises(TraceAlignmentError, match=r"field 'sampling'.*'temperature': 1.0"):
+        stitch(first, dataclasses.replace(tail, sampling=Sampling(temperature=1.0, top_p=0.9)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
