@@ -360,12 +360,17 @@ def test_golden_v1_record_still_decodes():
     assert trace.weights_version is None
 
 
+def read_golden(path: Path, version: int) -> RolloutTrace:
+    """Decode a golden record after checking it exists and was written by schema `version`."""
+    if not path.exists():  # regenerate with: python -m tests.test_codec
+        pytest.fail(f"golden file {path} is missing")
+    data = path.read_bytes()
+    assert msgpack.unpackb(data)["v"] == version
+    return decode_trace(data, Where(file=str(path)))
+
+
 def test_golden_v2_record_decodes():
-    if not GOLDEN_V2.exists():  # regenerate with: python -m tests.test_codec
-        pytest.fail(f"golden file {GOLDEN_V2} is missing")
-    data = GOLDEN_V2.read_bytes()
-    assert msgpack.unpackb(data)["v"] == 2
-    trace = decode_trace(data, Where(file=str(GOLDEN_V2)))
+    trace = read_golden(GOLDEN_V2, 2)
     assert trace.equals(golden_trace_v2()) and trace.sampling.temperature == 0.7 and trace.weights_version == "ckpt-step-7"
 
 
@@ -425,11 +430,7 @@ def two_span_trace(seed: int = 2026) -> RolloutTrace:
 
 
 def test_golden_v3_record_decodes():
-    if not GOLDEN_V3.exists():  # regenerate with: python -m tests.test_codec
-        pytest.fail(f"golden file {GOLDEN_V3} is missing")
-    data = GOLDEN_V3.read_bytes()
-    assert msgpack.unpackb(data)["v"] == 3
-    trace = decode_trace(data, Where(file=str(GOLDEN_V3)))
+    trace = read_golden(GOLDEN_V3, 3)
     assert trace.equals(two_span_trace()) and trace.spans == ((6, 12), (16, 24)) and trace.num_generated == 14
     assert trace.generated_positions().tolist() == [*range(6, 12), *range(16, 24)]
 

@@ -37,16 +37,6 @@ def worker_key(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
 
-def completions_of(output: Any, n: int | None = None) -> list[tuple[str, str, Any]]:
-    """(trace key, worker key, CompletionOutput) for every sample of one RequestOutput.
-
-    `n` is the request's SamplingParams.n: a streamed n > 1 request's output may hold fewer than n
-    children (AsyncLLM yields each child's output alone), and the keys depend on n, not on how
-    many arrived together. None takes it from the output (final-only outputs hold all n)."""
-    n = len(output.outputs) if n is None else n
-    return [(trace_key(output.request_id, c.index, n), worker_key(output.request_id, c.index, n), c) for c in output.outputs]
-
-
 def merge_stream(outputs: list[Any], n_of: dict[str, int]) -> tuple[list[tuple[str, str, Any, Any]], dict[str, Exception]]:
     """Items (trace key, worker key, completion, its RequestOutput) from final or streamed outputs.
 

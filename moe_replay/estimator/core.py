@@ -112,8 +112,10 @@ class PiOldEstimate:
         }
 
 
-def combine(key: str, replicas_RG: np.ndarray, averaging: Averaging = "prob", keep_replicas: bool = False) -> PiOldEstimate:
-    """Average R replica logprob vectors of one sequence into one estimate."""
+def combine(key: str, replicas_RG: np.ndarray, averaging: Averaging = "prob", keep_replicas: bool = False,
+            from_rollout: bool = False) -> PiOldEstimate:
+    """Average R replica logprob vectors of one sequence into one estimate (`from_rollout`: row 0 is
+    the rollout's recorded logprobs)."""
     lp = np.asarray(replicas_RG, dtype=np.float64)
     if lp.ndim != 2 or lp.shape[0] < 1:
         raise ValueError(f"combine({key!r}): expected replica logprobs [R >= 1, G], found shape {list(lp.shape)}")
@@ -130,7 +132,7 @@ def combine(key: str, replicas_RG: np.ndarray, averaging: Averaging = "prob", ke
     else:
         logprob = lp.mean(axis=0)
         mean_p = np.exp(logprob)
-    return PiOldEstimate(key, logprob, mean_p, var, r, lp if keep_replicas else None)
+    return PiOldEstimate(key, logprob, mean_p, var, r, lp if keep_replicas else None, from_rollout)
 
 
 class RolloutReplicaError(TraceError, ValueError):
@@ -252,7 +254,5 @@ def estimate(
             break
         active = [i for i in active if _rel_stderr_max(replicas[i]) > config.rel_tol]
         target = min(limit, done_rounds * 2)  # double the replicas of rollouts that still disagree
-    out = [combine(t.key, np.stack(reps), config.averaging, keep_replicas) for t, reps in zip(traces, replicas)]
-    for e in out:
-        e.from_rollout = config.rollout_replica
-    return out
+    return [combine(t.key, np.stack(reps), config.averaging, keep_replicas, config.rollout_replica)
+            for t, reps in zip(traces, replicas)]

@@ -290,9 +290,8 @@ class EstimatorService:
             self._enqueue(job, min(cfg.max_n, job.target * 2) - job.target)
             return
         try:
-            est = combine(job.trace.key, np.stack(job.replicas), cfg.averaging, self.keep_replicas)
-            est.from_rollout = cfg.rollout_replica
-            self._finish(job, estimate=est)
+            self._finish(job, estimate=combine(job.trace.key, np.stack(job.replicas), cfg.averaging,
+                                               self.keep_replicas, cfg.rollout_replica))
         except ValueError as e:
             self._finish(job, error=ScoringFailed(job.trace.key, 1, e))
 
