@@ -176,8 +176,13 @@ def breakdown(model_dir: Path, preset: str, pairs: int, out_dir: str) -> dict:
                         trainer._mr_rows, trainer._mr_measure_next = None, False
             return run
 
-        def sync_trl():
-            trainer.vllm_generation.sync_weights()
+        stock_sync_failed: list[str] = []
+
+        def sync_trl():  # stock TRL fails where vLLM-CPU packed the linear weights away (AVX-512 BF16, AMX)
+            try:
+                trainer.vllm_generation.sync_weights()
+            except AttributeError as e:
+                stock_sync_failed[:] = [f"{type(e).__name__}: {e}"]
 
         def sync_repack():
             rollout.sync_weights(trainer.vllm_generation, engine)
@@ -212,6 +217,8 @@ def breakdown(model_dir: Path, preset: str, pairs: int, out_dir: str) -> dict:
             med[f"step_{clock}_trl_parts"] = sum(med[f"{seam}_{clock}_trl"] for seam in names)
             med[f"step_{extra}"] = sum(med[f"{seam}_{extra}"] for seam in names)
             med[f"step_{tag}ratio_parts"] = 1 + med[f"step_{extra}"] / med[f"step_{clock}_trl_parts"]
+        if stock_sync_failed:  # its time is of a load that stopped at the first packed layer
+            med["sync_trl_failed"] = stock_sync_failed[0]
         return med
     finally:
         trainer.close_moe_replay()

@@ -27,10 +27,12 @@ def setup(tiny_model):
 
     model_dir = tiny_model("qwen3_moe")
     llm = vllm.LLM(**capture_engine_kwargs(model=str(model_dir), **{**VLLM_TEST_ARGS, "enable_prefix_caching": False}))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.moe_replay_dir = model_dir  # for tests that build a second scorer on the same checkpoint
-    yield llm, model
-    shutdown_llm(llm)
+    try:  # the engine is shut down even when the HF model fails to load
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model.moe_replay_dir = model_dir  # for tests that build a second scorer on the same checkpoint
+        yield llm, model
+    finally:
+        shutdown_llm(llm)
 
 
 @pytest.mark.parametrize("preset", ["none", "r3_support", "r3_support_multisample"])

@@ -56,28 +56,30 @@ def megatron_cpu():
     import megatron.core.transformer.moe.moe_utils as moe_utils
     from megatron.core import parallel_state
 
-    mp = pytest.MonkeyPatch()
-    mp.setattr(torch.cuda, "current_device", lambda: "cpu")
-    mp.setattr(moe_utils, "te_general_gemm", None, raising=False)
-    mp.setattr(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
-    mp.setattr(mrandom, "_set_cuda_rng_state", lambda *a, **k: None)
-    own_group = not dist.is_initialized()
-    if own_group:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    elif dist.get_world_size() != 1:
+    if dist.is_initialized() and dist.get_world_size() != 1:
         pytest.skip("torch.distributed already runs with more than one rank")
-    parallel_state.initialize_model_parallel(1, 1)
-    mrandom.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
-    try:
+    own_group = not dist.is_initialized()
+    mp = pytest.MonkeyPatch()
+    try:  # whatever fails in set-up, the shims, the group and Megatron's state are undone for later tests
+        mp.setattr(torch.cuda, "current_device", lambda: "cpu")
+        mp.setattr(moe_utils, "te_general_gemm", None, raising=False)
+        mp.setattr(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+        mp.setattr(mrandom, "_set_cuda_rng_state", lambda *a, **k: None)
+        if own_group:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1)
+        mrandom.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
         yield
     finally:
-        parallel_state.destroy_model_parallel()
-        if own_group:
-            dist.destroy_process_group()
-        mp.undo()
+        try:
+            parallel_state.destroy_model_parallel()
+            if own_group and dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            mp.undo()
 
 
 def _config(**kw):

@@ -65,19 +65,34 @@ def _steps(trainer) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tiny_model, tmp_path_factory):
     model_dir = tiny_model("qwen3_moe")
-    free = _trainer(model_dir, tmp_path_factory.mktemp("trl_none"), "none")
-    free.train()
-    free_steps = _steps(free)
-    _shutdown(free)
-    multi = _trainer(model_dir, tmp_path_factory.mktemp("trl_ms"), "r3_support_multisample")
-    multi.train()
-    _shutdown(multi)
-    trainer = _trainer(model_dir, tmp_path_factory.mktemp("trl_r3s"), "r3_support", max_steps=4, beta=0.04,
+    live: list = []  # trainers whose engine is up; whatever fails, each is shut down and the process released
+
+    def make(*args, **kw):
+        live.append(_trainer(*args, **kw))
+        return live[-1]
+
+    def done(trainer) -> None:
+        live.remove(trainer)
+        _shutdown(trainer)
+
+    try:
+        free = make(model_dir, tmp_path_factory.mktemp("trl_none"), "none")
+        free.train()
+        free_steps = _steps(free)
+        done(free)
+        multi = make(model_dir, tmp_path_factory.mktemp("trl_ms"), "r3_support_multisample")
+        multi.train()
+        done(multi)
+        trainer = make(model_dir, tmp_path_factory.mktemp("trl_r3s"), "r3_support", max_steps=4, beta=0.04,
                        num_iterations=2)
-    trainer.train()
-    yield free_steps, trainer, multi
-    _shutdown(trainer)
-    _release_distributed()
+        trainer.train()
+        yield free_steps, trainer, multi
+    finally:
+        try:
+            for t in list(live):
+                done(t)
+        finally:
+            _release_distributed()
 
 
 def _release_distributed() -> None:

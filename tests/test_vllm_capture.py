@@ -72,10 +72,14 @@ FLUSH_BYTES = {"qwen3_moe": CaptureConfig().flush_bytes, "mixtral": 0, "olmoe": 
 def engine(request, model_dirs):
     family = request.param
     llm = make_engine(model_dirs[family])
-    cap = VllmCapture(llm, CaptureConfig(flush_bytes=FLUSH_BYTES[family]))
-    yield family, llm, cap, model_dirs[family]
-    cap.uninstall()
-    shutdown(llm)
+    try:  # the engine is shut down even when capture fails to install
+        cap = VllmCapture(llm, CaptureConfig(flush_bytes=FLUSH_BYTES[family]))
+        try:
+            yield family, llm, cap, model_dirs[family]
+        finally:
+            cap.uninstall()
+    finally:
+        shutdown(llm)
 
 
 # -- HF references ---------------------------------------------------------------------------

@@ -7,6 +7,7 @@ engine beside it; several checks share them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -48,11 +49,12 @@ def _runner(llm):
 @pytest.fixture(scope="module")
 def engines(tiny_model):
     model_dir = tiny_model("qwen3_moe")
-    compiled = _engine(model_dir, eager=False)
-    eager = _engine(model_dir, eager=True)
-    yield compiled, eager, model_dir
-    shutdown(eager)
-    shutdown(compiled)
+    with contextlib.ExitStack() as stack:  # an engine made before a failure is shut down all the same
+        compiled = _engine(model_dir, eager=False)
+        stack.callback(shutdown, compiled)
+        eager = _engine(model_dir, eager=True)
+        stack.callback(shutdown, eager)
+        yield compiled, eager, model_dir
 
 
 def _run(llm, prompts, sps, config=None):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 PROMPTS = ["the cat route token model", "expert layer sample mixture alpha beta dog " * 12]
+IDS = [int(i) for i in np.random.default_rng(0).integers(3, 500, 40)]  # scored after the weight update
 
 
 def _engine_kwargs(model_dir: str) -> dict:
@@ -23,13 +24,14 @@ def _engine_kwargs(model_dir: str) -> dict:
                 max_num_batched_tokens=64, seed=0, distributed_executor_backend="uni", block_size=32)
 
 
-def _child(model_dir: str, out_dir: str) -> None:
+def _child(model_dir: str, out_dir: str, step_dir: str) -> None:
     import asyncio
 
     from vllm import LLM, SamplingParams
 
     from moe_replay.codec import encode_trace
     from moe_replay.integrations.vllm import AsyncVllmCapture, VllmCapture, capture_engine_kwargs
+    from moe_replay.integrations.vllm.weights import update_weights
 
     out = Path(out_dir)
     sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True, n=2)
@@ -39,6 +41,11 @@ def _child(model_dir: str, out_dir: str) -> None:
     for t in traces:
         (out / f"llm_{t.key}.bin").write_bytes(encode_trace(t))
     meta = {"llm_via": cap.via, "llm_keys": [t.key for t in traces]}
+    # weight sync on the multi-process engine: the worker op crosses vLLM's msgpack RPC, no pickled function
+    report = update_weights(llm, step_dir)
+    (scored,) = llm.generate([{"prompt_token_ids": IDS}], SamplingParams(max_tokens=1, prompt_logprobs=0))
+    logprobs = [d[t].logprob for d, t in zip(scored.prompt_logprobs[1:], IDS[1:])]
+    meta["update"] = {"repacked": report.repacked, "logprobs": logprobs}
     llm.llm_engine.engine_core.shutdown()
     del llm
 
@@ -73,24 +80,29 @@ def _child(model_dir: str, out_dir: str) -> None:
 def test_multiprocess_llm_and_async_llm(tmp_path):
     """The capture worker extension reaches the worker in the EngineCore process: LLM.generate
     and AsyncLLM (n=2, one prompt chunk-prefilled) each give one trace per sample, whose routes
-    equal HF's routing and whose kept sets are valid and contain the sampled tokens."""
+    equal HF's routing and whose kept sets are valid and contain the sampled tokens. `update_weights`
+    reaches the same worker: the engine then scores as HF does with the stepped weights."""
     pytest.importorskip("vllm")
     from moe_replay.codec import decode_trace
     from moe_replay.models import build_tiny_model
 
     from .test_vllm_capture import SAMPLING, check_against_hf
+    from .test_vllm_weights import hf_logprobs, training_step
 
     model_dir = build_tiny_model("qwen3_moe", tmp_path / "m", seed=0)
     out = tmp_path / "out"
     out.mkdir()
+    stepped = training_step(model_dir, tmp_path / "step1")
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    proc = subprocess.run([sys.executable, __file__, str(model_dir), str(out)], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, __file__, str(model_dir), str(out), str(tmp_path / "step1")], env=env, capture_output=True,
                           text=True, timeout=300)
     meta_path = out / "meta.json"
     assert meta_path.exists(), f"child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
     meta = json.loads(meta_path.read_text())
     assert meta["llm_via"] == "worker_extension_cls"
+    assert meta["update"]["repacked"] == 2  # the tiny qwen3_moe's two MoE layers
+    assert np.max(np.abs(np.array(meta["update"]["logprobs"]) - hf_logprobs(stepped, IDS))) < 1e-4
     assert len(meta["llm_keys"]) == 4 and meta["async_keys"] == ["async-0#0", "async-0#1", "async-1#0", "async-1#1"]
     for name in [f"llm_{k}" for k in meta["llm_keys"]] + [f"async_{k}" for k in meta["async_keys"]]:
         trace = decode_trace((out / f"{name}.bin").read_bytes())
@@ -99,4 +111,4 @@ def test_multiprocess_llm_and_async_llm(tmp_path):
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1], sys.argv[2])
+    _child(sys.argv[1], sys.argv[2], sys.argv[3])

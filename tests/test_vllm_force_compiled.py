@@ -13,6 +13,7 @@ most 5e-6, and the figure seen here is printed); one changed expert moves a scor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -50,14 +51,17 @@ def engines(tiny_model):
     from vllm import LLM
 
     model_dir = tiny_model("qwen3_moe")
-    compiled = LLM(**engine_kwargs(model_dir, enforce_eager=False))
-    eager = LLM(**engine_kwargs(model_dir))
-    cap = VllmCapture(eager)
-    traces = rollouts(cap, seed=20)
-    cap.uninstall()
-    yield compiled, eager, traces, model_dir
-    shutdown(eager)
-    shutdown(compiled)
+    with contextlib.ExitStack() as stack:  # an engine made before a failure is shut down all the same
+        compiled = LLM(**engine_kwargs(model_dir, enforce_eager=False))
+        stack.callback(shutdown, compiled)
+        eager = LLM(**engine_kwargs(model_dir))
+        stack.callback(shutdown, eager)
+        cap = VllmCapture(eager)
+        try:
+            traces = rollouts(cap, seed=20)
+        finally:
+            cap.uninstall()
+        yield compiled, eager, traces, model_dir
 
 
 def _random_routes(t, seed):

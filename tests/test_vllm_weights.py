@@ -80,12 +80,12 @@ def test_update_weights_equals_a_fresh_engine(family, tiny_model, vllm_llm, tmp_
     want = prompt_logprobs(fresh)
     assert np.max(np.abs(after - before)) > 1e-2, "the engine did not take the new weights"
     assert np.max(np.abs(after - want)) == 0.0
-    assert report["repacked"] >= 1  # every tiny family's MoE layers run on the CPU experts kernel
+    assert report.repacked >= 1  # every tiny family's MoE layers run on the CPU experts kernel
     if family == "gpt_oss":  # its loader copies experts and sinks outside vLLM's reload
-        assert any(name.endswith("experts.routed_experts") for name in report["reloaded_directly"])
-        assert any(name.endswith("attn") for name in report["reloaded_directly"])
+        assert any(name.endswith("experts.routed_experts") for name in report.reloaded_directly)
+        assert any(name.endswith("attn") for name in report.reloaded_directly)
     else:
-        assert report["reloaded_directly"] == []
+        assert report.reloaded_directly == []
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -132,7 +132,7 @@ def test_update_weights_clears_the_capture_slot_route_cache(tiny_model, tmp_path
         assert valid_slots(llm) >= len(IDS) - 1
         training_step(model_dir, tmp_path / "step1")
         report = update_weights(llm, tmp_path / "step1")
-        assert report["slot_routes_cleared"] is True and valid_slots(llm) == 0
+        assert report.slot_routes_cleared is True and valid_slots(llm) == 0
         cap.uninstall()
     finally:
         shutdown_llm(llm)
@@ -145,16 +145,24 @@ def test_update_weights_refuses_a_missing_directory(tmp_path):
         update_weights(object(), tmp_path / "nope")
 
 
-def test_per_tensor_load_then_repack_equals_a_fresh_engine(tiny_model, vllm_llm, tmp_path):
+def _linear_weights_packed_away(llm) -> bool:
+    """Whether vLLM-CPU's GEMM dispatch replaced this engine's linear weights by a packed copy
+    (an empty parameter without a weight loader is left): bf16 on AVX-512 BF16 / AMX CPUs."""
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    return model.model.layers[0].self_attn.qkv_proj.weight.numel() == 0
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_per_tensor_sync_equals_a_fresh_engine(compiled, tiny_model, vllm_llm, tmp_path):
     """A trainer's own sync (TRL's colocated one: the model's `load_weights` one tensor at a time)
-    followed by `repack_cpu_moe`, one endpoint op reached by the worker extension's method name, as
-    capture reaches it: the engine then computes exactly what a fresh one computes (the load alone
-    leaves the CPU experts' prepacked storage scrambled) and capture's per-KV-slot routes of the old
-    weights are gone."""
+    inside `weight_sync`, two endpoint ops reached by the worker extension's method name, as
+    capture reaches it: the engine then computes exactly what a fresh one computes, in eager and in
+    vLLM's default compiled mode, on CPUs whose GEMM kernel packs the weights away and on those whose
+    does not; capture's per-KV-slot routes of the old weights are gone."""
     from vllm import LLM, SamplingParams
 
     from moe_replay.integrations.vllm import VllmCapture, capture_engine_kwargs
-    from moe_replay.integrations.vllm.weights import repack_cpu_moe
+    from moe_replay.integrations.vllm.weights import weight_sync
 
     from .conftest import VLLM_TEST_ARGS, shutdown_llm
 
@@ -162,28 +170,54 @@ def test_per_tensor_load_then_repack_equals_a_fresh_engine(tiny_model, vllm_llm,
         return llm.collective_rpc(lambda w: int(w.model_runner._moe_replay.capture.slot_cache.valid_S.sum()))[0]
 
     model_dir = tiny_model("qwen3_moe")
-    # bf16, as TRL builds its engine ("auto" on the float32 checkpoint): vLLM-CPU's float32 linear
-    # layers drop their weight loaders after the first load, so a per-tensor load fails there
-    engine_args = {**VLLM_TEST_ARGS, "dtype": "bfloat16", "block_size": BLOCK, "enable_prefix_caching": True}
+    # bf16, as TRL builds its engine ("auto" on the float32 checkpoint)
+    engine_args = {**VLLM_TEST_ARGS, "dtype": "bfloat16", "block_size": BLOCK, "enable_prefix_caching": True,
+                   "enforce_eager": not compiled}
     llm = LLM(**capture_engine_kwargs(model=str(model_dir), **engine_args))
     try:
         cap = VllmCapture(llm)
         assert cap.via == "worker_extension_cls"
         cap.generate([{"prompt_token_ids": IDS}], SamplingParams(max_tokens=2))  # collect flushes the slot writes
         assert valid_slots(llm) >= len(IDS) - 1
+        before = prompt_logprobs(llm)
+        packed = _linear_weights_packed_away(llm)
         stepped = training_step(model_dir, tmp_path / "step1")
         runner_model = llm.llm_engine.model_executor.driver_worker.model_runner.model
-        for name, param in stepped.named_parameters():
-            runner_model.load_weights([(name, param.data)])
-        llm.reset_prefix_cache()  # where TRL's sync ends
-        scrambled = prompt_logprobs(llm)
-        assert repack_cpu_moe(llm) == 2  # the tiny qwen3_moe's two MoE layers
+        with weight_sync(llm) as done:
+            for name, param in stepped.named_parameters():
+                runner_model.load_weights([(name, param.data)])
+        assert done[0].repacked == 2  # the tiny qwen3_moe's two MoE layers
         assert valid_slots(llm) == 0
-        llm.reset_prefix_cache()  # this test forwarded the scrambled weights; TRL runs nothing in between
+        assert _linear_weights_packed_away(llm) == packed  # the reload re-ran the kernel's own dispatch
         after = prompt_logprobs(llm)
         cap.uninstall()
     finally:
         shutdown_llm(llm)
     want = prompt_logprobs(vllm_llm(tmp_path / "step1", **engine_args))
-    assert np.max(np.abs(scrambled - want)) > 1e-2, "the per-tensor load alone was expected to need the repack"
+    assert np.max(np.abs(before - want)) > 1e-2, "the training step was expected to move the logprobs"
     assert np.max(np.abs(after - want)) == 0.0
+
+
+def test_per_tensor_sync_refuses_a_layer_that_got_nothing(tiny_model, vllm_llm, tmp_path):
+    """A trainer that leaves a layer out (here: every tensor of layer 1's MoE block) would leave
+    that layer's old weights in the engine: the sync fails naming it, and a second sync can open."""
+    from moe_replay.integrations.vllm.weights import WeightSyncError, weight_sync
+
+    model_dir = tiny_model("qwen3_moe")
+    llm = vllm_llm(model_dir)
+    stepped = training_step(model_dir, tmp_path / "step1")
+    runner_model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    params = [(n, p.data) for n, p in stepped.named_parameters()]
+    with pytest.raises(WeightSyncError, match=r"layers \['model\.layers\.1\.mlp\.experts[.a-z_]*'\].*keep their old weights"):
+        with weight_sync(llm):
+            runner_model.load_weights([(n, t) for n, t in params if not n.startswith("model.layers.1.mlp.experts")])
+    with pytest.raises(RuntimeError, match="boom"):  # an error inside the block closes the reload
+        with weight_sync(llm):
+            raise RuntimeError("boom")
+    with weight_sync(llm) as done:  # the engine can sync again
+        runner_model.load_weights(params)
+    assert done[0].repacked == 2
+    from moe_replay.integrations.vllm.link import SyncLink
+
+    with pytest.raises(WeightSyncError, match="no weight sync is open"):  # a close without an open, typed
+        SyncLink.open(llm, "weights.end", {"check": True}, what="closing", default=RuntimeError, kwargs_fn="")

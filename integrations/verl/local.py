@@ -73,7 +73,7 @@ def advantages_from_rewards(batch: Any, rewards_B: torch.Tensor) -> None:
     batch.batch["advantages"] = adv_B[:, None] * mask
 
 
-def sync_weights(engine: Any, llm: Any, model_dir: str, out_dir: str) -> dict:
+def sync_weights(engine: Any, llm: Any, model_dir: str, out_dir: str) -> Any:
     """The actor's weights into the vLLM engine (verl's `update_weights` role, through a checkpoint dir).
 
     verl's colocated sync streams `engine.get_per_tensor_param()` into its rollout server; here the

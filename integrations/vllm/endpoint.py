@@ -7,8 +7,8 @@ payload)`: OPS maps an op name to a handler of the runner's `RunnerState`, and t
 back in wire.py's envelope, so a worker-side error is re-raised typed on the client (link.py).
 
 vLLM takes one extension class, so capture (worker.py) and scoring (force.py) share it, as they
-share the runner's one step bracket (patch.StepBracket) and its step layout (step.py). The weight
-repack after a trainer's own weight load (weights.py `repack_cpu_moe`) is one more op on it.
+share the runner's one step bracket (patch.StepBracket) and its step layout (step.py). Weight sync
+(weights.py: a checkpoint update, or a bracket around a trainer's own per-tensor loads) adds its ops.
 """
 
 from __future__ import annotations
@@ -92,11 +92,25 @@ def _score_register(runner: Any, st: RunnerState, requests: list[dict[str, Any]]
     return _part(st, "scoring").register([ScoreRequest.from_dict(d) for d in requests])
 
 
-@OPS.register("weights.after_load")
-def _weights_after_load(runner: Any, st: RunnerState, payload: Any) -> dict[str, Any]:
-    from .weights import after_load
+@OPS.register("weights.update")
+def _weights_update(runner: Any, st: RunnerState, path: str) -> dict[str, Any]:
+    from .weights import update_on_worker
 
-    return after_load(runner)
+    return update_on_worker(runner, path)
+
+
+@OPS.register("weights.begin")
+def _weights_begin(runner: Any, st: RunnerState, payload: Any) -> None:
+    from .weights import begin_on_worker
+
+    begin_on_worker(runner)
+
+
+@OPS.register("weights.end")
+def _weights_end(runner: Any, st: RunnerState, options: dict[str, Any]) -> dict[str, Any] | None:
+    from .weights import end_on_worker
+
+    return end_on_worker(runner, bool(options["check"]))
 
 
 def _uninstall(name: str) -> Op:

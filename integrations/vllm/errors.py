@@ -53,6 +53,10 @@ class CollectError(CaptureError):
         )
 
 
+class WeightSyncError(MoeReplayError, RuntimeError):
+    """The engine did not take every new weight; it must not be sampled from until rebuilt."""
+
+
 class ScoringError(CaptureError):
     """Root of the scoring errors (forced-route re-scoring of traces on a vLLM engine)."""
 

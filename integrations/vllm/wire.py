@@ -76,6 +76,18 @@ class InstallReply(_Wire):
 
 
 @dataclass(frozen=True)
+class WeightSyncReply(_Wire):
+    """What a worker did to finish a weight sync (weights.py)."""
+
+    repacked: int = 0
+    """CPU MoE layers whose experts were prepacked again (0 off the CPU backend)."""
+    reloaded_directly: list[str] = field(default_factory=list)
+    """Layers loaded straight from the checkpoint (PLAIN_COPY_KEYS), not through the reload."""
+    slot_routes_cleared: bool = False
+    """Whether a capture route cache of the old weights was dropped."""
+
+
+@dataclass(frozen=True)
 class CaptureRecord(_Wire):
     """One request's capture record as the worker hands it over (status 'ok'), or why not."""
 
