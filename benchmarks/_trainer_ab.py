@@ -1,4 +1,4 @@
-"""The with/without summary both trainer benchmarks print (trl_grpo.py, verl_fsdp.py): issue 15's
+"""The with/without summary both trainer benchmarks print (trl_grpo.py, verl_fsdp.py): the
 keys `route_flip_rate_*`, `k3_kl_*` and the step time ratios against the stock trainer and against
 the `none` preset, from per-arm step times and per-step metric logs of one interleaved run.
 (Leading underscore: `moe-replay bench` runs every other script of this folder as a benchmark.)

@@ -1,4 +1,4 @@
-"""GPU figures of the multi-sample π_old estimator (issue 12, item 4). Needs a CUDA GPU and vLLM.
+"""GPU figures of the multi-sample π_old estimator. Needs a CUDA GPU and vLLM.
 
 Written for one H100 with vLLM 0.26 (../shared/notes/gpu.md); never run by the tests. On the
 gpu.md bench model (qwen3_moe, 8 layers, hidden 1024, 64 experts top-8, bf16), `--requests`

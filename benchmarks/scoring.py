@@ -3,7 +3,7 @@
 Paths, on bf16 logits [G, V] (a leaf that requires grad, like an LM head's output):
   plain    log_softmax(logits.float()).gather(target): what a trainer does without moe_replay
            (full vocabulary, no support, no entropy);
-  current  the dense path before issue 13: support_mask_GV ([G, V] bool) + masked_logprobs (fp32
+  current  the dense [G, V] path this package replaced: support_mask_GV ([G, V] bool) + masked_logprobs (fp32
            copy, masked log_softmax, entropy), copied here verbatim;
   new      moe_replay.replay.score_logits as a trainer calls it (backend "auto": on CPU the
            compiled chunk math for these sizes): row chunks, CSR support, logprob and entropy;
@@ -64,7 +64,7 @@ def allocator_peak(events: Any) -> int:
     return peak
 
 
-# -- the dense path before issue 13 (moe_replay.replay.support at 927a315), verbatim ---------------
+# -- the dense [G, V] path (moe_replay.replay.support at 927a315), verbatim: the baseline -----------
 def support_mask_GV(supports, rows_per_support, vocab_size: int, device="cpu") -> torch.Tensor:
     total = int(sum(rows_per_support))
     mask_GV = torch.zeros((total, vocab_size), dtype=torch.bool, device=device)

@@ -38,7 +38,7 @@ class Sampling:
     """The sampling parameters the scoring math depends on, as the engine applied them.
 
     Why typed: a trainer or scorer that scores at another temperature than the sampler's gets a
-    wrong π_old (issue 13: the HF scorer scored a 0.7 rollout at 1). The kept set itself is in
+    wrong π_old (a rollout sampled at temperature 0.7 and scored at 1 is off at every token). The kept set itself is in
     `RolloutTrace.support`; these say how it was made and how to scale the logits.
     """
 

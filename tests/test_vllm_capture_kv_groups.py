@@ -1,4 +1,4 @@
-"""Prefix-cache capture on a model with more than one KV-cache group (issue 17 item 1).
+"""Prefix-cache capture on a model with more than one KV-cache group.
 
 GPT-OSS alternates sliding-window and full-attention layers, so vLLM builds several KV-cache
 groups and group 0 is a sliding-window one, whose block table holds the null block outside its
