@@ -15,7 +15,9 @@ and/or a keep decision. A list of corrections runs in order through `apply_corre
   log-ratio with their thresholds, and only the summed log-weight is clamped to ``±log_clamp``
   before exp, so nothing overflows and no threshold has a dead zone beyond e^±log_clamp;
 * a token whose logprob is NaN or ±inf on either side (a rollout logprob of -inf is a token the
-  engine gave probability 0: a broken sample) is rejected and counted, as the metrics do.
+  engine gave probability 0: a broken sample) is rejected and counted, as the metrics do; a batch
+  where every response token is such a one is refused (`LogprobInputError`), since its loss would be
+  exactly 0 with nothing said, and so is a logprob above 0 (beyond rounding, `LOGPROB_TOL`).
 
 A rejected token either leaves the loss denominator (rejection sampling, verl's
 ``rollout_rs`` path) or stays in it with weight 0 (IcePop's paper and verl's IS-weight path);
@@ -34,7 +36,7 @@ from typing import Any, Callable, ClassVar, Literal, Mapping, Sequence, TypeVar
 
 import torch
 
-from .metrics import LOG_CLAMP, check_log_clamp, k3_terms, normalized_ess
+from .metrics import LOG_CLAMP, check_log_clamp, check_logprobs, k3_terms, normalized_ess
 from .registry import Registry
 
 __all__ = [
@@ -510,7 +512,9 @@ def apply_corrections(
             them (``opsm``).
         log_clamp: bound on the summed log-weight before exp, in (0, 80).
 
-    Raises ValueError when the response mask selects no token (every fraction would be 0/0).
+    Raises ValueError when the response mask selects no token (every fraction would be 0/0), and
+    `LogprobInputError` (a ValueError naming the position and the value) for a logprob above
+    `LOGPROB_TOL` on a response token or when every response token has a NaN/±inf logprob.
 
     Metrics (fractions are of response tokens / of sequences with a response token):
         moe_replay/corr/<name>/token_masked_fraction  tokens this correction rejected or zero-weighted
@@ -537,15 +541,18 @@ def apply_corrections(
 
     device = train_logprobs_BS.device
     response_BS = response_mask_BS.bool().to(device)
-    if not bool(response_BS.any()):
-        raise ValueError(f"response_mask_BS selects no token (shape {list(response_BS.shape)})")
     # float64 inputs keep float64 statistics (a float32 sum of 256 log-ratios is off by ~1e-5)
     wide = torch.float64 in (train_logprobs_BS.dtype, rollout_logprobs_BS.dtype)
     work = torch.float64 if wide else torch.float32
     train_f = train_logprobs_BS.detach().to(work)
     rollout_f = rollout_logprobs_BS.detach().to(device=device, dtype=work)
+    finite_BS, n_given, _ = check_logprobs(
+        {"train_logprobs_BS": train_f, "rollout_logprobs_BS": rollout_f}, response_BS, nonfinite="skip"
+    )
+    if n_given == 0:
+        raise ValueError(f"response_mask_BS selects no token (shape {list(response_BS.shape)})")
     raw_lr_BS = train_f - rollout_f
-    finite_BS = torch.isfinite(train_f) & torch.isfinite(rollout_f) & torch.isfinite(raw_lr_BS)
+    finite_BS = finite_BS & torch.isfinite(raw_lr_BS)
     nonfinite_BS = response_BS & ~finite_BS  # the same rule as the metrics' exclusion
     keep_BS = response_BS & finite_BS
     denom_BS = keep_BS
@@ -609,8 +616,14 @@ def reinforce_loss(
 
     A reference use of a `CorrectionResult`: the weights are detached, so the gradient flows only
     through ``policy_logprobs_BS``; rejected tokens are out of numerator and denominator.
-    ``advantages`` is [B] (broadcast over S) or [B, S].
+    ``advantages`` is [B] (broadcast over S) or [B, S]. A policy logprob above `LOGPROB_TOL` or
+    NaN/±inf on a loss token (``result.keep_BS``) raises `LogprobInputError`.
     """
+    if policy_logprobs_BS.shape != result.keep_BS.shape:
+        raise ValueError(f"policy_logprobs_BS shape {list(policy_logprobs_BS.shape)} != result.keep_BS shape "
+                         f"{list(result.keep_BS.shape)}")
+    check_logprobs({"policy_logprobs_BS": policy_logprobs_BS.detach()}, result.keep_BS.to(policy_logprobs_BS.device),
+                   nonfinite="raise")
     adv = advantages.detach().to(policy_logprobs_BS.device)
     if adv.dim() == 1:
         adv = adv[:, None].expand_as(policy_logprobs_BS)

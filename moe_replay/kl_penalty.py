@@ -23,7 +23,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from .metrics import LOG_CLAMP, check_log_clamp
+from .metrics import LOG_CLAMP, check_log_clamp, check_logprobs
 from .registry import Registry
 
 __all__ = ["KL_ESTIMATORS", "KLEstimator", "register_kl_estimator", "kl_penalty"]
@@ -86,8 +86,9 @@ def kl_penalty(
             here); needed by ``k3_unbiased``.
         log_clamp: bound on exponents, in (0, 80).
 
-    A NaN/±inf logprob on a response token would turn the penalty into NaN: refused with the
-    argument's name and the position.
+    A NaN/±inf logprob on a response token would turn the penalty into NaN, and one above 0 (beyond
+    `LOGPROB_TOL`) is no logprob: both refused with `LogprobInputError` (a ValueError) naming the
+    argument, the position and the value.
     """
     fn = KL_ESTIMATORS.get(estimator)
     log_clamp = check_log_clamp(log_clamp)
@@ -100,13 +101,7 @@ def kl_penalty(
     for arg, t in named.items():
         if t.shape != mask_BS.shape:
             raise ValueError(f"{arg} has shape {list(t.shape)}, expected {list(mask_BS.shape)} (response_mask_BS)")
-        bad_BS = mask_BS & ~torch.isfinite(t.detach().to(mask_BS.device))
-        if bool(bad_BS.any()):
-            first = bad_BS.nonzero()[0].tolist()
-            raise ValueError(
-                f"{arg} must be finite on response tokens; {int(bad_BS.sum())} are not, "
-                f"the first at position {first} holds {float(t[tuple(first)])!r}"
-            )
+    check_logprobs({arg: t.detach().to(mask_BS.device) for arg, t in named.items()}, mask_BS, nonfinite="raise")
     zero = torch.zeros((), dtype=policy_logprobs_BS.dtype, device=policy_logprobs_BS.device)
     policy = torch.where(mask_BS, policy_logprobs_BS, zero)
     ref = torch.where(mask_BS, ref_logprobs_BS.detach().to(policy.device, policy.dtype), zero)

@@ -21,25 +21,39 @@ Every ``exp`` goes through a clamp of its exponent at ``±log_clamp`` (default 2
 SAFETY_BOUND), so a broken batch shows a huge finite number instead of inf/nan; only the
 exponent is clamped, never a linear term (k3 of lr = -30 is ≈ 29, not the clamp's 19). Tokens
 whose logprob is NaN or ±inf are left out of every statistic and counted in
-``moe_replay/nonfinite_token_fraction``. Where and why these numbers differ from verl's:
+``moe_replay/nonfinite_token_fraction``; a batch where every response token is such a one, or with a
+logprob above 0 (beyond rounding, `LOGPROB_TOL`) on a response token, is refused with a
+`LogprobInputError` naming the position and the value (`check_logprobs`, shared with the
+corrections and the KL penalty). Where and why these numbers differ from verl's:
 docs/corrections.md.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Literal, Mapping, Sequence
 
 import torch
+
+from .errors import TraceError, Where
 
 LOG_CLAMP = 20.0
 """Default bound on exponents before exp (exp(20) ~ 4.9e8), as verl's SAFETY_BOUND."""
 
 _SUPPORT_CHUNK_ROWS = 1024  # bounds the [rows, V] float32 scratch of the support-coverage metric
 
+LOGPROB_TOL = 1e-4
+"""Largest logprob accepted on a response token: log p <= 0 up to rounding. x - logsumexp(x) in
+float32 is off by about one ulp of the (temperature-scaled) logits, 3.8e-6 at |x| = 50 and 6.1e-5 at
+|x| = 512, so a float32 engine or trainer stays below 1e-4, while probabilities, negative
+log-likelihoods or logits passed as logprobs hold values far above it (a mean NLL is ~0.1-1)."""
+
 __all__ = [
     "LOG_CLAMP",
+    "LOGPROB_TOL",
+    "LogprobInputError",
     "check_log_clamp",
+    "check_logprobs",
     "k3_terms",
     "mismatch_metrics",
     "logprob_mismatch_metrics",
@@ -57,6 +71,68 @@ def _finish(metrics: dict[str, torch.Tensor | float]) -> dict[str, float]:
         values = torch.stack([metrics[k].detach().to(torch.float64).reshape(()) for k in tensor_keys]).cpu().tolist()
         out.update(zip(tensor_keys, values))
     return {k: out[k] for k in metrics}  # keep insertion order
+
+
+class LogprobInputError(TraceError, ValueError):
+    """Per-token logprobs that cannot be ones: above 0 (beyond `LOGPROB_TOL`) on a response token, a
+    NaN/±inf where the caller needs every one finite, or non-finite on every response token (nothing
+    is left to measure or train on: a silent 0 otherwise).
+
+    `row`, `col` ([B, S] axes) locate the first position at fault."""
+
+    row: int | None = None
+    col: int | None = None
+
+
+def _logprob_error(name: str, row: int, col: int, expected: str, found: float, detail: str) -> LogprobInputError:
+    err = LogprobInputError(Where(field=f"{name}[row {row}, col {col}]"), expected, found, detail)
+    err.row, err.col = row, col
+    return err
+
+
+def _first_at(named: Mapping[str, torch.Tensor], flag_BS: torch.Tensor,
+              test: Callable[[torch.Tensor], torch.Tensor]) -> tuple[str, int, int, float]:
+    """(name, row, col, value) of the first position of flag_BS, in the first tensor where `test` holds."""
+    r, c = (int(i) for i in flag_BS.nonzero()[0])
+    for name, t_BS in named.items():
+        v = t_BS[r, c]
+        if bool(test(v)):
+            return name, r, c, float(v)
+    name, t_BS = next(iter(named.items()))
+    return name, r, c, float(t_BS[r, c])
+
+
+def check_logprobs(
+    named: Mapping[str, torch.Tensor], mask_BS: torch.Tensor, *, nonfinite: Literal["skip", "raise"]
+) -> tuple[torch.Tensor, int, int]:
+    """Refuse per-token logprobs [B, S] that cannot be ones, on the positions of `mask_BS` (bool).
+
+    A value above `LOGPROB_TOL` (+inf included) raises `LogprobInputError`. NaN/±inf: with
+    ``nonfinite="raise"`` any one raises; with ``"skip"`` they are the caller's to leave out and
+    count, and only a mask whose every position is non-finite raises. The error names the tensor,
+    the first (row, col) and its value. One device sync for the whole check; the position is looked
+    up only on failure.
+
+    Returns (finite_BS: mask_BS and every tensor finite there, positions in mask_BS, finite ones).
+    """
+    finite_BS, over_BS = mask_BS, torch.zeros_like(mask_BS)
+    for t_BS in named.values():
+        finite_BS = finite_BS & torch.isfinite(t_BS)
+        over_BS = over_BS | (t_BS > LOGPROB_TOL)
+    over_BS = over_BS & mask_BS
+    n_over, n_given, n_finite = torch.stack([over_BS.sum(), mask_BS.sum(), finite_BS.sum()]).tolist()
+    if n_over:
+        name, r, c, v = _first_at(named, over_BS, lambda x: x > LOGPROB_TOL)
+        raise _logprob_error(name, r, c, f"a logprob <= 0 on response tokens (up to {LOGPROB_TOL:g} of rounding)", v,
+                             f"{n_over} such tokens; probabilities, negative log-likelihoods or logits passed as logprobs?")
+    if n_finite < n_given and (nonfinite == "raise" or n_finite == 0):
+        name, r, c, v = _first_at(named, mask_BS & ~finite_BS, lambda x: ~torch.isfinite(x))
+        if nonfinite == "raise":
+            raise _logprob_error(name, r, c, "a finite logprob on every response token", v,
+                                 f"{n_given - n_finite} of {n_given} response tokens are not")
+        raise _logprob_error(name, r, c, "a finite logprob on at least one response token", v,
+                             f"all {n_given} response tokens are NaN/inf: nothing is left to measure or train on")
+    return finite_BS, n_given, n_finite
 
 
 def _safe_exp(x: torch.Tensor, log_clamp: float) -> torch.Tensor:
@@ -144,6 +220,9 @@ def logprob_mismatch_metrics(
             Each must be finite and >= 0 on response positions (else ValueError).
         log_clamp: bound on exponents before exp, in (0, 80) (else ValueError).
 
+    Raises `LogprobInputError` (a ValueError) for a logprob above `LOGPROB_TOL` on a response token
+    and when every response token has a NaN/±inf logprob on one side, naming the first position.
+
     Keys (one-line formulas; lr = log π_train - log π_rollout, ρ = exp(lr), "tok" = token mean,
     "seq" = seq mean of a per-sequence token mean):
         rollout_corr/kl               tok[log π_rollout - log π_train]  (k1 of KL(rollout||train))
@@ -180,22 +259,18 @@ def logprob_mismatch_metrics(
     train = train_logprobs_BS.detach().to(torch.float64)
     rollout = rollout_logprobs_BS.detach().to(device=train.device, dtype=torch.float64)
     given_BS = response_mask_BS.bool().to(train.device)
-    finite_BS = torch.isfinite(train) & torch.isfinite(rollout)
-    mask_BS = given_BS & finite_BS
-    n_given = given_BS.sum()
-    n_tok = mask_BS.sum()
-    if int(n_tok) == 0:
-        raise ValueError(
-            f"response_mask_BS selects no token with finite logprobs "
-            f"({int(n_given)} masked tokens, {int(n_given - n_tok)} of them non-finite)"
-        )
+    mask_BS, n_given, n_tok = check_logprobs(
+        {"train_logprobs_BS": train, "rollout_logprobs_BS": rollout}, given_BS, nonfinite="skip"
+    )
+    if n_given == 0:
+        raise ValueError(f"response_mask_BS selects no token (shape {list(given_BS.shape)})")
     # Zero the unused positions so NaN/inf there can never leak through a multiply-by-mask.
     zero = torch.zeros((), dtype=torch.float64, device=train.device)
     train = torch.where(mask_BS, train, zero)
     rollout = torch.where(mask_BS, rollout, zero)
     lr_BS = train - rollout
     maskf_BS = mask_BS.to(torch.float64)
-    n_tok_f = n_tok.to(torch.float64)
+    n_tok_f = torch.tensor(float(n_tok), dtype=torch.float64, device=train.device)
 
     def tok_mean(x_BS: torch.Tensor) -> torch.Tensor:
         return (x_BS * maskf_BS).sum() / n_tok_f
@@ -266,7 +341,7 @@ def logprob_mismatch_metrics(
         denom > 0, (dt_T * dr_T).sum() / denom.clamp_min(1e-300), torch.full_like(denom, float("nan"))
     )
     m["moe_replay/response_tokens"] = n_tok_f
-    m["moe_replay/nonfinite_token_fraction"] = (n_given - n_tok).to(torch.float64) / n_given.to(torch.float64)
+    m["moe_replay/nonfinite_token_fraction"] = (n_given - n_tok) / n_given
     return _finish(m)
 
 

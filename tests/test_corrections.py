@@ -34,6 +34,7 @@ from moe_replay.corrections import (
     reinforce_loss,
 )
 from moe_replay.errors import RegistryError
+from moe_replay.metrics import LogprobInputError
 
 NAN = float("nan")
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
@@ -363,7 +364,7 @@ mask_lists = st.lists(st.booleans(), min_size=8, max_size=8).filter(any)  # an e
 
 def tensors(lrs, mk):
     lr = torch.tensor(lrs).reshape(2, 4)
-    rollout = torch.full((2, 4), -2.0)
+    rollout = torch.full((2, 4), -62.0)  # below -max(lr): both sides stay logprobs (<= 0)
     return rollout + lr, rollout, torch.tensor(mk).reshape(2, 4)
 
 
@@ -444,6 +445,41 @@ def test_infinite_logprob_is_nonfinite_not_weight_c():
     assert torch.equal(r.keep_BS, keep_of([[0, 1, 1]]))
     close(r.weights_BS, [[0.0, 1.0, math.exp(-1.0)]])
     assert r.metrics["moe_replay/corr/nonfinite_token_fraction"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("side", ["train", "rollout"])
+def test_positive_logprobs_are_refused_by_position_and_value(side):
+    train, rollout = base_case(pad=0.0)
+    (train if side == "train" else rollout)[0, 2] = 1.25  # e.g. a negative log-likelihood
+    match = rf"{side}_logprobs_BS\[row 0, col 2\]': expected a logprob <= 0 .*found 1.25"
+    with pytest.raises(LogprobInputError, match=match) as e:
+        apply_corrections(["tis"], train, rollout, MASK)
+    assert (e.value.row, e.value.col) == (0, 2)
+    train, rollout = base_case(pad=7.0)  # padding may hold anything
+    apply_corrections(["tis"], train, rollout, MASK)
+
+
+def test_all_nan_train_logprobs_are_refused_not_a_zero_loss():
+    """Every token rejected as non-finite would make reinforce_loss exactly 0 with nothing said."""
+    train, rollout = base_case()
+    train = torch.full_like(train, NAN)
+    match = r"train_logprobs_BS\[row 0, col 0\]'.*at least one.*found nan.*all 5 response tokens"
+    with pytest.raises(LogprobInputError, match=match):
+        apply_corrections(["tis"], train, rollout, MASK)
+    train, rollout = base_case()
+    train[0] = NAN  # one sequence: rejected and counted, the rest trains
+    r = apply_corrections(["tis"], train, rollout, MASK)
+    assert r.metrics["moe_replay/corr/nonfinite_token_fraction"] == pytest.approx(3 / 5)
+
+
+def test_reinforce_loss_refuses_positive_or_nan_policy_logprobs_on_loss_tokens():
+    r = run([])
+    with pytest.raises(LogprobInputError, match=r"policy_logprobs_BS\[row 1, col 1\]': expected a logprob <= 0 .*found 0.5"):
+        reinforce_loss(torch.tensor([[-1.0, -2.0, -3.0], [-4.0, 0.5, 0.0]]), torch.ones(2), r)
+    with pytest.raises(LogprobInputError, match=r"policy_logprobs_BS\[row 0, col 2\]': expected a finite logprob .*found nan"):
+        reinforce_loss(torch.tensor([[-1.0, -2.0, NAN], [-4.0, -5.0, 0.0]]), torch.ones(2), r)
+    with pytest.raises(ValueError, match=r"policy_logprobs_BS shape \[2, 2\] != result.keep_BS shape \[2, 3\]"):
+        reinforce_loss(torch.zeros(2, 2), torch.ones(2), r)
 
 
 def test_icepop_paper_normaliser_keeps_rejected_tokens_in_denominator():

@@ -12,6 +12,7 @@ import torch
 
 from moe_replay.errors import RegistryError
 from moe_replay.kl_penalty import KL_ESTIMATORS, kl_penalty, register_kl_estimator
+from moe_replay.metrics import LogprobInputError
 
 OLD_V = torch.tensor([0.60, 0.20, 0.10, 0.05, 0.05], dtype=torch.float64)
 REF_V = torch.tensor([0.10, 0.20, 0.30, 0.25, 0.15], dtype=torch.float64)
@@ -67,8 +68,12 @@ def test_errors():
     lp = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="'k3_unbiased' needs old_logprobs_BS"):
         kl_penalty("k3_unbiased", lp, lp, torch.ones(1, 2))
-    with pytest.raises(ValueError, match=r"ref_logprobs_BS must be finite .* position \[0, 1\] holds nan"):
+    with pytest.raises(LogprobInputError, match=r"ref_logprobs_BS\[row 0, col 1\]': expected a finite logprob .*found nan"):
         kl_penalty("k3", lp, torch.tensor([[0.0, float("nan")]]), torch.ones(1, 2))
+    with pytest.raises(LogprobInputError, match=r"policy_logprobs_BS\[row 0, col 1\]': expected a logprob <= 0 .*found 0.5") as e:
+        kl_penalty("k3", torch.tensor([[-1.0, 0.5]]), lp, torch.ones(1, 2))  # a probability, not its log
+    assert (e.value.row, e.value.col) == (0, 1)
+    kl_penalty("k3", torch.tensor([[-1.0, 0.5]]), lp, torch.tensor([[1, 0]]))  # padding holds anything
     with pytest.raises(ValueError, match=r"old_logprobs_BS has shape \[1, 1\]"):
         kl_penalty("k3_unbiased", lp, lp, torch.ones(1, 2), old_logprobs_BS=torch.zeros(1, 1))
     with pytest.raises(ValueError, match="log_clamp"):

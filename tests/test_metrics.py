@@ -137,6 +137,39 @@ def test_nonfinite_tokens_are_excluded_and_counted():
     assert m["moe_replay/response_tokens"] == 5
 
 
+@pytest.mark.parametrize("side", ["train", "rollout"])
+@pytest.mark.parametrize("value", [0.5, float("inf")])
+def test_positive_logprobs_are_refused_by_position_and_value(side, value):
+    """Probabilities, NLLs or logits passed as logprobs: refused, not measured."""
+    train, rollout, mask = base_case(0.0)
+    bad = train if side == "train" else rollout
+    bad[1, 0] = value
+    match = rf"{side}_logprobs_BS\[row 1, col 0\]': expected a logprob <= 0 .*found {value}"
+    with pytest.raises(M.LogprobInputError, match=match) as e:
+        logprob_mismatch_metrics(train, rollout, mask)
+    assert (e.value.row, e.value.col) == (1, 0) and isinstance(e.value, ValueError)
+
+
+def test_rounding_above_zero_and_anything_on_padding_are_accepted():
+    train, rollout, mask = base_case(0.0)
+    train[0, 0] = 0.5 * M.LOGPROB_TOL  # log p of a certain token, one float32 rounding above 0
+    rollout[1, 2] = 3.0  # padding
+    assert logprob_mismatch_metrics(train, rollout, mask)["moe_replay/response_tokens"] == 5
+
+
+def test_every_response_token_non_finite_is_refused():
+    """Nothing left to measure: a typed error naming the first position, not a quiet empty average."""
+    train, rollout, mask = base_case(0.0)
+    train.fill_(NAN)
+    match = r"train_logprobs_BS\[row 0, col 0\]'.*at least one.*found nan.*all 5 response tokens"
+    with pytest.raises(M.LogprobInputError, match=match):
+        logprob_mismatch_metrics(train, rollout, mask)
+    train, rollout, mask = base_case(0.0)
+    rollout[mask.bool()] = float("-inf")
+    with pytest.raises(M.LogprobInputError, match=r"rollout_logprobs_BS\[row 0, col 0\]'.*found -inf"):
+        logprob_mismatch_metrics(train, rollout, mask)
+
+
 def test_huge_log_ratios_stay_finite():
     g = torch.Generator().manual_seed(0)
     train = -torch.rand(4, 16, generator=g, dtype=torch.float64) * 3

@@ -192,6 +192,60 @@ def test_non_finite_logits_outside_the_kept_set_are_not_read():
     assert torch.isfinite(s.logprobs_G).all() and s.logprobs_G[1] == 0
 
 
+def test_a_kept_id_listed_twice_is_refused_by_row_and_id():
+    """{3, 3} would score log p(3) = log 1/2 where the kept set {3} gives 0."""
+    logits = torch.zeros(3, 10, dtype=torch.float64)
+    dup = SupportCSR(torch.tensor([0, 1, 4, 5]), torch.tensor([2, 7, 3, 7, 4]))  # row 1 holds 7 twice, unsorted
+    with pytest.raises(ScoringInputError, match=r"support.ids_N\[row 1\].*distinct kept token ids.*token 7 kept 2 times") as e:
+        score_logits(logits, torch.tensor([2, 3, 4]), support=dup)
+    assert e.value.row == 1
+    fine = SupportCSR(torch.tensor([0, 1, 3, 4]), torch.tensor([2, 7, 3, 4]))  # unsorted but distinct: scored
+    s = score_logits(logits, torch.tensor([2, 3, 4]), support=fine)
+    torch.testing.assert_close(s.logprobs_G, torch.tensor([0.0, -np.log(2), 0.0], dtype=torch.float64))
+
+
+def test_only_hand_built_supports_are_checked_for_duplicates(monkeypatch):
+    from moe_replay.replay import scoring
+
+    calls = []
+    monkeypatch.setattr(scoring, "_check_distinct", lambda *a: calls.append(a))
+    logits, target, _, t_G = random_case(2, 4, 12, 3, temps=(1.0,))
+    built = SupportCSR.from_supports([SamplingSupport.from_rows([[int(t)] for t in target])], [4])
+    assert built.ids_distinct and built.to("cpu").ids_distinct
+    score_logits(logits, target, support=built)
+    assert calls == []  # SamplingSupport rows are strictly increasing: checked once, on the trace
+    score_logits(logits, target, support=SupportCSR(built.offsets_G1, built.ids_N))
+    assert len(calls) == 1
+
+
+def test_an_empty_kept_set_is_refused_unless_the_row_keeps_the_vocabulary():
+    logits = torch.zeros(2, 10, dtype=torch.float64)
+    empty = SupportCSR(torch.tensor([0, 1, 1]), torch.tensor([2]))
+    with pytest.raises(ScoringInputError, match=r"support\[row 1\].*sampled token 5.*a kept set of 0 ids") as e:
+        score_logits(logits, torch.tensor([2, 5]), support=empty)
+    assert e.value.row == 1
+    whole = SupportCSR(empty.offsets_G1, empty.ids_N, whole_G=torch.tensor([False, True]))
+    s = score_logits(logits, torch.tensor([2, 5]), support=whole)
+    torch.testing.assert_close(s.logprobs_G, torch.tensor([0.0, -np.log(10)], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("with_support", [False, True])
+@pytest.mark.parametrize("full", [False, True])
+def test_no_scored_rows_give_empty_scores_and_a_zero_gradient(with_support, full):
+    """A batch without generated tokens is legal: [0] scores, not a KeyError."""
+    none_G = torch.zeros(0, dtype=torch.long)
+    support = SupportCSR(torch.zeros(1, dtype=torch.long), none_G) if with_support else None
+    x = torch.randn(3, 10, dtype=torch.bfloat16, requires_grad=True)  # rows exist, none is scored
+    s = score_logits(x, none_G, rows_G=none_G, support=support, full=full)
+    outs = [s.logprobs_G, s.entropy_G] + ([s.full_logprobs_G, s.full_entropy_G] if full else [])
+    assert all(o.shape == (0,) and o.dtype == torch.float32 for o in outs)
+    assert (s.full_logprobs_G is None) == (not full)
+    sum(o.sum() for o in outs).backward()
+    assert x.grad.shape == x.shape and x.grad.dtype == x.dtype and not x.grad.any()
+    lone = score_logits(torch.zeros(0, 10, dtype=torch.float64), none_G, support=support, entropy=False)
+    assert lone.logprobs_G.shape == (0,) and lone.logprobs_G.dtype == torch.float64 and lone.entropy_G is None
+
+
 # -- vocabulary-parallel logits (Megatron tensor parallelism), on two gloo ranks --------------------
 def _shard_worker(rank: int, world: int, init: str, cases: list, out: dict, backend: str) -> None:
     import torch.distributed as dist

@@ -56,6 +56,7 @@ def ragged_batch(seed: int, dtype: torch.dtype, extreme: bool = False, B: int = 
         far = torch.rand(B, S, generator=g) < 0.005
         sign = torch.where(torch.rand(B, S, generator=g) < 0.5, -1.0, 1.0).double()
         lr = torch.where(far, sign * (25 + 35 * torch.rand(B, S, generator=g, dtype=torch.float64)), lr)
+    rollout = rollout - lr.clamp(min=0)  # both sides stay log-probabilities (<= 0) at the same log-ratios
     train = rollout + lr
     return train.to(dtype), rollout.to(dtype), mask
 

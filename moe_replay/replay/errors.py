@@ -24,7 +24,8 @@ class UnsupportedRouterError(RegistryError):
 
 class ScoringInputError(TraceError, ValueError):
     """Scoring input that would give a NaN or a wrong loss: a non-finite logit, a token id outside the
-    vocabulary, a kept set without its sampled token, a temperature that contradicts the sampling.
+    vocabulary, a kept set without its sampled token or holding an id twice, a temperature that
+    contradicts the sampling.
 
     `row` is the scored row (G axis) at fault, or None when the fault is not one row's."""
 
