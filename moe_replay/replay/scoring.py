@@ -2,7 +2,7 @@
 renormalised over each row's kept set (invariant 5), without a full-vocabulary copy of all rows.
 
 Why: at V = 151,936 the dense path (fp32 copy, mask, log_softmax over [G, V]) costs 8-10.5x the
-logits' bytes on top of them (issue 13: 52 GB beyond the logits at G = 16k). Here the G rows are
+logits' bytes on top of them (52 GB beyond the logits at G = 16k). Here the G rows are
 processed in row chunks whose fp32 working set is at most 1/4 of the logits' bytes (and at most
 256 MiB); per row only what backward needs is kept: the log-sum-exp and the entropy over the kept
 set and over V (4 floats). Backward recomputes each chunk's exp from the logits.
@@ -26,11 +26,8 @@ needs no communication.
 Backends (`SCORING_BACKENDS`, each with `forward_stats` and `backward`): `torch_chunked` (this
 file, eager torch, any device) and `torch_compiled` (scoring_compiled.py: the same with the per-chunk
 full-vocabulary math compiled by inductor, one launch each way, no fp32 chunk). `backend="auto"`
-takes the compiled one on CPU for full-vocabulary work of real size. A fused Triton kernel for GPUs
-(issue 13 item 2) registers beside them: one launch over all rows per direction, the row gather,
-the temperature, the target column and the CSR kept set folded into the loads, the forward an
-online max / sum e^y / sum e^y y over each row read once, the backward writing the bf16
-gradient from the 4 per-row floats.
+takes the compiled one on CPU for full-vocabulary work of real size. A backend is one registration
+in SCORING_BACKENDS; a GPU kernel would be another.
 
 Legend: G scored rows, V vocabulary (V_local on a shard), N kept ids over all rows, C rows of a chunk.
 """
