@@ -268,6 +268,7 @@ def test_batch_that_no_longer_matches_its_traces_is_refused(runs):
     ({"repetition_penalty": 1.1}, {}, "r3_support", "repetition_penalty"),
     ({"generation_kwargs": {"presence_penalty": 0.5}}, {}, "r3_support", r"generation_kwargs\['presence_penalty'\]"),
     ({"generation_kwargs": {"logit_bias": {"7": 2.0}}}, {}, "r3_support", r"generation_kwargs\['logit_bias'\]"),
+    ({"vllm_tensor_parallel_size": 2}, {}, "r3_support_multisample", "vllm_tensor_parallel_size"),
 ])
 def test_incompatible_options_are_refused_by_name(tmp_path, over, kwargs, preset, name):
     from moe_replay.integrations.trl import MoeReplayGRPOTrainer

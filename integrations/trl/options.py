@@ -42,9 +42,10 @@ def check_options(args: Any, trainer_kwargs: Mapping[str, Any], preset: Preset) 
         raise TrlOptionError("vllm_mode", args.vllm_mode, "'colocate'",
                              "a `trl vllm-serve` server answers over HTTP with tokens and logprobs only, so its routes "
                              "and supports never reach the trainer")
-    if args.vllm_tensor_parallel_size != 1:
-        raise TrlOptionError("vllm_tensor_parallel_size", args.vllm_tensor_parallel_size, "1",
-                             "the per-rank slicing of a tensor-parallel group's outputs is not wired to the traces")
+    if args.vllm_tensor_parallel_size != 1 and preset.estimator.enabled:
+        raise TrlOptionError("vllm_tensor_parallel_size", args.vllm_tensor_parallel_size, "1 with an estimator preset",
+                             f"preset {preset.name!r} re-scores each rank's own traces on the engine, but the ranks of a "
+                             "tensor-parallel group share one engine and must submit the same requests together")
     for name, why in (
         ("rollout_func", "a custom rollout generates outside the captured engine call"),
         ("tools", "tool results are spliced into the completion: tokens the engine never sampled in one request"),

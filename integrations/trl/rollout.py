@@ -17,6 +17,7 @@ Legend: B completions of one generate call.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 from ...presets import Preset
@@ -50,11 +51,32 @@ def engine_options(preset: Preset) -> Iterator[None]:
         vg.LLM = original
 
 
+@dataclass(frozen=True)
+class TpShare:
+    """Which share of a tensor-parallel group's generate call is this rank's.
+
+    With `vllm_tensor_parallel_size = P > 1`, TRL gathers the prompts of the P ranks of a group,
+    every rank's engine generates all of them (one engine sharded over the group), and each rank
+    keeps the completions [rank * n, (rank + 1) * n) of that call, n = its own prompt count
+    (vllm_generation.py: `tp_slice`); every rank submits the same number of prompts. The traces
+    are cut the same way, so each rank holds exactly its own samples' traces."""
+
+    size: int
+    rank: int
+
+    def take(self, traces: list[RolloutTrace]) -> list[RolloutTrace]:
+        if len(traces) % self.size:
+            raise RuntimeError(f"moe_replay: {len(traces)} traces from a generate call over a tensor-parallel group of "
+                               f"{self.size} ranks; expected a multiple of {self.size} (every rank submits as many prompts)")
+        n = len(traces) // self.size
+        return traces[self.rank * n:(self.rank + 1) * n]
+
+
 class CapturingLLM:
     """A `vllm.LLM` whose `generate` also collects moe_replay traces into `self.pending`."""
 
-    def __init__(self, llm: Any, capture: Any) -> None:
-        self._llm, self._capture = llm, capture
+    def __init__(self, llm: Any, capture: Any, share: TpShare | None = None) -> None:
+        self._llm, self._capture, self._share = llm, capture, share
         self.pending: list[RolloutTrace] = []
 
     def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
@@ -62,7 +84,7 @@ class CapturingLLM:
         n_samples = sum(len(out.outputs) for out in outputs)
         if len(traces) != n_samples:  # collect raises on a failed request; this guards the count
             raise RuntimeError(f"moe_replay: {n_samples} completions but {len(traces)} traces from one generate call")
-        self.pending.extend(traces)
+        self.pending.extend(self._share.take(traces) if self._share is not None else traces)
         return outputs
 
     def take(self) -> list[RolloutTrace]:
@@ -78,7 +100,12 @@ def attach(vllm_generation: Any, capture: Any) -> CapturingLLM:
     """Put a CapturingLLM in place of TRL's engine (undo with `detach`)."""
     if isinstance(vllm_generation.llm, CapturingLLM):
         raise RuntimeError("moe_replay: capture is already attached to this TRL vLLM engine")
-    proxy = CapturingLLM(vllm_generation.llm, capture)
+    share = None
+    if vllm_generation.tensor_parallel_size > 1:
+        import torch.distributed as dist
+
+        share = TpShare(vllm_generation.tensor_parallel_size, dist.get_rank(group=vllm_generation.tp_group))
+    proxy = CapturingLLM(vllm_generation.llm, capture, share)
     vllm_generation.llm = proxy
     return proxy
 
