@@ -1,0 +1,180 @@
+"""Process layouts users outgrow one device with, each against a single-process reference.
+
+CPU, tiny qwen3_moe (fp32 unless named), gloo. Each cell runs in its own processes and reports
+`status` ('works', or 'error' with the message), `traces_complete` (traces returned / samples
+asked for), `flips` (expert-set differences against the reference, per routed (token, layer)),
+and `max_abs_logprob_diff` against the reference (fp32 target <= 2e-5):
+
+  vllm_tp2          capture on a vLLM engine sharded over 2 workers (multi-process executor) vs one
+                    worker: same prompts and seeds; routes and logprobs compared over the tokens
+                    both sampled alike;
+  vllm_tp2_scoring  forced scoring (routes + kept sets) of the one-worker engine's traces on the
+                    2-worker engine vs on the one-worker engine;
+  trl_tp2           TRL's GRPOTrainer with `vllm_tensor_parallel_size=2` under torchrun (two ranks,
+                    one engine sharded over them): each rank's traces against the completions it
+                    trains on, and replay flips in TRL's own metric log (reference: the trainer's
+                    replayed routes equal the recorded ones).
+
+vLLM-CPU binds each local worker's OpenMP threads to a NUMA node unless told; a one-node machine
+needs VLLM_CPU_OMP_THREADS_BIND (one core per worker here).
+
+Usage: python benchmarks/topologies.py --json [--cells vllm_tp2,trl_tp2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = "the cat route token model expert layer sample mixture alpha beta dog".split()
+PROMPTS = [" ".join(WORDS[(i * 5 + j * 3) % len(WORDS)] for j in range(8 + 5 * i)) for i in range(4)]
+N_SAMPLES = 2
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_LOGGING_LEVEL": "ERROR"}
+
+
+# -- the vLLM child: capture, then forced scoring of the reference traces --------------------------
+def vllm_child(model_dir: str, tp: int, out_dir: str, reference: str | None) -> None:
+    from vllm import LLM, SamplingParams
+
+    from moe_replay.codec import decode_trace, encode_trace
+    from moe_replay.integrations.vllm import VllmCapture, VllmScorer, VllmScorerConfig, scoring_engine_kwargs
+
+    out = Path(out_dir)
+    llm = LLM(**scoring_engine_kwargs(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256,
+                                      max_num_seqs=8, max_num_batched_tokens=1024, seed=0, tensor_parallel_size=tp,
+                                      distributed_executor_backend="mp" if tp > 1 else "uni"))
+    cap = VllmCapture(llm)
+    sps = [SamplingParams(n=N_SAMPLES, max_tokens=16, top_p=0.9, seed=100 + i, ignore_eos=True) for i in range(len(PROMPTS))]
+    _, traces = cap.generate(PROMPTS, sps, use_tqdm=False)
+    cap.uninstall()
+    for t in traces:
+        (out / f"trace_{t.key}.bin").write_bytes(encode_trace(t))
+    ref = [decode_trace(p.read_bytes()) for p in sorted(Path(reference or out_dir).glob("trace_*.bin"))]
+    scorer = VllmScorer(llm, VllmScorerConfig(prompt_reuse=False))
+    try:
+        scores = scorer.score_batch(ref)
+    finally:
+        scorer.uninstall()
+    (out / "scores.json").write_text(json.dumps({t.key: s.tolist() for t, s in zip(ref, scores)}))
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.update(ENV)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def _error(proc: subprocess.CompletedProcess) -> dict:
+    lines = [ln for ln in (proc.stderr or "").splitlines() if "Error" in ln or "error" in ln]
+    return {"status": "error", "rc": proc.returncode, "error": (lines[-1] if lines else proc.stderr[-400:]).strip()}
+
+
+def _compare_captures(ref_dir: Path, got_dir: Path) -> dict:
+    """Routes and logprobs over the positions both runs sampled alike (same key, same tokens so far)."""
+    from moe_replay.codec import decode_trace
+
+    ref = {p.name: decode_trace(p.read_bytes()) for p in ref_dir.glob("trace_*.bin")}
+    got = {p.name: decode_trace(p.read_bytes()) for p in got_dir.glob("trace_*.bin")}
+    flips = routed = same_tokens = tokens = 0
+    diff = 0.0
+    for name, r in ref.items():
+        g = got.get(name)
+        if g is None:
+            continue
+        a, b = r.token_ids_S, g.token_ids_S
+        agree = int(np.argmin(np.append(a[:min(len(a), len(b))] == b[:min(len(a), len(b))], False)))
+        rows = min(agree, r.num_route_rows, g.num_route_rows)  # rows whose input tokens are all alike
+        ra, rb = np.sort(r.routes_TLK[:rows], -1), np.sort(g.routes_TLK[:rows], -1)
+        flips += int((ra != rb).any(-1).sum())
+        routed += rows * r.routes_TLK.shape[1]
+        gen = max(0, agree - r.prompt_len)  # generated tokens sampled alike, logprobs of both
+        tokens += r.num_generated
+        same_tokens += gen
+        if gen:
+            diff = max(diff, float(np.max(np.abs(r.logprobs_G[:gen] - g.logprobs_G[:gen]))))
+    return {"traces_complete": f"{len(got)}/{len(PROMPTS) * N_SAMPLES}", "flips": flips, "routed": routed,
+            "generated_alike": f"{same_tokens}/{tokens}", "max_abs_logprob_diff": diff}
+
+
+def cell_vllm_tp2(model_dir: Path, work: Path) -> dict[str, dict]:
+    runs = {}
+    for tp in (1, 2):
+        d = work / f"tp{tp}"
+        d.mkdir()
+        t0 = time.perf_counter()
+        proc = _run([sys.executable, __file__, "--child", "vllm", str(model_dir), str(tp), str(d), str(work / "tp1")])
+        runs[tp] = (proc, time.perf_counter() - t0)
+    if runs[1][0].returncode:
+        return {"vllm_tp2": _error(runs[1][0]), "vllm_tp2_scoring": _error(runs[1][0])}
+    if runs[2][0].returncode:
+        return {"vllm_tp2": _error(runs[2][0]), "vllm_tp2_scoring": _error(runs[2][0])}
+    s1 = json.loads((work / "tp1" / "scores.json").read_text())
+    s2 = json.loads((work / "tp2" / "scores.json").read_text())
+    score_diff = max(float(np.max(np.abs(np.array(s1[k]) - np.array(s2[k])))) for k in s1)
+    return {
+        "vllm_tp2": {"status": "works", **_compare_captures(work / "tp1", work / "tp2"), "seconds": round(runs[2][1], 1)},
+        "vllm_tp2_scoring": {"status": "works", "traces_complete": f"{len(s2)}/{len(s1)}", "flips": 0,
+                             "max_abs_logprob_diff": score_diff,
+                             "note": "routes forced from the traces: flips are 0 by construction"},
+    }
+
+
+def cell_trl_tp2(model_dir: Path, work: Path) -> dict[str, dict]:
+    out = work / "trl"
+    out.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.perf_counter()
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+                 str(ROOT / "tests" / "trl_tp_worker.py"), str(model_dir), str(out)])
+    if proc.returncode:
+        return {"trl_tp2": _error(proc)}
+    runs = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    rows = [row for run in runs for row in run["rows"]]
+    return {"trl_tp2": {
+        "status": "works",
+        "traces_complete": f"{sum(a == b for a, b in rows)}/{len(rows)}",  # each row's trace is its own sample's
+        "flips": sum(run["steps"][0]["moe_replay/route_flip_rate"] * run["steps"][0]["moe_replay/route_tokens"]
+                     for run in runs),
+        "free_flip_rate": [run["steps"][0]["moe_replay/free_route_flip_rate"] for run in runs],
+        "seconds": round(time.perf_counter() - t0, 1)}}
+
+
+CELLS = {"vllm_tp2": cell_vllm_tp2, "trl_tp2": cell_trl_tp2}
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        _, _, kind, model_dir, tp, out_dir, ref = sys.argv
+        vllm_child(model_dir, int(tp), out_dir, ref if Path(ref).exists() and ref != out_dir else None)
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cells", default=",".join(CELLS), help=f"comma-separated, from {sorted(CELLS)}")
+    ap.add_argument("--json", action="store_true", help="accepted for symmetry with the other benchmarks")
+    a = ap.parse_args()
+    from moe_replay.models import build_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="bench_topo_"))
+    model_dir = build_tiny_model("qwen3_moe", work / "model", seed=0)
+    cells: dict[str, dict] = {}
+    for name in a.cells.split(","):
+        if name not in CELLS:
+            raise SystemExit(f"topologies.py: unknown cell {name!r}; expected one of {sorted(CELLS)}")
+        cells.update(CELLS[name](model_dir, work))
+    print(json.dumps({"device": "cpu (vLLM-CPU, gloo)", "cells": cells}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

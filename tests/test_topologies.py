@@ -1,0 +1,31 @@
+"""The process layouts of benchmarks/topologies.py, as tests: a vLLM engine sharded over two
+workers captures what one worker captures and force-scores the same traces alike (fp32: 0 flips,
+logprobs within 2e-5). TRL's tensor-parallel layout is tests/test_trl_tp.py."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+_spec = importlib.util.spec_from_file_location(
+    "bench_topologies", Path(__file__).resolve().parent.parent / "benchmarks" / "topologies.py")
+topologies = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(topologies)
+
+
+def test_vllm_tensor_parallel_capture_and_scoring_equal_one_worker(tiny_model, tmp_path):
+    cells = topologies.cell_vllm_tp2(tiny_model("qwen3_moe"), tmp_path)
+    capture, scoring = cells["vllm_tp2"], cells["vllm_tp2_scoring"]
+    assert capture["status"] == "works", capture
+    assert capture["traces_complete"] == "8/8" and capture["routed"] > 0
+    assert capture["flips"] == 0
+    alike, total = map(int, capture["generated_alike"].split("/"))
+    assert alike > total // 2  # most tokens sampled alike, so the comparison covers them
+    assert capture["max_abs_logprob_diff"] <= 2e-5
+    assert scoring["status"] == "works" and scoring["traces_complete"] == "8/8", scoring
+    assert scoring["max_abs_logprob_diff"] <= 2e-5
