@@ -70,7 +70,7 @@ def main() -> None:
 
     import moe_replay
     from moe_replay.integrations.verl import to_dataproto
-    from moe_replay.integrations.verl.cpu import build_engine
+    from moe_replay.integrations.verl.local import build_engine
     from moe_replay.integrations.verl.local import advantages_from_rewards, old_log_prob, sync_weights, update_actor
     from moe_replay.models import build_tiny_model
 

@@ -31,7 +31,7 @@ import torch
 
 import moe_replay
 from moe_replay.integrations.verl import to_dataproto
-from moe_replay.integrations.verl.cpu import build_engine
+from moe_replay.integrations.verl.local import build_engine
 from moe_replay.integrations.verl.local import advantages_from_rewards, old_log_prob, update_actor
 from moe_replay.models import build_tiny_model
 

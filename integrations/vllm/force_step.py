@@ -41,7 +41,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ...replay import gates
+from . import router_rules
 from .errors import ForceRouteError
+from .patch import FORCE_FLAG, LOAD_STEPS, patch_routers, source_hash
+from .route_hook import find_moe_layers
 from .router_rules import RouterGate, forced_gate_weights, router_gate
 
 FORCE_STEP_ATTR = "_moe_replay_force_step"
@@ -120,8 +124,6 @@ class ForceStep:
 
     def bind(self, make: Callable[["ForceStep", int, RouterGate, Callable], Callable]) -> None:
         """Wrap every router's `_compute_routing` with make(step, j, gate, orig) (patch.py)."""
-        from .patch import patch_routers
-
         if self.refusal is not None:
             raise ForceRouteError(self.refusal)
         self._patches = patch_routers(self.routers, lambda j, orig: make(self, j, self.gates[j], orig))
@@ -171,14 +173,14 @@ class ForceStep:
         return [self.layer_ids[j] for j in np.flatnonzero(missed_L)]
 
 
+@LOAD_STEPS.register(FORCE_FLAG)
 def bind_force_at_load(model: torch.nn.Module, vllm_config: Any) -> ForceStep | None:
     """Give a freshly loaded model its ForceStep, bound before its first (compiling) forward.
 
-    Called by patch.py's load hook for engines whose additional_config carries FORCE_FLAG; no-op for
-    models without MoE layers. A router kind without a gate rule leaves an unbound ForceStep whose
-    `refusal` scoring reports when routes are asked to be forced."""
-    from .route_hook import find_moe_layers
-
+    Registered as FORCE_FLAG's load step: patch.py's load hook runs it for engines whose
+    additional_config carries FORCE_FLAG; no-op for models without MoE layers. A router kind
+    without a gate rule leaves an unbound ForceStep whose `refusal` scoring reports when routes are
+    asked to be forced."""
     layers = find_moe_layers(model)
     if not layers:
         return None
@@ -195,8 +197,4 @@ def force_abi() -> str:
     """Hash of what the load-time forcing step traces (this file, the router rules, the gate rules):
     the value of FORCE_FLAG, so vLLM's compile cache never serves a graph traced with another
     version of it."""
-    from ...replay import gates
-    from . import router_rules
-    from .patch import source_hash
-
     return source_hash(__file__, router_rules.__file__, gates.__file__)

@@ -30,6 +30,7 @@ from ...errors import ExpertIdOutOfRangeError, TraceFormatError, Where
 from ...geometry import EngineInfo, ModelGeometry
 from ...trace import RolloutTrace, SamplingSupport
 from .assemble import support_overflow
+from .engine_kwargs import capture_engine_kwargs
 from .errors import CaptureError, CaptureHookError
 
 PARTS = ("routes", "support", "logprobs")
@@ -126,8 +127,6 @@ def native_engine_kwargs(*, support: bool = True, hooks: bool = False, **engine_
     if clash:
         raise ValueError(f"native_engine_kwargs sets {flags}; the caller's kwargs disagree: {clash}")
     if hooks:
-        from .api import capture_engine_kwargs
-
         engine_kwargs = capture_engine_kwargs(**engine_kwargs)
     _engine_config(engine_kwargs)  # the engine without the flags must build, so a refusal below is theirs
     kw = {**engine_kwargs, **flags}

@@ -25,12 +25,15 @@ before torch.compile traces it, i.e. before any runner instance can be reached:
                                                   CAPTURE_FLAG and the forward is compiled; inert
                                                   for every other engine; and, when it carries
                                                   FORCE_FLAG (scoring_engine_kwargs), bind the
-                                                  routers' forcing step (force_step.py) the same
-                                                  way, before the forward is compiled.
+                                                  routers' forcing step the same way, before the
+                                                  forward is compiled. The steps are LOAD_STEPS,
+                                                  one per flag: force_step.py registers its own,
+                                                  as it patches routers through this module.
 
 vLLM loads `register_plugin` in every process (entry point group `vllm.general_plugins`,
 pyproject.toml); `capture_engine_kwargs()` also installs it in the calling process, so in-process
-engines work without the entry point. `remove_load_hook()` undoes it.
+engines work without the entry point. `remove_load_hook()` undoes it. The entry point imports the
+package, whose __init__ imports the parts that register load steps.
 
 `InstancePatches.undo()` restores the original attributes (instance attributes are deleted when
 the original was the class's method, reassigned when it was already an instance attribute).
@@ -42,7 +45,12 @@ import functools
 import time
 from typing import Any, Callable
 
-from .endpoint import runner_state
+from ...registry import Registry
+from .errors import CaptureHookError
+from .route_hook import bind_at_load, forward_is_traced
+from .runner import runner_state
+from .step import StepViews
+from .versions import check_vllm_version
 
 _MISSING = object()
 
@@ -56,6 +64,14 @@ FORCE_FLAG = "moe_replay_force"
 compiled forward; its value is force_step.force_abi() (a hash of what the step traces), for the same
 compile-cache reason as CAPTURE_FLAG."""
 
+LoadStep = Callable[[Any, Any], Any]
+LOAD_STEPS: Registry[LoadStep] = Registry("moe_replay load-time step")
+"""additional_config flag -> step(model, vllm_config): work bound into a freshly loaded model before
+its forward is compiled. CAPTURE_FLAG's is route_hook.bind_at_load (here); FORCE_FLAG's is
+registered by force_step.py."""
+LOAD_STEPS.add(CAPTURE_FLAG, bind_at_load)
+LOAD_ORDER = (CAPTURE_FLAG, FORCE_FLAG)
+"""The order the load hook runs the steps of the flags an engine carries."""
 
 
 def source_hash(*files: str) -> str:
@@ -82,13 +98,9 @@ class InstancePatches:
 
     def wrap(self, obj: Any, name: str, make: Callable[[Callable], Callable]) -> None:
         if not hasattr(obj, name):
-            from .errors import CaptureHookError
-
             raise CaptureHookError(f"{type(obj).__name__} has no attribute {name!r} to hook (vLLM version mismatch?)")
         original = getattr(obj, name)
         if getattr(original, "__moe_replay_wrapped__", False):
-            from .errors import CaptureHookError
-
             raise CaptureHookError(f"{type(obj).__name__}.{name} is already wrapped by moe_replay capture")
         self._saved.append((obj, name, obj.__dict__.get(name, _MISSING)))
         wrapped = make(original)
@@ -122,8 +134,6 @@ class StepBracket:
     """
 
     def __init__(self, runner: Any) -> None:
-        from .step import StepViews
-
         self.runner = runner
         self.views = StepViews(runner)
         """The one layout of each step (request ids, query starts, positions) the listeners share."""
@@ -185,8 +195,6 @@ def step_bracket(runner: Any, listener: Any) -> StepBracket:
     if bracket is None:
         bracket = st.bracket = StepBracket(runner)
     if listener in bracket.listeners:
-        from .errors import CaptureHookError
-
         raise CaptureHookError(f"{type(listener).__name__} is already registered on this runner's step bracket")
     bracket.listeners.append(listener)
     return bracket
@@ -313,16 +321,11 @@ class LoadHook:
             extra = getattr(vllm_config, "additional_config", None)
             # the target model only (a draft model of speculative decoding is loaded the same way)
             if isinstance(extra, dict) and extra.get(CAPTURE_FLAG) and model_config is vllm_config.model_config:
-                from .route_hook import bind_at_load, forward_is_traced
-                from .versions import check_vllm_version
-
                 check_vllm_version()
                 if forward_is_traced(vllm_config):  # eager forwards get their functions at install
-                    bind_at_load(model, vllm_config)
-                    if extra.get(FORCE_FLAG):
-                        from .force_step import bind_force_at_load
-
-                        bind_force_at_load(model, vllm_config)
+                    for flag in LOAD_ORDER:
+                        if extra.get(flag):
+                            LOAD_STEPS.get(flag)(model, vllm_config)
             return model
 
         functools.update_wrapper(load_model, original)

@@ -35,7 +35,7 @@ import numpy as np
 
 from ...geometry import ModelGeometry
 from ...trace import RolloutTrace
-from .api import capture_engine_kwargs
+from .engine_kwargs import capture_engine_kwargs
 from .errors import ForceRouteError, PrefixCacheMissError, ScoreAlignmentError, ScoringError
 from .force_step import force_abi
 from .link import AsyncLink, SyncLink

@@ -37,7 +37,8 @@ After the weights, everything computed with the old ones is dropped: vLLM's pref
 when capture is installed, its per-KV-slot route cache, so no cached KV or route crosses a weight
 update. Every worker call goes through the adapter's link (link.py: the worker extension's method
 where the engine has it, so a multi-process engine needs no pickled function) and replies in the
-typed wire (wire.WeightSyncReply; a failure is re-raised as WeightSyncError).
+typed wire (wire.WeightSyncReply; a failure is re-raised as WeightSyncError); the worker side
+serves the `weights.*` ops this module registers in runner.OPS.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .errors import WeightSyncError
+from .link import SyncLink
+from .runner import OPS, RunnerState, runner_state
 from .wire import WeightSyncReply
 
 PLAIN_COPY_KEYS: dict[str, tuple[str, ...]] = {
@@ -67,8 +70,6 @@ __all__ = ["PLAIN_COPY_KEYS", "WeightSyncError", "update_weights", "weight_sync"
 
 # -- client side ---------------------------------------------------------------------------------
 def _open(llm: Any, op: str, payload: Any, what: str) -> tuple[Any, WeightSyncReply | None]:
-    from .link import SyncLink
-
     link, replies = SyncLink.open(llm, op, payload, what=what, default=WeightSyncError,
                                   kwargs_fn="capture_engine_kwargs")
     return link, (WeightSyncReply.from_dict(replies[0]) if replies and replies[0] is not None else None)
@@ -146,8 +147,6 @@ def _repack_cpu_moe(model: Any) -> int:
 
 def _clear_slot_routes(runner: Any) -> bool:
     """Drop capture's per-KV-slot routes, if capture keeps them: they came from the old weights."""
-    from .endpoint import runner_state
-
     slot_cache = getattr(runner_state(runner).capture, "slot_cache", None)
     if slot_cache is not None:
         slot_cache.clear()
@@ -271,3 +270,19 @@ def end_on_worker(runner: Any, check: bool) -> dict[str, Any] | None:
             "no tensor during the weight sync and keep their old weights; do not sample from this engine: load "
             "every parameter, or sync through update_weights(llm, checkpoint_dir)")
     return _finished(runner, [])
+
+
+# -- ops (endpoint.py) ----------------------------------------------------------------------------
+@OPS.register("weights.update")
+def _weights_update(runner: Any, st: RunnerState, path: str) -> dict[str, Any]:
+    return update_on_worker(runner, path)
+
+
+@OPS.register("weights.begin")
+def _weights_begin(runner: Any, st: RunnerState, payload: Any) -> None:
+    begin_on_worker(runner)
+
+
+@OPS.register("weights.end")
+def _weights_end(runner: Any, st: RunnerState, options: dict[str, Any]) -> dict[str, Any] | None:
+    return end_on_worker(runner, bool(options["check"]))

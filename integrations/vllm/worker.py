@@ -20,10 +20,10 @@ buffer is about to fill, and before every take/discard/stats, so the client neve
 record. Why: per step, each small tensor or Python operation inside a busy engine costs ~10-70 us;
 batching many steps into one pass is what keeps capture near free (benchmarks/capture.py).
 
-The client reaches this through endpoint.py (one op table for capture and scoring, one state
-object on the runner). Capture and scoring share the runner's one execute_model wrapper
-(patch.StepBracket) and its step layout (step.py); capture ignores requests registered for
-scoring.
+The client reaches this through endpoint.py; this module registers the `capture.*` ops in the
+runner's op table (runner.py) and keeps its WorkerCapture in the runner's one state object.
+Capture and scoring share the runner's one execute_model wrapper (patch.StepBracket) and its step
+layout (step.py); capture ignores requests registered for scoring.
 """
 
 from __future__ import annotations
@@ -36,13 +36,15 @@ import numpy as np
 
 from ...capture_config import CaptureConfig
 from .block_cache import SlotRouteCache, route_kv_group
-from .endpoint import runner_state
 from .errors import CaptureHookError
+from .patch import patch_runner
 from .records import RecordBook, RequestRecord
 from .route_hook import RouteCapture, geometry_from_runner
+from .runner import OPS, RunnerState, register_part_ops, runner_state
 from .sampler_hook import SupportStage
 from .step import StepLayout
-from .wire import CaptureRecord
+from .versions import check_vllm_version
+from .wire import CaptureRecord, InstallReply
 
 
 @dataclass
@@ -111,8 +113,6 @@ class WorkerCapture:
     """Capture state installed on one model runner; `uninstall()` leaves the runner as it was."""
 
     def __init__(self, runner: Any, config: CaptureConfig) -> None:
-        from .patch import patch_runner
-
         self.runner, self.config = runner, config
         _check_runner(runner)
         self.geometry = geometry_from_runner(runner)
@@ -403,5 +403,18 @@ def _check_runner(runner: Any) -> None:
         raise CaptureHookError(f"sampler {type(runner.sampler).__name__} has no topk_topp_sampler to hook")
 
 
-# The extension's former name, as `vllm serve --worker-extension-cls` configurations spell it.
+# -- ops (endpoint.py) ----------------------------------------------------------------------------
+@OPS.register("capture.install")
+def _capture_install(runner: Any, st: RunnerState, config: dict[str, Any]) -> dict[str, Any]:
+    check_vllm_version()
+    if st.capture is not None:
+        raise CaptureHookError("capture is already installed on this engine; uninstall() it first")
+    st.capture = WorkerCapture(runner, CaptureConfig.from_dict(config))
+    return InstallReply(st.capture.geometry.to_dict(), st.capture.slot_cache is not None).to_dict()
+
+
+register_part_ops("capture", "capture")
+
+# The worker extension under a second dotted name, moe_replay.integrations.vllm.worker.CaptureWorkerExtension,
+# which `vllm serve --worker-extension-cls` configurations may spell.
 from .endpoint import ReplayWorkerExtension as CaptureWorkerExtension  # noqa: E402,F401

@@ -35,7 +35,7 @@ Legend: G scored rows, V vocabulary (V_local on a shard), N kept ids over all ro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -156,6 +156,10 @@ class ScoringBackend(Protocol):
 
 
 SCORING_BACKENDS: Registry[ScoringBackend] = Registry("scoring backend")
+AUTO_BACKEND: list[Callable[["_Job"], str]] = []
+"""How `backend="auto"` picks a SCORING_BACKENDS name for a call: the last rule registered here
+(scoring_compiled.auto_backend, registered when replay/__init__ imports scoring_compiled); with
+none, `torch_chunked`."""
 
 
 @dataclass
@@ -497,11 +501,11 @@ def score_logits(
     set without its sampled token or holding an id twice, a bad temperature, non-finite logits)
     raises ScoringInputError naming the row and the value.
     """
-    from .scoring_compiled import auto_backend  # its own module (one backend each); imported here to avoid a cycle
-
     job = _prepare(logits_XV, target_G, rows_G, support, temperature, full, shard, chunk_bytes)
     job.entropy = bool(entropy)
-    impl = SCORING_BACKENDS.get(auto_backend(job) if backend == "auto" else backend)
+    if backend == "auto":
+        backend = AUTO_BACKEND[-1](job) if AUTO_BACKEND else "torch_chunked"
+    impl = SCORING_BACKENDS.get(backend)
     # a trainer's autocast (verl's FSDP forward runs under bf16 autocast) would put bmm/matmul in bf16:
     # the statistics are fp32 math by contract, whatever the ambient autocast says
     with torch.autocast(logits_XV.device.type, enabled=False):

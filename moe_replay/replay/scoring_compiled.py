@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .scoring import SCORING_BACKENDS, TorchChunked, _Job
+from .scoring import AUTO_BACKEND, SCORING_BACKENDS, TorchChunked, _Job
 
 
 def _stats_kernel(logits_XV: torch.Tensor, src_C: torch.Tensor, scale_C1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,3 +106,6 @@ def auto_backend(job: _Job) -> str:
             warnings.warn(f"score_logits: torch.compile unusable here ({type(e).__name__}: {e}); scoring eagerly "
                           "(same values, slower on the full vocabulary)", RuntimeWarning, stacklevel=3)
     return "torch_chunked" if _COMPILE_PROBE["error"] is not None else "torch_compiled"
+
+
+AUTO_BACKEND.append(auto_backend)
