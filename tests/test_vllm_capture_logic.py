@@ -254,3 +254,35 @@ def test_host_stage_in_numpy_equals_the_device_path(monkeypatch, dtype):
     assert fin.sum() == 11 and np.abs(host.logprobs_R[fin] - want_R[fin]).max() <= 1e-6
     if dtype == torch.float32:
         assert np.abs(host.logprobs_R[fin] - dev.logprobs_R[fin]).max() <= 1e-6
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_hooks_capture_is_refused_on_a_data_parallel_engine(dp):
+    """vLLM's data-parallel client answers a collective_rpc with its first engine's result, so
+    hooks capture would lose the other engines' requests: refused before anything is installed,
+    naming the setting, on vLLM's own ParallelConfig; a plan whose every part is vLLM's native
+    output (per request, from the engine that served it) is not refused."""
+    pytest.importorskip("vllm")
+    from transformers import Qwen3MoeConfig
+    from vllm.config import ParallelConfig
+
+    from moe_replay.capture_config import CaptureConfig
+    from moe_replay.integrations.vllm.api import VllmCapture
+    from moe_replay.integrations.vllm.errors import CaptureHookError
+
+    def plan(source: str, native: bool):
+        cap = VllmCapture.__new__(VllmCapture)  # the client-side planning step alone, no engine
+        cap.config = CaptureConfig(source=source)
+        hf = Qwen3MoeConfig(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, vocab_size=512)
+        model_config = SimpleNamespace(logprobs_mode="processed_logprobs" if native else "raw_logprobs",
+                                       return_sampling_mask=native, hf_text_config=hf)
+        aux = SimpleNamespace(enable_return_routed_experts=native)
+        return cap._plan(SimpleNamespace(parallel_config=ParallelConfig(data_parallel_size=dp), model_config=model_config,
+                                         aux_output_config=aux))
+
+    if dp > 1:
+        with pytest.raises(CaptureHookError, match=r"by hooks on an engine with data_parallel_size=2.*native outputs"):
+            plan("auto", native=False)
+    else:
+        assert plan("auto", native=False) is not None  # the hooks' config
+    assert plan("native", native=True) is None  # every part native: nothing through the link
