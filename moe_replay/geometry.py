@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -79,22 +79,40 @@ class ModelGeometry:
     def from_dict(cls, d: dict[str, Any]) -> "ModelGeometry":
         return cls(**d)
 
-    def check_matches(self, other: "ModelGeometry", where: Where = Where()) -> None:
-        """Raise GeometryMismatchError if `other` (e.g. a trace's) differs from this one (the model's).
+    def check_matches(self, other: "ModelGeometry", where: Where = Where(), what: str = "") -> None:
+        """Raise GeometryMismatchError if `other` differs from this geometry in any field.
 
-        Names the first differing field. `family` is compared when both sides name one (an empty
-        family, e.g. a geometry built by hand, is unknown and matches any).
+        The one check of "this model can take these traces": build_plan runs it per trace, and every
+        replay or scoring entry runs it on the model's geometry against the plan's before any
+        forward. `self` is the model's side (the error's expected), `other` the trace's or plan's
+        (found); `what` (e.g. "model vs plan") names the two sides in the message. Names the first
+        differing field.
+
+        `family` is compared too: two families can share every shape and still be other models
+        (other router weights, score functions, grouped top-k, correction biases), so a trace's
+        expert ids replayed into a model of another family name other experts for most tokens, with
+        no shape error to show it. An empty family is unknown and matches any, the other fields still
+        equal: a geometry built by hand (tests, tools, Megatron's `model_geometry(model, family="")`)
+        or a record from an engine whose config names no model_type has nothing to compare, and a
+        known family that differs is still refused. build_plan closes the gap this leaves: its plan
+        takes the family its traces name (`with_family_of`), so one batch cannot mix families and
+        the replay entry compares the model's family with the traces'.
         """
         for name in ("num_layers", "moe_layer_ids", "num_experts", "top_k", "vocab_size"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
-                raise GeometryMismatchError(where.with_(field=f"geometry.{name}"), mine, theirs)
+                raise GeometryMismatchError(where.with_(field=f"geometry.{name}"), mine, theirs, what)
         if self.family and other.family and self.family != other.family:
             raise GeometryMismatchError(
                 where.with_(field="geometry.family"), repr(self.family), repr(other.family),
-                "the trace was recorded on another model family; replay it into a model of its own family "
+                (f"{what}: " if what else "")
+                + "the trace was recorded on another model family; replay it into a model of its own family "
                 "(a geometry built by hand, e.g. Megatron's model_geometry(model, family=...), must name it)",
             )
+
+    def with_family_of(self, other: "ModelGeometry") -> "ModelGeometry":
+        """This geometry, naming `other`'s family where it names none (call after check_matches)."""
+        return self if self.family or not other.family else replace(self, family=other.family)
 
 
 @dataclass(frozen=True)

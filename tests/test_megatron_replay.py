@@ -306,6 +306,14 @@ def test_geometry_checked_before_any_forward(megatron_cpu):
     ):
         with pytest.raises(GeometryMismatchError):
             replay(routers, make_plan(bad))
+    # micro-batch plans of one session: every field, family included (a Megatron model names none)
+    qwen, glm = (ModelGeometry(**{**GEOM.to_dict(), "family": f}) for f in ("qwen3_moe", "glm4_moe"))
+    with pytest.raises(GeometryMismatchError, match=r"geometry.family': expected 'qwen3_moe', found 'glm4_moe' "
+                                                    r"\(micro-batch plans\[0\] vs plans\[1\]"):
+        replay(routers, [make_plan(qwen), make_plan(glm, seed=1)])
+    unknown = ModelGeometry(**{**GEOM.to_dict(), "family": ""})
+    session = replay(routers, [make_plan(qwen), make_plan(unknown, seed=1)])  # created, never entered
+    assert session.plans[1].geometry.family == ""  # unknown: accepted with every other field equal
     assert all(r.router_replay.router_replay_action is None for r in routers)
     # a pipeline stage holding layers 3 and 4 only
     stage = [r for r in routers if r.layer_number - 1 in (3, 4)]

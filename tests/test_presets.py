@@ -53,3 +53,14 @@ def test_unknown_preset_and_missing_file(tmp_path):
         load_preset("r4")
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         load_preset(tmp_path / "nope.yaml")
+
+
+def test_adjusted_sampling_opt_in_is_a_replay_setting():
+    """The opt-in that lets a plan score traces whose sampler's logits were shifted lives in the
+    preset's replay section, so every trainer path that builds its plan from the preset gets it."""
+    from moe_replay.presets import preset_from_dict
+
+    base = {"name": "x", "capture": {"routes": True, "support": True, "logprobs": True}, "replay": {"routes": True, "support": True}}
+    assert preset_from_dict(base).replay.plan.allow_adjusted_sampling is False
+    opted = preset_from_dict({**base, "replay": {**base["replay"], "allow_adjusted_sampling": True}})
+    assert opted.replay.plan.allow_adjusted_sampling is True

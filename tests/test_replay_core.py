@@ -325,3 +325,38 @@ def test_replay_refuses_a_trace_of_another_family():
         build_plan([make_trace("a", 8, geometry=other)], GEOM)
     unknown = ModelGeometry(**{**GEOM.to_dict(), "family": ""})
     build_plan([make_trace("a", 8, geometry=unknown)], GEOM)  # a hand-built geometry names no family
+    # a model geometry naming no family: the plan names its traces' family, and refuses a second one
+    plan = build_plan([make_trace("a", 8), make_trace("b", 6, geometry=unknown)], unknown)
+    assert plan.geometry == GEOM
+    with pytest.raises(GeometryMismatchError, match=r"record 'b'.*expected 'test', found 'mixtral'.*earlier traces"):
+        build_plan([make_trace("a", 8), make_trace("b", 6, geometry=other)], unknown)
+
+
+def test_plan_refuses_sampling_that_shifted_the_logits_unless_asked():
+    import dataclasses
+
+    from moe_replay.replay.plan import adjusted_sampling_problem
+
+    a = make_trace("a", 8, seed=1)
+    pen = dataclasses.replace(make_trace("pen", 7, seed=2), sampling=Sampling(temperature=0.7, adjusted=("repetition_penalty",)))
+    with pytest.raises(ScoringInputError, match=r"record 'pen', field 'sampling.adjusted': expected .*"
+                                                r"allow_adjusted_sampling.*found \['repetition_penalty'\] "
+                                                r"\(the sampler's logits were shifted by repetition_penalty: .*2.3 nats"):
+        build_plan([a, pen], GEOM)
+    with pytest.raises(ScoringInputError, match="'pen'"):
+        build_plan([a, pen], GEOM, routes=False)  # free-routing scoring gets the same wrong logprobs
+    plan = build_plan([a, pen], GEOM, config=PlanConfig(allow_adjusted_sampling=True))  # opted in: the model's own logits
+    logits = torch.randn(2, plan.seq_len, GEOM.vocab_size)
+    assert torch.isfinite(score_tokens(logits, plan).logprobs_G).all()
+    # masks only remove tokens: the recorded kept set holds what they left, so scoring over it is exact
+    masked = dataclasses.replace(make_trace("masked", 7, seed=3), sampling=Sampling(adjusted=("bad_words", "min_tokens")))
+    assert adjusted_sampling_problem(masked) is None
+    build_plan([a, masked], GEOM)
+    # ... unless the trace holds no kept set to say which tokens were left
+    bare = dataclasses.replace(masked, key="bare", support=None)
+    with pytest.raises(ScoringInputError, match=r"record 'bare'.*masked by bad_words, min_tokens and the trace holds no kept set"):
+        build_plan([a, bare], GEOM)
+    # an option this reader does not know is taken to shift logits
+    odd = dataclasses.replace(masked, key="odd", sampling=Sampling(adjusted=("min_tokens", "some_new_option")))
+    with pytest.raises(ScoringInputError, match="shifted by some_new_option:"):
+        build_plan([odd], GEOM)

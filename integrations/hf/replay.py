@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from moe_replay.errors import GeometryMismatchError, Where
+from moe_replay.errors import Where
 from moe_replay.geometry import ModelGeometry
 from moe_replay.replay.errors import RouteConsumptionError
 from moe_replay.replay.gates import GATE_RULES
@@ -53,11 +53,10 @@ def model_geometry(model: nn.Module, sites: dict[int, RouterSite] | None = None)
 
 
 def _check_model(model: nn.Module, sites: dict[int, RouterSite], geometry: ModelGeometry) -> None:
+    """The model against a plan's geometry, every field (family included: the model's is its
+    config.model_type), and every router layer by layer; before any forward."""
     check_layers({lid: (s.adapter.num_experts(s.module), s.adapter.top_k(s.module)) for lid, s in sites.items()}, geometry)
-    mine = model_geometry(model, sites)
-    for name in ("num_layers", "vocab_size"):
-        if getattr(mine, name) != getattr(geometry, name):
-            raise GeometryMismatchError(Where(field=f"geometry.{name}"), getattr(mine, name), getattr(geometry, name), "model vs trace")
+    model_geometry(model, sites).check_matches(geometry, Where(), "model vs plan")
 
 
 def _claim(sites: dict[int, RouterSite]) -> None:

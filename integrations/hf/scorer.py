@@ -30,6 +30,10 @@ class HFScorerConfig:
     """Run the forward under each trace's recorded routes (traces must carry them)."""
     use_support: bool = False
     """Renormalise over each token's recorded sampling support (rows without one use all of V)."""
+    allow_adjusted_sampling: bool = False
+    """Score traces whose sampler's logits were shifted (penalties, logit_bias: `sampling.adjusted`)
+    instead of refusing them; their scores are then of the model's own logits, not the engine's
+    (build_plan's option of that name)."""
 
     def __post_init__(self) -> None:
         if not Path(self.model_dir).is_dir():
@@ -57,13 +61,15 @@ class HFScorer:
         """log p of each trace's generated tokens at its recorded sampling temperature (trace.sampling)."""
         import contextlib
 
-        from moe_replay.replay import build_plan, score_tokens
+        from moe_replay.replay import PlanConfig, build_plan, score_tokens
 
         from .replay import replay
 
         if not traces:
             return []
-        plan = build_plan(traces, self.geometry, routes=self.config.force_routes).to(self.config.device)
+        plan = build_plan(traces, self.geometry, routes=self.config.force_routes,  # checks geometry and sampling
+                          config=PlanConfig(allow_adjusted_sampling=self.config.allow_adjusted_sampling)
+                          ).to(self.config.device)
         ctx = replay(self.model, plan) if self.config.force_routes else contextlib.nullcontext()
         with self._torch.no_grad(), ctx:
             logits_BSV = self.model(**plan.model_inputs()).logits

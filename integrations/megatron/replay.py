@@ -68,9 +68,9 @@ class ReplaySession:
         if not self.plans:
             raise ValueError("replay needs at least one RoutePlan, got 0")
         geometry = self.plans[0].geometry
-        for m, plan in enumerate(self.plans[1:], 1):
-            if plan.geometry != geometry:
-                raise GeometryMismatchError(Where(field=f"plans[{m}].geometry"), geometry, plan.geometry, "micro-batch plans of one session")
+        for m, plan in enumerate(self.plans[1:], 1):  # every field, family included
+            geometry.check_matches(plan.geometry, Where(), f"micro-batch plans[0] vs plans[{m}] of one session")
+            geometry = geometry.with_family_of(plan.geometry)
         self.sites = find_routers(model_or_routers)
         for site in self.sites.values():
             check_replayable(site)

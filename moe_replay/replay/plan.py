@@ -30,7 +30,7 @@ import torch
 from ..errors import TraceFormatError, Where
 from ..geometry import ModelGeometry
 from ..trace import RolloutTrace, Sampling, SamplingSupport
-from .errors import BatchLayoutError, WeightsVersionError
+from .errors import BatchLayoutError, ScoringInputError, WeightsVersionError
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,11 @@ class PlanConfig:
     unrouted_prefix: Literal["error", "free"] = "error"
     """Tokens before a trace's route_start have no recorded route: refuse ("error") or let the
     trainer route them itself ("free", a known mismatch on those tokens)."""
+    allow_adjusted_sampling: bool = False
+    """Accept traces whose sampler's logits were shifted by options the trainer cannot see
+    (`Sampling.adjusted`: penalties, logit_bias, logits processors). Scores are then log p of the
+    model's own, unshifted logits over the recorded kept set: NOT the engine's logprobs. In a
+    preset: `replay: {allow_adjusted_sampling: true}`."""
 
     def __post_init__(self) -> None:
         if self.padding_side not in ("left", "right"):
@@ -160,6 +165,17 @@ def build_plan(
 ) -> RoutePlan:
     """Validate `traces` against the model's `geometry` and the batch, and lay their routes out.
 
+    Every field of each trace's geometry must equal `geometry`'s, `family` included
+    (ModelGeometry.check_matches; an empty family on either side is unknown). The plan's geometry
+    names the family its traces name when `geometry` names none, so replay can compare it with the
+    model's, and a batch of traces of two families is refused.
+
+    A trace whose sampler's logits were shifted by options the trainer cannot see
+    (`sampling.adjusted`: penalties, logit_bias, logits processors; see `adjusted_sampling_problem`)
+    is refused (ScoringInputError) unless `config.allow_adjusted_sampling`. With it the plan is built
+    and scoring gives log p of the model's own (unshifted) logits over the recorded kept set: NOT
+    the engine's logprobs, and not the distribution that sampled.
+
     `weights_version`: the version of the weights being trained; a trace sampled with another one
     (or with none recorded) is refused (WeightsVersionError) unless `off_policy=True` says the
     batch is off-policy on purpose; then `plan.off_policy_B` marks those rows (and the metrics
@@ -179,8 +195,13 @@ def build_plan(
         if key in seen:
             raise BatchLayoutError(Where(record=key), "distinct trace keys in one batch", f"rows {seen[key]} and {b}")
         seen[key] = b
+    given = geometry
     for trace in traces:
-        _check_trace(trace, geometry, config, routes)
+        what = "model vs trace" if geometry is given else "model (family named by the batch's earlier traces) vs trace"
+        _check_trace(trace, geometry, config, routes, what)
+        if not config.allow_adjusted_sampling:
+            _check_sampling(trace)
+        geometry = geometry.with_family_of(trace.geometry)
     off_policy_B = _check_weights(traces, weights_version, off_policy)
 
     lengths_B = np.array([t.num_tokens for t in traces], dtype=np.int64)
@@ -231,6 +252,52 @@ def build_plan(
     )
 
 
+LOGIT_MASKS: frozenset[str] = frozenset({"allowed_token_ids", "bad_words", "min_tokens", "structured_outputs"})
+"""`Sampling.adjusted` names that only remove tokens (their logits become -inf). Capture records the
+kept set as the finite logits the sampler drew from, so what a mask left is in the trace's support,
+and scoring over it is exact. Every other name (repetition / presence / frequency penalties,
+logit_bias, logits processors, any name not listed here) shifts finite logits."""
+
+ADJUSTED_SAMPLING_WHY = (
+    "the engine applied them to the logits before the kept-set cut and before the sampled logprob; the "
+    "trainer's forward knows nothing of them, so its log p is of another distribution than the one that "
+    "sampled (a repetition_penalty of 1.3 divides a repeated token's positive logit of 10 by 1.3: 2.3 nats "
+    "lower before the softmax), and the kept set alone does not carry the shifted values"
+)
+"""Why a logit-shifting sampling option cannot be scored: the one wording the plan, the TRL option
+check and the scorers' replica checks can share."""
+
+
+def logit_shifts(sampling: Sampling) -> tuple[str, ...]:
+    """The options in `sampling.adjusted` that shifted the sampler's finite logits (all but LOGIT_MASKS)."""
+    return tuple(name for name in sampling.adjusted if name not in LOGIT_MASKS)
+
+
+def adjusted_sampling_problem(trace: RolloutTrace) -> str | None:
+    """None when scoring `trace` over its kept set reproduces the distribution that sampled it in
+    spite of `trace.sampling.adjusted`, else why not: an option shifted finite logits, or a mask
+    removed tokens and the trace holds no kept set to say which."""
+    shifts = logit_shifts(trace.sampling)
+    if shifts:
+        return f"the sampler's logits were shifted by {', '.join(shifts)}: {ADJUSTED_SAMPLING_WHY}"
+    if trace.sampling.adjusted and trace.support is None:
+        return (f"the sampler's logits were masked by {', '.join(trace.sampling.adjusted)} and the trace holds no "
+                "kept set recording what the masks left; scoring over the vocabulary gives masked tokens mass")
+    return None
+
+
+def _check_sampling(trace: RolloutTrace) -> None:
+    problem = adjusted_sampling_problem(trace)
+    if problem is not None:
+        raise ScoringInputError(
+            Where(record=trace.key, field="sampling.adjusted"),
+            "sampling the trainer can reproduce (or PlanConfig(allow_adjusted_sampling=True), in a preset "
+            "replay.allow_adjusted_sampling, to score the unadjusted logits over the kept set, which are not the "
+            "engine's logprobs)",
+            list(trace.sampling.adjusted), problem,
+        )
+
+
 def _check_weights(traces: Sequence[RolloutTrace], weights_version: str | int | None, off_policy: bool) -> np.ndarray:
     stale = np.array([weights_version is not None and t.weights_version != weights_version for t in traces], dtype=bool)
     if stale.any() and not off_policy:
@@ -243,9 +310,10 @@ def _check_weights(traces: Sequence[RolloutTrace], weights_version: str | int | 
     return stale
 
 
-def _check_trace(trace: RolloutTrace, geometry: ModelGeometry, config: PlanConfig, routes: bool = True) -> None:
+def _check_trace(trace: RolloutTrace, geometry: ModelGeometry, config: PlanConfig, routes: bool = True,
+                 what: str = "model vs trace") -> None:
     where = Where(record=trace.key)
-    geometry.check_matches(trace.geometry, where)
+    geometry.check_matches(trace.geometry, where, what)
     if routes and trace.routes_TLK is None:
         raise TraceFormatError(where.with_(field="routes_TLK"), "recorded routes", None, "nothing to replay")
     trace.validate(where)
