@@ -3,10 +3,11 @@
   append DIR START COUNT BATCH DURABLE SEGMENT_BYTES [DIE_AT]
       put_many the deterministic traces trace_for(START ...) in batches; after each put_many
       returns, print the number of records committed so far. COUNT < 0 appends until killed.
-      DIE_AT = KIND:N (KIND one of frames, index, header): the N-th write of that kind by the
-      store writes half its bytes (plus one), then the process SIGKILLs itself: a crash at a
-      chosen point of a put_many (frames, index entries, a new segment's header) or of creating
-      the store (the first header written is the index's).
+      DIE_AT = KIND:N (KIND one of frames, index, header, rewrite): the N-th write of that kind
+      by the store writes half its bytes (plus one), then the process SIGKILLs itself: a crash at
+      a chosen point of a put_many (frames, index entries, a new segment's header), of creating
+      the store (the first header written is the index's) or of replacing a damaged index
+      (rewrite: a whole new index.bin, written to its temporary file on open).
   try-writer DIR
       open DIR as a writer; exit 3 printing the error if another writer holds it, 0 otherwise.
 """
@@ -26,6 +27,8 @@ def write_kind(data: bytes) -> str:
     head = bytes(data[:8])
     if len(data) == dirmod.HEADER.size and head in (dirmod.INDEX_MAGIC, dirmod.SEGMENT_MAGIC):
         return "header"
+    if head == dirmod.INDEX_MAGIC:
+        return "rewrite"
     return {dirmod.FRAME_MAGIC: "frames", dirmod.ENTRY_MAGIC: "index"}.get(head[:4], "other")
 
 

@@ -3,22 +3,28 @@
 A crash between a record's segment sync and its index sync, or an index truncated or restored from
 an older copy, leaves intact frames the index does not name: a writer indexes them again and cuts
 only bytes that belong to no intact frame; damage before an intact record makes it refuse to open.
+Damaged index entries anywhere lose no record: readers and writers read the frames the index no
+longer names, and a writer replaces the index by one that names them all.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from moe_replay.errors import MissingKeyError, TruncatedRecordError
+from moe_replay.errors import ChecksumError, MissingKeyError, TruncatedRecordError, Where
 from moe_replay.store import DirectoryStore, UnindexedDamageError
 from moe_replay.store import directory as dirmod
 
-from .test_store import _four_records, flip, same, trace_for
+from .test_store import _four_records, _spawn_writer, flip, same, trace_for
 
 
 def _cut(src: Path, dst: Path, index_at: int | None, segment_at: int | None) -> Path:
@@ -130,3 +136,147 @@ def test_indexed_record_with_missing_bytes_is_reported_not_overwritten(tmp_path)
         assert same(r.get_many(["r0000000", "r0000002", "r0000004"]), [trace_for(0), trace_for(2), trace_for(4)])
 
 
+# -- damaged index entries: records the index does not name, between named ones -------------------
+def _five_records(d: Path, segment_bytes: int = dirmod.DEFAULT_SEGMENT_BYTES) -> list[tuple[int, int]]:
+    """r0..r4 in d; each record's index entry as (start, end) byte offsets in index.bin."""
+    with DirectoryStore(d, durable=False, segment_bytes=segment_bytes) as s:
+        s.put_many([trace_for(i) for i in range(5)])
+        n_segments = s._seg + 1
+    data, spans, pos = (d / dirmod.INDEX_NAME).read_bytes(), [], dirmod.HEADER.size
+    while pos < len(data):
+        key_len = dirmod.ENTRY.unpack_from(data, pos)[1]
+        spans.append((pos, pos + dirmod.ENTRY.size + key_len + dirmod.CRC.size))
+        pos = spans[-1][1]
+    assert len(spans) == 5 and n_segments == (1 if segment_bytes == dirmod.DEFAULT_SEGMENT_BYTES else 3)
+    return spans
+
+
+def _damage(path: Path, start: int, end: int, mask: int = 0xFF) -> None:
+    data = bytearray(path.read_bytes())
+    data[start:end] = bytes(b ^ mask for b in data[start:end])
+    path.write_bytes(bytes(data))
+
+
+def _writer_keeps_all_and_appends(d: Path, n: int = 5, **options) -> None:
+    """A writer sees all n records, appends one more; a fresh reader sees n + 1, finds no damage
+    and nothing left to recover (the index names every record)."""
+    with DirectoryStore(d, durable=False, **options) as w:
+        assert same(list(w), [trace_for(i) for i in range(n)])
+        w.put(trace_for(n))
+    with DirectoryStore(d, readonly=True) as r:
+        assert r.recovery == {} and r.scan() == ([f"r{i:07d}" for i in range(n + 1)], [])
+        assert same(list(r), [trace_for(i) for i in range(n + 1)])
+
+
+def test_one_damaged_index_entry_in_the_middle_loses_no_record(tmp_path):
+    d = tmp_path / "s"
+    spans = _five_records(d)
+    _damage(d / dirmod.INDEX_NAME, spans[2][0] + 10, spans[2][0] + 14)  # r2's segment field
+    with DirectoryStore(d, readonly=True) as r:
+        assert same(list(r), [trace_for(i) for i in range(5)]) and r.keys() == [f"r{i:07d}" for i in range(5)]
+        assert r.get("r0000002").equals(trace_for(2)) and r.recovery["records_recovered"] == ["r0000002"]
+    with DirectoryStore(d, durable=False) as w:
+        assert w.recovery["records_recovered"] == ["r0000002"] and w.recovery["index_rewritten"] == 5
+    _writer_keeps_all_and_appends(d)
+
+
+def test_reader_open_across_a_writer_repair_switches_to_the_new_index(tmp_path):
+    d = tmp_path / "s"
+    spans = _five_records(d)
+    _damage(d / dirmod.INDEX_NAME, *spans[1])
+    with DirectoryStore(d, readonly=True) as r:
+        assert len(r) == 5
+        with DirectoryStore(d, durable=False) as w:  # replaces index.bin, then appends to the new one
+            w.put(trace_for(5))
+        assert r.refresh() == 1 and r.recovery == {}
+        assert same(list(r), [trace_for(i) for i in range(6)]) and r.scan()[1] == []
+
+
+def test_writer_killed_while_replacing_the_index_leaves_the_old_one(tmp_path):
+    """The writer dies half-way through writing the new index: index.bin is untouched (the new
+    one was going to a temporary file), readers still see all 5, the next writer finishes."""
+    d = tmp_path / "s"
+    spans = _five_records(d)
+    _damage(d / dirmod.INDEX_NAME, *spans[3])
+    damaged = (d / dirmod.INDEX_NAME).read_bytes()
+    proc = _spawn_writer(d, 5, 1, 1, True, dirmod.DEFAULT_SEGMENT_BYTES, die_at="rewrite:1")
+    assert proc.wait(timeout=60) == -signal.SIGKILL, proc.stderr.read()
+    assert (d / dirmod.INDEX_NAME).read_bytes() == damaged and (d / (dirmod.INDEX_NAME + ".tmp")).exists()
+    with DirectoryStore(d, readonly=True) as r:
+        assert same(list(r), [trace_for(i) for i in range(5)])
+    with DirectoryStore(d, durable=False) as w:
+        assert w.recovery["files_removed"] == [dirmod.INDEX_NAME + ".tmp"] and w.recovery["index_rewritten"] == 5
+    _writer_keeps_all_and_appends(d)
+
+
+def test_damaged_frame_under_a_damaged_entry_is_reported_never_returned(tmp_path):
+    """r2's entry and its frame are both damaged: r2 is lost, and said so at its place, every
+    time the store opens; the writer keeps every other byte and appends past them."""
+    d = tmp_path / "s"
+    spans = _five_records(d)
+    seg = d / dirmod.segment_name(0)
+    with DirectoryStore(d, readonly=True) as r:
+        e = r._entries["r0000002"]
+    _damage(seg, e.offset + dirmod.FRAME.size + e.length // 2, e.offset + dirmod.FRAME.size + e.length // 2 + 3)
+    _damage(d / dirmod.INDEX_NAME, spans[2][1] - 2, spans[2][1])  # the entry's own crc32: the key survives
+    rest = [trace_for(i) for i in (0, 1, 3, 4)]
+
+    def check(r: DirectoryStore, index_damaged: bool) -> None:
+        assert same(list(r.iter(errors="skip", on_error=lambda err: None)), rest)
+        good, errors = r.scan()
+        assert good == [t.key for t in rest] and len(errors) == 1 + index_damaged
+        frame_err = errors[-1]
+        assert isinstance(frame_err, ChecksumError) and frame_err.where.file == str(seg)
+        assert f"offset {e.offset}" in frame_err.where.field and "lost" in str(frame_err)
+        seen = []
+        with pytest.raises(ChecksumError):  # errors="raise" stops at r2's place
+            for t in r:
+                seen.append(t.key)
+        assert seen == ["r0000000", "r0000001"]
+        with pytest.raises((ChecksumError, MissingKeyError)) as got:
+            r.get("r0000002")
+        if index_damaged:  # the damaged entry still names its key
+            assert isinstance(got.value, ChecksumError) and got.value.where == Where(
+                str(d / dirmod.INDEX_NAME), "r0000002", "index entry crc32")
+
+    with DirectoryStore(d, readonly=True) as r:
+        check(r, index_damaged=True)
+    with DirectoryStore(d, durable=False) as w:
+        assert "records_recovered" not in w.recovery and w.recovery["index_rewritten"] == 4
+        check(w, index_damaged=False)
+        w.put(trace_for(5))
+    with DirectoryStore(d, readonly=True) as r:
+        rest.append(trace_for(5))
+        check(r, index_damaged=False)
+
+
+def test_missing_segment_under_damaged_entries_is_named(tmp_path):
+    d = tmp_path / "s"
+    spans = _five_records(d, segment_bytes=3000)  # segments: r0 r1 | r2 r3 | r4
+    _damage(d / dirmod.INDEX_NAME, spans[2][0], spans[3][1])
+    (d / dirmod.segment_name(1)).unlink()
+    with DirectoryStore(d, readonly=True) as r:
+        assert same(list(r.iter(errors="skip", on_error=lambda err: None)), [trace_for(i) for i in (0, 1, 4)])
+        errors = r.scan()[1]
+        assert isinstance(errors[-1], TruncatedRecordError) and errors[-1].where.file == str(d / dirmod.segment_name(1))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_damaged_byte_range_of_the_index_keeps_every_record_reachable(data):
+    """Property: damage one byte range anywhere past the index header (one or several entries,
+    whole or in part, of a store spanning 3 segments). Readers see every record up to the last
+    entry left whole (later ones are a torn tail to them); a writer sees all, and after it the
+    index names every record again."""
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp) / "s"
+        spans = _five_records(d, segment_bytes=3000)
+        start = data.draw(st.integers(dirmod.HEADER.size, spans[-1][1] - 1), label="start")
+        end = data.draw(st.integers(start + 1, min(spans[-1][1], start + 100)), label="end")
+        _damage(d / dirmod.INDEX_NAME, start, end, data.draw(st.integers(1, 255), label="xor mask"))
+        whole = [i for i, (a, b) in enumerate(spans) if b <= start or a >= end]
+        visible = max(whole, default=-1) + 1
+        with DirectoryStore(d, readonly=True) as r:
+            assert r.keys() == [f"r{i:07d}" for i in range(visible)]
+            assert same(list(r), [trace_for(i) for i in range(visible)])
+        _writer_keeps_all_and_appends(d, segment_bytes=3000)

@@ -1,12 +1,19 @@
-"""Find the records a directory store's segments hold past what its index names.
+"""Find the records a directory store's segments hold that its index does not name.
 
-A writer opening a store scans the segment bytes after the last indexed record (and any later
-segment files) frame by frame. Each frame is framed and checksummed (directory.py), so an intact
-frame is a whole record whatever became of its index entry: the index may have lost entries (a
-crash between the segment sync and the index sync of a commit, a truncated or partly restored
-index.bin). The writer indexes those records again, in file order, and cuts only bytes that are not
-part of an intact frame. Those can only be a torn tail: damaged bytes followed by an intact frame
-are not a crash, and the writer refuses to open rather than delete the frame (`UnindexedDamageError`).
+Each frame is framed and checksummed (directory.py), so an intact frame is a whole record whatever
+became of its index entry. Two places hold such frames:
+
+- Holes: bytes between named frames (or a whole segment before the last named one) that no entry
+  names, because an entry was damaged. `find_holes` finds them from the entries alone (no segment
+  bytes read); `scan_hole` reads a hole frame by frame: intact frames come back as `Found`, damaged
+  bytes as typed errors (never as records). Readers and writers both do this.
+- The tail: segment bytes after the last named frame (and any later segment files). A crash
+  between the segment sync and the index sync of a commit, or a truncated or partly restored
+  index.bin, leaves intact frames there. A writer opening the store scans them (`plan_salvage`),
+  indexes them again, in file order, and cuts only bytes that are not part of an intact frame.
+  Those can only be a torn tail: damaged bytes followed by an intact frame are not a crash, and the
+  writer refuses to open rather than delete the frame (`UnindexedDamageError`). Readers leave the
+  tail alone: a live writer may be committing there.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from ..codec.record import decode_trace
-from ..errors import DuplicateKeyError, TraceError, TraceFormatError, Where
+from ..errors import ChecksumError, DuplicateKeyError, TraceError, TraceFormatError, Where
 from .fileio import _read_at
 
 SCAN_CHUNK = 4 << 20
@@ -169,3 +176,90 @@ def _has_intact_frame(path: Path, lay: _Layout) -> bool:
         return _intact_frame_after(fd, size, lay.header_size, lay) is not None
     finally:
         os.close(fd)
+
+
+# -- holes: unnamed bytes between named frames -----------------------------------------------------
+class Hole(NamedTuple):
+    """Bytes [start, end) of segment `segment` that lie before a named frame but no entry names."""
+
+    segment: int
+    start: int
+    end: int
+
+
+class Coverage(NamedTuple):
+    """What `find_holes` found between the named frames it was given."""
+
+    holes: list[Hole]
+    missing: list[int]
+    """Segment files absent although a later segment holds named frames (and no entry names them)."""
+    end: tuple[int, int]
+    """(segment, offset) just past the last named frame: where the next check starts."""
+
+
+def find_holes(
+    named: list[tuple[int, int, int]], start: tuple[int, int], size_of: Callable[[int], int | None], header_size: int,
+) -> Coverage:
+    """Holes among `named` = (segment, offset, end) of named frames, sorted by position, checked
+    from `start` (the end of coverage checked before). Reads no segment bytes: `size_of(n)` is the
+    size of segment n's file (None: absent), asked only of segments left behind. Bytes after the
+    last named frame are the tail (`plan_salvage`), not a hole."""
+    holes: list[Hole] = []
+    missing: list[int] = []
+    seg, cur = start
+    for n, off, end in named:
+        if (n, end) <= (seg, cur):
+            continue  # overlaps what is covered already (a second entry for one frame)
+        while n > seg:
+            size = size_of(seg)
+            if size is None:
+                if cur == header_size:  # a segment with named frames reports them when they are read
+                    missing.append(seg)
+            elif size > cur:
+                holes.append(Hole(seg, cur, size))
+            seg, cur = seg + 1, header_size
+        if off > cur:
+            holes.append(Hole(seg, cur, off))
+        cur = max(cur, end)
+    return Coverage(holes, missing, (seg, cur))
+
+
+def scan_hole(fd: int, path: Path, hole: Hole, lay: _Layout) -> tuple[list[Found], list[tuple[int, TraceError]]]:
+    """Read a hole frame by frame: (intact frames, in file order; (offset, error) per stretch of
+    damaged bytes). A frame must end inside the hole, so named bytes are never read as part of one."""
+    found: list[Found] = []
+    damage: list[tuple[int, TraceError]] = []
+    off = hole.start
+    while off < hole.end:
+        got = _frame_at(fd, hole.end, off, lay)
+        if got is None:
+            later = _intact_frame_after(fd, hole.end, off + 1, lay)
+            stop = hole.end if later is None else later
+            damage.append((off, _damage_error(fd, path, off, stop, lay)))
+            off = stop
+            continue
+        length, crc, payload = got
+        where = Where(file=str(path), field=f"frame at offset {off}")
+        try:
+            found.append(Found(decode_trace(payload, where).key, hole.segment, off, length, crc))
+        except TraceError as err:  # checksummed but not a record this reader can decode
+            damage.append((off, err))
+        off += lay.frame.size + length
+    return found, damage
+
+
+def _damage_error(fd: int, path: Path, start: int, stop: int, lay: _Layout) -> TraceError:
+    """The typed error for damaged bytes [start, stop) that no index entry names."""
+    detail = (f"bytes {start}..{stop} lie between indexed records and no index entry names them: "
+              "skipped, the record they held is lost")
+    where = Where(file=str(path))
+    head = _read_at(fd, lay.frame.size, start)
+    if len(head) == lay.frame.size:
+        magic, length, crc = lay.frame.unpack(head)
+        if magic == lay.frame_magic and length <= stop - start - lay.frame.size:
+            actual = lay.frame_crc(_read_at(fd, length, start + lay.frame.size))
+            return ChecksumError(where.with_(field=f"frame.crc32 at offset {start}"), f"{crc:#010x}", f"{actual:#010x}", detail)
+    return TraceFormatError(
+        where.with_(field=f"frame at offset {start}"), "an intact frame (magic, length, crc32)",
+        f"{stop - start} damaged bytes", detail,
+    )
