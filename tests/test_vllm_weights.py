@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -149,17 +146,6 @@ def test_update_weights_refuses_a_missing_directory(tmp_path):
         update_weights(object(), tmp_path / "nope")
 
 
-def _onednn_has_bf16() -> bool:
-    """Whether oneDNN builds a bf16 matmul on this CPU (then vLLM-CPU packs bf16 linear weights away)."""
-    import vllm._custom_ops as ops
-
-    try:
-        ops.create_onednn_mm(torch.zeros(64, 32, dtype=torch.bfloat16), 1)
-    except RuntimeError:
-        return False
-    return True
-
-
 def _linear_weights_packed_away(llm) -> bool:
     """Whether vLLM-CPU's GEMM dispatch replaced this engine's linear weights by a packed copy
     (an empty parameter without a weight loader is left): bf16 on AVX-512 BF16 / AMX CPUs."""
@@ -213,20 +199,6 @@ def test_per_tensor_sync_equals_a_fresh_engine(compiled, tiny_model, vllm_llm, t
     want = prompt_logprobs(vllm_llm(tmp_path / "step1", **engine_args))
     assert np.max(np.abs(before - want)) > 1e-2, "the training step was expected to move the logprobs"
     assert np.max(np.abs(after - want)) == 0.0
-
-
-@pytest.mark.skipif(not _onednn_has_bf16(), reason="oneDNN has no bf16 here: the run above already took the kept-weight path")
-def test_per_tensor_sync_on_cpus_whose_onednn_has_no_bf16():
-    """The other ISA path: without bf16 in oneDNN (CPUs without AVX-512 BF16 or AMX), vLLM-CPU keeps
-    bf16 linear weights and runs torch's linear on them. Capping oneDNN at AVX2
-    (ONEDNN_MAX_CPU_ISA, read once per process) makes this CPU take that path: the same sync is
-    exact there too."""
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "MOE_REPLAY_EXPECT_PACKED": "0"}
-    test = f"{__file__}::test_per_tensor_sync_equals_a_fresh_engine[eager]"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", test], env=env,
-                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "1 passed" in proc.stdout
 
 
 def test_per_tensor_sync_refuses_a_layer_that_got_nothing(tiny_model, vllm_llm, tmp_path):
