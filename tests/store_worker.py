@@ -20,16 +20,17 @@ import sys
 
 from moe_replay.store import DirectoryStore, StoreLockedError
 from moe_replay.store import directory as dirmod
+from moe_replay.store import framing
 from tests.trace_factory import trace_for
 
 
 def write_kind(data: bytes) -> str:
     head = bytes(data[:8])
-    if len(data) == dirmod.HEADER.size and head in (dirmod.INDEX_MAGIC, dirmod.SEGMENT_MAGIC):
+    if len(data) == framing.HEADER.size and head in (framing.INDEX_MAGIC, framing.SEGMENT_MAGIC):
         return "header"
-    if head == dirmod.INDEX_MAGIC:
+    if head == framing.INDEX_MAGIC:
         return "rewrite"
-    return {dirmod.FRAME_MAGIC: "frames", dirmod.ENTRY_MAGIC: "index"}.get(head[:4], "other")
+    return {framing.FRAME_MAGIC: "frames", framing.ENTRY_MAGIC: "index"}.get(head[:4], "other")
 
 
 def die_at(kind: str, n: int) -> None:

@@ -37,6 +37,7 @@ from moe_replay.store import (
     open_store,
 )
 from moe_replay.store import directory as dirmod
+from moe_replay.store import framing
 from tests.trace_factory import random_trace
 from tests.trace_factory import trace_for as _trace_for
 
@@ -97,7 +98,7 @@ def corrupt_record(store: TraceStore, key: str) -> str:
         return store.name
     e = store._entries[key]
     path = store.segment_path(e.segment)
-    flip(path, e.offset + dirmod.FRAME.size + e.length // 2)
+    flip(path, e.offset + framing.FRAME.size + e.length // 2)
     return str(path)
 
 
@@ -349,17 +350,17 @@ def test_unknown_format_versions_are_refused(tmp_path):
     d = tmp_path / "s"
     with DirectoryStore(d) as w:
         w.put(trace_for(0))
-    seg = d / dirmod.segment_name(0)
+    seg = d / framing.segment_name(0)
     original = seg.read_bytes()
-    seg.write_bytes(dirmod.pack_header(dirmod.SEGMENT_MAGIC, 99) + original[dirmod.HEADER.size :])
+    seg.write_bytes(framing.pack_header(framing.SEGMENT_MAGIC, 99) + original[framing.HEADER.size :])
     with DirectoryStore(d, readonly=True) as r:
         with pytest.raises(SchemaVersionError) as e:
             r.get("r0000000")
         assert e.value.where.file == str(seg) and e.value.where.record == "r0000000" and "99" in str(e.value)
     seg.write_bytes(original)
-    index = d / dirmod.INDEX_NAME
+    index = d / framing.INDEX_NAME
     data = index.read_bytes()
-    index.write_bytes(dirmod.pack_header(dirmod.INDEX_MAGIC, 2) + data[dirmod.HEADER.size :])
+    index.write_bytes(framing.pack_header(framing.INDEX_MAGIC, 2) + data[framing.HEADER.size :])
     for readonly in (True, False):
         with pytest.raises(SchemaVersionError) as e:
             DirectoryStore(d, readonly=readonly)
@@ -450,23 +451,23 @@ def _four_records(tmp_path: Path) -> tuple[Path, list[tuple[int, int]]]:
     with DirectoryStore(d, durable=False) as s:
         for i in range(4):
             s.put(trace_for(i))
-            sizes.append(((d / dirmod.INDEX_NAME).stat().st_size, (d / dirmod.segment_name(0)).stat().st_size))
+            sizes.append(((d / framing.INDEX_NAME).stat().st_size, (d / framing.segment_name(0)).stat().st_size))
     return d, sizes
 
 
 # -- damage inside the files ----------------------------------------------------------------------
 def test_any_flipped_byte_in_a_record_is_named_and_isolated(tmp_path):
     src, sizes = _four_records(tmp_path)
-    seg = src / dirmod.segment_name(0)
+    seg = src / framing.segment_name(0)
     original = seg.read_bytes()
     start, end = sizes[0][1], sizes[1][1]  # r1's frame
-    for pos in sorted(set(range(start, start + dirmod.FRAME.size + 8)) | set(range(start, end, 5)) | {end - 1}):
+    for pos in sorted(set(range(start, start + framing.FRAME.size + 8)) | set(range(start, end, 5)) | {end - 1}):
         flip(seg, pos)
         with DirectoryStore(src, readonly=True) as r:
             with pytest.raises(TraceFormatError) as e:
                 r.get("r0000001")
             assert e.value.where.file == str(seg) and e.value.where.record == "r0000001" and e.value.where.field, pos
-            if pos >= start + dirmod.FRAME.size:
+            if pos >= start + framing.FRAME.size:
                 assert isinstance(e.value, ChecksumError)
             assert same(r.get_many(["r0000000", "r0000002", "r0000003"]), [trace_for(0), trace_for(2), trace_for(3)])
             good, errors = r.scan()
@@ -478,7 +479,7 @@ def test_damaged_index_entry_in_the_middle_is_named_and_loses_no_record(tmp_path
     """Every byte of r1's entry, flipped: the entry is reported (scan, recovery), r1 is read
     again from its intact frame, in its place; a writer rewrites the index as it was."""
     src, sizes = _four_records(tmp_path)
-    index = src / dirmod.INDEX_NAME
+    index = src / framing.INDEX_NAME
     original = index.read_bytes()
     start, end = sizes[0][0], sizes[1][0]  # r1's entry
     keys = [f"r{i:07d}" for i in range(4)]

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from moe_replay.errors import ChecksumError, MissingKeyError, TruncatedRecordError, Where
 from moe_replay.store import DirectoryStore, UnindexedDamageError
 from moe_replay.store import directory as dirmod
+from moe_replay.store import framing
 
 from .test_store import _four_records, _spawn_writer, flip, same, trace_for
 
@@ -31,7 +32,7 @@ def _cut(src: Path, dst: Path, index_at: int | None, segment_at: int | None) -> 
     if dst.exists():
         shutil.rmtree(dst)
     shutil.copytree(src, dst)
-    for name, at in ((dirmod.INDEX_NAME, index_at), (dirmod.segment_name(0), segment_at)):
+    for name, at in ((framing.INDEX_NAME, index_at), (framing.segment_name(0), segment_at)):
         if at is not None:
             os.truncate(dst / name, at)
     return dst
@@ -48,9 +49,9 @@ def _visible_then_repaired(work: Path, n_visible: int, sizes: list[tuple[int, in
             r.get(f"r{n_visible:07d}")
     with DirectoryStore(work, durable=False) as w:  # the writer recovers intact frames, cuts torn bytes ...
         assert w.recovery.get("records_recovered", []) == [f"r{i:07d}" for i in range(n_visible, n_intact)]
-        index_end, segment_end = sizes[n_intact - 1] if n_intact else (dirmod.HEADER.size,) * 2
-        assert (work / dirmod.INDEX_NAME).stat().st_size == index_end
-        assert (work / dirmod.segment_name(0)).stat().st_size == segment_end
+        index_end, segment_end = sizes[n_intact - 1] if n_intact else (framing.HEADER.size,) * 2
+        assert (work / framing.INDEX_NAME).stat().st_size == index_end
+        assert (work / framing.segment_name(0)).stat().st_size == segment_end
         w.put(trace_for(n_intact))  # ... and appends normally, even the key that was torn
     with DirectoryStore(work, readonly=True) as r:
         assert same(list(r), [trace_for(i) for i in range(n_intact + 1)]) and r.scan()[1] == []
@@ -60,19 +61,19 @@ def test_truncated_index_is_recovered_from_intact_frames(tmp_path):
     """An index cut at any byte (its header excepted) loses entries, never records: the frames
     are intact, so the writer indexes them again, in order."""
     src, sizes = _four_records(tmp_path)
-    for cut in range(dirmod.HEADER.size, sizes[3][0]):  # every byte of every entry
+    for cut in range(framing.HEADER.size, sizes[3][0]):  # every byte of every entry
         n_visible = sum(index_end <= cut for index_end, _ in sizes)
         _visible_then_repaired(_cut(src, tmp_path / "work", cut, None), n_visible, sizes, n_intact=4)
 
 
 def test_index_cut_inside_its_header_is_refused_and_nothing_is_deleted(tmp_path):
     src, sizes = _four_records(tmp_path)
-    for cut in range(dirmod.HEADER.size):
+    for cut in range(framing.HEADER.size):
         work = _cut(src, tmp_path / "work", cut, None)
         with pytest.raises(TruncatedRecordError) as e:
             DirectoryStore(work)
-        assert e.value.where.file == str(work / dirmod.INDEX_NAME)
-        assert (work / dirmod.segment_name(0)).stat().st_size == sizes[3][1]
+        assert e.value.where.file == str(work / framing.INDEX_NAME)
+        assert (work / framing.segment_name(0)).stat().st_size == sizes[3][1]
 
 
 def test_torn_segment_tail_is_invisible_then_truncated(tmp_path):
@@ -84,7 +85,7 @@ def test_torn_segment_tail_is_invisible_then_truncated(tmp_path):
         index_cut = int(rng.integers(sizes[1][0], sizes[2][0]))  # crash-consistent: r2's entry torn too
         n_intact = sum(segment_end <= cut for _, segment_end in sizes)  # r2 (and r3) whole: recovered
         _visible_then_repaired(_cut(src, tmp_path / "work", index_cut, cut), 2, sizes, n_intact)
-    _visible_then_repaired(_cut(src, tmp_path / "work", dirmod.HEADER.size + 3, dirmod.HEADER.size + 5), 0, sizes)
+    _visible_then_repaired(_cut(src, tmp_path / "work", framing.HEADER.size + 3, framing.HEADER.size + 5), 0, sizes)
 
 
 def test_damage_before_an_intact_unindexed_record_refuses_the_writer(tmp_path):
@@ -92,13 +93,13 @@ def test_damage_before_an_intact_unindexed_record_refuses_the_writer(tmp_path):
     would delete r3, so the writer refuses; readers still see r0, r1; no byte is removed."""
     src, sizes = _four_records(tmp_path)
     work = _cut(src, tmp_path / "work", sizes[1][0], None)
-    flip(work / dirmod.segment_name(0), sizes[1][1] + 30)
-    before = (work / dirmod.segment_name(0)).read_bytes()
+    flip(work / framing.segment_name(0), sizes[1][1] + 30)
+    before = (work / framing.segment_name(0)).read_bytes()
     with pytest.raises(UnindexedDamageError, match=r"offset %d.*intact frame.*readonly=True" % sizes[1][1]) as e:
         DirectoryStore(work)
-    assert e.value.where.file == str(work / dirmod.segment_name(0))
-    assert (work / dirmod.segment_name(0)).read_bytes() == before
-    assert (work / dirmod.INDEX_NAME).stat().st_size == sizes[1][0]
+    assert e.value.where.file == str(work / framing.segment_name(0))
+    assert (work / framing.segment_name(0)).read_bytes() == before
+    assert (work / framing.INDEX_NAME).stat().st_size == sizes[1][0]
     with DirectoryStore(work, readonly=True) as r:
         assert same(list(r), [trace_for(0), trace_for(1)])
 
@@ -110,7 +111,7 @@ def test_unindexed_frames_in_later_segments_are_recovered(tmp_path):
         s.put_many([trace_for(i) for i in range(12)])
         n_segments = s._seg + 1
     assert n_segments >= 3
-    os.truncate(d / dirmod.INDEX_NAME, dirmod.HEADER.size)
+    os.truncate(d / framing.INDEX_NAME, framing.HEADER.size)
     with DirectoryStore(d, durable=False, segment_bytes=4096) as w:
         assert len(w.recovery["records_recovered"]) == 12 and "files_removed" not in w.recovery
         w.put(trace_for(12))
@@ -125,7 +126,7 @@ def test_indexed_record_with_missing_bytes_is_reported_not_overwritten(tmp_path)
     with DirectoryStore(work, readonly=True) as r:
         with pytest.raises(TruncatedRecordError) as e:
             r.get("r0000003")
-        assert e.value.where.file == str(work / dirmod.segment_name(0)) and e.value.where.record == "r0000003"
+        assert e.value.where.file == str(work / framing.segment_name(0)) and e.value.where.record == "r0000003"
         good, errors = r.scan()
         assert good == ["r0000000", "r0000001", "r0000002"] and [x.where.record for x in errors] == ["r0000003"]
     with DirectoryStore(work) as w:
@@ -142,10 +143,10 @@ def _five_records(d: Path, segment_bytes: int = dirmod.DEFAULT_SEGMENT_BYTES) ->
     with DirectoryStore(d, durable=False, segment_bytes=segment_bytes) as s:
         s.put_many([trace_for(i) for i in range(5)])
         n_segments = s._seg + 1
-    data, spans, pos = (d / dirmod.INDEX_NAME).read_bytes(), [], dirmod.HEADER.size
+    data, spans, pos = (d / framing.INDEX_NAME).read_bytes(), [], framing.HEADER.size
     while pos < len(data):
-        key_len = dirmod.ENTRY.unpack_from(data, pos)[1]
-        spans.append((pos, pos + dirmod.ENTRY.size + key_len + dirmod.CRC.size))
+        key_len = framing.ENTRY.unpack_from(data, pos)[1]
+        spans.append((pos, pos + framing.ENTRY.size + key_len + framing.CRC.size))
         pos = spans[-1][1]
     assert len(spans) == 5 and n_segments == (1 if segment_bytes == dirmod.DEFAULT_SEGMENT_BYTES else 3)
     return spans
@@ -171,7 +172,7 @@ def _writer_keeps_all_and_appends(d: Path, n: int = 5, **options) -> None:
 def test_one_damaged_index_entry_in_the_middle_loses_no_record(tmp_path):
     d = tmp_path / "s"
     spans = _five_records(d)
-    _damage(d / dirmod.INDEX_NAME, spans[2][0] + 10, spans[2][0] + 14)  # r2's segment field
+    _damage(d / framing.INDEX_NAME, spans[2][0] + 10, spans[2][0] + 14)  # r2's segment field
     with DirectoryStore(d, readonly=True) as r:
         assert same(list(r), [trace_for(i) for i in range(5)]) and r.keys() == [f"r{i:07d}" for i in range(5)]
         assert r.get("r0000002").equals(trace_for(2)) and r.recovery["records_recovered"] == ["r0000002"]
@@ -183,7 +184,7 @@ def test_one_damaged_index_entry_in_the_middle_loses_no_record(tmp_path):
 def test_reader_open_across_a_writer_repair_switches_to_the_new_index(tmp_path):
     d = tmp_path / "s"
     spans = _five_records(d)
-    _damage(d / dirmod.INDEX_NAME, *spans[1])
+    _damage(d / framing.INDEX_NAME, *spans[1])
     with DirectoryStore(d, readonly=True) as r:
         assert len(r) == 5
         with DirectoryStore(d, durable=False) as w:  # replaces index.bin, then appends to the new one
@@ -197,15 +198,15 @@ def test_writer_killed_while_replacing_the_index_leaves_the_old_one(tmp_path):
     one was going to a temporary file), readers still see all 5, the next writer finishes."""
     d = tmp_path / "s"
     spans = _five_records(d)
-    _damage(d / dirmod.INDEX_NAME, *spans[3])
-    damaged = (d / dirmod.INDEX_NAME).read_bytes()
+    _damage(d / framing.INDEX_NAME, *spans[3])
+    damaged = (d / framing.INDEX_NAME).read_bytes()
     proc = _spawn_writer(d, 5, 1, 1, True, dirmod.DEFAULT_SEGMENT_BYTES, die_at="rewrite:1")
     assert proc.wait(timeout=60) == -signal.SIGKILL, proc.stderr.read()
-    assert (d / dirmod.INDEX_NAME).read_bytes() == damaged and (d / (dirmod.INDEX_NAME + ".tmp")).exists()
+    assert (d / framing.INDEX_NAME).read_bytes() == damaged and (d / (framing.INDEX_NAME + ".tmp")).exists()
     with DirectoryStore(d, readonly=True) as r:
         assert same(list(r), [trace_for(i) for i in range(5)])
     with DirectoryStore(d, durable=False) as w:
-        assert w.recovery["files_removed"] == [dirmod.INDEX_NAME + ".tmp"] and w.recovery["index_rewritten"] == 5
+        assert w.recovery["files_removed"] == [framing.INDEX_NAME + ".tmp"] and w.recovery["index_rewritten"] == 5
     _writer_keeps_all_and_appends(d)
 
 
@@ -214,11 +215,11 @@ def test_damaged_frame_under_a_damaged_entry_is_reported_never_returned(tmp_path
     time the store opens; the writer keeps every other byte and appends past them."""
     d = tmp_path / "s"
     spans = _five_records(d)
-    seg = d / dirmod.segment_name(0)
+    seg = d / framing.segment_name(0)
     with DirectoryStore(d, readonly=True) as r:
         e = r._entries["r0000002"]
-    _damage(seg, e.offset + dirmod.FRAME.size + e.length // 2, e.offset + dirmod.FRAME.size + e.length // 2 + 3)
-    _damage(d / dirmod.INDEX_NAME, spans[2][1] - 2, spans[2][1])  # the entry's own crc32: the key survives
+    _damage(seg, e.offset + framing.FRAME.size + e.length // 2, e.offset + framing.FRAME.size + e.length // 2 + 3)
+    _damage(d / framing.INDEX_NAME, spans[2][1] - 2, spans[2][1])  # the entry's own crc32: the key survives
     rest = [trace_for(i) for i in (0, 1, 3, 4)]
 
     def check(r: DirectoryStore, index_damaged: bool) -> None:
@@ -237,7 +238,7 @@ def test_damaged_frame_under_a_damaged_entry_is_reported_never_returned(tmp_path
             r.get("r0000002")
         if index_damaged:  # the damaged entry still names its key
             assert isinstance(got.value, ChecksumError) and got.value.where == Where(
-                str(d / dirmod.INDEX_NAME), "r0000002", "index entry crc32")
+                str(d / framing.INDEX_NAME), "r0000002", "index entry crc32")
 
     with DirectoryStore(d, readonly=True) as r:
         check(r, index_damaged=True)
@@ -253,12 +254,12 @@ def test_damaged_frame_under_a_damaged_entry_is_reported_never_returned(tmp_path
 def test_missing_segment_under_damaged_entries_is_named(tmp_path):
     d = tmp_path / "s"
     spans = _five_records(d, segment_bytes=3000)  # segments: r0 r1 | r2 r3 | r4
-    _damage(d / dirmod.INDEX_NAME, spans[2][0], spans[3][1])
-    (d / dirmod.segment_name(1)).unlink()
+    _damage(d / framing.INDEX_NAME, spans[2][0], spans[3][1])
+    (d / framing.segment_name(1)).unlink()
     with DirectoryStore(d, readonly=True) as r:
         assert same(list(r.iter(errors="skip", on_error=lambda err: None)), [trace_for(i) for i in (0, 1, 4)])
         errors = r.scan()[1]
-        assert isinstance(errors[-1], TruncatedRecordError) and errors[-1].where.file == str(d / dirmod.segment_name(1))
+        assert isinstance(errors[-1], TruncatedRecordError) and errors[-1].where.file == str(d / framing.segment_name(1))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -271,9 +272,9 @@ def test_any_damaged_byte_range_of_the_index_keeps_every_record_reachable(data):
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp) / "s"
         spans = _five_records(d, segment_bytes=3000)
-        start = data.draw(st.integers(dirmod.HEADER.size, spans[-1][1] - 1), label="start")
+        start = data.draw(st.integers(framing.HEADER.size, spans[-1][1] - 1), label="start")
         end = data.draw(st.integers(start + 1, min(spans[-1][1], start + 100)), label="end")
-        _damage(d / dirmod.INDEX_NAME, start, end, data.draw(st.integers(1, 255), label="xor mask"))
+        _damage(d / framing.INDEX_NAME, start, end, data.draw(st.integers(1, 255), label="xor mask"))
         whole = [i for i, (a, b) in enumerate(spans) if b <= start or a >= end]
         visible = max(whole, default=-1) + 1
         with DirectoryStore(d, readonly=True) as r:
