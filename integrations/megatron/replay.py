@@ -5,7 +5,10 @@
 used). On entry, before any forward, it checks every `TopKRouter` against the plan's geometry
 (MoE layer ids = `layer_number - 1`, experts, top-k, layer count) and that its routing goes through
 RouterReplay; then, router by router in global-layer order, it queues each micro-batch's ids
-(converted to Megatron's sequence-first order, see `layout`) with `set_target_indices`.
+(converted to Megatron's sequence-first order, see `layout`) with `set_target_indices`. Under
+sequence parallelism each TP rank's router sees its slice of the sequence, so each rank queues
+the same slice of the ids (`routers.sequence_share`); the plan's padded length must divide by the
+TP size (PlanConfig.pad_to_multiple_of).
 
 A forward pre-hook on each router picks the action per call:
   * a forward outside backward -> REPLAY_FORWARD with that micro-batch's ids;
@@ -36,7 +39,7 @@ from moe_replay.replay.ledger import RouteLedger, in_backward
 from moe_replay.replay.plan import RoutePlan
 
 from .layout import sequence_first_ids
-from .routers import ModelOrRouters, RouterSite, check_geometry, check_replayable, find_routers
+from .routers import ModelOrRouters, RouterSite, check_geometry, check_replayable, find_routers, sequence_share
 
 _ACTIVE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 """Routers currently under a replay session (sessions do not nest)."""
@@ -82,11 +85,18 @@ class ReplaySession:
             for ledger in self.ledgers:
                 ledger.forward_takes = {lid: 0 for lid in self.sites}
                 ledger.recompute_takes = {lid: 0 for lid in self.sites}
+        self.shares = {lid: sequence_share(site) for lid, site in self.sites.items()}
+        for (ranks, _), plan in ((s, p) for s in set(self.shares.values()) for p in self.plans):
+            if plan.seq_len % ranks:
+                raise RouteConsumptionError(
+                    f"sequence parallelism splits each sequence over {ranks} TP ranks, but the plan for requests "
+                    f"{list(plan.keys[:4])} is {plan.seq_len} positions long; expected a multiple of {ranks} "
+                    f"(PlanConfig(pad_to_multiple_of={ranks}))")
         self.ids_MK: list[dict[int, torch.Tensor]] = [
             {
-                lid: sequence_first_ids(
+                lid: _rank_slice(sequence_first_ids(
                     plan.layer_ids(lid), plan.routed_N, plan.batch_size, plan.seq_len, geometry.num_experts
-                ).to(site.module.weight.device)
+                ), plan, *self.shares[lid]).to(site.module.weight.device)
                 for lid, site in self.sites.items()
             }
             for plan in self.plans
@@ -118,12 +128,14 @@ class ReplaySession:
                     "(plus its recompute): pass one plan per micro-batch, in schedule order"
                 )
             plan = self.plans[m]
-            if hidden is None or tuple(hidden.shape[:2]) != (plan.seq_len, plan.batch_size):
+            ranks = self.shares[lid][0]
+            if hidden is None or tuple(hidden.shape[:2]) != (plan.seq_len // ranks, plan.batch_size):
                 found = None if hidden is None else list(hidden.shape)
+                split = f" / {ranks} sequence-parallel ranks" if ranks > 1 else ""
                 raise RouteConsumptionError(
                     f"layer {lid}: router {site.name!r} got hidden states {found} in micro-batch {m}; the plan for "
-                    f"requests {list(plan.keys[:4])} expects [S, B, H] = [{plan.seq_len}, {plan.batch_size}, H] "
-                    "(Megatron is sequence-first; feed plan.input_ids_BS, without sequence packing)"
+                    f"requests {list(plan.keys[:4])} expects [S{split}, B, H] = [{plan.seq_len // ranks}, "
+                    f"{plan.batch_size}, H] (Megatron is sequence-first; feed plan.input_ids_BS, without sequence packing)"
                 )
             self.ledgers[m].take(lid, plan.num_positions)
             ids_MK, rr = self.ids_MK[m][lid], module.router_replay
@@ -183,6 +195,14 @@ class ReplaySession:
         if exc_type is None:
             for ledger in self.ledgers:
                 ledger.finish(expect_recompute=bool(self.expect_recompute))
+
+
+def _rank_slice(ids_MK: torch.Tensor, plan: RoutePlan, ranks: int, rank: int) -> torch.Tensor:
+    """The rows of sequence-first ids [S * B, K] whose positions this sequence-parallel rank holds."""
+    if ranks == 1:
+        return ids_MK
+    rows = plan.seq_len // ranks * plan.batch_size
+    return ids_MK[rank * rows:(rank + 1) * rows]
 
 
 def replay(

@@ -120,10 +120,19 @@ def check_replayable(site: RouterSite) -> None:
         refuse("moe_router_load_balancing_type", "sinkhorn", "picks experts without RouterReplay")
     if cfg.moe_expert_capacity_factor is not None:
         refuse("moe_expert_capacity_factor", cfg.moe_expert_capacity_factor, "may drop replayed tokens the engine kept; set it None")
-    if cfg.sequence_parallel and m.tp_group.size() > 1:
-        refuse("sequence_parallel", True, f"splits each micro-batch over {m.tp_group.size()} TP ranks; not supported yet")
     if m.cp_group.size() > 1:
         refuse("context_parallel_size", m.cp_group.size(), "splits each sequence over ranks; not supported yet")
+
+
+def sequence_share(site: RouterSite) -> tuple[int, int]:
+    """(ranks, this rank) that split each micro-batch's sequence before this router: Megatron's
+    sequence parallelism hands TP rank r the positions [r * S / ranks, (r + 1) * S / ranks) of the
+    sequence-first [S, B, H] hidden states (scatter_to_sequence_parallel_region: dim 0); (1, 0)
+    when the router sees the whole sequence."""
+    m = site.module
+    if m.config.sequence_parallel and m.tp_group.size() > 1:
+        return m.tp_group.size(), m.tp_group.rank()
+    return 1, 0
 
 
 def model_geometry(model_or_routers: ModelOrRouters, *, vocab_size: int | None = None, family: str = "megatron") -> ModelGeometry:

@@ -1,0 +1,113 @@
+"""Megatron-core replay under tensor + sequence parallelism (TP=2, gloo, CPU processes): each TP
+rank's routers see their slice of every sequence ([S / 2, B, H]), replay hands each rank the same
+slice of the plan's routes, and every rank's routing and gate weights equal a one-process replay
+of the whole sequence, sliced.
+
+Real `TopKRouter`s in a real TP group (Megatron's parallel_state on gloo). A whole GPTModel does not
+build with sequence parallelism on CPU: Megatron-core 0.16's non-TE norm asserts
+`not config.sequence_parallel`, and Transformer Engine needs a GPU. The workers apply the CPU shims
+tests/test_megatron_replay.py's fixture sets, in their own processes.
+Legend: B batch rows, S padded length, M positions, K top-k, E experts, H hidden.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.slow
+
+H, LAYERS = 16, (1, 3)
+
+
+def _shims() -> None:
+    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    torch.cuda.current_device = lambda: "cpu"
+    moe_utils.te_general_gemm = None
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+
+
+def _routers(tp: int) -> list[torch.nn.Module]:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=4, hidden_size=H, num_attention_heads=2, ffn_hidden_size=32, num_moe_experts=8,
+                            moe_router_topk=2, moe_enable_routing_replay=True, use_cpu_initialization=True,
+                            moe_router_dtype="fp32", add_bias_linear=False, moe_token_dispatcher_type="allgather",
+                            moe_router_score_function="softmax", moe_router_pre_softmax=True,
+                            tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+    torch.manual_seed(0)
+    routers = []
+    for lid in LAYERS:
+        r = TopKRouter(cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        r.set_layer_number(lid + 1)
+        with torch.no_grad():
+            r.weight.normal_(0, 0.5)  # the same weights on every rank and in the reference
+        routers.append(r)
+    return routers
+
+
+def _worker(rank: int, world: int, init: str, plan, x_SBH: torch.Tensor, out: dict, odd=None) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from moe_replay.integrations.megatron import replay
+
+    _shims()
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(world, 1)
+    try:
+        routers = _routers(world)
+        rows = x_SBH.shape[0] // world
+        mine_SBH = x_SBH[rank * rows:(rank + 1) * rows]  # what sequence parallelism hands this rank
+        with torch.no_grad(), replay(routers, plan) as session:
+            results = [r(mine_SBH) for r in routers]
+        out[rank] = {lid: (probs.clone(), routing_map.clone(), session.ids_MK[0][lid].clone())
+                     for lid, (probs, routing_map) in zip(LAYERS, results)}
+        if odd is not None:  # a length the TP size does not divide: refused before any forward
+            try:
+                replay(routers, odd)
+            except Exception as e:
+                out[f"odd{rank}"] = f"{type(e).__name__}: {e}"
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_sequence_parallel_replay_equals_one_process_sliced(tmp_path):
+    import torch.multiprocessing as mp
+
+    from moe_replay.geometry import ModelGeometry
+    from moe_replay.replay import PlanConfig, build_plan
+
+    from .trace_factory import random_trace
+
+    geometry = ModelGeometry(num_layers=4, moe_layer_ids=LAYERS, num_experts=8, top_k=2, vocab_size=512, family="megatron")
+    rng = np.random.default_rng(0)
+    traces = [random_trace(f"q{i}", rng, geometry=geometry, num_tokens=n, prompt_len=2) for i, n in enumerate((11, 6, 9))]
+    plan = build_plan(traces, geometry, config=PlanConfig(pad_to_multiple_of=2))
+    S, B = plan.seq_len, plan.batch_size
+    x_SBH = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1))
+    ref, out = mp.Manager().dict(), mp.Manager().dict()
+    mp.spawn(_worker, args=(1, f"file://{tmp_path}/init1", plan, x_SBH, ref), nprocs=1, join=True)
+    odd = build_plan(traces[:2], geometry)  # 11 positions
+    assert odd.seq_len % 2 == 1
+    mp.spawn(_worker, args=(2, f"file://{tmp_path}/init2", plan, x_SBH, out, odd), nprocs=2, join=True)
+    for rank in (0, 1):
+        assert out[f"odd{rank}"].startswith("RouteConsumptionError") and "multiple of 2" in out[f"odd{rank}"]
+    half = S // 2 * B
+    for rank in (0, 1):
+        for lid in LAYERS:
+            probs, map_ME, ids_MK = out[rank][lid]
+            want_probs, want_map, want_ids = (t[rank * half:(rank + 1) * half] for t in ref[0][lid])
+            assert torch.equal(ids_MK, want_ids)  # this rank's half of the plan's routes
+            assert torch.equal(map_ME, want_map)  # routed exactly as the one-process replay, flips 0
+            assert torch.equal(map_ME, torch.zeros_like(map_ME).scatter(1, ids_MK, True))
+            assert (probs - want_probs).abs().max().item() <= 2e-5
+
