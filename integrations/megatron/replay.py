@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from moe_replay.errors import GeometryMismatchError, Where
-from moe_replay.replay.errors import RouteConsumptionError
+from moe_replay.replay.errors import RouteConsumptionError, UnsupportedRouterError
 from moe_replay.replay.scoring import TokenScores, VocabShard
 from moe_replay.replay.ledger import RouteLedger, in_backward
 from moe_replay.replay.plan import RoutePlan
@@ -80,6 +80,8 @@ class ReplaySession:
         vocab = getattr(model_or_routers, "vocab_size", None) if isinstance(model_or_routers, nn.Module) else None
         check_geometry(self.sites, geometry, partial=partial, vocab_size=vocab)
 
+        if isinstance(model_or_routers, nn.Module):
+            check_allgather_shapes(model_or_routers, self.plans)
         self.ledgers = [RouteLedger(plan) for plan in self.plans]
         if partial:  # a pipeline stage accounts for its own layers only
             for ledger in self.ledgers:
@@ -195,6 +197,37 @@ class ReplaySession:
         if exc_type is None:
             for ledger in self.ledgers:
                 ledger.finish(expect_recompute=bool(self.expect_recompute))
+
+
+def check_allgather_shapes(model: nn.Module, plans: Sequence[RoutePlan]) -> None:
+    """Megatron's allgather dispatcher gathers every rank's [S, B] tokens over the tensor x expert
+    parallel group and assumes equal shapes; unequal ones abort the process inside gloo ("Received
+    data size doesn't match") or hang NCCL. Before any forward, every rank of that group shares its
+    micro-batch shapes (one all_gather of 2 ints per plan, once per session) and all refuse by name
+    if they differ. A no-op without such a dispatcher or with a group of one rank."""
+    dispatcher = next((m.token_dispatcher for m in model.modules() if hasattr(m, "token_dispatcher")), None)
+    if dispatcher is None or type(dispatcher).__name__ != "MoEAllGatherTokenDispatcher":
+        return
+    group = dispatcher.tp_ep_group
+    ranks = group.size() if group is not None else 1
+    if ranks <= 1:
+        return
+    mine = torch.tensor([[p.seq_len, p.batch_size] for p in plans], dtype=torch.int64)
+    counts = torch.tensor([len(plans)], dtype=torch.int64)
+    all_counts = [torch.empty_like(counts) for _ in range(ranks)]
+    torch.distributed.all_gather(all_counts, counts, group=group)
+    if len({int(c) for c in all_counts}) == 1:
+        shapes = [torch.empty_like(mine) for _ in range(ranks)]
+        torch.distributed.all_gather(shapes, mine, group=group)
+        if all(torch.equal(s, shapes[0]) for s in shapes):
+            return
+        found = [s.tolist() for s in shapes]
+    else:
+        found = [f"{int(c)} micro-batches" for c in all_counts]
+    raise UnsupportedRouterError(
+        f"moe_token_dispatcher_type='allgather' over {ranks} tensor x expert parallel ranks: expected every rank's "
+        f"micro-batches to have one [S, B] shape (Megatron gathers them as equal), found per rank {found}; pad "
+        "every rank's micro-batches to one shape (build_plan with the same batch size and PlanConfig.pad_to_multiple_of)")
 
 
 def _rank_slice(ids_MK: torch.Tensor, plan: RoutePlan, ranks: int, rank: int) -> torch.Tensor:
