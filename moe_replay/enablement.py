@@ -33,7 +33,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from .bindings import ROLLOUT_BINDINGS, TRAINER_BINDINGS, TrainerBinding, binding_for
+from .bindings import ROLLOUT_BINDINGS, TRAINER_BINDINGS, TrainerBinding, binding_for, load_bindings
 from .corrections import CorrectionResult, apply_corrections
 from .metrics import mismatch_metrics
 from .presets import Preset, load_preset
@@ -55,6 +55,8 @@ class TrainBatch:
     """How this model is fed and scored (bindings.py); None: Hugging Face."""
 
     def _binding(self) -> TrainerBinding:
+        if self.trainer is None:
+            load_bindings()
         return self.trainer if self.trainer is not None else TRAINER_BINDINGS.get("hf")
 
     def model_inputs(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,53 @@
+"""How `moe_replay.enable` attaches to a Megatron-core model (or its virtual-pipeline chunks).
+Registered through the `moe_replay.bindings` entry point (pyproject.toml), so the core names no
+adapter. Importing it does not import megatron."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from ...bindings import TRAINER_BINDINGS, TrainerBinding, made_by
+from ...geometry import ModelGeometry
+
+
+def _is_megatron(obj: Any) -> bool:
+    chunks = obj if isinstance(obj, (list, tuple)) and obj else [obj]  # virtual-pipeline chunks
+    return all(made_by(c, "megatron") for c in chunks)
+
+
+def _geometry(model: Any, family: str) -> ModelGeometry:
+    from .routers import model_geometry
+
+    return model_geometry(model, family=family)
+
+
+@contextlib.contextmanager
+def _replay(model: Any, plan: Any, track_flips: bool) -> Iterator[tuple[Any, Any]]:
+    from .replay import replay
+
+    if track_flips:
+        raise ValueError("track_flips is not available on Megatron (its RouterReplay does not expose the router's own top-k)")
+    with replay(model, plan) as session:
+        yield session, plan
+
+
+def _inputs(plan: Any) -> dict[str, torch.Tensor]:
+    from .layout import megatron_inputs
+
+    return megatron_inputs(plan)
+
+
+def _score(logits_BSV: torch.Tensor, plan: Any, *, entropy: bool = True, **kw: Any) -> Any:
+    """Vocabulary-parallel logits (TP > 1) are normalised across the tensor-parallel group."""
+    from .replay import score_tokens
+
+    scores = score_tokens(logits_BSV, plan, **kw)
+    if not entropy:
+        scores.entropy_G = None
+    return scores
+
+
+TRAINER_BINDINGS.add("megatron", TrainerBinding(0, _is_megatron, _geometry, _replay, _inputs, _score))
