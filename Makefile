@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.moe_replay-installed
 DEMO_OUT ?= runs/demo
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-fast bench clean
 
 # bootstrap.py is idempotent and keyed by a hash of its inputs: a no-op when up to date.
 install:
@@ -15,8 +15,13 @@ install:
 demo: install
 	$(PY) -m moe_replay.cli demo --out $(DEMO_OUT)
 
+# Every test (what CI runs: ~15 min on 2 cores). test-fast: the tier without engines and
+# multi-process runs (no vLLM engine, nothing marked slow), for a quick check while editing.
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -m "not vllm and not slow" $(PYTEST_ARGS)
 
 bench: install
 	$(PY) -m moe_replay.cli bench
