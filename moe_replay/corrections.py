@@ -149,6 +149,18 @@ class CorrectionContext:
         return masked_mean(flag_B.to(torch.float32), self.keep_BS.any(-1))
 
 
+@dataclass(frozen=True)
+class RatioBand:
+    """The band of IS ratios an importance-sampling correction treats as in range: ratios above
+    `high` are truncated or rejected, below `low` rejected (or only counted). The verl-named
+    summary `rollout_corr/rollout_is_ratio_fraction_{high,low}` counts ratios outside it."""
+
+    low: float
+    high: float
+    level: Level = "token"
+    """``token``: each ρ_t is compared; ``sequence``: Π_t ρ_t, one per sequence."""
+
+
 @dataclass
 class Decision:
     """One correction's output; ``None`` means "no change" for that part.
@@ -165,6 +177,8 @@ class Decision:
     paper, verl's IS weights); False: they leave it (rejection sampling)."""
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     """Scalar extras reported under ``moe_replay/corr/<name>/<key>``."""
+    band: RatioBand | None = None
+    """The IS ratio band this correction applies, if it is an IS correction (TIS, IcePop)."""
 
 
 @dataclass
@@ -249,11 +263,14 @@ class TISConfig(CorrectionConfig):
 
     def decide(self, ctx: CorrectionContext) -> Decision:
         log_c = math.log(self.threshold)
+        band = RatioBand(1.0 / self.threshold, self.threshold, self.level)  # verl's default lower bound: 1 / C
         if self.level == "token":
             lr = ctx.log_ratio_BS
-            return Decision(log_weight=lr.clamp(max=log_c), metrics={"truncated_fraction": ctx.token_frac(lr > log_c)})
+            return Decision(log_weight=lr.clamp(max=log_c), metrics={"truncated_fraction": ctx.token_frac(lr > log_c)},
+                            band=band)
         s_B = ctx.seq_sum_B()
-        return Decision(log_weight=s_B.clamp(max=log_c), metrics={"truncated_fraction": ctx.seq_frac(s_B > log_c)})
+        return Decision(log_weight=s_B.clamp(max=log_c), metrics={"truncated_fraction": ctx.seq_frac(s_B > log_c)},
+                        band=band)
 
 
 @register_correction("mis")
@@ -321,6 +338,7 @@ class IcePopConfig(CorrectionConfig):
             keep=~(low | high),
             zero_weight=self.rejected == "zero_weight",
             metrics={"low_fraction": ctx.token_frac(low), "high_fraction": ctx.token_frac(high)},
+            band=RatioBand(self.low, self.high) if self.weight else None,
         )
 
 
@@ -528,6 +546,10 @@ def apply_corrections(
         moe_replay/corr/weight_ess                    normalised ESS (Σw)²/(n Σw²) over kept tokens
         moe_replay/corr/kept_tokens                   tokens with a nonzero weight
         moe_replay/corr/loss_tokens                   tokens in the loss denominator (keep_BS)
+        rollout_corr/rollout_rs_masked_fraction       tokens out of the loss denominator (verl's name)
+        rollout_corr/rollout_is_ratio_fraction_{high,low}  ratios above / below the first IS
+                                                      correction's band (TIS: [1/C, C]; IcePop:
+                                                      [low, high]), per token or per sequence
     A name used twice in the list gets ``<name>.<index>`` keys from its second use on.
     """
     if train_logprobs_BS.dim() != 2:
@@ -565,9 +587,12 @@ def apply_corrections(
     n_seq = valid_seq_B.sum().double()
     m: dict[str, torch.Tensor] = {}
     seen: dict[str, int] = {}
+    band: tuple[RatioBand, CorrectionContext] | None = None
     for index, cfg in enumerate(configs):
         ctx = CorrectionContext(log_ratio_BS=lr_BS, keep_BS=keep_BS, advantages_BS=adv_BS, log_clamp=log_clamp)
         d = cfg.decide(ctx)
+        if band is None and d.band is not None:
+            band = (d.band, ctx)
         key = cfg.name if cfg.name not in seen else f"{cfg.name}.{index}"
         seen[cfg.name] = index
         before_BS = keep_BS
@@ -600,6 +625,14 @@ def apply_corrections(
     m[f"{PREFIX}/weight_ess"] = normalized_ess(log_w_BS.clamp(-log_clamp, log_clamp), keep_BS) if has_kept else zero
     m[f"{PREFIX}/kept_tokens"] = kept.float()
     m[f"{PREFIX}/loss_tokens"] = denom_BS.sum().float()
+    # verl's names (rollout_corr_helper): tokens out of the loss, and ratios outside the first IS band
+    m["rollout_corr/rollout_rs_masked_fraction"] = (n_resp - denom_BS.sum()) / n_resp
+    if band is not None:
+        b, ctx = band
+        r = ctx.log_ratio_BS if b.level == "token" else ctx.seq_sum_B()
+        frac = ctx.token_frac if b.level == "token" else ctx.seq_frac
+        m["rollout_corr/rollout_is_ratio_fraction_high"] = frac(r > math.log(b.high))
+        m["rollout_corr/rollout_is_ratio_fraction_low"] = frac(r < math.log(b.low))
 
     keys = list(m)
     values = torch.stack([m[k].detach().double().reshape(()) for k in keys]).cpu().tolist()

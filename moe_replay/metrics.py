@@ -239,6 +239,8 @@ def logprob_mismatch_metrics(
                                       Σ_t lr, not 2 Σ_t lr, at ±log_clamp, so it can reach e^40)
         rollout_corr/rollout_is_eff_sample_size  1 / mean((w / mean w)²) over response tokens, w =
                                       is_weights_BS (verl's formula); only when they are given
+        rollout_corr/rollout_is_{mean,max,min,std}  of those w over response tokens (verl's names;
+                                      with them)
         moe_replay/is_ess_token       (Σρ)² / (n Σρ²) over tokens, of the raw ratios ρ
         moe_replay/is_ess_seq         same ESS over sequence weights exp(Σ_t lr), one per sequence
         moe_replay/is_ess_token_per_seq  seq-average of the token-weight ESS inside each sequence
@@ -319,6 +321,11 @@ def logprob_mismatch_metrics(
         mean_w = w_valid.mean()
         # verl's formula on the applied weights: 1 / mean((w / mean w)²), over the response mask
         m["rollout_corr/rollout_is_eff_sample_size"] = 1.0 / ((w_valid / (mean_w + 1e-8)).square().mean())
+        # verl's token-level summary of the applied weights (rollout_corr_helper: mean, max, min, std)
+        m["rollout_corr/rollout_is_mean"] = mean_w
+        m["rollout_corr/rollout_is_max"] = w_valid.max()
+        m["rollout_corr/rollout_is_min"] = w_valid.min()
+        m["rollout_corr/rollout_is_std"] = (w_valid.square().mean() - mean_w.square()).clamp(min=0.0).sqrt()
     m["moe_replay/is_ess_token"] = normalized_ess(lr_BS, mask_BS)
     m["moe_replay/is_ess_seq"] = normalized_ess(seq_lr_B, seq_ok_B)
     ess_B = _per_row_normalized_ess(lr_BS, mask_BS)

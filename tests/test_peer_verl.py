@@ -175,10 +175,6 @@ def test_mismatch_metric_keys_are_all_present():
                                                                                  is_weights_BS=w)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "verl's IS summary keys rollout_corr/rollout_is_{mean,max,min,std,ratio_fraction_high,"
-    "ratio_fraction_low} and rollout_corr/rollout_rs_masked_fraction are not emitted; the project "
-    "reports moe_replay/corr/weight_{mean,min,max,ess} and moe_replay/corr/<name>/token_masked_fraction"))
 def test_is_and_rejection_metric_keys_use_verls_names():
     """verl test_metrics_completeness (expected_is_metrics, rollout_is="token" at 2.5) and
     test_mask_mode ("Should have rollout_rs_masked_fraction metric")."""

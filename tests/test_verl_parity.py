@@ -124,6 +124,12 @@ def test_tis_weights_and_ess_match_verl(seed, dtype, level):
     assert torch.equal(ours.keep_BS, mask)
     ess = logprob_mismatch_metrics(train, rollout, mask, is_weights_BS=w_verl)
     assert ess["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(m_verl["rollout_is_eff_sample_size"], **tol(dtype))
+    if level == "token":  # verl's sequence-level max/min are of the unclamped sequence ratios, not the weights
+        for k in ("rollout_is_mean", "rollout_is_max", "rollout_is_min", "rollout_is_std"):
+            assert ess[f"rollout_corr/{k}"] == pytest.approx(m_verl[k], **tol(dtype)), k
+        for k in ("rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low"):
+            assert ours.metrics[f"rollout_corr/{k}"] == pytest.approx(m_verl[k], rel=1e-6, abs=1e-9), k
+    assert ours.metrics["rollout_corr/rollout_rs_masked_fraction"] == 0.0  # TIS truncates, rejects nothing
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -162,6 +168,7 @@ def test_token_k1_lo_hi_is_icepop_with_inverted_bounds(seed, dtype):
     ours = apply_corrections([port], train, rollout, mask)
     assert torch.equal(ours.keep_BS, v_mask)
     assert ours.metrics["moe_replay/corr/token_masked_fraction"] == pytest.approx(v_metrics["rollout_rs_masked_fraction"], rel=1e-6)
+    assert ours.metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(v_metrics["rollout_rs_masked_fraction"], rel=1e-6)
     naive = apply_corrections([IcePopConfig(low=lo, high=hi, weight=False, rejected="drop")], train, rollout, mask)
     assert not torch.equal(naive.keep_BS, v_mask)
 
