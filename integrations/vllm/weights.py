@@ -107,8 +107,12 @@ def weight_sync(llm: Any, *, reset_prefix_cache: bool = True) -> Iterator[list[W
     done: list[WeightSyncReply] = []
     try:
         yield done
-    except BaseException:
-        link.call("weights.end", {"check": False}, what="closing a failed weight sync")
+    except BaseException as failure:
+        try:
+            link.call("weights.end", {"check": False}, what="closing a failed weight sync")
+        except Exception as e:  # the trainer's error stays the one raised; the engine's is noted on it
+            failure.add_note(f"moe_replay: closing the weight sync also failed ({type(e).__name__}: {e}); "
+                             "rebuild the engine before sampling from it")
         raise
     done.append(WeightSyncReply.from_dict(link.call("weights.end", {"check": True}, what="the weight sync")))
     if reset_prefix_cache:
