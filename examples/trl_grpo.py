@@ -49,7 +49,7 @@ def main() -> None:
         output_dir=tempfile.mkdtemp(), max_steps=a.steps, learning_rate=1e-3, logging_steps=1, report_to=[],
         per_device_train_batch_size=8, num_generations=4, max_completion_length=12, top_p=0.9,
         use_vllm=True, vllm_mode="colocate", vllm_max_model_length=256,
-        use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True,  # CPU machine; drop on GPU
+        use_cpu=True, save_strategy="no", disable_tqdm=True,  # CPU machine; drop on GPU (bf16 autocast: TRL's default)
     )
     trainer = MoeReplayGRPOTrainer(model=model, reward_funcs=digits_reward, args=args, train_dataset=dataset,
                                    processing_class=AutoTokenizer.from_pretrained(model_dir), moe_replay=a.preset)

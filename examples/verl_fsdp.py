@@ -12,7 +12,7 @@ tests/test_verl_rollout.py runs that server on CPU, which also needs
 `actor_rollout_ref.rollout.enable_sleep_mode=False load_format=auto enforce_eager=True
 +actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend=uni` and MOE_REPLAY_VERL_CPU=1).
 This script runs the actor's engine on CPU in one process: vLLM-CPU generates with moe_replay's
-capture (bf16 engine, fp32 trainer: the real precision mismatch), verl's FSDP2 engine computes
+capture (bf16 engine against verl's bf16 mixed-precision trainer: other kernels, the real mismatch), verl's FSDP2 engine computes
 π_old and takes one PPO update under the preset, with verl's own batch conversions and loss.
 
     python examples/verl_fsdp.py [--preset r3_support]

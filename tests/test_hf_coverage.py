@@ -1,8 +1,10 @@
 """HF replay beyond the registered families: rules inferred and verified, the coverage table's claims re-run.
 
-Every family docs/hf_coverage.md marks replayed is rebuilt from its config class (tiny, random, no
-download) and must again pass self-replay bit for bit, change under other routes, and train its
-routers. Refusals are checked on real families whose routers cannot be replayed.
+Every family docs/hf_coverage.md marks replayed in fp32 is rebuilt from its config class (tiny,
+random, no download) and must again pass self-replay bit for bit, change under other routes, and
+train its routers; so must, in bf16 weights and under bf16 autocast, the families whose router
+arithmetic depends on the precision. Refusals are checked on real families whose routers cannot be
+replayed, and on a rule that holds in fp32 but not under autocast.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from moe_replay.integrations.hf import coverage, find_routers, model_geometry, r
 from moe_replay.replay import UnsupportedRouterError
 
 TABLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "hf_coverage.md")
-CLAIMED = coverage.claimed(TABLE) if os.path.exists(TABLE) else {}
+CLAIMED = coverage.claimed(TABLE, "fp32") if os.path.exists(TABLE) else {}
 _FAMILY = {
     "phimoe": ("PhimoeConfig", "transformers.models.phimoe.configuration_phimoe"),
     "llama4_text": ("Llama4TextConfig", "transformers.models.llama4.configuration_llama4"),
@@ -134,6 +136,91 @@ def test_bf16_inferred_replay_is_bit_identical():
     plan = build_plan([with_routes(trace, routes_TLK=routes_TLK)], geometry)
     with torch.no_grad(), replay(model, plan) as session:
         out = model(**session.model_inputs()).logits
-    assert find_routers(model)[geometry.moe_layer_ids[0]].adapter.weights_in_logits_dtype
     mask = plan.attention_mask_BS.bool()
     assert torch.equal(out[mask], ref[mask])
+
+
+PRECISION_SENSITIVE = (
+    "axk2", "cohere2_moe", "deepseek_v2", "deepseek_v3", "deepseek_v4", "dots1", "ernie4_5_moe", "exaone_moe", "glm4_moe",
+    "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "laguna",
+    "lfm2_moe", "longcat_flash", "minimax_m2",
+)
+"""Families whose router scores in the logits' own dtype, casts its weights to the input dtype, keeps its
+weights in fp32 in a bf16 model, or whose bf16 logits tie outside the top k: each mode takes another arithmetic
+(6-10 s a mode on 2 cores for these 19, granitemoehybrid's mamba reference kernels ~4 s of it)."""
+
+
+@pytest.mark.parametrize("precision", ["bf16", "autocast_bf16"])
+def test_precision_sensitive_families_replay_bit_identically(precision):
+    claimed = coverage.claimed(TABLE, precision)
+    missing = sorted(set(PRECISION_SENSITIVE) - set(claimed))
+    assert not missing, f"{missing} not marked replayed in {precision} in docs/hf_coverage.md"
+    failed = {}
+    for family in PRECISION_SENSITIVE:
+        result = coverage.check_family(family, claimed, precision)
+        if result.status != "replayed":
+            failed[family] = result.reason
+    assert not failed, failed
+
+
+def test_a_rule_that_holds_in_fp32_but_not_under_autocast_is_refused_on_the_first_forward(monkeypatch):
+    """DeepSeek-V3 scores `logits.sigmoid()`: bf16 under autocast. A registration scoring fp32 logits verifies
+    at attach (fp32) and is refused by name on the first autocast forward, before any replayed output."""
+    from dataclasses import replace
+
+    from moe_replay.integrations.hf import routers
+    from moe_replay.replay import build_plan
+
+    fams = {"deepseek_v3": ("DeepseekV3Config", "transformers.models.deepseek_v3.configuration_deepseek_v3")}
+    registered = routers.ROUTER_ADAPTERS.get("deepseek_v3")
+    monkeypatch.setattr(routers, "_DISPATCH_ORDER", [replace(registered, upcast=True) if a is registered else a
+                                                     for a in routers._DISPATCH_ORDER])
+    model = coverage.build_tiny("deepseek_v3", fams)
+    geometry = model_geometry(model)
+    plan = build_plan(coverage._traces(model, geometry), geometry)
+    session = replay(model, plan)  # attach: fp32, the rule holds
+    with torch.no_grad(), session:
+        model(**session.model_inputs())
+    outputs = []
+    session = replay(model, plan)
+    model.register_forward_hook(lambda *a: outputs.append(1))
+    with pytest.raises(UnsupportedRouterError, match=r"deepseek_v3: router 'model\.layers\.1\.mlp\.gate \(layer 1\)'.*"
+                                                     r"bfloat16 autocast.*registered rule"):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), session:
+            model(**session.model_inputs())
+    assert not outputs
+
+
+def test_verification_runs_once_per_precision_context(monkeypatch):
+    """The first forward of a context probes the router; later forwards in it are a dict lookup."""
+    from moe_replay.integrations.hf import infer
+    from moe_replay.replay import build_plan
+
+    probes = []
+    real_probe = infer._probe
+    monkeypatch.setattr(infer, "_probe", lambda *a, **k: probes.append(a[1]) or real_probe(*a, **k))
+    model = coverage.build_tiny("mellum", _FAMILY)
+    geometry = model_geometry(model)
+    plan = build_plan(coverage._traces(model, geometry), geometry)
+    for autocast in (False, True, False, True):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), replay(model, plan) as session:
+            model(**session.model_inputs())
+    layers = len(geometry.moe_layer_ids)
+    assert len(probes) == 2 * layers  # per router: at attach (fp32) and on the first autocast forward
+    assert {k[3] for k in probes} == {None, torch.bfloat16}
+
+
+def test_families_are_found_by_their_router_classes():
+    """DBRX, dots1 and HunYuan-V1-MoE default to one expert or none; their router classes make them families.
+    A *Gate without a top_k (D-FINE's gated fusion) is no router."""
+    import transformers
+
+    root = os.path.join(os.path.dirname(transformers.__file__), "models")
+    assert coverage._router_classes(os.path.join(root, "dbrx")) == ["DbrxRouter"]
+    assert coverage._router_classes(os.path.join(root, "dots1")) == ["Dots1TopkRouter"]
+    assert coverage._router_classes(os.path.join(root, "hunyuan_v1_moe")) == ["HunYuanMoEV1Gate"]
+    assert coverage._router_classes(os.path.join(root, "d_fine")) == []
+    rows = open(TABLE).read()
+    for family in ("dbrx", "dots1", "hunyuan_v1_moe"):
+        assert all(f"| {family} | " in line for line in rows.splitlines() if line.startswith(f"| {family} | ")), family
+        assert sum(line.startswith(f"| {family} | ") for line in rows.splitlines()) == len(coverage.PRECISIONS)

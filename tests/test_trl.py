@@ -3,8 +3,9 @@
 Two runs from the same seed: the `none` preset (TRL's own numerics, measured) for one step and
 `r3_support` for four, with TRL's reference-model KL on (`beta > 0`) and each generation trained on
 twice (`num_iterations=2`: generations at steps 0 and 2, the second after TRL's weight sync into the
-engine). TRL builds its engine with dtype "auto", so vLLM runs the float32 checkpoint in bfloat16
-against the float32 trainer: the mismatch the presets exist to remove. A third run, one step of
+engine). The trainer runs in TRL's default precision: `bf16=True`, float32 weights with every forward
+under accelerate's bfloat16 autocast. TRL builds its engine with dtype "auto", so vLLM runs the float32
+checkpoint in bfloat16 with its own kernels: the mismatch the presets exist to remove. A third run, one step of
 `r3_support_multisample`, takes π_old from re-scores on TRL's own engine.
 """
 
@@ -33,7 +34,7 @@ def _args(tmp, **over):
     from trl import GRPOConfig
 
     base = dict(output_dir=str(tmp), use_vllm=True, vllm_mode="colocate", per_device_train_batch_size=8,
-                num_generations=4, max_completion_length=8, max_steps=1, use_cpu=True, bf16=False, report_to=[],
+                num_generations=4, max_completion_length=8, max_steps=1, use_cpu=True, report_to=[],
                 logging_steps=1, vllm_max_model_length=256, top_p=0.9, seed=0, save_strategy="no",
                 learning_rate=1e-3, disable_tqdm=True)
     return GRPOConfig(**{**base, **over})
@@ -106,12 +107,29 @@ def _release_distributed() -> None:
     destroy_distributed_environment()
 
 
+def test_trainer_runs_trls_default_precision_and_replays_bit_identically_in_it(runs):
+    """TRL's default (`bf16=True` on CPU too): fp32 weights, forward under bf16 autocast. The routers' gate
+    rules hold in that mode: replaying the trainer's own routes of a batch reproduces its logits bit for bit."""
+    _, trainer, _ = runs
+    from moe_replay.integrations.hf.replay import self_replay_gap
+    from moe_replay.integrations.trl.trainer import TRACES_KEY
+
+    assert trainer.args.bf16 and trainer.accelerator.mixed_precision == "bf16"
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    with trainer.accelerator.autocast():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    traces = trainer._buffered_inputs[0][TRACES_KEY]
+    assert self_replay_gap(model, traces, trainer.accelerator.autocast) == 0.0
+    assert self_replay_gap(model, traces) == 0.0  # and outside autocast (TRL's fp32 evaluation)
+
+
 def test_replay_removes_flips_and_lowers_k3(runs):
     free_steps, trainer, _ = runs
     steps = _steps(trainer)
     assert trainer.state.global_step == 4
     assert len(free_steps) == 1 and len(steps) == 2  # measured once per generation: steps 1 and 3
-    assert free_steps[0]["moe_replay/route_flip_rate"] > 0  # bf16 engine vs fp32 trainer: free routing flips
+    assert free_steps[0]["moe_replay/route_flip_rate"] > 0  # vLLM's bf16 kernels vs the trainer's: free routing flips
     for s in steps:
         assert s["moe_replay/route_flip_rate"] == 0.0
         assert s["moe_replay/route_tokens"] > 0
@@ -145,8 +163,8 @@ def test_reference_model_replays_the_same_routes_and_support(runs):
     ref = trainer.accelerator.unwrap_model(trainer.ref_model)
     r3s = load_preset("r3_support")
 
-    def score(preset):  # moe_replay's own trainer API on the same reference weights
-        with torch.no_grad(), enable(preset, model=ref).train_batch(traces) as b:
+    def score(preset):  # moe_replay's own trainer API on the same reference weights, in TRL's autocast
+        with torch.no_grad(), enable(preset, model=ref).train_batch(traces) as b, trainer.accelerator.autocast():
             return b.logprobs(ref(**b.model_inputs()).logits).double()
 
     assert torch.allclose(stored_G, score(r3s), atol=1e-4)
@@ -169,7 +187,7 @@ def test_multisample_pi_old_comes_from_trls_engine(runs):
     mask_BC = batch["completion_mask"].bool()
     old_G = batch["old_per_token_logps"][mask_BC].double()
     engine_G = torch.from_numpy(np.concatenate([t.logprobs_G for t in batch[TRACES_KEY]]))
-    trainer_k3 = step["moe_replay/k3_kl_vs_pi_old"]  # the fp32 trainer's own π_old vs the estimate
+    trainer_k3 = step["moe_replay/k3_kl_vs_pi_old"]  # the trainer's own π_old vs the estimate
     assert trainer_k3 > 0
     # the bf16 engine re-scoring its own samples: far closer to what it sampled than the trainer is
     d_G = old_G - engine_G

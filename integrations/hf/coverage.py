@@ -1,22 +1,29 @@
-"""Which MoE families of the installed transformers replay, measured on tiny random models.
+"""Which MoE families of the installed transformers replay, per precision mode, measured on tiny random models.
 
-For every model type whose (text) config names experts, `check_family` builds a tiny model from
-the config class with small overrides (no download), spreads its router weights so probes do not
-tie, and requires, in order:
-  1. every router gets a registered or verified adapter (find_routers; a refusal is the reason);
-  2. self-replay: replaying the routes HF itself chose gives bit-identical outputs;
+Families: every model type whose modeling module defines a router class (*Router, *Gating, or a
+*Gate that reads a top_k), and every one whose config has more than one expert by default (MoE
+blocks that route inline). For each, in each precision mode (PRECISIONS: fp32; bf16 weights as
+from_pretrained loads them; fp32 weights under bf16 autocast), `check_family` builds a tiny model
+from the config class with small overrides (no download), spreads its router weights so probes do
+not tie, attaches replay outside any autocast (as a trainer does) and requires, in order:
+  1. every router gets a registered or verified adapter (find_routers; a refusal is the reason), and
+     verifies again on the first forward in the mode's dtype and autocast state;
+  2. self-replay: replaying the routes HF itself chose in this batch's forward, in this mode, gives
+     bit-identical outputs;
   3. replaying other routes (each id shifted by one expert) changes the outputs, so the MoE block
      really consumes the replayed ids (a block that re-routes on its own would pass 2 and fail here);
   4. a backward under replay: every gradient finite, every router's weight gradient non-zero.
-A family that fails any step, or errors while being built, is listed with its reason.
+A family that fails any step, or errors while being built, is listed with its reason, per mode.
 
 Legend: B batch rows, S tokens, T tokens of one sequence, L MoE layers, K top-k, E experts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +33,36 @@ import torch
 from torch import nn
 
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok", "moe_topk", "top_k_experts")
-"""Config attributes that make a model type an MoE family."""
+"""Config attributes that name experts (a default above 1 makes a model type an MoE family even without a router class)."""
+_ROUTER_CLASS_RE = re.compile(r"^class (\w+(?:Router|Gating|Gate))\(", re.MULTILINE)
+"""Router-shaped class definitions in a modeling module; a *Gate counts only where its body reads a top_k."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a trainer runs the forward: the parameter dtype as loaded, and the autocast dtype around the forward."""
+
+    name: str
+    weights: torch.dtype
+    autocast: torch.dtype | None = None
+    about: str = ""
+
+    def forward(self, device_type: str = "cpu"):
+        """The context of the forward only: backward runs outside it, as torch.autocast asks."""
+        return torch.autocast(device_type, dtype=self.autocast) if self.autocast is not None else contextlib.nullcontext()
+
+
+PRECISIONS: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        Precision("fp32", torch.float32, about="fp32 weights, no autocast"),
+        Precision("bf16", torch.bfloat16, about="bf16 weights as `from_pretrained(dtype=torch.bfloat16)` loads them "
+                  "(tensors the model keeps in fp32 stay fp32), no autocast"),
+        Precision("autocast_bf16", torch.float32, torch.bfloat16,
+                  about="fp32 weights, forward under `torch.autocast(dtype=torch.bfloat16)` (verl's and most FSDP trainers' forward)"),
+    )
+}
+"""The precision modes coverage is measured in, in table order."""
 
 LAYERS = 3
 """Decoder layers of the tiny models: with DeepSeek's first dense layer still 2 MoE layers."""
@@ -49,6 +85,11 @@ FAMILY_TINY: dict[str, dict[str, Any]] = {
     "ernie4_5_vl_moe_text": dict(moe_intermediate_size=[32, 32]),
     "qwen3_omni_moe_talker_text": dict(shared_expert_intermediate_size=32),
     "zaya": dict(num_experts_per_tok=1),  # ZAYA validates top-1 only
+    "dbrx": dict(d_model=64, n_heads=4, n_layers=LAYERS, max_seq_len=64, ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8,
+                 moe_top_k=2, hidden_size=64), attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0)),
+    **{f: dict(enable_moe_block=True, global_head_dim=16, hidden_size_per_layer_input=16, vocab_size_per_layer_input=96,
+               num_kv_shared_layers=0, layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+       for f in ("gemma4_text", "diffusion_gemma_text")},  # MoE blocks are off by default
 }
 """Per-family overrides on top of TINY, where a family's defaults do not shrink on their own."""
 
@@ -60,7 +101,12 @@ SEQ_LENS = (7, 5)
 class FamilyResult:
     family: str
     status: str
-    """"replayed", "refused" (by replay, before any forward) or "error" (failed elsewhere)."""
+    """"replayed", "refused" (by replay, at attach or on the first forward, before any replayed output) or
+    "error" (failed elsewhere)."""
+    precision: str = "fp32"
+    """Name in PRECISIONS."""
+    note: str = ""
+    """How the mode was run where it differs from its definition (a model HF itself cannot run as loaded)."""
     rule: str = ""
     reason: str = ""
     router: str = ""
@@ -72,8 +118,24 @@ class FamilyResult:
         return {k: v for k, v in self.__dict__.items() if v not in ("", [], None)}
 
 
+def _router_classes(folder: str) -> list[str]:
+    """Router-shaped classes defined in a model folder's modeling modules."""
+    names = []
+    for f in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if not (f.startswith("modeling_") and f.endswith(".py")):
+            continue
+        src = open(os.path.join(folder, f)).read()
+        for m in _ROUTER_CLASS_RE.finditer(src):
+            body = src[m.end():].split("\nclass ", 1)[0]
+            if not m.group(1).endswith("Gate") or "top_k" in body:
+                names.append(m.group(1))
+    return names
+
+
 def moe_families() -> dict[str, tuple[str, str]]:
-    """{text model type: (config class name, its module)} for every model type whose text config names experts."""
+    """{text model type: (config class name, its module)} for every model type whose modeling module defines
+    a router class and whose text config names experts (DBRX: in its ffn_config), or whose text config has more
+    than one expert by default (inline routing)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
     from transformers import CONFIG_MAPPING
@@ -83,17 +145,21 @@ def moe_families() -> dict[str, tuple[str, str]]:
     out: dict[str, tuple[str, str]] = {}
     for model_type in CONFIG_MAPPING_NAMES:
         folder = os.path.join(root, model_type_to_module_name(model_type))
+        routers = _router_classes(folder)
         sources = [os.path.join(folder, f) for f in os.listdir(folder) if f.startswith("configuration_")] if os.path.isdir(folder) else []
-        if not any(key in open(f).read() for f in sources for key in _EXPERT_KEYS):
-            continue  # instantiating all ~450 configs costs a minute; only those naming experts can be MoE
+        if not routers and not any(key in open(f).read() for f in sources for key in _EXPERT_KEYS):
+            continue  # instantiating all ~450 configs costs a minute; only those with a router or naming experts can be MoE
         try:
             cfg = CONFIG_MAPPING[model_type]()
             text = cfg.get_text_config()
         except Exception:  # composite configs that need sub-configs or optional packages: not text MoE
             continue
-        experts = [getattr(text, k, None) for k in _EXPERT_KEYS]
-        if not any(isinstance(v, int) and v > 1 for v in experts) and not isinstance(getattr(text, "num_experts", None), list):
-            continue
+        if routers and not any(hasattr(text, k) for k in _EXPERT_KEYS + ("ffn_config",)):
+            continue  # a vision or audio config of a model whose text half routes
+        if not routers:
+            experts = [getattr(text, k, None) for k in _EXPERT_KEYS]
+            if not any(isinstance(v, int) and v > 1 for v in experts) and not isinstance(getattr(text, "num_experts", None), list):
+                continue
         key = str(getattr(text, "model_type", "") or model_type)
         out.setdefault(key, (type(text).__name__, type(text).__module__))
     return dict(sorted(out.items()))
@@ -115,14 +181,21 @@ def _model_class(config_cls: type, config_module: str) -> type:
     raise LookupError(f"no causal LM or base model class for {config_cls.__name__} in {modeling.__name__}")
 
 
+def _has(config: Any, name: str) -> bool:
+    try:
+        return hasattr(config, name)
+    except Exception:  # per-layer attributes (Gemma 4's head_dim) raise on a global read: they exist
+        return True
+
+
 def tiny_config(family: str, config_cls: type) -> Any:
     base = config_cls()
-    kwargs = {k: v for k, v in TINY.items() if hasattr(base, k)}
+    kwargs = {k: v for k, v in TINY.items() if _has(base, k)}
     if hasattr(base, "kv_lora_rank"):  # multi-head latent attention: rotary width is qk_rope_head_dim, kv heads = heads
         kwargs.update(head_dim=kwargs["qk_rope_head_dim"], num_key_value_heads=kwargs["num_attention_heads"])
     kwargs.update(FAMILY_TINY.get(family, {}))
     for list_key in ("layer_types", "mlp_layer_types"):
-        default = getattr(base, list_key, None)
+        default = getattr(base, list_key, None) if _has(base, list_key) and not isinstance(getattr(config_cls, list_key, None), property) else None
         if isinstance(getattr(config_cls, list_key, None), property):
             continue  # derived from other fields (Jamba)
         if isinstance(default, list) and len(default) >= LAYERS:
@@ -149,7 +222,23 @@ def _spread_routers(model: nn.Module) -> None:
                     p.copy_(torch.randn(p.shape, generator=gen).view_as(p) * 0.3)
 
 
-def build_tiny(family: str, families: dict[str, tuple[str, str]] | None = None) -> nn.Module:
+def cast_as_loaded(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model` in `dtype` as `from_pretrained(dtype=dtype)` loads it: the tensors its dtype plan keeps in fp32
+    (`_keep_in_fp32_modules_strict`, e.g. ERNIE-4.5's router weight and DeepSeek-V3's correction bias) stay fp32."""
+    model = model.to(dtype)
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    keep = [re.compile(k.replace("*", ".*")) for k, v in plan.items() if v == torch.float32]
+    if keep and dtype != torch.float32:
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.is_floating_point() and any(k.search(name) for k in keep):
+                t.data = t.data.float()
+    return model
+
+
+def build_tiny(family: str, families: dict[str, tuple[str, str]] | None = None, dtype: torch.dtype = torch.float32,
+               as_loaded: bool = True) -> nn.Module:
+    """The family's tiny random model, router weights spread, in `dtype` as from_pretrained would load it
+    (`as_loaded=False`: every tensor in `dtype`)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     families = families or moe_families()
     cls_name, module = families[family]
@@ -163,11 +252,7 @@ def build_tiny(family: str, families: dict[str, tuple[str, str]] | None = None) 
                 with torch.no_grad():
                     b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
     _spread_routers(model)
-    return model
-
-
-def _outputs(out) -> torch.Tensor:
-    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+    return cast_as_loaded(model, dtype) if as_loaded else model.to(dtype)
 
 
 def _traces(model: nn.Module, geometry) -> list:
@@ -186,44 +271,69 @@ def _shifted(traces: list, geometry) -> list:
     return [replace(t, routes_TLK=(t.routes_TLK + 1) % geometry.num_experts) for t in traces]
 
 
-def check_family(family: str, families: dict[str, tuple[str, str]] | None = None) -> FamilyResult:
-    """Build, self-replay, shifted replay and backward one family; never raises."""
+def _rule(site) -> str:
+    """The rule verified for the forward the site's router ran in (the attach one before any forward)."""
+    from .infer import forward_adapter
+
+    adapter = forward_adapter(site.module) or site.adapter
+    return adapter.describe()
+
+
+def _own_forward_fails(model: nn.Module, mode: Precision) -> str | None:
+    """Why HF's own forward (no replay) of one short sequence fails in `mode`, or None."""
+    try:
+        with torch.no_grad(), mode.forward():
+            model(input_ids=torch.arange(3, 3 + SEQ_LENS[0]).view(1, -1))
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+    return None
+
+
+def check_family(family: str, families: dict[str, tuple[str, str]] | None = None, precision: str = "fp32") -> FamilyResult:
+    """Build, self-replay, shifted replay and backward one family in one precision mode; never raises."""
     from moe_replay.replay import build_plan
     from moe_replay.replay.errors import UnsupportedRouterError
 
-    from .replay import model_geometry, replay
+    from .replay import model_geometry, output_tensor, replay, self_replay_gap
     from .routers import find_routers
 
+    mode = PRECISIONS[precision]
     t0 = time.perf_counter()
-    result = FamilyResult(family, "error")
+    result = FamilyResult(family, "error", precision)
     try:
-        model = build_tiny(family, families)
+        model = build_tiny(family, families, mode.weights)
         result.model_class = type(model).__name__
+        if mode.weights != torch.float32 and (why := _own_forward_fails(model, mode)) is not None:
+            plain = build_tiny(family, families, mode.weights, as_loaded=False)
+            if _own_forward_fails(plain, mode) is None:  # the tensors kept in fp32 are what breaks HF's forward
+                model = plain
+                result.note = (f"HF's own forward fails with the tensors from_pretrained keeps in fp32 ({why}); "
+                               f"measured with every tensor in {str(mode.weights).replace('torch.', '')}")
     except Exception as e:
         result.reason = f"tiny model does not build: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         return result
     try:
-        sites = find_routers(model)
+        sites = find_routers(model)  # attach outside autocast, as a trainer attaches
         first = next(iter(sites.values()))
         result.router = type(first.module).__name__
         result.layers = list(sites)
-        rules = {getattr(s.adapter, "describe", lambda: f"{s.adapter.rule} (registered {s.adapter.family})")() for s in sites.values()}
-        result.rule = "; ".join(sorted(rules))
-        geometry = model_geometry(model)
+        result.rule = "; ".join(sorted({_rule(s) for s in sites.values()}))
+        geometry = model_geometry(model, sites)
         traces = _traces(model, geometry)
-        plan = build_plan(traces, geometry)
-        with torch.no_grad():
-            ref = _outputs(model(**plan.model_inputs()))
-            with replay(model, plan) as session:
-                out = _outputs(model(**session.model_inputs()))
-        mask_BS = plan.attention_mask_BS.bool()
-        if not torch.equal(out[mask_BS], ref[mask_BS]):
-            result.reason = f"self-replay differs from HF by {(out[mask_BS] - ref[mask_BS]).abs().max().item():.3g}"
+        gap = self_replay_gap(model, traces, mode.forward)
+        result.rule = "; ".join(sorted({_rule(s) for s in sites.values()}))
+        if gap != 0.0:
+            result.reason = f"self-replay differs from HF by {gap:.3g}"
             return result
+        plan = build_plan(traces, geometry)
+        with torch.no_grad(), mode.forward():
+            ref = output_tensor(model(**plan.model_inputs()))
+        mask_BS = plan.attention_mask_BS.bool()
         shifted = build_plan(_shifted(traces, geometry), geometry)
         model.zero_grad()
         with replay(model, shifted) as session:
-            out2 = _outputs(model(**session.model_inputs()))
+            with mode.forward():
+                out2 = output_tensor(model(**session.model_inputs()))
             out2[mask_BS].float().pow(2).mean().backward()
         if torch.equal(out2[mask_BS].detach(), ref[mask_BS]):
             result.reason = "replaying other experts leaves the outputs unchanged: the MoE block does not use the router's ids"
@@ -249,73 +359,102 @@ def check_family(family: str, families: dict[str, tuple[str, str]] | None = None
     return result
 
 
-def run_all(families: dict[str, tuple[str, str]] | None = None, threads: int = 1) -> list[FamilyResult]:
-    """check_family over every MoE family; one torch thread (tiny matmuls drown in threading on a shared CPU)."""
+def run_all(families: dict[str, tuple[str, str]] | None = None, precisions: list[str] | None = None,
+            threads: int = 1) -> dict[str, list[FamilyResult]]:
+    """{precision: check_family over every MoE family}; one torch thread (tiny matmuls drown in threading on a shared CPU)."""
     families = families or moe_families()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return [check_family(f, families) for f in families]
+        return {p: [check_family(f, families, p) for f in families] for p in (precisions or list(PRECISIONS))}
     finally:
         torch.set_num_threads(before)
 
 
-def summary(results: list[FamilyResult]) -> dict[str, Any]:
-    """The JSON the coverage script prints."""
+def summary(results: dict[str, list[FamilyResult]]) -> dict[str, Any]:
+    """The JSON the coverage script prints: counts per precision mode, then each mode's refusals and replays."""
     import transformers
 
     return {
         "transformers": transformers.__version__,
-        "families_total": len(results),
-        "families_replayed": sum(r.status == "replayed" for r in results),
-        "families_refused": {r.family: r.reason for r in results if r.status != "replayed"},
-        "replayed": sorted(r.family for r in results if r.status == "replayed"),
-        "seconds": round(sum(r.seconds for r in results), 1),
+        "families_total": {p: len(rs) for p, rs in results.items()},
+        "families_replayed": {p: sum(r.status == "replayed" for r in rs) for p, rs in results.items()},
+        "seconds": {p: round(sum(r.seconds for r in rs), 1) for p, rs in results.items()},
+        "modes": {
+            p: {
+                "about": PRECISIONS[p].about,
+                "families_refused": {r.family: r.reason for r in rs if r.status != "replayed"},
+                "notes": {r.family: r.note for r in rs if r.note},
+                "replayed": sorted(r.family for r in rs if r.status == "replayed"),
+            }
+            for p, rs in results.items()
+        },
     }
 
 
-TABLE_HEAD = "| family | config class | model built | router | rule (verified) | status | reason |"
+TABLE_HEAD = "| family | config class | mode | model built | router | rule (verified) | status | reason |"
 
 
-def markdown(results: list[FamilyResult], families: dict[str, tuple[str, str]]) -> str:
-    """docs/hf_coverage.md: the table the tests read back (family and config class identify what to rebuild)."""
+def markdown(results: dict[str, list[FamilyResult]], families: dict[str, tuple[str, str]]) -> str:
+    """docs/hf_coverage.md: counts per mode, then one row per family and mode, the table the tests read back
+    (family, config class and mode identify what to rebuild)."""
     import transformers
 
     s = summary(results)
+    modes = list(results)
     lines = [
         "# HF transformers MoE coverage (generated)",
         "",
-        f"Generated by `python benchmarks/hf_coverage.py --write` on transformers {transformers.__version__}: "
-        f"{s['families_replayed']} of {s['families_total']} MoE families replay. Do not edit by hand.",
+        f"Generated by `python benchmarks/hf_coverage.py --write` on transformers {transformers.__version__}. Do not edit by hand.",
         "",
-        "A family is *replayed* when, on a tiny random model built from its config class (3 layers, 8 experts, "
-        "top-2, width 64, no download), every router gets a registered or a verified inferred gate rule, replaying "
-        "HF's own routes gives bit-identical outputs, replaying other experts changes them, and a backward "
-        "under replay is finite with a non-zero gradient on every router. *refused* is replay refusing the "
-        "model by name before any forward; *error* is the tiny model failing elsewhere (building, running). "
-        "`tests/test_hf_coverage.py` re-runs every replayed row.",
+        "| mode | what runs | families replayed |",
+        "|---|---|---|",
+        *[f"| {p} | {PRECISIONS[p].about} | {s['families_replayed'][p]} of {s['families_total'][p]} |" for p in modes],
+        "",
+        "A family is *replayed* in a mode when, on a tiny random model built from its config class (3 layers, 8 experts, "
+        "top-2, width 64, no download) and run in that mode, every router gets a registered or a verified inferred "
+        "gate rule (checked at attach, outside autocast, and again on the first forward in the mode's dtype and "
+        "autocast state), replaying the routes HF chose in the same forward gives bit-identical outputs, replaying "
+        "other experts changes them, and a backward under replay is finite with a non-zero gradient on every router. "
+        "*refused* is replay refusing the model by name before any replayed output (at attach or on the first "
+        "forward of a mode); *error* is the tiny model failing elsewhere (building, running). "
+        "`tests/test_hf_coverage.py` re-runs every row replayed in fp32, and the bf16 and autocast rows of the "
+        "families whose router arithmetic depends on the precision. Where HF's own forward fails with the tensors "
+        "from_pretrained keeps in fp32, the bf16 row is measured with every tensor in bf16 and says so.",
+        "",
+        "Families are the model types whose modeling module defines a router class (`*Router`, `*Gating`, or a "
+        "`*Gate` reading a top_k), and those whose config has more than one expert by default (inline routing).",
         "",
         "Rule notation: `softmax_topk` softmax over all experts then gather; `topk_softmax` softmax over the "
         "top-k logits; `sigmoid_bias_group` per-expert score (sigmoid or sqrtsoftplus) then gather; `renorm` "
         "divide by the K-sum (`eps` added); `scale` a multiplier; `bias` a selection-only bias; `groups=G/k` "
-        "group-limited selection.",
+        "group-limited selection; `logits-dtype` scores computed in the logits' own dtype (bf16 where the router's "
+        "linear returns bf16) rather than in fp32.",
         "",
         TABLE_HEAD,
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in results:
-        cls_name, module = families[r.family]
-        reason = r.reason.replace("|", "/").replace("\n", " ")
-        lines.append(f"| {r.family} | `{module}.{cls_name}` | {r.model_class} | {r.router} | {r.rule} | {r.status} | {reason} |")
+    by_family: dict[str, dict[str, FamilyResult]] = {}
+    for p in modes:
+        for r in results[p]:
+            by_family.setdefault(r.family, {})[p] = r
+    for family in sorted(by_family):
+        cls_name, module = families[family]
+        for p in modes:
+            r = by_family[family].get(p)
+            if r is None:
+                continue
+            reason = "; ".join(x for x in (r.reason, r.note) if x).replace("|", "/").replace("\n", " ")
+            lines.append(f"| {family} | `{module}.{cls_name}` | {p} | {r.model_class} | {r.router} | {r.rule} | {r.status} | {reason} |")
     return "\n".join(lines) + "\n"
 
 
-def claimed(path: str) -> dict[str, tuple[str, str]]:
-    """{family: (config class name, module)} of the rows a generated table marks replayed."""
+def claimed(path: str, precision: str = "fp32") -> dict[str, tuple[str, str]]:
+    """{family: (config class name, module)} of the rows a generated table marks replayed in `precision`."""
     out: dict[str, tuple[str, str]] = {}
     for line in open(path):
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 7 and cells[5] == "replayed":
+        if len(cells) == 8 and cells[2] == precision and cells[6] == "replayed":
             module, _, cls_name = cells[1].strip("`").rpartition(".")
             out[cells[0]] = (cls_name, module)
     return out

@@ -1,24 +1,34 @@
 """Gate rules for HF routers nobody registered: inferred from the router and config, verified bit for bit.
 
 A registered RouterAdapter (routers.py) is the explicit path. For any other module that looks like
-an MoE router, `infer_adapter` reads hints from the router's attributes and the model config
+an MoE router, `attach_adapter` reads hints from the router's attributes and the model config
 (scoring function, a selection-only bias, expert groups, norm_topk_prob, a scaling factor), lists
 the rule table's candidates those hints allow, and verifies them on the router itself before any
 forward: the router is run on probe hidden states, and a candidate is accepted only if, given the
 router's own ids, it reproduces the router's own weights bit for bit (`torch.equal`, in the
-router's output dtype) and its free selection reproduces the router's id sets. A router that no
-candidate reproduces, whose output is not (logits [T, E], weights [T, K], ids [T, K]) in some order,
-or whose logits are degenerate on the probe (uninitialised weights cannot tell rules apart) is
-refused by name with what did not match.
+router's output dtype) and its free selection reproduces the router's id sets. A registered
+adapter is checked the same way against its one rule.
+
+The arithmetic depends on the precision context: HF routers score in fp32 or in the logits' own
+dtype, and bf16 weights or bf16 autocast change which that is (DeepSeek-V3's `logits.sigmoid()` runs
+in bf16 under autocast; on bf16 logits of spread 2, 28% of its weights differ from fp32 scores). So a rule is
+verified per PrecisionKey (input dtype, weight dtype, device type, autocast dtype): at attach in the
+model's dtype and the attach's autocast state, and again by `adapter_in_context` on the first
+forward of every other context, with the probe in that forward's dtype under its autocast, and
+against that forward's own router output. Replayed weights take the dtype of HF's own weights in the
+same call. A router that no candidate reproduces in a context, whose output is not (logits [T, E],
+weights [T, K], ids [T, K]) in some order, or whose logits are degenerate on the probe
+(uninitialised weights cannot tell rules apart) is refused by name with what did not match.
 
 Legend: T probe tokens, E experts, K top-k.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -27,8 +37,10 @@ from torch import nn
 from moe_replay.replay.errors import UnsupportedRouterError
 from moe_replay.replay.gates import GATE_RULES, GateSpec
 
-PROBE_TOKENS = 64
-"""Probe rows: enough that a wrong renormalisation, scale or epsilon shows in some bit of some row."""
+PROBE_TOKENS = 4096
+"""Probe rows. A wrong renormalisation, scale or epsilon shows in some bit of most rows, but some selection
+differences are rare: scores in the wrong dtype move a bf16 DeepSeek-style selection in ~0.2% of rows (2 of
+1024 measured), AXK2's 0-filled groups in 2 of 4096; 4096 rows show a 0.2% difference ~8 times."""
 _PROBE_SEED = 1234
 _BIAS_NAMES = ("e_score_correction_bias", "expert_bias", "balancing_biases")
 """Tensors (on the router, its submodules or its parent block) that take part in selection only."""
@@ -55,8 +67,6 @@ class InferredAdapter:
     ids_at: int
     n_outputs: int
     experts: int
-    weights_dtype_from: str
-    """"logits": weights come back in the logits dtype; "float32": always fp32."""
     bias_at: tuple[Any, str] | None = None
     """(weakref to the module holding it, attribute path) of the selection-only bias the verified
     selection used; read at each call, so a later .to(device) or checkpoint load is seen."""
@@ -64,10 +74,6 @@ class InferredAdapter:
     @property
     def rule(self) -> str:
         return self.gate_spec.rule
-
-    @property
-    def weights_in_logits_dtype(self) -> bool:
-        return self.weights_dtype_from == "logits"
 
     def spec(self, router: nn.Module) -> GateSpec:
         return self.gate_spec
@@ -88,8 +94,8 @@ class InferredAdapter:
         return output[self.logits_at], output[self.weights_at], output[self.ids_at]
 
     def repack(self, output, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
-        """The router's output with replayed weights (cast as verified on the probe) and ids."""
-        weights = weights.to(logits.dtype if self.weights_in_logits_dtype else torch.float32)
+        """The router's output with replayed weights, in the dtype of HF's own weights in this call, and ids."""
+        weights = weights.to(output[self.weights_at].dtype)
         items = list(output)
         items[self.logits_at], items[self.weights_at], items[self.ids_at] = logits, weights, ids
         return type(output)(items) if isinstance(output, tuple) else items
@@ -108,7 +114,9 @@ class InferredAdapter:
         if self.bias_at is not None:
             parts.append("bias")
         if s.num_groups > 1:
-            parts.append(f"groups={s.num_groups}/{s.topk_group}({s.group_score})")
+            parts.append(f"groups={s.num_groups}/{s.topk_group}({s.group_score}{'' if s.group_fill is None else f', fill {s.group_fill:g}'})")
+        if not s.upcast:
+            parts.append("logits-dtype")
         return " ".join(parts)
 
 
@@ -161,11 +169,12 @@ def _extra_args(router: nn.Module, parent: nn.Module | None) -> list[Any]:
 
 
 def _call(router: nn.Module, hidden_TH: torch.Tensor, extra: list[Any]):
+    """The router's own forward, bypassing hooks (a replay or capture hook on it never sees a probe)."""
     try:
-        return router(hidden_TH, *extra)
+        return router.forward(hidden_TH, *extra)
     except Exception as first:  # some routers take [B, S, H] only
         try:
-            return router(hidden_TH.unsqueeze(0), *extra)
+            return router.forward(hidden_TH.unsqueeze(0), *extra)
         except Exception:
             raise _Refuse(f"forward on probe hidden states [{hidden_TH.shape[0]}, {hidden_TH.shape[1]}] raised {type(first).__name__}: {first}") from None
 
@@ -195,7 +204,7 @@ def _ordered(hint: Any, options: list) -> list:
     return [hint] + [o for o in options if o != hint] if hint in options else options
 
 
-def _candidates(router: nn.Module, config: Any, top_k: int, experts: int, bias: Any) -> list[tuple[GateSpec, bool]]:
+def _candidates(router: nn.Module, config: Any, top_k: int, experts: int, bias: Any, upcasts: list[bool]) -> list[tuple[GateSpec, bool]]:
     """Rule-table candidates, the ones the hints name first: (spec, use the bias in selection)."""
     objs = [router, config]
     norm = _first_attr(objs, ("norm_topk_prob",))
@@ -211,7 +220,8 @@ def _candidates(router: nn.Module, config: Any, top_k: int, experts: int, bias: 
     group_opts: list[dict] = [{}]
     if groups > 1 and experts % groups == 0 and method != "greedy":
         score = "max" if method == "group_limited_greedy" else "top2_sum"
-        group_opts = [dict(num_groups=groups, topk_group=min(topk_group, groups), group_score=score), {}]
+        group = dict(num_groups=groups, topk_group=min(topk_group, groups), group_score=score)
+        group_opts = [group, {**group, "group_fill": 0.0}, {}]
     rules = [("softmax_topk", {}), ("topk_softmax", {}), ("sigmoid_bias_group", {"scoring": "sigmoid"})]
     if scoring_hint == "sqrtsoftplus":
         rules = [("sigmoid_bias_group", {"scoring": "sqrtsoftplus"})]
@@ -224,82 +234,279 @@ def _candidates(router: nn.Module, config: Any, top_k: int, experts: int, bias: 
                 for scale_ in scales:
                     for g in group_opts:
                         for use_bias in [True, False] if bias is not None else [False]:
-                            spec = GateSpec(rule, top_k=top_k, renormalize=renorm, routed_scaling_factor=scale_, renorm_eps=eps, **extra, **g)
-                            out.append((spec, use_bias))
+                            for upcast in upcasts:
+                                spec = GateSpec(rule, top_k=top_k, renormalize=renorm, routed_scaling_factor=scale_, renorm_eps=eps,
+                                                upcast=upcast, **extra, **g)
+                                out.append((spec, use_bias))
     return out
 
 
-_VERIFIED: "weakref.WeakKeyDictionary[nn.Module, tuple[Any, InferredAdapter]]" = weakref.WeakKeyDictionary()
-"""Router -> (dtype, device, adapter) verified on it: the rule depends on the router's code, config and
-dtype, not on its weight values, so one probe per router (per dtype and device) is enough."""
+PrecisionKey = tuple
+"""(router input dtype, router weight dtype, device type, autocast dtype or None): what a gate rule's
+arithmetic depends on besides the router's code and config."""
+
+
+@dataclass
+class _ProbeContext:
+    """What attach knew about a router, kept to verify it again in another precision context."""
+
+    family: str
+    where: str
+    config: Any
+    parent: "weakref.ref[nn.Module] | None"
+    hidden_size: int
+    registered: Any
+    """The registered RouterAdapter, or None where the rule is inferred."""
+
+
+_PROBES: "weakref.WeakKeyDictionary[nn.Module, _ProbeContext]" = weakref.WeakKeyDictionary()
+_VERIFIED: "weakref.WeakKeyDictionary[nn.Module, dict[PrecisionKey, Any]]" = weakref.WeakKeyDictionary()
+"""Router -> {precision key: adapter verified on it in that context}. The rule depends on the router's code,
+config and precision context, not on its weight values, so one probe per router and context is enough."""
+_FORWARD: "weakref.WeakKeyDictionary[nn.Module, dict[PrecisionKey, Any]]" = weakref.WeakKeyDictionary()
+"""Router -> {precision key: adapter} of the contexts a forward has run and been checked in; the last one added last."""
+
+
+def _weight_of(router: nn.Module) -> torch.Tensor | None:
+    return next((p for p in router.parameters() if p.is_floating_point()), None)
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def precision_key(router: nn.Module, hidden_dtype: torch.dtype | None, device: torch.device | None = None) -> PrecisionKey:
+    """The key of a forward feeding `router` hidden states of `hidden_dtype`, under the autocast state now."""
+    param = _weight_of(router)
+    device = device if device is not None else (param.device if param is not None else torch.device("cpu"))
+    weight_dtype = None if param is None else param.dtype
+    return (hidden_dtype or weight_dtype, weight_dtype, device.type, _autocast_dtype(device.type))
+
+
+def attach_adapter(router: nn.Module, registered: Any, *, family: str, where: str, config: Any, parent: nn.Module | None,
+                   hidden_size: int, hidden_dtype: torch.dtype | None) -> Any:
+    """The adapter for `router` verified at attach: the registered one checked, or one inferred.
+
+    Probes run in `hidden_dtype` (the model's residual dtype) under the autocast state of the call;
+    `adapter_in_context` verifies again on the first forward of each other context. Raises
+    UnsupportedRouterError naming family, router, layer and reason.
+    """
+    _PROBES[router] = _ProbeContext(family, where, config, None if parent is None else weakref.ref(parent), hidden_size, registered)
+    return _verified(router, precision_key(router, hidden_dtype))
 
 
 def infer_adapter(router: nn.Module, *, family: str, where: str, config: Any, parent: nn.Module | None, hidden_size: int) -> InferredAdapter:
-    """The verified adapter for `router`, or UnsupportedRouterError naming family, layer and reason."""
-    param = next((p for p in router.parameters() if p.is_floating_point()), None)
-    key = None if param is None else (param.dtype, param.device)
-    hit = _VERIFIED.get(router)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    try:
-        adapter = _infer(router, family=family, config=config, parent=parent, hidden_size=hidden_size)
-    except _Refuse as why:
-        raise UnsupportedRouterError(f"{family}: router {where!r} ({type(router).__name__}) cannot be replayed: {why}") from None
-    _VERIFIED[router] = (key, adapter)
+    """The verified inferred adapter for `router` in its weight dtype, or UnsupportedRouterError naming family, layer and reason."""
+    return attach_adapter(router, None, family=family, where=where, config=config, parent=parent, hidden_size=hidden_size, hidden_dtype=None)
+
+
+def adapter_in_context(router: nn.Module, hidden: torch.Tensor | None, output: Any = None) -> Any:
+    """The adapter verified for the forward now running: `hidden`'s dtype (None: the weights'), the router's
+    weight dtype and the ambient autocast state. The first forward of a context probes the router in it (and checks the rule
+    against `output`, HF's own result of this call); later ones are a dict lookup. Raises
+    UnsupportedRouterError, before any replayed output, where no rule reproduces the router in this context.
+    """
+    key = precision_key(router, None if hidden is None else hidden.dtype, None if hidden is None else hidden.device)
+    seen = _FORWARD.get(router)
+    hit = None if seen is None else seen.get(key)
+    if hit is not None:
+        return hit
+    adapter = _verified(router, key)
+    if output is not None:
+        _check_output(router, adapter, output, key)
+    _FORWARD.setdefault(router, {})[key] = adapter
     return adapter
 
 
-def _infer(router: nn.Module, *, family: str, config: Any, parent: nn.Module | None, hidden_size: int) -> InferredAdapter:
-    param = next((p for p in router.parameters() if p.is_floating_point()), None)
+def forward_adapter(router: nn.Module) -> Any:
+    """The adapter verified for the latest new forward context `router` ran in (None before any forward)."""
+    seen = _FORWARD.get(router)
+    return list(seen.values())[-1] if seen else None
+
+
+def _describe_key(key: PrecisionKey) -> str:
+    hidden, weight, device, autocast = key
+    return f"{str(hidden).replace('torch.', '')} input, {str(weight).replace('torch.', '')} weights on {device}" + (
+        f", {str(autocast).replace('torch.', '')} autocast" if autocast is not None else ", no autocast")
+
+
+def _verified(router: nn.Module, key: PrecisionKey) -> Any:
+    cached = _VERIFIED.get(router, {})
+    if key in cached:
+        return cached[key]
+    ctx = _PROBES.get(router)
+    if ctx is None:
+        raise UnsupportedRouterError(f"router {type(router).__name__} was not attached by find_routers; no probe context to verify it in")
+    parent = None if ctx.parent is None else ctx.parent()
+    try:
+        if ctx.registered is not None:
+            adapter = _check_registered(router, ctx.registered, key, parent=parent, hidden_size=ctx.hidden_size)
+        else:
+            adapter = _infer(router, family=ctx.family, config=ctx.config, parent=parent, hidden_size=ctx.hidden_size, key=key)
+    except _Refuse as why:
+        raise UnsupportedRouterError(
+            f"{ctx.family}: router {ctx.where!r} ({type(router).__name__}) cannot be replayed in {_describe_key(key)}: {why}"
+        ) from None
+    _VERIFIED.setdefault(router, {})[key] = adapter
+    return adapter
+
+
+def _check_output(router: nn.Module, adapter: Any, output: Any, key: PrecisionKey) -> None:
+    """The rule, on this forward's own logits at HF's own ids, gives HF's weights bit for bit and selects HF's ids."""
+    ctx = _PROBES[router]
+    logits_TE, weights_TK, ids_TK = adapter.unpack(output)
+    spec, bias = adapter.spec(router), adapter.selection_bias(router)
+    rule = GATE_RULES.get(spec.rule)
+    with torch.no_grad():
+        ids_TK = ids_TK.long()
+        mine_TK = rule.weights(logits_TE.detach(), ids_TK, spec, bias).to(weights_TK.dtype)
+        wrong = int((mine_TK != weights_TK).any(-1).sum())
+        picked = rule.select(logits_TE.detach(), spec, bias).sort(-1).values
+        moved = int((picked != ids_TK.sort(-1).values).any(-1).sum())
+    if wrong or moved:
+        _VERIFIED.get(router, {}).pop(key, None)
+        raise UnsupportedRouterError(
+            f"{ctx.family}: router {ctx.where!r} ({type(router).__name__}) cannot be replayed in {_describe_key(key)}: "
+            f"its verified rule ({adapter.describe()}) gives other weights than HF in {wrong} and other experts in {moved} "
+            f"of this forward's {logits_TE.shape[0]} tokens"
+        )
+
+
+def _probe(router: nn.Module, key: PrecisionKey, parent: nn.Module | None, hidden_size: int):
+    """Router output on probe hidden states of the key's dtype, logits scaled to O(2), under the ambient autocast."""
+    param = _weight_of(router)
     if param is None:
         raise _Refuse("has no floating-point parameters")
     if param.device.type == "meta":
         raise _Refuse("its parameters are on the meta device; load weights before attaching replay")
     extra = _extra_args(router, parent)
     gen = torch.Generator().manual_seed(_PROBE_SEED)
-    hidden_TH = torch.randn(PROBE_TOKENS, hidden_size, generator=gen).to(param.device, param.dtype)
+    tokens = PROBE_TOKENS
+    hidden_TH = torch.randn(tokens, hidden_size, generator=gen).to(param.device, key[0])
     with torch.no_grad():
         out = _call(router, hidden_TH, extra)
-        logits_at, weights_at, ids_at, experts = _layout(out, PROBE_TOKENS)
+        logits_at, weights_at, ids_at, experts = _layout(out, tokens)
         spread = out[logits_at].float().std()
         if not torch.isfinite(spread) or spread == 0:
             raise _Refuse(f"probe logits have spread {float(spread)}: router weights look uninitialised, no rule can be told apart")
         out = _call(router, hidden_TH * (2.0 / spread).to(hidden_TH.dtype), extra)  # logits O(2): every rule's output differs
-    logits_TE, weights_TK, ids_TK = out[logits_at], out[weights_at], out[ids_at].long()
-    distinct = (logits_TE.sort(-1).values.diff(dim=-1) != 0).all(-1).float().mean()
+    logits_TE = out[logits_at]
+    top = logits_TE.float().topk(min(out[ids_at].shape[1] + 1, experts), dim=-1).values  # ties below the top k+1 choose nothing
+    distinct = (top.diff(dim=-1) != 0).all(-1).float().mean()
     if distinct < 0.5:
-        raise _Refuse(f"probe logits tie in {1 - float(distinct):.0%} of rows; cannot verify a rule")
-    if weights_TK.dtype == logits_TE.dtype:
-        dtype_from = "logits"
-    elif weights_TK.dtype == torch.float32:
-        dtype_from = "float32"
-    else:
-        raise _Refuse(f"returns weights in {weights_TK.dtype}, neither its logits dtype ({logits_TE.dtype}) nor float32")
+        raise _Refuse(f"probe logits tie within the top k+1 in {1 - float(distinct):.0%} of rows; cannot verify a rule")
+    return out, (logits_at, weights_at, ids_at, experts)
+
+
+def _matches(spec: GateSpec, bias: Any, logits_TE, weights_TK, ids_TK) -> str | None:
+    """None when `spec` reproduces the weights and the id sets bit for bit; else what differs."""
+    rule = GATE_RULES.get(spec.rule)
+    mine_TK = rule.weights(logits_TE.detach(), ids_TK, spec, bias).to(weights_TK.dtype)
+    if not torch.equal(mine_TK, weights_TK):
+        err = (mine_TK.float() - weights_TK.float()).abs().max().item()
+        return f"weights differ in {int((mine_TK != weights_TK).any(-1).sum())}/{len(ids_TK)} probe rows (max abs error {err:.3g})"
+    picked = rule.select(logits_TE.detach(), spec, bias).sort(-1).values
+    ids_sorted = ids_TK.sort(-1).values
+    if not torch.equal(picked, ids_sorted):
+        return f"{spec.rule} reproduces the weights but selects other experts in {int((picked != ids_sorted).any(-1).sum())}/{len(ids_TK)} rows"
+    return None
+
+
+def _check_registered(router: nn.Module, adapter: Any, key: PrecisionKey, *, parent: nn.Module | None, hidden_size: int) -> Any:
+    """A registered adapter, checked on the probe where its weights can be told apart (registration is the
+    explicit path: meta or uninitialised weights are trusted at attach and checked on the first forward)."""
+    try:
+        out, _ = _probe(router, key, parent, hidden_size)
+    except _Refuse:
+        return adapter
+    with torch.no_grad():
+        logits_TE, weights_TK, ids_TK = adapter.unpack(out)
+        why = _matches(adapter.spec(router), adapter.selection_bias(router), logits_TE, weights_TK, ids_TK.long())
+    if why is not None:
+        raise _Refuse(f"its registered rule ({adapter.describe()}) does not reproduce it: {why}")
+    return adapter
+
+
+_FP32_FORM: "weakref.WeakKeyDictionary[nn.Module, tuple[GateSpec, bool] | None]" = weakref.WeakKeyDictionary()
+"""Router -> (spec, uses the bias) verified on an fp32 copy of it: the rule's form (renormalisation, epsilon,
+scale, groups), which bf16 rounding can hide (LFM2's 1e-6 renorm epsilon is below bf16's resolution near 1)."""
+
+
+def _fp32_form(router: nn.Module, *, family: str, config: Any, parent: nn.Module | None, hidden_size: int,
+               key: PrecisionKey) -> tuple[GateSpec, bool] | None:
+    """The rule form an fp32 copy of `router` verifies, outside autocast; None in fp32 itself or where none verifies."""
+    if key[0] == key[1] == torch.float32 and key[3] is None:
+        return None
+    fp32 = (torch.float32, torch.float32, key[2], None)
+    known = _VERIFIED.get(router, {}).get(fp32)
+    if isinstance(known, InferredAdapter):  # verified on the router itself in fp32
+        return known.gate_spec, known.bias_at is not None
+    if router not in _FP32_FORM:
+        try:
+            with torch.autocast(key[2], enabled=False):
+                a = _infer(copy.deepcopy(router).float(), family=family, config=config, parent=parent, hidden_size=hidden_size, key=fp32)
+            _FP32_FORM[router] = (a.gate_spec, a.bias_at is not None)
+        except _Refuse:
+            _FP32_FORM[router] = None
+    return _FP32_FORM[router]
+
+
+_BIAS_SHIFT = 1.0
+"""The selection bias is probed again lowered by this much: every kept expert's sigmoid score + bias then falls
+below 0, so a rule that fills masked groups with -inf and one that fills them with 0 (AXK2) select differently
+even where the loaded bias is positive (and a bias that drifts negative in training would tell them apart)."""
+
+
+def _ids_with_bias_shift(router: nn.Module, key: PrecisionKey, parent: nn.Module | None, hidden_size: int,
+                         bias: torch.Tensor, ids_at: int) -> torch.Tensor:
+    """The router's own ids on the probe with its selection bias lowered by _BIAS_SHIFT (restored after)."""
+    saved = bias.detach().clone()
+    try:
+        with torch.no_grad():
+            bias.sub_(_BIAS_SHIFT)
+        out, _ = _probe(router, key, parent, hidden_size)
+        return out[ids_at].long()
+    finally:
+        with torch.no_grad():
+            bias.copy_(saved)
+
+
+def _infer(router: nn.Module, *, family: str, config: Any, parent: nn.Module | None, hidden_size: int, key: PrecisionKey) -> InferredAdapter:
+    out, (logits_at, weights_at, ids_at, experts) = _probe(router, key, parent, hidden_size)
+    logits_TE, weights_TK, ids_TK = out[logits_at], out[weights_at], out[ids_at].long()
     bias_at = _find_bias(router, parent, experts)
     bias = None if bias_at is None else _get_path(*bias_at)
     top_k = int(ids_TK.shape[1])
-    ids_sorted = ids_TK.sort(-1).values
+    upcasts = [True] if logits_TE.dtype == torch.float32 else [True, False]  # on fp32 logits both are the same arithmetic
+    candidates = _candidates(router, config, top_k, experts, bias, upcasts)
+    form = _fp32_form(router, family=family, config=config, parent=parent, hidden_size=hidden_size, key=key)
+    if form is not None:  # the fp32 form first: where bf16 cannot tell two forms apart, the one fp32 verified wins
+        candidates.sort(key=lambda c: (replace(c[0], upcast=True), c[1]) != form)
+    shifted = None if bias is None else _ids_with_bias_shift(router, key, parent, hidden_size, bias, ids_at)
     near: list[str] = []
-    for spec, use_bias in _candidates(router, config, top_k, experts, bias):
-        rule, b = GATE_RULES.get(spec.rule), (bias if use_bias else None)
-        mine_TK = rule.weights(logits_TE.detach(), ids_TK, spec, b).to(weights_TK.dtype)
-        if not torch.equal(mine_TK, weights_TK):
-            continue
-        picked = rule.select(logits_TE.detach(), spec, b).sort(-1).values
-        if not torch.equal(picked, ids_sorted):
-            near.append(f"{spec.rule} reproduces the weights but selects other experts in {int((picked != ids_sorted).any(-1).sum())}/{PROBE_TOKENS} rows")
-            continue
-        where = None if b is None else (weakref.ref(bias_at[0]), bias_at[1])
-        return InferredAdapter(family, type(router).__name__, spec, logits_at, weights_at, ids_at, len(out), experts, dtype_from, where)
+    with torch.no_grad():
+        for spec, use_bias in candidates:
+            b = bias if use_bias else None
+            why = _matches(spec, b, logits_TE, weights_TK, ids_TK)
+            if why is None and shifted is not None:
+                picked = GATE_RULES.get(spec.rule).select(logits_TE.detach(), spec, None if b is None else b - _BIAS_SHIFT)
+                moved = int((picked.sort(-1).values != shifted.sort(-1).values).any(-1).sum())
+                why = None if moved == 0 else (f"{spec.rule} reproduces the weights but, with the selection bias lowered by "
+                                               f"{_BIAS_SHIFT:g}, selects other experts in {moved}/{len(ids_TK)} rows")
+            if why is None:
+                where = None if b is None else (weakref.ref(bias_at[0]), bias_at[1])
+                return InferredAdapter(family, type(router).__name__, spec, logits_at, weights_at, ids_at, len(out), experts, where)
+            if "selects other experts" in why:
+                near.append(why)
     if near:
         raise _Refuse("; ".join(dict.fromkeys(near)))
-    best = _closest(logits_TE, ids_TK, weights_TK, router, config, top_k, experts, bias)
-    raise _Refuse(f"no rule in the table reproduces its weights bit for bit on {PROBE_TOKENS} probe tokens ({best})")
+    best = _closest(logits_TE, ids_TK, weights_TK, router, config, top_k, experts, bias, upcasts)
+    raise _Refuse(f"no rule in the table reproduces its weights bit for bit on {len(ids_TK)} probe tokens ({best})")
 
 
-def _closest(logits_TE, ids_TK, weights_TK, router, config, top_k, experts, bias) -> str:
+def _closest(logits_TE, ids_TK, weights_TK, router, config, top_k, experts, bias, upcasts) -> str:
     errs = []
-    for spec, use_bias in _candidates(router, config, top_k, experts, bias):
+    for spec, use_bias in _candidates(router, config, top_k, experts, bias, upcasts):
         w = GATE_RULES.get(spec.rule).weights(logits_TE.detach(), ids_TK, spec, bias if use_bias else None).float()
         errs.append(((w - weights_TK.float()).abs().max().item(), spec.rule))
     err, rule = min(errs)

@@ -13,8 +13,10 @@ Legend: N flattened positions (B * S), K top-k, E experts.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -28,6 +30,7 @@ from moe_replay.replay.ledger import RouteLedger, check_layers, in_backward
 from moe_replay.replay.plan import RoutePlan
 from moe_replay.trace import RolloutTrace
 
+from .infer import adapter_in_context
 from .routers import RouterSite, find_routers
 
 _ACTIVE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -131,11 +134,16 @@ class ReplaySession:
         return self.plan.model_inputs()
 
     def _hook(self, site: RouterSite):
-        spec, rule = site.spec, GATE_RULES.get(site.spec.rule)
-        bias_fn, adapter = site.adapter.selection_bias, site.adapter
         layer_id, routed_NK, flips, routes = site.layer_id, self._routed_NK, self.flips, self.routes
+        rules: dict[int, tuple] = {}
+        """id(adapter) -> (adapter, spec, rule) for each adapter a precision context was verified with."""
 
         def hook(module: nn.Module, args, output):
+            # verified in this forward's input dtype and autocast state (probed on the first forward of each)
+            adapter = adapter_in_context(module, args[0] if args else None, output)
+            if id(adapter) not in rules:
+                rules[id(adapter)] = (adapter, adapter.spec(module), GATE_RULES.get(adapter.spec(module).rule))
+            _, spec, rule = rules[id(adapter)]
             logits_NE, _, free_NK = adapter.unpack(output)
             ids_NK = self.ledger.take(layer_id, logits_NE.shape[0])
             if routed_NK is not None:
@@ -144,7 +152,7 @@ class ReplaySession:
                 _count_flips(flips, layer_id, free_NK, ids_NK, self.plan.routed_N)
             if routes is not None and not in_backward():
                 routes.used_ids[layer_id], routes.own_ids[layer_id] = ids_NK.detach().clone(), free_NK.detach().clone()
-            weights_NK = rule.weights(logits_NE, ids_NK, spec, bias_fn(module))
+            weights_NK = rule.weights(logits_NE, ids_NK, spec, adapter.selection_bias(module))
             return adapter.repack(output, logits_NE, weights_NK, ids_NK)
 
         return hook
@@ -246,3 +254,34 @@ def self_routed_trace(model: nn.Module, tokens_S: np.ndarray, prompt_len: int, r
     # a trace holds routes of positions 0..S-2: the last token is sampled, never forwarded
     routes_TLK = torch.stack([cap[lid] for lid in geometry.moe_layer_ids], 1)[:-1].numpy()
     return RolloutTrace(request_id, tokens_S, prompt_len, geometry, routes_TLK=routes_TLK)
+
+
+def with_own_routes(plan: RoutePlan, own: dict[int, torch.Tensor]) -> RoutePlan:
+    """`plan` routing each recorded position with the ids the model chose for it in this very batch (`own`:
+    capture_routes's {layer id: ids [N, K]}): in bf16 a batch's padding changes rounding, so a sequence run
+    alone may route otherwise than inside the batch."""
+    ids_LNK = torch.stack([own[lid].reshape(plan.num_positions, -1) for lid in plan.geometry.moe_layer_ids]).to(plan.ids_LNK.dtype)
+    return replace(plan, ids_LNK=torch.where(plan.routed_N.view(1, -1, 1), ids_LNK, plan.ids_LNK))
+
+
+def output_tensor(out) -> torch.Tensor:
+    """A model output's logits, or its last hidden state for a model without an LM head."""
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+def self_replay_gap(model: nn.Module, traces: Sequence[RolloutTrace],
+                    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> float:
+    """Largest |difference| between the model's own forward of `traces`' batch and a replay of the routes that
+    same forward chose, both run inside `context()` (a trainer's autocast, say): 0.0 where replay is bit-identical
+    in that precision mode, NaN where either output is not finite. Raises UnsupportedRouterError where no gate
+    rule reproduces a router in that context."""
+    from moe_replay.replay import build_plan
+
+    plan = build_plan(list(traces), model_geometry(model))
+    with torch.no_grad(), context(), capture_routes(model) as own:
+        ref = output_tensor(model(**plan.model_inputs()))
+    plan = with_own_routes(plan, own)
+    with torch.no_grad(), context(), replay(model, plan) as session:
+        out = output_tensor(model(**session.model_inputs()))
+    mask_BS = plan.attention_mask_BS.bool()
+    return (out[mask_BS].float() - ref[mask_BS].float()).abs().max().item()

@@ -2,8 +2,10 @@
 
 Dispatcher: registered adapters are tried in registration order, first isinstance match wins
 (the explicit path). Any other router-shaped module gets an adapter inferred from its attributes
-and config and verified bit for bit on the router before any forward (infer.py), or is refused by
-name. Family-specific knowledge (attribute names, whether HF casts weights back to the logits
+and config. Both are verified bit for bit on the router (infer.py): at attach, in the model's dtype
+and the autocast state of the attach, and again on the first forward of each (input dtype, weight
+dtype, autocast dtype) the router meets; a router no rule reproduces in a context is refused by
+name there. Family-specific knowledge (attribute names, whether HF casts weights back to the logits
 dtype) lives only here and in infer.py's hint lists. Registered adapters work on HF's router
 modules that return (router_logits [T, E], weights [T, K], ids [T, K]) from hidden states [T, H];
 inferred ones locate those three in whatever order the router returns them.
@@ -42,8 +44,9 @@ class RouterAdapter:
     """Reads the router's numbers (renormalisation, scaling, groups) as GateSpec keyword arguments."""
     selection_bias: Callable[[nn.Module], torch.Tensor | None] = lambda m: None
     """A bias that takes part in choosing experts only (never in their weights)."""
-    weights_in_logits_dtype: bool = True
-    """HF casts the weights back to the logits dtype (Qwen, OLMoE, GPT-OSS) or keeps fp32."""
+    upcast: bool = True
+    """HF scores fp32 logits (`softmax(dtype=float32)`, `.float()`), or scores the logits in their own dtype
+    (DeepSeek-V3's `logits.sigmoid()`, GPT-OSS's `softmax(dtype=logits.dtype)`): GateSpec.upcast."""
 
     def __post_init__(self) -> None:
         if not self.module or not self.class_name:
@@ -63,7 +66,7 @@ class RouterAdapter:
         return _ROUTER_CLASSES[key]
 
     def spec(self, router: nn.Module) -> GateSpec:
-        return GateSpec(self.rule, top_k=int(router.top_k), **self.spec_kwargs(router))
+        return GateSpec(self.rule, top_k=int(router.top_k), upcast=self.upcast, **self.spec_kwargs(router))
 
     def num_experts(self, router: nn.Module) -> int:
         return int(router.weight.shape[0])
@@ -76,8 +79,11 @@ class RouterAdapter:
         return output[0], output[1], output[2]
 
     def repack(self, output, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
-        """The router's output with replayed weights (fp32 from the rule, cast as HF casts) and ids."""
-        return logits, weights.to(logits.dtype) if self.weights_in_logits_dtype else weights, ids
+        """The router's output with replayed weights, in the dtype of HF's own weights in this call, and ids."""
+        return logits, weights.to(output[1].dtype), ids
+
+    def describe(self) -> str:
+        return f"{self.rule}{'' if self.upcast else ' logits-dtype'} (registered {self.family})"
 
 
 _ROUTER_CLASSES: dict[tuple[str, str], type | None] = {}
@@ -103,8 +109,7 @@ register_router(RouterAdapter("qwen3_moe", f"{_M}.qwen3_moe.modeling_qwen3_moe",
 register_router(RouterAdapter("qwen2_moe", f"{_M}.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeTopKRouter", "softmax_topk", _norm_topk))
 register_router(RouterAdapter("olmoe", f"{_M}.olmoe.modeling_olmoe", "OlmoeTopKRouter", "softmax_topk", _norm_topk))
 register_router(
-    RouterAdapter("mixtral", f"{_M}.mixtral.modeling_mixtral", "MixtralTopKRouter", "softmax_topk_renorm",
-                  weights_in_logits_dtype=False)  # HF keeps Mixtral's weights in fp32
+    RouterAdapter("mixtral", f"{_M}.mixtral.modeling_mixtral", "MixtralTopKRouter", "softmax_topk_renorm")
 )
 register_router(
     RouterAdapter(
@@ -119,10 +124,10 @@ register_router(
             "topk_group": int(m.topk_group),
         },
         selection_bias=lambda m: m.e_score_correction_bias,
-        weights_in_logits_dtype=False,  # HF computes its logits and weights in fp32
+        upcast=False,  # `router_logits.sigmoid()`: fp32 logits, bf16 under autocast
     )
 )
-register_router(RouterAdapter("gpt_oss", f"{_M}.gpt_oss.modeling_gpt_oss", "GptOssTopKRouter", "topk_softmax"))
+register_router(RouterAdapter("gpt_oss", f"{_M}.gpt_oss.modeling_gpt_oss", "GptOssTopKRouter", "topk_softmax", upcast=False))
 
 
 def adapter_for(module: nn.Module) -> RouterAdapter | None:
@@ -154,6 +159,10 @@ class RouterSite:
         return self.adapter.spec(self.module)
 
 
+_LAYER_LISTS = ("layers", "blocks")
+"""Names HF decoders give their layer list (`blocks`: DBRX)."""
+
+
 def _decoder_layers_prefix(model: nn.Module) -> str | None:
     """Qualified name of the decoder's layer list (ending in '.'), when the model says which it is."""
     get_decoder = getattr(model, "get_decoder", None)
@@ -161,8 +170,8 @@ def _decoder_layers_prefix(model: nn.Module) -> str | None:
         decoder = get_decoder() if callable(get_decoder) else None
     except Exception:  # some composite models raise here; fall back to the path rules
         decoder = None
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
+    layers = next((getattr(decoder, n) for n in _LAYER_LISTS if isinstance(getattr(decoder, n, None), nn.ModuleList)), None)
+    if layers is None:
         return None
     for name, module in model.named_modules():
         if module is layers:
@@ -196,24 +205,25 @@ def find_routers(model: nn.Module) -> dict[int, RouterSite]:
     Raises UnsupportedRouterError (family, router, layer, reason) when a router cannot be verified,
     sits outside the decoder stack, or the model holds no router at all; all before any forward.
     """
-    from .infer import infer_adapter, looks_like_router
+    from .infer import attach_adapter, looks_like_router
 
     modules = dict(model.named_modules())
     stack = _decoder_layers_prefix(model)
     config = getattr(model, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden_dtype = _hidden_dtype(model)
     sites: dict[int, RouterSite] = {}
     for name, module in modules.items():
         adapter = adapter_for(module)
         if adapter is None and not looks_like_router(module):
             continue
         layer_id = _layer_id(model, name, module, stack)
-        if adapter is None:
-            parent = modules.get(name.rsplit(".", 1)[0]) if "." in name else model
-            adapter = infer_adapter(
-                module, family=_family(model), where=f"{name} (layer {layer_id})",
-                config=getattr(module, "config", None) or text_config, parent=parent, hidden_size=_hidden_size(module),
-            )
+        parent = modules.get(name.rsplit(".", 1)[0]) if "." in name else model
+        adapter = attach_adapter(
+            module, adapter, family=_family(model), where=f"{name} (layer {layer_id})",
+            config=getattr(module, "config", None) or text_config, parent=parent, hidden_size=_hidden_size(module),
+            hidden_dtype=hidden_dtype,
+        )
         if layer_id in sites:
             raise UnsupportedRouterError(f"two routers in layer {layer_id}: {sites[layer_id].name!r} and {name!r}")
         sites[layer_id] = RouterSite(name, layer_id, module, adapter)
@@ -225,6 +235,17 @@ def find_routers(model: nn.Module) -> dict[int, RouterSite]:
             "Register a RouterAdapter for this family with integrations.hf.routers.register_router"
         )
     return dict(sorted(sites.items()))
+
+
+def _hidden_dtype(model: nn.Module) -> torch.dtype | None:
+    """The residual stream's dtype as the model holds it (its input embeddings'): what its routers are fed
+    outside autocast (a router HF keeps in fp32, like ERNIE-4.5's, still sees bf16 hidden states)."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        weight = getattr(get(), "weight", None) if callable(get) else None
+    except Exception:  # models without input embeddings (some composite ones raise)
+        weight = None
+    return weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else None
 
 
 def _hidden_size(router: nn.Module) -> int:

@@ -49,7 +49,7 @@ def build_engine(model_dir: str, preset: str | None, *, micro_batch_size: int = 
     model_kw = {"path": str(model_dir), "use_remove_padding": False, "override_config": override, **(model_overrides or {})}
     model_config = HFModelConfig(**model_kw)
     model_config.model_type = "language_model"
-    engine_kw = {"strategy": "fsdp2", "model_dtype": "fp32", "dtype": "float32", "use_torch_compile": False,
+    engine_kw = {"strategy": "fsdp2", "model_dtype": "fp32", "use_torch_compile": False,  # verl's default precision: bf16 mixed
                  "use_remove_padding": model_config.use_remove_padding, "use_dynamic_bsz": False,
                  "micro_batch_size_per_gpu": micro_batch_size, "infer_micro_batch_size_per_gpu": micro_batch_size,
                  "seed": 0, **(engine_overrides or {})}

