@@ -36,7 +36,7 @@ and `raw_s` are kept too, since the 2-core machine is shared and one repeat can 
                    sidecar pipelined figure with it (`pipelined_s`, `pipelined_overhead`). Replicas
                    stop where they agree, so on this deterministic engine it stops at min_n = 2;
   estimator_s_reuse[n], pipelined_s_reuse  the same with prompt reuse (VllmScorerConfig(prompt_reuse=True),
-                   integrations/vllm/prefix.py): a replica reads its prompt's KV
+                   integrations/vllm/scoring/prefix.py): a replica reads its prompt's KV
                    cached by the rollout's first replica and forwards only the prompt's tail and the
                    response (whole 32-token blocks); each timed run uses a fresh cache salt, so it starts cold. The other
                    figures use prompt_reuse=False (every replica forwards every token);
@@ -191,7 +191,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--engine", default="compiled", choices=["compiled", "eager"],
                     help="vLLM's default compiled forward (enforce_eager=False; forcing runs inside it, "
-                         "integrations/vllm/force_step.py) or enforce_eager=True, for every engine")
+                         "integrations/vllm/scoring/force_step.py) or enforce_eager=True, for every engine")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)

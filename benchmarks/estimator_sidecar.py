@@ -125,7 +125,7 @@ class Sidecar:
         self.svc_cfg = ServiceConfig(batch_size=self.requests, concurrency=SIDECAR_N)
 
     async def _one(self, prompt: str, sp) -> object:
-        from moe_replay.integrations.vllm.api import sampling_summary
+        from moe_replay.integrations.vllm.capture.api import sampling_summary
 
         rid = f"roll-{uuid.uuid4().hex[:10]}"
         final = None

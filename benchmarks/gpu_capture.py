@@ -14,7 +14,7 @@ interleaved rounds, so drift of the machine hits every setting alike:
 And one check, `native_vs_hooks` (chosen with --settings; not a throughput setting): one engine built
 with vLLM's `enable_return_routed_experts=True`, the capture extension and prefix caching runs the
 workload twice (the second pass reads cached prefixes); every completion's routes from vLLM's
-output (integrations/vllm/native.py) are compared with moe_replay's hook capture of the same run.
+output (integrations/vllm/capture/native.py) are compared with moe_replay's hook capture of the same run.
 Prints `native_vs_hooks`: identical-route fraction per MoE layer (column order kept) and overall,
 the same as sets, and how many traces are identical. Where the hooks cannot bind next to vLLM's own
 capture function (a router holds one capture_fn), the refusal is reported and the hooks run on a
@@ -89,7 +89,7 @@ def compare_native_hooks(kwargs: dict, prompts: list[str], max_tokens: int, top_
     from vllm import LLM, SamplingParams
 
     from moe_replay.integrations.vllm import CaptureConfig, CaptureHookError, CollectError, VllmCapture
-    from moe_replay.integrations.vllm.native import routes_from_native
+    from moe_replay.integrations.vllm.capture.native import routes_from_native
 
     params = [SamplingParams(temperature=1.0, top_p=top_p, max_tokens=max_tokens, ignore_eos=True, seed=i)
               for i in range(len(prompts))]

@@ -4,7 +4,7 @@ Written for one H100 with vLLM 0.26 (../shared/notes/gpu.md); never run by the t
 gpu.md bench model (qwen3_moe, 8 layers, hidden 1024, 64 experts top-8, bf16), `--requests`
 rollouts of `--tokens` tokens (top_p 0.9) are sampled and captured on the main engine, then
 scored on it. `--engine graph` (default, vLLM's default: torch.compile + CUDA graphs; the routers'
-forcing step is bound at model load, integrations/vllm/force_step.py) or `--engine eager`
+forcing step is bound at model load, integrations/vllm/scoring/force_step.py) or `--engine eager`
 (enforce_eager=True); a second engine in the other mode gives the cross-mode placements:
 
   forced_vs_rollout     forced re-scoring (routes + support) vs the rollout's own logprobs: the

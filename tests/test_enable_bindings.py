@@ -64,7 +64,7 @@ def test_async_engine_is_first_class(tiny_model):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from moe_replay.integrations.vllm import AsyncVllmCapture, AsyncVllmScorer, scoring_engine_kwargs
-    from moe_replay.integrations.vllm.api import sampling_summary
+    from moe_replay.integrations.vllm.capture.api import sampling_summary
 
     from .conftest import VLLM_TEST_ARGS
 

@@ -24,7 +24,7 @@ def _bench():
 
 
 def test_dry_run_plan_is_valid_for_the_installed_vllm(capsys):
-    from moe_replay.integrations.vllm.api import EXTENSION
+    from moe_replay.integrations.vllm.link import EXTENSION
     from moe_replay.integrations.vllm.patch import CAPTURE_FLAG
 
     assert _bench().main(["--dry-run", "--rounds", "2"]) == 0

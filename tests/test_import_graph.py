@@ -294,3 +294,54 @@ def test_lazy_table_and_enclosing_package_names_count(tmp_path):
     modules = source_modules(tmp_path)
     comps = strongly_connected(sorted(modules), import_edges(modules, tmp_path))
     assert comps == [[TOP, f"{TOP}.api"]]
+
+
+PEERS = (f"{TOP}.integrations.vllm.capture", f"{TOP}.integrations.vllm.scoring")
+"""The vLLM adapter's two peer subpackages: they share the base below them and never import each other."""
+
+
+def imported_names(name: str, path: Path, is_pkg: bool) -> list[tuple[str, int]]:
+    """Every dotted name a module's imports may resolve to, with its line: `import a.b`, `from a
+    import b` (a and a.b), relative forms resolved, importlib.import_module over literals; imports
+    inside functions and under `if TYPE_CHECKING:` included."""
+    tree = ast.parse(path.read_text(), str(path))
+    tables = _literal_tables(tree)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            pkg = _resolve(name, is_pkg, node.level, node.module) if node.level else (node.module or "")
+            out += [(pkg, node.lineno)] + [(f"{pkg}.{alias.name}", node.lineno) for alias in node.names]
+        elif isinstance(node, ast.Call):
+            for target in _import_module_targets(node, tables) or ():
+                if target.startswith("."):
+                    level = len(target) - len(target.lstrip("."))
+                    target = _resolve(name, is_pkg, level, target.lstrip(".") or None)
+                out.append((target, node.lineno))
+    return out
+
+
+def test_vllm_capture_and_scoring_never_import_each_other():
+    modules = source_modules()
+    bad = []
+    for mine, other in (PEERS, PEERS[::-1]):
+        members = [m for m in modules if m == mine or m.startswith(mine + ".")]
+        assert len(members) > 1, f"{mine} has no modules"
+        for name in members:
+            path, is_pkg = modules[name]
+            for target, line in imported_names(name, path, is_pkg):
+                if target == other or target.startswith(other + "."):
+                    bad.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not bad, "capture/ and scoring/ are peers over the vLLM base; move what both need into it:\n" + "\n".join(bad)
+
+
+def test_peer_check_sees_imports_inside_functions(tmp_path):
+    pkg = tmp_path / TOP / "sub"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("import typing\ndef f():\n    from ..other import x\n    from .. import peer\n")
+    modules = source_modules(tmp_path)
+    path, is_pkg = modules[f"{TOP}.sub.a"]
+    names = dict(imported_names(f"{TOP}.sub.a", path, is_pkg))
+    assert names[f"{TOP}.other"] == 3 and names[f"{TOP}.peer"] == 4 and "typing" in names

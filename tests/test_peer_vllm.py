@@ -33,9 +33,9 @@ from moe_replay.codec.record import decode_trace, encode_trace  # noqa: E402
 from moe_replay.codec.routes import ROUTE_CODECS  # noqa: E402
 from moe_replay.errors import TraceFormatError  # noqa: E402
 from moe_replay.geometry import EngineInfo, ModelGeometry, route_dtype  # noqa: E402
-from moe_replay.integrations.vllm.assemble import build_trace  # noqa: E402
+from moe_replay.integrations.vllm.capture.assemble import build_trace  # noqa: E402
+from moe_replay.integrations.vllm.capture.route_hook import StepRoutes, torch_route_dtype  # noqa: E402
 from moe_replay.integrations.vllm.errors import CaptureAlignmentError  # noqa: E402
-from moe_replay.integrations.vllm.route_hook import StepRoutes, torch_route_dtype  # noqa: E402
 from moe_replay.integrations.vllm.wire import CaptureRecord  # noqa: E402
 from moe_replay.trace import RolloutTrace  # noqa: E402
 

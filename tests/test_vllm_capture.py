@@ -368,7 +368,8 @@ def test_device_runner_path_on_cpu(engine, monkeypatch):
     from the host mirrors instead of read from host buffers), run on the CPU engine: for the same
     sampled tokens (torch RNG reseeded) every trace equals the host path's, bit for bit, through
     chunked prefill, mixed sampling and a prefix-cache hit; and it matches HF."""
-    from moe_replay.integrations.vllm import route_hook, step
+    from moe_replay.integrations.vllm import step
+    from moe_replay.integrations.vllm.capture import route_hook
 
     family, llm, cap, model_dir = engine
     if family != "qwen3_moe":

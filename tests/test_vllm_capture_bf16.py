@@ -26,7 +26,7 @@ def _force_routes(worker, routes_TLK: np.ndarray | None) -> None:
     Weights follow CPURouter's own renormalised softmax rule on the same logits, so forcing the
     ids the engine picked itself must reproduce the unforced run bit for bit.
     """
-    from moe_replay.integrations.vllm.route_hook import find_moe_layers
+    from moe_replay.integrations.vllm.model import find_moe_layers
 
     for j, (_, moe) in enumerate(find_moe_layers(worker.model_runner.model)):
         router = moe.router

@@ -27,7 +27,7 @@ from moe_replay.integrations.vllm import (  # noqa: E402
     VllmCapture,
     capture_engine_kwargs,
 )
-from moe_replay.integrations.vllm.route_hook import STEP_ROUTES_ATTR  # noqa: E402
+from moe_replay.integrations.vllm.capture.route_hook import STEP_ROUTES_ATTR  # noqa: E402
 
 from .test_vllm_capture import BLOCK, SAMPLING, check_against_hf, prompt_text, sampling_params, shutdown  # noqa: E402
 
@@ -111,14 +111,15 @@ def test_compiled_engine_refuses_capture_without_load_time_buffer(engines, monke
 def test_unwritten_route_rows_are_an_error(engines, monkeypatch):
     """A layer that routes no rows into the step buffer leaves them at the sentinel: the requests of
     that step fail with an error naming the layer, never zero routes; the rest of capture goes on."""
-    from moe_replay.integrations.vllm import route_hook
+    from moe_replay.integrations.vllm.capture import route_hook
+    from moe_replay.integrations.vllm.model import find_moe_layers
 
     _, eager, _ = engines
     monkeypatch.setattr(route_hook, "HOLD_DEVICES", set())  # the step buffer, bound at install
     cap = VllmCapture(eager, CaptureConfig())
     try:
         assert cap.stats()["route_mode"] == "step buffer"
-        router = route_hook.find_moe_layers(_runner(eager).model)[1][1].router
+        router = find_moe_layers(_runner(eager).model)[1][1].router
         bound = router.capture_fn
         router.set_capture_fn(lambda ids: None)  # this layer stops writing
         try:

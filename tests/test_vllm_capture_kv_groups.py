@@ -68,7 +68,7 @@ def test_unmappable_kv_layout_is_refused_by_name():
 
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    from moe_replay.integrations.vllm.block_cache import route_kv_group
+    from moe_replay.integrations.vllm.capture.block_cache import route_kv_group
 
     import torch
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from moe_replay.integrations.vllm.records import RequestRecord, last_occurrence
-from moe_replay.integrations.vllm.sampler_hook import StagedSamples, SupportStage
+from moe_replay.integrations.vllm.capture.records import RequestRecord, last_occurrence
+from moe_replay.integrations.vllm.capture.sampler_hook import StagedSamples, SupportStage
 
 
 def test_last_occurrence_keeps_the_newest_write():
@@ -113,7 +113,7 @@ def test_window_lays_steps_end_to_end():
     """A prefill step (rows of 3 and 2 tokens, the second a chunk short of its prompt end) then a
     decode step: each token gets its row's record, each row its last position and discard flag."""
     from moe_replay.integrations.vllm.step import StepLayout
-    from moe_replay.integrations.vllm.worker import _Batch, _Step, _Window
+    from moe_replay.integrations.vllm.capture.worker import _Batch, _Step, _Window
 
     batch = _Batch(["a", "b"], [None, None], np.array([7, 9]), np.array([3, 4]))
     prefill = _Step(batch, StepLayout(["a", "b"], np.array([0, 3, 5]), np.array([0, 1, 2, 0, 1]), np.array([False, True])),
@@ -218,7 +218,7 @@ def test_host_stage_in_numpy_equals_the_device_path(monkeypatch, dtype):
     torch (_kept_torch): over random truncated rows of several steps (a mixed greedy step, rows
     above max_support, a token outside its row) the two give the same tokens, sizes, ids and
     outside flags, and logprobs within 1e-6 of torch's x[token] - logsumexp(x) in fp32."""
-    from moe_replay.integrations.vllm import sampler_hook
+    from moe_replay.integrations.vllm.capture import sampler_hook
 
     gen = torch.Generator().manual_seed(0)
     steps = []
@@ -267,7 +267,7 @@ def test_hooks_capture_is_refused_on_a_data_parallel_engine(dp):
     from vllm.config import ParallelConfig
 
     from moe_replay.capture_config import CaptureConfig
-    from moe_replay.integrations.vllm.api import VllmCapture
+    from moe_replay.integrations.vllm.capture.api import VllmCapture
     from moe_replay.integrations.vllm.errors import CaptureHookError
 
     def plan(source: str, native: bool):

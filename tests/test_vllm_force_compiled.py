@@ -34,8 +34,8 @@ from moe_replay.integrations.vllm import (  # noqa: E402
     VllmScorer,
     VllmScorerConfig,
 )
-from moe_replay.integrations.vllm.force_step import FORCE_STEP_ATTR  # noqa: E402
-from moe_replay.integrations.vllm.route_hook import find_moe_layers  # noqa: E402
+from moe_replay.integrations.vllm.model import find_moe_layers  # noqa: E402
+from moe_replay.integrations.vllm.scoring.force_step import FORCE_STEP_ATTR  # noqa: E402
 
 from .test_vllm_scorer import engine_kwargs, rollouts, shutdown  # noqa: E402
 

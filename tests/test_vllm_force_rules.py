@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 from moe_replay.integrations.vllm.errors import ForceRouteError  # noqa: E402
-from moe_replay.integrations.vllm.router_rules import forced_gate_weights, router_gate  # noqa: E402
+from moe_replay.integrations.vllm.scoring.router_rules import forced_gate_weights, router_gate  # noqa: E402
 
 E, K, T = 32, 4, 64
 
@@ -122,7 +122,7 @@ def test_forcing_step_traces_whole_and_forces_only_masked_rows(kind):
 
     import numpy as np
 
-    from moe_replay.integrations.vllm.force_step import ForceStep, forced_routing
+    from moe_replay.integrations.vllm.scoring.force_step import ForceStep, forced_routing
 
     dtype = torch.bfloat16 if kind == "bf16" else torch.float32
     if kind == "grouped_sigmoid_bias":

@@ -35,8 +35,8 @@ from moe_replay.integrations.vllm import (  # noqa: E402
     VllmCapture,
     capture_engine_kwargs,
 )
-from moe_replay.integrations.vllm import native  # noqa: E402
-from moe_replay.integrations.vllm.native import (  # noqa: E402
+from moe_replay.integrations.vllm.capture import native  # noqa: E402
+from moe_replay.integrations.vllm.capture.native import (  # noqa: E402
     EngineFlags,
     NativeOutputError,
     NativeSourceError,

@@ -297,7 +297,7 @@ def test_prompt_reuse_reads_the_prompt_and_nothing_else(fp32):
     prompt's whole blocks; every later replica reads exactly floor((P-1)/32)*32 prompt tokens (the
     engine's count: the first position it forwards) and forwards the rest itself, never reading a
     response block. Scores equal full re-scoring bit for bit (CPU is batch-invariant), n = 4 too."""
-    from moe_replay.integrations.vllm.prefix import reusable_tokens
+    from moe_replay.integrations.vllm.scoring.prefix import reusable_tokens
 
     traces, llm = fp32["traces"], fp32["llm"]
     full = fp32["scorer"].with_config(VllmScorerConfig(prompt_reuse=False)).score_batch(traces)
@@ -326,7 +326,7 @@ def test_reused_kv_never_crosses_routes_modes_or_rollouts(fp32):
     prompt KV cached under random routes is not read by the same tokens under their own routes, nor
     by free routing; a rollout of the same prompt reads none of it (vLLM's num_cached_tokens is 0),
     while a second rollout reads the first one's blocks (rollouts still share among themselves)."""
-    from moe_replay.integrations.vllm.prefix import cache_salt, reusable_tokens
+    from moe_replay.integrations.vllm.scoring.prefix import cache_salt, reusable_tokens
 
     traces, llm, cap = fp32["traces"], fp32["llm"], fp32["cap"]
     b = max(traces, key=lambda t: t.prompt_len)
@@ -384,7 +384,7 @@ def test_sidecar_on_the_rollout_engine(fp32):
 
     from moe_replay.estimator.service import Cancelled, EstimatorService
     from moe_replay.integrations.vllm import AsyncVllmCapture, CaptureConfig
-    from moe_replay.integrations.vllm.api import sampling_summary
+    from moe_replay.integrations.vllm.capture.api import sampling_summary
 
     prompts = [prompt_text(n, seed=40 + i) for i, n in enumerate(WORDS_LENS)]
     sps = [sampling_params(1.0, -1, 0.9, 0.0, max_tokens=m) for m in MAX_TOKENS]
@@ -461,7 +461,7 @@ def test_replicas_read_the_rollouts_own_prompt_kv(fp32):
     floor((P-1)/32)*32 prompt tokens that the rollout itself cached (the engine's count), never a
     block of the rollout's response (which hashes the same tokens: the read cap stops the lookup at
     the prompt), and its scores equal full re-scoring bit for bit, n = 3 replicas per rollout."""
-    from moe_replay.integrations.vllm.prefix import reusable_tokens
+    from moe_replay.integrations.vllm.scoring.prefix import reusable_tokens
 
     llm, cap = fp32["llm"], fp32["cap"]
     assert llm.reset_prefix_cache()
@@ -530,8 +530,8 @@ def test_sidecar_reads_the_rollouts_prompt_kv_as_each_finishes(fp32):
 
     from moe_replay.estimator.service import EstimatorService
     from moe_replay.integrations.vllm import AsyncVllmCapture, CaptureConfig
-    from moe_replay.integrations.vllm.api import sampling_summary
-    from moe_replay.integrations.vllm.prefix import reusable_tokens
+    from moe_replay.integrations.vllm.capture.api import sampling_summary
+    from moe_replay.integrations.vllm.scoring.prefix import reusable_tokens
 
     prompts = [prompt_text(n, seed=90 + i) for i, n in enumerate(WORDS_LENS)]
     sps = [sampling_params(1.0, -1, 0.9, 0.0, max_tokens=m) for m in MAX_TOKENS]

@@ -31,7 +31,7 @@ def engine_options(preset: Preset) -> Iterator[None]:
     A preset with the π_old estimator also re-scores on this engine (`VllmScorer`): its engine
     gets scoring's settings (prefix caching with the scoring scheduler, so replicas read the
     prompt's KV) and the routers' forcing step bound at model load, so forced scoring runs inside
-    TRL's compiled forward as it is (integrations/vllm/force_step.py).
+    TRL's compiled forward as it is (integrations/vllm/scoring/force_step.py).
     """
     import trl.generation.vllm_generation as vg
 

@@ -124,7 +124,7 @@ class MoeReplayHttpServer(vLLMHttpServer):
         if final is None or out.stop_reason == "aborted":
             await mr.capture.discard([request_id])  # no trace: the actor refuses the sample by row
             return out
-        from ..vllm.api import sampling_summary
+        from ..vllm.capture.api import sampling_summary
 
         mr.capture.weights_version = self.global_steps
         (trace,) = await mr.capture.collect([final], sampling={final.request_id: sampling_summary(sp)})

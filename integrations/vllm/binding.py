@@ -10,14 +10,14 @@ from ...bindings import ROLLOUT_BINDINGS, RolloutBinding, made_by
 
 
 def _scorer_config(preset: Any) -> Any:
-    from .scorer import VllmScorerConfig
+    from .scoring.scorer import VllmScorerConfig
 
     return VllmScorerConfig(force_routes=preset.estimator.force_routes, use_support=preset.estimator.use_support)
 
 
 def _vllm_sync(llm: Any, preset: Any) -> tuple[Any, Any]:
-    from .api import VllmCapture
-    from .scorer import VllmScorer
+    from .capture.api import VllmCapture
+    from .scoring.scorer import VllmScorer
 
     capture = VllmCapture(llm, preset.capture)
     scorer = VllmScorer(llm, _scorer_config(preset)) if preset.estimator.enabled else None
@@ -25,8 +25,8 @@ def _vllm_sync(llm: Any, preset: Any) -> tuple[Any, Any]:
 
 
 async def _vllm_async(engine: Any, preset: Any) -> tuple[Any, Any]:
-    from .api import AsyncVllmCapture
-    from .scorer import AsyncVllmScorer
+    from .capture.api import AsyncVllmCapture
+    from .scoring.scorer import AsyncVllmScorer
 
     capture = await AsyncVllmCapture.attach(engine, preset.capture)
     scorer = await AsyncVllmScorer.attach(engine, _scorer_config(preset)) if preset.estimator.enabled else None

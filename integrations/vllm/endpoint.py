@@ -6,10 +6,10 @@ callable (in-process engines built without the extension). Both land in `call(wo
 payload)`: runner.OPS maps an op name to a handler of the runner's `RunnerState`, and the result
 travels back in wire.py's envelope, so a worker-side error is re-raised typed on the client (link.py).
 
-vLLM takes one extension class, so capture (worker.py), scoring (force.py) and weight sync
-(weights.py) share it; each registers its own ops in runner.OPS, and the package's __init__
-imports them, so resolving this module's dotted name (what vLLM does with worker_extension_cls)
-brings the whole table.
+vLLM takes one extension class, so capture (capture/worker.py), scoring (scoring/force.py) and
+weight sync (weights.py) share it; each registers its own ops in runner.OPS, and the package's
+__init__ imports them, so resolving this module's dotted name (what vLLM does with
+worker_extension_cls) brings the whole table.
 """
 
 from __future__ import annotations

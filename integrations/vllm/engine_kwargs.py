@@ -1,9 +1,9 @@
 """The engine kwargs capture needs: `capture_engine_kwargs()` for LLM(...) / AsyncEngineArgs(...).
 
 They name the worker extension (endpoint.ReplayWorkerExtension, or a framework's extension that
-mixes it in) and put CAPTURE_FLAG in `additional_config`, so the load hook (patch.py) binds the
-route step buffer before a compiled forward is traced. Capture (api.py), native outputs with hooks
-(native.native_engine_kwargs(hooks=True)) and scoring (scorer.scoring_engine_kwargs) build on them.
+mixes it in) and put CAPTURE_FLAG in `additional_config`, so the load hook (patch.py) runs the
+load-time steps before a compiled forward is traced. Capture (capture/api.py, capture/native.py)
+and scoring (scoring/scorer.py: scoring_engine_kwargs) build on them.
 """
 
 from __future__ import annotations
@@ -11,17 +11,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from . import route_hook
 from .endpoint import ReplayWorkerExtension
 from .link import EXTENSION
-from .patch import CAPTURE_FLAG, install_load_hook, source_hash
+from .patch import CAPTURE_FLAG, flag_value, install_load_hook
 from .versions import check_vllm_version
-
-
-def capture_abi() -> str:
-    """Hash of the capture function's source (route_hook.py): the value of the load-time flag, so
-    vLLM's compile cache never serves a graph traced with another version of it."""
-    return source_hash(route_hook.__file__)
 
 
 def capture_engine_kwargs(**engine_kwargs: Any) -> dict[str, Any]:
@@ -39,7 +32,7 @@ def capture_engine_kwargs(**engine_kwargs: Any) -> dict[str, Any]:
         raise ValueError(f"additional_config must be a dict to add {CAPTURE_FLAG!r}, got {type(extra).__name__}")
     install_load_hook()
     return {**engine_kwargs, "worker_extension_cls": ext,
-            "additional_config": {**extra, CAPTURE_FLAG: capture_abi()}}
+            "additional_config": {**extra, CAPTURE_FLAG: flag_value(CAPTURE_FLAG)}}
 
 
 def _serves_endpoint(qualname: Any) -> bool:

@@ -1,7 +1,7 @@
 """The client end: one link to the workers of a sync (`LLM`) or an async (`AsyncLLM`) engine.
 
-Capture (api.py) and scoring (scorer.py) reach the workers only through a link's `call(op,
-payload)`. How is chosen once, when the link opens with an install op:
+Capture (capture/api.py) and scoring (scoring/scorer.py) reach the workers only through a link's
+`call(op, payload)`. How is chosen once, when the link opens with an install op:
   worker_extension_cls  collective_rpc("moe_replay_call", (op, payload)) on an engine built with
                         the worker extension (capture_engine_kwargs / scoring_engine_kwargs); works
                         in-process and multi-process;

@@ -1,6 +1,6 @@
 """THE patch file of the vLLM adapter: every change to a vLLM object lives here, and is undoable.
 
-vLLM 0.32 has an official hook for routes (BaseRouter.set_capture_fn, used in route_hook.py) but
+vLLM 0.32 has an official hook for routes (BaseRouter.set_capture_fn, capture/route_hook.py) but
 none for the sampler's truncation, for "which request owns which row of this step" or for forcing
 routes. We wrap, on the *instances* of one model runner only (never on classes):
 
@@ -11,7 +11,7 @@ routes. We wrap, on the *instances* of one model runner only (never on classes):
                                                   scoring fills its forcing buffers (StepBracket);
   * runner.sampler.forward                      -> sampled tokens of the step (capture);
   * runner.sampler.topk_topp_sampler.forward    -> the kept set, where truncation happens (capture);
-  * <MoE layer>.router._compute_routing         -> forced expert ids per request row (scoring,
+  * <MoE layer>.router._compute_routing         -> forced expert ids per request row (scoring/
                                                   force_step.py), one wrapper per router instance;
                                                   on eager engines at install, on compiled ones
                                                   at load (below).
@@ -19,21 +19,18 @@ routes. We wrap, on the *instances* of one model runner only (never on classes):
 One class-level wrapper exists, because a compiled forward only calls capture functions set
 before torch.compile traces it, i.e. before any runner instance can be reached:
 
-  * BaseModelLoader.load_model (LoadHook)       -> after the model is built and loaded, bind the
-                                                  route step buffer (route_hook.bind_at_load) when
-                                                  the engine's additional_config carries
-                                                  CAPTURE_FLAG and the forward is compiled; inert
-                                                  for every other engine; and, when it carries
-                                                  FORCE_FLAG (scoring_engine_kwargs), bind the
-                                                  routers' forcing step the same way, before the
-                                                  forward is compiled. The steps are LOAD_STEPS,
-                                                  one per flag: force_step.py registers its own,
-                                                  as it patches routers through this module.
+  * BaseModelLoader.load_model (LoadHook)       -> after the model is built and loaded, when the
+                                                  engine's additional_config carries CAPTURE_FLAG
+                                                  and the forward is compiled, run the LOAD_STEPS
+                                                  of the flags it carries (capture binds the route
+                                                  step buffer, scoring with FORCE_FLAG the routers'
+                                                  forcing step), before the forward is compiled;
+                                                  inert for every other engine.
 
 vLLM loads `register_plugin` in every process (entry point group `vllm.general_plugins`,
 pyproject.toml); `capture_engine_kwargs()` also installs it in the calling process, so in-process
 engines work without the entry point. `remove_load_hook()` undoes it. The entry point imports the
-package, whose __init__ imports the parts that register load steps.
+package, whose __init__ imports capture and scoring, which register their load steps.
 
 `InstancePatches.undo()` restores the original attributes (instance attributes are deleted when
 the original was the class's method, reassigned when it was already an instance attribute).
@@ -43,11 +40,12 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ...registry import Registry
 from .errors import CaptureHookError
-from .route_hook import bind_at_load, forward_is_traced
+from .model import forward_is_traced
 from .runner import runner_state
 from .step import StepViews
 from .versions import check_vllm_version
@@ -55,32 +53,40 @@ from .versions import check_vllm_version
 _MISSING = object()
 
 CAPTURE_FLAG = "moe_replay_capture"
-"""Key in vLLM's `additional_config` that asks for load-time capture. vLLM hashes additional_config
-into its compile-cache key, so compiled artifacts with and without the capture function (and with
-different versions of it: the value is a hash of route_hook.py) never mix."""
+"""Key in vLLM's `additional_config` that asks for the load hook (capture_engine_kwargs) and for
+capture's load-time step. vLLM hashes additional_config into its compile-cache key, so compiled
+artifacts with and without a step (and with different versions of it) never mix."""
 
 FORCE_FLAG = "moe_replay_force"
-"""Key in vLLM's `additional_config` that asks for the load-time forcing step (force_step.py) on a
-compiled forward; its value is force_step.force_abi() (a hash of what the step traces), for the same
-compile-cache reason as CAPTURE_FLAG."""
+"""Key in vLLM's `additional_config` that asks for scoring's load-time forcing step on a compiled
+forward (scoring_engine_kwargs), for the same compile-cache reason as CAPTURE_FLAG."""
 
-LoadStep = Callable[[Any, Any], Any]
-LOAD_STEPS: Registry[LoadStep] = Registry("moe_replay load-time step")
-"""additional_config flag -> step(model, vllm_config): work bound into a freshly loaded model before
-its forward is compiled. CAPTURE_FLAG's is route_hook.bind_at_load (here); FORCE_FLAG's is
-registered by force_step.py."""
-LOAD_STEPS.add(CAPTURE_FLAG, bind_at_load)
 LOAD_ORDER = (CAPTURE_FLAG, FORCE_FLAG)
 """The order the load hook runs the steps of the flags an engine carries."""
 
 
-def source_hash(*files: str) -> str:
-    """Hash of the source files a load-time step traces: the value of CAPTURE_FLAG / FORCE_FLAG."""
+@dataclass(frozen=True)
+class LoadStep:
+    """`bind(model, vllm_config)`: work bound into a freshly loaded model before its forward is compiled."""
+
+    bind: Callable[[Any, Any], Any]
+    sources: tuple[str, ...]
+    """The source files the step traces: their hash is the flag's value (flag_value)."""
+
+
+LOAD_STEPS: Registry[LoadStep] = Registry("moe_replay load-time step")
+"""additional_config flag -> its LoadStep, registered by the part that owns the flag
+(capture/route_hook.py: CAPTURE_FLAG, scoring/force_step.py: FORCE_FLAG)."""
+
+
+def flag_value(flag: str) -> str:
+    """The value of `flag` in additional_config: a hash of its step's sources, so vLLM's compile
+    cache never serves a graph traced with another version of the step."""
     import hashlib
     from pathlib import Path
 
     h = hashlib.sha256()
-    for f in files:
+    for f in LOAD_STEPS.get(flag).sources:
         h.update(Path(f).read_bytes())
     return h.hexdigest()[:16]
 
@@ -123,7 +129,7 @@ class StepBracket:
     """THE execute_model wrapper of one runner, shared by every moe_replay listener on it.
 
     vLLM takes one worker_extension_cls and an instance attribute can be wrapped once, so capture
-    (worker.WorkerCapture) and scoring (force.WorkerScoring) do not each wrap execute_model: they
+    (capture.worker.WorkerCapture) and scoring (scoring.force.WorkerScoring) do not each wrap execute_model: they
     register here. Per step, listeners' `before_step(scheduler_output)` run before the original
     (input batch not yet updated), `before_forward()` (listeners that have it) inside it, once the
     inputs are prepared and before the model runs (outside any compiled graph), and
@@ -175,7 +181,7 @@ class StepBracket:
             return model_forward
 
         self._patches.wrap(runner, "execute_model", make_execute)
-        if hasattr(runner, "_model_forward"):  # absent: forced rows fail as never filled (force.py)
+        if hasattr(runner, "_model_forward"):  # absent: forced rows fail as never filled (scoring)
             self._patches.wrap(runner, "_model_forward", make_forward)
 
     def remove(self, listener: Any) -> None:
@@ -244,7 +250,7 @@ def patch_runner(runner: Any, capture: Any) -> tuple[InstancePatches, Any]:
 def patch_routers(routers: list[Any], make: Callable[[int, Callable], Callable]) -> InstancePatches:
     """Wrap `_compute_routing` on each router *instance*; make(j, orig) -> replacement.
 
-    This is the forcing point of scoring (force_step.py): BaseRouter.select_experts calls
+    This is the forcing point of scoring (scoring/force_step.py): BaseRouter.select_experts calls
     self._compute_routing(hidden_states, router_logits, indices_type, input_ids=...) and feeds its
     (weights fp32 [T, K], ids int32 [T, K]) to the experts kernel and to set_capture_fn.
     """
@@ -258,7 +264,7 @@ def patch_routers(routers: list[Any], make: Callable[[int, Callable], Callable])
     return patches
 
 
-# -- scoring: prefix-cache write cap (prefix.py; scheduler side, one wrapper per coordinator) --------
+# -- scoring: prefix-cache write cap (scoring/prefix.py; scheduler side, one wrapper per coordinator) --------
 def patch_cache_writes(coordinator: Any, cap: Callable[[Any], int | None]) -> InstancePatches:
     """Wrap `KVCacheCoordinator.cache_blocks(request, num_tokens)`: cache at most cap(request) tokens."""
     patches = InstancePatches()
@@ -325,7 +331,7 @@ class LoadHook:
                 if forward_is_traced(vllm_config):  # eager forwards get their functions at install
                     for flag in LOAD_ORDER:
                         if extra.get(flag):
-                            LOAD_STEPS.get(flag)(model, vllm_config)
+                            LOAD_STEPS.get(flag).bind(model, vllm_config)
             return model
 
         functools.update_wrapper(load_model, original)

@@ -1,10 +1,10 @@
 """The base of the worker side: moe_replay's one state object on a model runner, and the op table.
 
 Every worker-side part reads and writes the runner's `RunnerState` (patch.StepBracket, capture in
-worker.py, scoring in force.py, weight sync in weights.py) and registers its own operations in
-OPS when its module is imported: worker.py the `capture.*` ops, force.py the `score.*` ops,
-weights.py the `weights.*` ops. The package's __init__ imports those modules, so the table is
-complete in any process that reaches the adapter (endpoint.py serves it).
+capture/worker.py, scoring in scoring/force.py, weight sync in weights.py) and registers its own
+operations in OPS when its module is imported: `capture.*`, `score.*`, `weights.*`. The package's
+__init__ imports those modules, so the table is complete in any process that reaches the adapter
+(endpoint.py serves it).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ class RunnerState:
     bracket: Any = None
     """patch.StepBracket: the execute_model wrapper shared by capture and scoring."""
     capture: Any = None
-    """worker.WorkerCapture, while capture is installed."""
+    """capture.worker.WorkerCapture, while capture is installed."""
     scoring: Any = None
-    """force.WorkerScoring, while scoring is installed."""
+    """scoring.force.WorkerScoring, while scoring is installed."""
 
 
 def runner_state(runner: Any) -> RunnerState:

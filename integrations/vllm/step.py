@@ -1,9 +1,10 @@
-"""One engine step's layout, read once and shared by capture (worker.py) and scoring (force.py).
+"""One engine step's layout, read once and shared by capture (capture/worker.py) and scoring.
 
-Which request owns which rows of a step: the input batch's request ids (B, in batch order), the
-query start offsets (B + 1), each forwarded token's position (T) and the rows whose sample the
-runner throws away (a chunked prefill short of its prompt end). KV slots (capture's prefix-cache
-route cache) are read per KV-cache group on demand.
+Which request owns which rows of a step: the input batch's engine request ids (B, in batch order;
+`external_id` drops vLLM's suffix to give the client's id), the query start offsets (B + 1), each
+forwarded token's position (T) and the rows whose sample the runner throws away (a chunked prefill
+short of its prompt end). KV slots (capture's prefix-cache route cache) are read per KV-cache
+group on demand (`kv_slots`).
 
 Where they come from: on HOST_MIRROR_DEVICES runners (CPU) `positions` and the slot mapping are
 host tensors, read as they are. Other runners (GPU) fill those on the device; positions and slots
@@ -22,8 +23,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from .block_cache import kv_slots
 
 HOST_MIRROR_DEVICES = {"cpu"}
 """Runner device types whose `positions` and slot mapping are host tensors, read as they are."""
@@ -45,6 +44,18 @@ class StepLayout:
     @property
     def num_tokens(self) -> int:
         return len(self.pos_T)
+
+
+def external_id(internal_id: str) -> str:
+    """'3-a1b2c3d4' -> '3' (vLLM appends '-' + 8 random chars to every request id)."""
+    head, sep, tail = internal_id.rpartition("-")
+    return head if sep and len(tail) == 8 else internal_id
+
+
+def kv_slots(block_ids_T: np.ndarray, pos_T: np.ndarray, block_size: int) -> np.ndarray:
+    """KV slot of each position, given the id of the block holding it (vLLM's slot mapping without
+    context parallelism): the one formula for prefix reads and for runners whose mapping is on the device."""
+    return block_ids_T.astype(np.int64) * block_size + pos_T % block_size
 
 
 class StepViews:

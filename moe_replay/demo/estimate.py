@@ -18,7 +18,7 @@ class PiOldEstimator:
     def __init__(self, engine: Any, preset: Preset, cfg: DemoConfig) -> None:
         import dataclasses
 
-        from ..integrations.vllm.scorer import VllmScorer, VllmScorerConfig
+        from ..integrations.vllm.scoring.scorer import VllmScorer, VllmScorerConfig
 
         settings = preset.estimator
         self.config: EstimatorConfig = settings.config

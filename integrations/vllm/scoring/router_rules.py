@@ -17,9 +17,9 @@ from typing import Any, Callable, NoReturn
 
 import torch
 
-from ...registry import Registry
-from ...replay.gates import GateSpec, gate_weights
-from .errors import ForceRouteError
+from ....registry import Registry
+from ....replay.gates import GateSpec, gate_weights
+from ..errors import ForceRouteError
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .wire import CaptureRecord
-
-
-def external_id(internal_id: str) -> str:
-    """'3-a1b2c3d4' -> '3' (vLLM appends '-' + 8 random chars to every request id)."""
-    head, sep, tail = internal_id.rpartition("-")
-    return head if sep and len(tail) == 8 else internal_id
+from ..step import external_id
+from ..wire import CaptureRecord
 
 
 _UIDS = itertools.count()

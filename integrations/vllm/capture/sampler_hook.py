@@ -231,7 +231,7 @@ def _kept_numpy(logits_XV: np.ndarray, tok_X: np.ndarray, want_logprobs: bool, w
     lp_X = None
     if want_logprobs:
         # x[token] - logsumexp(x), logsumexp as torch computes it (max-shifted, -inf rows stay -inf);
-        # the scorer (force.py) evaluates the same expression in torch: they agree to ~1 ulp
+        # the scorer (scoring/force.py) evaluates the same expression in torch: they agree to ~1 ulp
         m_X = logits_XV.max(axis=1)
         m_X = np.where(np.isfinite(m_X), m_X, 0).astype(logits_XV.dtype)
         with np.errstate(divide="ignore"):

@@ -31,8 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...geometry import ModelGeometry
-from .errors import CaptureHookError, NoMoeLayersError
+from ....geometry import ModelGeometry
+from ..errors import CaptureHookError
+from ..model import find_moe_layers, forward_is_traced
+from ..patch import CAPTURE_FLAG, LOAD_STEPS, LoadStep
 
 HOLD_DEVICES = {"cpu"}
 """Runner device types whose eager router ids are held by reference (fresh per call, never
@@ -49,44 +51,6 @@ def torch_route_dtype(num_experts: int) -> torch.dtype:
     if num_experts <= 1 << 15:
         return torch.int16
     return torch.int32
-
-
-def find_moe_layers(model: torch.nn.Module) -> list[tuple[int, Any]]:
-    """(global layer id, MoERunner) of every MoE layer, sorted by layer id."""
-    from vllm.model_executor.layers.fused_moe.layer import MoERunner
-
-    found = [(int(m.layer_id), m) for m in model.modules() if isinstance(m, MoERunner)]
-    found.sort(key=lambda x: x[0])
-    ids = [i for i, _ in found]
-    if len(set(ids)) != len(ids):
-        raise CaptureHookError(f"MoE layer ids must be unique per model; found {ids}")
-    return found
-
-
-def geometry_from_runner(runner: Any) -> ModelGeometry:
-    """Geometry of the served model, read from the live modules (not guessed from config)."""
-    layers = find_moe_layers(runner.model)
-    model_config = runner.model_config
-    if not layers:
-        raise NoMoeLayersError(
-            f"model {model_config.model!r} ({type(runner.model).__name__}) has no MoE layer "
-            "(no vllm MoERunner module): there are no routes to capture"
-        )
-    experts = {int(m.router.global_num_experts) for _, m in layers}
-    top_ks = {int(m.router.top_k) for _, m in layers}
-    if len(experts) != 1 or len(top_ks) != 1:
-        raise CaptureHookError(
-            f"every MoE layer must share num_experts and top_k; found num_experts={sorted(experts)}, "
-            f"top_k={sorted(top_ks)}"
-        )
-    return ModelGeometry(
-        num_layers=int(model_config.get_total_num_hidden_layers()),
-        moe_layer_ids=tuple(i for i, _ in layers),
-        num_experts=experts.pop(),
-        top_k=top_ks.pop(),
-        vocab_size=int(model_config.get_vocab_size()),
-        family=str(getattr(model_config.hf_config, "model_type", "")),
-    )
 
 
 def _routers(layers: list[tuple[int, Any]]) -> list[Any]:
@@ -150,18 +114,10 @@ class StepRoutes:
         self._routers.clear()
 
 
-def forward_is_traced(vllm_config: Any) -> bool:
-    """True when torch.compile or CUDA graphs run the forward: Python set after load is never called."""
-    cc = vllm_config.compilation_config
-    mode = int(getattr(cc, "mode", getattr(cc, "level", 0)) or 0)
-    graphs = getattr(cc, "cudagraph_mode", None)
-    return mode != 0 or (graphs is not None and str(getattr(graphs, "name", graphs)) != "NONE")
-
-
 def bind_at_load(model: torch.nn.Module, vllm_config: Any) -> StepRoutes | None:
     """Give a freshly loaded model its StepRoutes, before its first (compiling) forward.
 
-    Called by patch.py's load hook; no-op for models without MoE layers."""
+    CAPTURE_FLAG's load step (patch.py's load hook runs it); no-op for models without MoE layers."""
     layers = find_moe_layers(model)
     if not layers:
         return None
@@ -171,6 +127,9 @@ def bind_at_load(model: torch.nn.Module, vllm_config: Any) -> StepRoutes | None:
     step = StepRoutes(layers, rows, device)
     model.__dict__[STEP_ROUTES_ATTR] = step  # a plain attribute: not a submodule, not a buffer
     return step
+
+
+LOAD_STEPS.add(CAPTURE_FLAG, LoadStep(bind_at_load, (__file__,)))
 
 
 class RouteCapture:

@@ -34,17 +34,18 @@ from typing import Any
 
 import numpy as np
 
-from ...capture_config import CaptureConfig
+from ....capture_config import CaptureConfig
+from ..errors import CaptureHookError
+from ..model import geometry_from_runner
+from ..patch import patch_runner
+from ..runner import OPS, RunnerState, register_part_ops, runner_state
+from ..step import StepLayout
+from ..versions import check_vllm_version
+from ..wire import CaptureRecord, InstallReply
 from .block_cache import SlotRouteCache, route_kv_group
-from .errors import CaptureHookError
-from .patch import patch_runner
 from .records import RecordBook, RequestRecord
-from .route_hook import RouteCapture, geometry_from_runner
-from .runner import OPS, RunnerState, register_part_ops, runner_state
+from .route_hook import RouteCapture
 from .sampler_hook import SupportStage
-from .step import StepLayout
-from .versions import check_vllm_version
-from .wire import CaptureRecord, InstallReply
 
 
 @dataclass
@@ -414,7 +415,3 @@ def _capture_install(runner: Any, st: RunnerState, config: dict[str, Any]) -> di
 
 
 register_part_ops("capture", "capture")
-
-# The worker extension under a second dotted name, moe_replay.integrations.vllm.worker.CaptureWorkerExtension,
-# which `vllm serve --worker-extension-cls` configurations may spell.
-from .endpoint import ReplayWorkerExtension as CaptureWorkerExtension  # noqa: E402,F401

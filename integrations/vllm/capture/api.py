@@ -6,8 +6,8 @@
         outputs, traces = cap.generate(prompts, SamplingParams(top_p=0.9, n=4))
 
 The client reaches the workers through one link (link.py; sync LLM or AsyncLLM); the worker half
-is endpoint.py (ops) and worker.py (capture state on the runner); engine_kwargs.py builds the
-engine kwargs capture needs. Parts the engine returns itself (`CaptureConfig.source`; native.py)
+is endpoint.py (ops) and capture/worker.py (capture state on the runner); engine_kwargs.py builds
+the engine kwargs capture needs. Parts the engine returns itself (`CaptureConfig.source`; native.py)
 are read from the outputs, and hooks capture the rest.
 """
 
@@ -15,15 +15,14 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
-from ...capture_config import CaptureConfig
-from ...geometry import EngineInfo, ModelGeometry
-from ...trace import RolloutTrace, Sampling
+from ....capture_config import CaptureConfig
+from ....geometry import EngineInfo, ModelGeometry
+from ....trace import RolloutTrace, Sampling
+from ..errors import CaptureHookError, CollectError, UnknownRequestError
+from ..link import AsyncLink, SyncLink
+from ..wire import CaptureRecord, InstallReply
 from .assemble import build_trace, merge_stream
-from .engine_kwargs import capture_engine_kwargs  # noqa: F401  (also served as api.capture_engine_kwargs)
-from .errors import CaptureHookError, CollectError, UnknownRequestError
-from .link import EXTENSION, AsyncLink, SyncLink  # noqa: F401  (EXTENSION: also served as api.EXTENSION)
 from .native import EngineFlags, native_trace, plan_sources
-from .wire import CaptureRecord, InstallReply
 
 _LINK = {"what": "capture", "default": CaptureHookError, "kwargs_fn": "capture_engine_kwargs"}
 
@@ -87,7 +86,7 @@ class _CaptureBase:
         if self._hooks_config is not None:
             _refuse_data_parallel_hooks(vllm_config, self.plan.hooks)
             return self._hooks_config.to_dict()
-        from ...models.layout import geometry_of
+        from ....models.layout import geometry_of
 
         self._link, self.prefix_routes, self.via = None, None, "native"
         self.geometry = geometry_of(vllm_config.model_config.hf_text_config)

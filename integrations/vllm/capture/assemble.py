@@ -13,18 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from ...capture_config import CaptureConfig
-from ...errors import Where
-from ...geometry import EngineInfo, ModelGeometry
-from ...trace import RolloutTrace, SamplingSupport
-from .errors import (
-    CaptureAlignmentError,
-    CaptureEvictedError,
-    RequestAbortedError,
-    SupportOverflowError,
-    UnknownRequestError,
-)
-from .wire import CaptureRecord
+from ....capture_config import CaptureConfig
+from ....errors import Where
+from ....geometry import EngineInfo, ModelGeometry
+from ....trace import RolloutTrace, SamplingSupport
+from ..errors import (CaptureAlignmentError, CaptureEvictedError, RequestAbortedError, SupportOverflowError,
+                      UnknownRequestError)
+from ..wire import CaptureRecord
 
 
 def trace_key(request_id: str, index: int, n: int) -> str:

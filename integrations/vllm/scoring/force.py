@@ -46,14 +46,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...replay.scoring import SupportCSR, engine_support_logprobs
-from .errors import CaptureHookError, ForceRouteError
+from ....replay.scoring import SupportCSR, engine_support_logprobs
+from ..errors import CaptureHookError, ForceRouteError
+from ..model import find_moe_layers, forward_is_traced, geometry_from_runner
+from ..patch import step_bracket
+from ..runner import OPS, RunnerState, installed, register_part_ops
+from ..step import external_id
+from ..wire import InstallReply, ScoreRequest, ScoreResult
 from .force_step import FORCE_STEP_ATTR, ForceStep, eager_routing
-from .patch import step_bracket
-from .records import external_id
-from .route_hook import find_moe_layers, forward_is_traced, geometry_from_runner
-from .runner import OPS, RunnerState, installed, register_part_ops
-from .wire import InstallReply, ScoreRequest, ScoreResult
 
 # -- one registered request -----------------------------------------------------------------------
 

@@ -33,15 +33,14 @@ from typing import Any, Literal, Sequence
 
 import numpy as np
 
-from ...geometry import ModelGeometry
-from ...trace import RolloutTrace
-from .engine_kwargs import capture_engine_kwargs
-from .errors import ForceRouteError, PrefixCacheMissError, ScoreAlignmentError, ScoringError
-from .force_step import force_abi
-from .link import AsyncLink, SyncLink
-from .patch import FORCE_FLAG
+from ....geometry import ModelGeometry
+from ....trace import RolloutTrace
+from ..engine_kwargs import capture_engine_kwargs
+from ..errors import ForceRouteError, PrefixCacheMissError, ScoreAlignmentError, ScoringError
+from ..link import AsyncLink, SyncLink
+from ..patch import FORCE_FLAG, flag_value
+from ..wire import InstallReply, ScoreRequest, ScoreResult
 from .prefix import CACHE_UPTO_KEY, READ_UPTO_KEY, SCHEDULER_QUALNAME, cache_salt, engine_reuse_ready, reusable_tokens
-from .wire import InstallReply, ScoreRequest, ScoreResult
 
 _LINK = {"what": "scoring", "default": ScoringError, "kwargs_fn": "scoring_engine_kwargs"}
 
@@ -114,7 +113,7 @@ def scoring_engine_kwargs(*, prompt_reuse: bool = True, **engine_kwargs: Any) ->
     if not isinstance(extra, dict):
         raise ValueError(f"additional_config must be a dict to add {FORCE_FLAG!r}, got {type(extra).__name__}")
     # the routers' forcing step, bound at load when the forward is compiled (force_step.py)
-    engine_kwargs["additional_config"] = {**extra, FORCE_FLAG: force_abi()}
+    engine_kwargs["additional_config"] = {**extra, FORCE_FLAG: flag_value(FORCE_FLAG)}
     return capture_engine_kwargs(**engine_kwargs)
 
 
@@ -164,7 +163,7 @@ class _ScorerBase:
         """None when `trace.logprobs_G` is exactly what one replica of this scorer returns, else why not
         (EstimatorConfig.rollout_replica counts the recorded values as a replica only then).
 
-        What capture records per generated token (sampler_hook; native: processed_logprobs) is
+        What capture records per generated token (capture/sampler_hook.py; native: processed_logprobs) is
         x[token] - logsumexp(x[kept]) with x = logits / T, routed by the routes the trace holds; a
         replica returns the same expression with the trace's T and kept set, routed by those routes
         (forced) or by the engine again (free, as the rollout was). It differs where the replica

@@ -40,13 +40,13 @@ from typing import Any
 
 import numpy as np
 
-from ...trace import RolloutTrace
+from ....trace import RolloutTrace
 
 CACHE_UPTO_KEY = "moe_replay_cache_upto"
 """SamplingParams.extra_args key: tokens of this request the scheduler may cache (write cap)."""
 READ_UPTO_KEY = "moe_replay_read_upto"
 """SamplingParams.extra_args key: tokens of this request the prefix-cache lookup may hit (read cap)."""
-SCHEDULER_QUALNAME = "moe_replay.integrations.vllm.prefix.ScoringScheduler"
+SCHEDULER_QUALNAME = f"{__name__}.ScoringScheduler"
 
 
 def cache_upto(request: Any) -> int | None:
@@ -71,7 +71,7 @@ class ScoringScheduler:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         from vllm.v1.core.sched.scheduler import Scheduler
 
-        from .patch import patch_cache_reads, patch_cache_writes
+        from ..patch import patch_cache_reads, patch_cache_writes
 
         vllm_config = kwargs.get("vllm_config", args[0] if args else None)
         base = Scheduler

@@ -22,7 +22,7 @@ Row t of a router call is row t of the engine step (vLLM 0.26-0.32 route the who
 call per layer; padding rows come after the scheduled ones and stay free). Data parallelism, whose
 routers see rows gathered from other ranks, is refused (force.py).
 
-Two ways to bind, one per kind of forward (as route_hook.py does for capture):
+Two ways to bind, one per kind of forward (as capture/route_hook.py does for capture):
 
   load time  (compiled / graph forwards) `bind_force_at_load` wraps the routers when the model is
              loaded (patch.py's load hook, engines built with scoring_engine_kwargs), before
@@ -41,11 +41,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ...replay import gates
+from ....replay import gates
+from ..errors import ForceRouteError
+from ..model import find_moe_layers
+from ..patch import FORCE_FLAG, LOAD_STEPS, LoadStep, patch_routers
 from . import router_rules
-from .errors import ForceRouteError
-from .patch import FORCE_FLAG, LOAD_STEPS, patch_routers, source_hash
-from .route_hook import find_moe_layers
 from .router_rules import RouterGate, forced_gate_weights, router_gate
 
 FORCE_STEP_ATTR = "_moe_replay_force_step"
@@ -173,7 +173,6 @@ class ForceStep:
         return [self.layer_ids[j] for j in np.flatnonzero(missed_L)]
 
 
-@LOAD_STEPS.register(FORCE_FLAG)
 def bind_force_at_load(model: torch.nn.Module, vllm_config: Any) -> ForceStep | None:
     """Give a freshly loaded model its ForceStep, bound before its first (compiling) forward.
 
@@ -193,8 +192,4 @@ def bind_force_at_load(model: torch.nn.Module, vllm_config: Any) -> ForceStep | 
     return step
 
 
-def force_abi() -> str:
-    """Hash of what the load-time forcing step traces (this file, the router rules, the gate rules):
-    the value of FORCE_FLAG, so vLLM's compile cache never serves a graph traced with another
-    version of it."""
-    return source_hash(__file__, router_rules.__file__, gates.__file__)
+LOAD_STEPS.add(FORCE_FLAG, LoadStep(bind_force_at_load, (__file__, router_rules.__file__, gates.__file__)))

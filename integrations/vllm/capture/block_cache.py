@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .errors import CaptureHookError
+from ..errors import CaptureHookError
+from ..step import kv_slots
 from .records import last_occurrence
 
 
@@ -48,12 +49,6 @@ def route_kv_group(kv_cache_config, num_block_tables: int):
         f"prefix-cache routes need a full-attention KV-cache group; this engine's groups hold {names}. "
         "Use CaptureConfig(prefix_cache_routes=False) with enable_prefix_caching=False on this model"
     )
-
-
-def kv_slots(block_ids_T: np.ndarray, pos_T: np.ndarray, block_size: int) -> np.ndarray:
-    """KV slot of each position, given the id of the block holding it (vLLM's slot mapping without
-    context parallelism): the one formula for prefix reads and for runners whose mapping is on the device."""
-    return block_ids_T.astype(np.int64) * block_size + pos_T % block_size
 
 
 class SlotRouteCache:

@@ -25,13 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from ...capture_config import CaptureConfig
-from ...errors import ExpertIdOutOfRangeError, TraceFormatError, Where
-from ...geometry import EngineInfo, ModelGeometry
-from ...trace import RolloutTrace, SamplingSupport
+from ....capture_config import CaptureConfig
+from ....errors import ExpertIdOutOfRangeError, TraceFormatError, Where
+from ....geometry import EngineInfo, ModelGeometry
+from ....trace import RolloutTrace, SamplingSupport
+from ..engine_kwargs import capture_engine_kwargs
+from ..errors import CaptureError, CaptureHookError
 from .assemble import support_overflow
-from .engine_kwargs import capture_engine_kwargs
-from .errors import CaptureError, CaptureHookError
 
 PARTS = ("routes", "support", "logprobs")
 

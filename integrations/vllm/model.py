@@ -1,0 +1,57 @@
+"""What the adapter reads from a loaded vLLM model: its MoE layers, its geometry, and whether its
+forward is compiled or graph-captured (then Python set after load is never called)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...geometry import ModelGeometry
+from .errors import CaptureHookError, NoMoeLayersError
+
+
+def find_moe_layers(model: torch.nn.Module) -> list[tuple[int, Any]]:
+    """(global layer id, MoERunner) of every MoE layer, sorted by layer id."""
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+
+    found = [(int(m.layer_id), m) for m in model.modules() if isinstance(m, MoERunner)]
+    found.sort(key=lambda x: x[0])
+    ids = [i for i, _ in found]
+    if len(set(ids)) != len(ids):
+        raise CaptureHookError(f"MoE layer ids must be unique per model; found {ids}")
+    return found
+
+
+def geometry_from_runner(runner: Any) -> ModelGeometry:
+    """Geometry of the served model, read from the live modules (not guessed from config)."""
+    layers = find_moe_layers(runner.model)
+    model_config = runner.model_config
+    if not layers:
+        raise NoMoeLayersError(
+            f"model {model_config.model!r} ({type(runner.model).__name__}) has no MoE layer "
+            "(no vllm MoERunner module): there are no routes to capture"
+        )
+    experts = {int(m.router.global_num_experts) for _, m in layers}
+    top_ks = {int(m.router.top_k) for _, m in layers}
+    if len(experts) != 1 or len(top_ks) != 1:
+        raise CaptureHookError(
+            f"every MoE layer must share num_experts and top_k; found num_experts={sorted(experts)}, "
+            f"top_k={sorted(top_ks)}"
+        )
+    return ModelGeometry(
+        num_layers=int(model_config.get_total_num_hidden_layers()),
+        moe_layer_ids=tuple(i for i, _ in layers),
+        num_experts=experts.pop(),
+        top_k=top_ks.pop(),
+        vocab_size=int(model_config.get_vocab_size()),
+        family=str(getattr(model_config.hf_config, "model_type", "")),
+    )
+
+
+def forward_is_traced(vllm_config: Any) -> bool:
+    """True when torch.compile or CUDA graphs run the forward: Python set after load is never called."""
+    cc = vllm_config.compilation_config
+    mode = int(getattr(cc, "mode", getattr(cc, "level", 0)) or 0)
+    graphs = getattr(cc, "cudagraph_mode", None)
+    return mode != 0 or (graphs is not None and str(getattr(graphs, "name", graphs)) != "NONE")
