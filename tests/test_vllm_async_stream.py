@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 from moe_replay.codec.record import encode_trace  # noqa: E402
-from moe_replay.integrations.vllm import CaptureConfig, CollectError, capture_engine_kwargs  # noqa: E402
+from moe_replay.integrations.vllm import CollectError, capture_engine_kwargs  # noqa: E402
 
 ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256,
               seed=0, distributed_executor_backend="uni", block_size=32, enable_prefix_caching=False)

