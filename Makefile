@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.moe_replay-installed
 DEMO_OUT ?= runs/demo
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast docs bench clean
 
 # bootstrap.py is idempotent and keyed by a hash of its inputs: a no-op when up to date.
 install:
@@ -23,8 +23,14 @@ test: install
 test-fast: install
 	$(PY) -m pytest -m "not vllm and not slow" $(PYTEST_ARGS)
 
+# The API reference from the docstrings, one page per module (mkdocs.yml, scripts/mkdocs_api.py);
+# --strict: a broken reference or link fails the build (tests/test_api_docs.py runs the same in CI).
+docs: install
+	$(PY) -m mkdocs build --strict
+	@echo "API reference: build/site/api/index.html"
+
 bench: install
 	$(PY) -m moe_replay.cli bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis runs
+	rm -rf $(VENV) .pytest_cache .hypothesis runs build/site build/docs_src

@@ -31,7 +31,7 @@ XGRAMMAR = "xgrammar==0.2.8"
 # Never installed: no CPU builds exist, and each would pull a CUDA torch.
 EXCLUDED = {"torch", "torchvision", "torchaudio", "torchcodec", "triton", "xgrammar"}
 EXTRA_PINS = ["ray==2.60.0"]
-PROJECT_EXTRAS = "hf,ray,megatron,trl,dev"  # trl: the GRPOTrainer integration (pins in its extra)
+PROJECT_EXTRAS = "hf,ray,megatron,trl,dev,docs"  # trl: the GRPOTrainer integration (pins in its extra)
 # Extras installed with --no-deps after the rest. verl 0.9.1 pins transformers<5.11 (we need
 # 5.19) and asks for wandb, vllm, ... that the modules we use (verl.trainer.ppo.rollout_corr_helper
 # for the parity test, verl.workers.engine.fsdp and its vLLM rollout server / agent loop for

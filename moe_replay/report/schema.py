@@ -13,7 +13,7 @@ A report (written by `moe-replay demo`, read by `moe-replay report`)::
                                ...}]}}}
 
 Extra keys anywhere are kept and ignored; a missing or mistyped required key raises
-ReportSchemaError naming its full path, e.g. report["arms"]["none"]["steps"][3]["k3_kl"].
+ReportSchemaError naming its full path, e.g. `report["arms"]["none"]["steps"][3]["k3_kl"]`.
 """
 
 from __future__ import annotations
