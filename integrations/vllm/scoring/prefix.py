@@ -36,6 +36,7 @@ gives the first generated token's logits and is always forwarded).
 from __future__ import annotations
 
 import hashlib
+import weakref
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,10 @@ def read_upto(request: Any) -> int | None:
     return None if not extra or READ_UPTO_KEY not in extra else int(extra[READ_UPTO_KEY])
 
 
+_UNDO: "weakref.WeakKeyDictionary[Any, tuple[Any, Any]]" = weakref.WeakKeyDictionary()
+"""Scheduler -> the undo handles of its two patches (patch.py), kept beside it rather than on it."""
+
+
 class ScoringScheduler:
     """`scheduler_cls` of a scoring engine: vLLM's own scheduler (sync or async, as configured)
     with the write cap on its KV-cache coordinator and the read cap on its prefix-cache lookup.
@@ -80,8 +85,8 @@ class ScoringScheduler:
 
             base = AsyncScheduler
         sched = base(*args, **kwargs)
-        sched._moe_replay_cache_patch = patch_cache_writes(sched.kv_cache_manager.coordinator, cache_upto)
-        sched._moe_replay_read_patch = patch_cache_reads(sched.kv_cache_manager, read_upto)
+        _UNDO[sched] = (patch_cache_writes(sched.kv_cache_manager.coordinator, cache_upto),
+                        patch_cache_reads(sched.kv_cache_manager, read_upto))
         return sched
 
 
