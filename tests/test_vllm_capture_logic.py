@@ -256,33 +256,58 @@ def test_host_stage_in_numpy_equals_the_device_path(monkeypatch, dtype):
         assert np.abs(host.logprobs_R[fin] - dev.logprobs_R[fin]).max() <= 1e-6
 
 
-@pytest.mark.parametrize("dp", [1, 2])
-def test_hooks_capture_is_refused_on_a_data_parallel_engine(dp):
-    """vLLM's data-parallel client answers a collective_rpc with its first engine's result, so
-    hooks capture would lose the other engines' requests: refused before anything is installed,
-    naming the setting, on vLLM's own ParallelConfig; a plan whose every part is vLLM's native
-    output (per request, from the engine that served it) is not refused."""
-    pytest.importorskip("vllm")
-    from transformers import Qwen3MoeConfig
-    from vllm.config import ParallelConfig
-
-    from moe_replay.capture_config import CaptureConfig
-    from moe_replay.integrations.vllm.capture.api import VllmCapture
+def test_data_parallel_replies_merge_per_op():
+    """Under data parallelism every engine answers each op (link._every_engine); a take keeps the
+    record of the one engine that holds the key, counters add up, and ops without a rule must agree."""
     from moe_replay.integrations.vllm.errors import CaptureHookError
+    from moe_replay.integrations.vllm.link import merge_engines
+    from moe_replay.integrations.vllm.wire import CaptureRecord
 
-    def plan(source: str, native: bool):
-        cap = VllmCapture.__new__(VllmCapture)  # the client-side planning step alone, no engine
-        cap.config = CaptureConfig(source=source)
-        hf = Qwen3MoeConfig(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, vocab_size=512)
-        model_config = SimpleNamespace(logprobs_mode="processed_logprobs" if native else "raw_logprobs",
-                                       return_sampling_mask=native, hf_text_config=hf)
-        aux = SimpleNamespace(enable_return_routed_experts=native)
-        return cap._plan(SimpleNamespace(parallel_config=ParallelConfig(data_parallel_size=dp), model_config=model_config,
-                                         aux_output_config=aux))
+    def rec(status, key, **kw):
+        return CaptureRecord(status, key=key, **kw).to_dict()
 
-    if dp > 1:
-        with pytest.raises(CaptureHookError, match=r"by hooks on an engine with data_parallel_size=2.*native outputs"):
-            plan("auto", native=False)
-    else:
-        assert plan("auto", native=False) is not None  # the hooks' config
-    assert plan("native", native=True) is None  # every part native: nothing through the link
+    engine0 = [rec("ok", "a", req_id="a-1", prompt_len=3), rec("unknown", "b", known=2), rec("unknown", "c", known=2),
+               rec("ok", "d", req_id="d-1"), rec("unknown", "e", known=2)]
+    engine1 = [rec("unknown", "a", known=1), rec("ok", "b", req_id="b-1", prompt_len=5), rec("evicted", "c"),
+               rec("ok", "d", req_id="d-9"), rec("unknown", "e", known=1)]
+    a, b, c, d, e = (CaptureRecord.from_dict(r) for r in merge_engines("capture.take", [engine0, engine1]))
+    assert (a.status, a.req_id, a.prompt_len) == ("ok", "a-1", 3)
+    assert (b.status, b.req_id, b.prompt_len) == ("ok", "b-1", 5)
+    assert c.status == "evicted"  # one engine evicted it: more telling than another's "unknown"
+    assert d.status == "ambiguous" and d.matches == ["engine 0: d-1", "engine 1: d-9"]
+    assert (e.status, e.known) == ("unknown", 3)  # records held over both engines
+    assert merge_engines("capture.discard", [2, 1]) == 3
+    assert merge_engines("capture.uninstall", [True, False]) is False
+    stats = merge_engines("capture.stats", [{"steps": 4, "route_mode": "hold", "hook_s": 0.5},
+                                            {"steps": 6, "route_mode": "hold", "hook_s": 0.25}])
+    assert stats["steps"] == 10 and stats["route_mode"] == "hold" and stats["hook_s"] == 0.75
+    assert [s["steps"] for s in stats["engines"]] == [4, 6]
+    assert merge_engines("weights.end", [{"v": 1}]) == {"v": 1}  # one engine: its value as is
+    with pytest.raises(CaptureHookError, match=r"weights.end: expected the 2 data-parallel engines to reply alike"):
+        merge_engines("weights.end", [{"v": 1}, {"v": 2}])
+
+
+def test_data_parallel_rows_cut_this_ranks_rows_from_the_gathered_batch():
+    """vLLM's MoE layers route the whole DP batch (every rank's tokens, rank by rank); the capture
+    function keeps rank r's rows, located by the forward context's per-rank counts, and an unknown
+    layout yields no rows and a reason (never another rank's routes)."""
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.forward_context import DPMetadata, override_forward_context
+
+    from moe_replay.integrations.vllm.capture.route_hook import DataParallelRows
+
+    ids_TK = torch.arange(16).view(8, 2)  # rank 0 routed 3 tokens, rank 1 five
+    counts = torch.tensor([3, 5])
+    for rank, rows in ((0, slice(0, 3)), (1, slice(3, 8))):
+        cut = DataParallelRows(rank)
+        with override_forward_context(SimpleNamespace(dp_metadata=DPMetadata(counts))):
+            assert torch.equal(cut(ids_TK), ids_TK[rows])  # the gathered batch
+            assert torch.equal(cut(ids_TK[rows]), ids_TK[rows])  # a kernel that routes own rows only
+            assert cut(ids_TK[:6]).shape == (0, 2) and not cut.odd[1:]
+            assert "a router routed 6 rows; expected this DP rank's" in cut.odd[0]
+        with override_forward_context(SimpleNamespace(dp_metadata=DPMetadata(counts, local_sizes=[2, 2, 3, 3]))):
+            sp = DataParallelRows(rank)(torch.arange(20).view(10, 2))  # SP shards gathered DP rank by DP rank
+            assert torch.equal(sp, torch.arange(20).view(10, 2)[(0, 4)[rank]:(0, 4)[rank] + int(counts[rank])])
+        with override_forward_context(SimpleNamespace(dp_metadata=None)):
+            assert cut(ids_TK) is ids_TK  # no DP metadata (a dummy or profile run): as routed

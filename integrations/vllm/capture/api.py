@@ -84,7 +84,6 @@ class _CaptureBase:
         self.plan = plan_sources(self.config, EngineFlags.of(vllm_config))
         self._hooks_config = self.plan.hooks_config(self.config)
         if self._hooks_config is not None:
-            _refuse_data_parallel_hooks(vllm_config, self.plan.hooks)
             return self._hooks_config.to_dict()
         from ....models.layout import geometry_of
 
@@ -144,21 +143,6 @@ class _CaptureBase:
         if failures:
             raise CollectError(traces, failures)
         return traces
-
-
-def _refuse_data_parallel_hooks(vllm_config: Any, parts: Any) -> None:
-    """Hooks capture on a data-parallel engine is refused before anything is installed: each
-    engine's workers hold only the requests that engine serves, and the link reads one engine's
-    replies (vLLM's data-parallel client answers a collective_rpc with its first engine's result),
-    so another engine's requests would come back unknown; with expert parallelism the routers
-    also see rows gathered from the other ranks. vLLM's native outputs (per request, from the
-    engine that served it) carry no such limit."""
-    dp = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1)
-    if dp > 1:
-        raise CaptureHookError(
-            f"capture of {sorted(parts)} by hooks on an engine with data_parallel_size={dp}: expected "
-            "data_parallel_size=1, or vLLM's native outputs for these parts (enable_return_routed_experts / "
-            "return_sampling_mask / logprobs_mode='processed_logprobs', CaptureConfig(source='native'))")
 
 
 class VllmCapture(_CaptureBase):

@@ -80,6 +80,58 @@ def write_step_rows(step_TLK: torch.Tensor, j: int, topk_ids_TK: torch.Tensor) -
     step_TLK[: topk_ids_TK.shape[0], j].copy_(topk_ids_TK)
 
 
+class DataParallelRows:
+    """Cuts this data-parallel rank's rows out of the ids a router hands its capture function.
+
+    With data_parallel_size > 1, vLLM's MoE layers gather every DP rank's tokens before routing
+    (naive dispatch, with or without expert parallelism), so a router routes the whole DP batch:
+    rank r's tokens are rows [sum(counts[:r]), sum(counts[:r+1])) of it, counts being the
+    forward context's per-rank token counts. Kernels that dispatch inside the experts call route
+    only the rank's own rows. The layouts are vLLM's own (routed_experts_capturer.py). MoE layers
+    run as an opaque custom op, so this Python runs eagerly in compiled forwards too; the counts
+    live on the host (~3 us per layer, paid only under DP).
+
+    A batch in a layout it does not know yields no rows, and `odd` says why: the step's requests
+    then fail by name (RouteCapture.land) instead of taking another rank's routes.
+    """
+
+    def __init__(self, dp_rank: int) -> None:
+        from vllm.forward_context import get_forward_context
+
+        self.rank, self._context = int(dp_rank), get_forward_context
+        self.odd: list[str] = []
+        """Why a forward's routes could not be cut (cleared at each arm)."""
+
+    @classmethod
+    def of(cls, vllm_config: Any) -> "DataParallelRows | None":
+        pc = vllm_config.parallel_config
+        return cls(pc.data_parallel_rank) if int(getattr(pc, "data_parallel_size", 1) or 1) > 1 else None
+
+    def __call__(self, topk_ids_TK: torch.Tensor) -> torch.Tensor:
+        meta = self._context().dp_metadata
+        if meta is None:
+            return topk_ids_TK
+        counts_R = meta.num_tokens_across_dp_cpu
+        n, own = int(topk_ids_TK.shape[0]), int(counts_R[self.rank])
+        if n == own:
+            return topk_ids_TK
+        if n == int(counts_R.sum()):
+            start = int(counts_R[: self.rank].sum())
+            return topk_ids_TK[start:start + own]
+        sizes = getattr(meta, "local_sizes", None)  # sequence-parallel shards gathered DP rank by DP rank
+        if sizes is not None and n == sum(sizes) and len(sizes) % len(counts_R) == 0:
+            start = sum(sizes[: self.rank * (len(sizes) // len(counts_R))])
+            return topk_ids_TK[start:start + own]
+        self.odd.append(f"a router routed {n} rows; expected this DP rank's {own}, the DP batch's "
+                        f"{int(counts_R.sum())} (per-rank counts {counts_R.tolist()}) or the gathered shards' {sizes}")
+        return topk_ids_TK[:0]
+
+
+def write_local_step_rows(step_TLK: torch.Tensor, j: int, rows: DataParallelRows, topk_ids_TK: torch.Tensor) -> None:
+    """write_step_rows of this DP rank's rows."""
+    write_step_rows(step_TLK, j, rows(topk_ids_TK))
+
+
 class StepRoutes:
     """step_TLK [rows, L, K]: the ids every MoE layer routed in the running forward.
 
@@ -87,7 +139,8 @@ class StepRoutes:
     graph capture size). The dtype holds every expert id plus the sentinel (its max value).
     """
 
-    def __init__(self, layers: list[tuple[int, Any]], rows: int, device: torch.device) -> None:
+    def __init__(self, layers: list[tuple[int, Any]], rows: int, device: torch.device,
+                 dp_rows: DataParallelRows | None = None) -> None:
         routers = _routers(layers)
         self.layer_ids = tuple(i for i, _ in layers)
         num_experts = max(int(r.global_num_experts) for r in routers)
@@ -98,8 +151,10 @@ class StepRoutes:
         self.step_TLK = torch.full((self.rows, len(routers), top_k), self.sentinel, dtype=self.dtype, device=device)
         self._np = self.step_TLK.numpy() if self.step_TLK.device.type == "cpu" else None
         self._routers = routers
+        self.dp_rows = dp_rows
         for j, router in enumerate(routers):
-            router.set_capture_fn(functools.partial(write_step_rows, self.step_TLK, j))
+            router.set_capture_fn(functools.partial(write_step_rows, self.step_TLK, j) if dp_rows is None else
+                                  functools.partial(write_local_step_rows, self.step_TLK, j, dp_rows))
 
     def arm(self, num_tokens: int) -> None:
         """Set the rows the next forward must fill to the sentinel (outside the graph)."""
@@ -124,7 +179,7 @@ def bind_at_load(model: torch.nn.Module, vllm_config: Any) -> StepRoutes | None:
     rows = max(int(vllm_config.scheduler_config.max_num_batched_tokens),
                int(getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0))
     device = next(model.parameters()).device
-    step = StepRoutes(layers, rows, device)
+    step = StepRoutes(layers, rows, device, DataParallelRows.of(vllm_config))
     model.__dict__[STEP_ROUTES_ATTR] = step  # a plain attribute: not a submodule, not a buffer
     return step
 
@@ -163,8 +218,10 @@ class RouteCapture:
         elif torch.device(runner.device).type in HOLD_DEVICES:
             self.hold = True
         else:
-            self.step = StepRoutes(find_moe_layers(runner.model), self.step_rows, torch.device(runner.device))
+            self.step = StepRoutes(find_moe_layers(runner.model), self.step_rows, torch.device(runner.device),
+                                   DataParallelRows.of(runner.vllm_config))
             self._own_step = True
+        self.dp_rows = self.step.dp_rows if self.step is not None else DataParallelRows.of(runner.vllm_config)
         id_bytes = 8 if self.hold else self.dtype.itemsize  # held: the router's own int32/int64 ids
         self.capacity = max(self.step_rows, budget_bytes // (L * K * id_bytes))
         self.arena_TLK: torch.Tensor | None = None
@@ -192,9 +249,12 @@ class RouteCapture:
 
     def _make_hold_fn(self, j: int):
         seen, held, spent, clock = self.rows_seen_L, self._held_L, self._copy_s, time.perf_counter
+        local = self.dp_rows
 
         def capture(topk_ids_TK: torch.Tensor) -> None:
             t0 = clock()
+            if local is not None:
+                topk_ids_TK = local(topk_ids_TK)
             held[j] = topk_ids_TK
             seen[j] = topk_ids_TK.shape[0]
             spent[0] += clock() - t0
@@ -208,6 +268,8 @@ class RouteCapture:
     def arm(self, offset: int, num_tokens: int) -> None:
         """Start a step of num_tokens rows that go to window rows [offset, offset + num_tokens)."""
         self.offset = offset
+        if self.dp_rows is not None:
+            self.dp_rows.odd.clear()
         if self.hold:
             # In place (the capture closures hold this list). Held ids of a forward that never landed
             # (a dummy run) need no clearing: every layer of the next forward replaces its entry, and
@@ -220,6 +282,8 @@ class RouteCapture:
         """File this step's rows after its forward; None when filed, else what went wrong."""
         if self.offset + num_tokens > self.capacity:
             return f"step of {num_tokens} tokens at row {self.offset} exceeds the route window ({self.capacity} rows)"
+        if self.dp_rows is not None and self.dp_rows.odd:
+            return self.dp_rows.odd[0]
         if self.hold:
             if min(self.rows_seen_L) < num_tokens:
                 bad = [(self.geometry.moe_layer_ids[j], n) for j, n in enumerate(self.rows_seen_L) if n < num_tokens]
