@@ -23,7 +23,6 @@ Legend: B batch rows, S padded length, M = S * B sequence-first positions, E exp
 
 from __future__ import annotations
 
-import socket
 import types
 from typing import Any
 
@@ -185,7 +184,8 @@ def stage_worker(rank: int, init: str, plans, full: dict, out: dict) -> None:
 
 
 def _init_method(work) -> str:
-    return f"file://{work}/init_{socket.gethostname()}_{np.random.default_rng().integers(1 << 30)}"
+    """A fresh rendezvous file per process group (gloo's file store must not be reused)."""
+    return f"file://{work}/init_{np.random.default_rng().integers(1 << 30)}"
 
 
 def make_plans():
