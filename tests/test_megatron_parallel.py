@@ -1,7 +1,8 @@
 """Megatron-core replay across processes (gloo, CPU). Tensor + sequence parallelism (TP=2): each TP
 rank's routers see their slice of every sequence ([S / 2, B, H]), replay hands each rank the same
 slice of the plan's routes, and every rank's routing and gate weights equal a one-process replay
-of the whole sequence, sliced.
+of the whole sequence, sliced. Expert parallelism (EP=2, allgather dispatcher) and pipeline
+parallelism (PP=2 through Megatron's own schedule, tests/megatron_pp_worker.py) on GPTModels.
 
 Real `TopKRouter`s in a real TP group (Megatron's parallel_state on gloo). A whole GPTModel does not
 build with sequence parallelism on CPU: Megatron-core 0.16's non-TE norm asserts
@@ -187,3 +188,30 @@ def test_allgather_expert_parallel_unequal_shapes_refused_equal_shapes_replayed(
     mp.spawn(_ep_worker, args=(2, f"file://{tmp_path}/ep2", equal, out), nprocs=2, join=True)
     for rank in (0, 1):
         assert out[rank] == ("ok", True, True), out[rank]  # finite logits; every router routed exactly its plan's ids
+
+
+def test_pipeline_parallel_stages_replay_their_layers_and_match_one_process(tmp_path):
+    """PP=2 through Megatron's own schedule (`get_forward_backward_func`, forward_only, 2 micro-batches,
+    P2PCommunicator over gloo): each stage builds its half of a GPTModel from the reference weights and
+    replays with `partial=True`. Each stage routes exactly the recorded experts for its own MoE layer
+    (flips 0, ids equal to the one-process replay's) and accounts for that layer alone; the last
+    stage's logits equal a one-process replay of the whole model (fp32, max |diff| <= 2e-5; measured
+    0.0 on CPU), while free routing moves them by 4e-2, so routes that were not replayed would fail
+    this. Set-up and CPU shims: tests/megatron_pp_worker.py."""
+    from .megatron_pp_worker import run_pp2
+
+    r = run_pp2(tmp_path)
+    ref, (first, last) = r["reference"], r["stages"]
+    assert first["layers"] == (1,) and last["layers"] == (3,)  # one MoE layer per stage, global ids
+    for stage in (first, last):
+        (lid,) = stage["layers"]
+        assert stage["calls"] == {lid: 2}  # one router call per micro-batch
+        assert stage["forward_takes"] == [{lid: 1}, {lid: 1}]  # each stage accounts for its own layer only
+        assert stage["flips"] == 0
+        for m in (0, 1):
+            assert torch.equal(stage["ids"][m][lid], ref["ids"][m][lid])
+    assert ref["flips"] == 0 and r["replay_vs_free_logit_diff"] > 1e-3
+    assert first["logits"] == [] and len(last["logits"]) == 2
+    for got, want in zip(last["logits"], ref["logits"]):
+        assert got.shape == want.shape == (3, 12, 512)
+    assert r["max_abs_logit_diff"] <= 2e-5, r["max_abs_logit_diff"]

@@ -474,3 +474,47 @@ def test_score_tokens_normalises_vocab_parallel_logits_across_tp_ranks(tmp_path)
         torch.testing.assert_close(out[rank][0], ref.logprobs_G.detach(), rtol=1e-6, atol=1e-5)
         torch.testing.assert_close(out[rank][1], ref.full_entropy_G.detach(), rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(torch.cat([out[0][2], out[1][2]], -1), x.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_sequences_refused_by_name_before_the_forward(megatron_cpu):
+    """THD packed sequences (PackedSeqParams) do not line up with a plan's padded [S, B] routes.
+    Replay refuses them by name with expected/found before any layer runs, on the model itself and
+    on a wrapper around it (the TransformerBlock's hook); without it Megatron-core's non-TE attention
+    fails on an assert first. The same session objects and model replay a padded batch afterwards."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from moe_replay.replay import BatchLayoutError
+
+    class Wrapper(torch.nn.Module):  # takes the batch as one dict: its own hook sees no packed_seq_params
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, batch):
+            return self.inner(**batch)
+
+    model = _gpt("none").eval()
+    plan = make_plan(model_geometry(model), lengths=(11, 6, 8))
+    cu_seqlens = torch.tensor([0, 11, 17, 25], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=11, max_seqlen_kv=11)
+    calls, handles = _watch(model)
+    embedded = []
+    handles.append(model.embedding.register_forward_hook(lambda *a: embedded.append(1)))
+    try:
+        batch = {**megatron_inputs(plan), "packed_seq_params": packed}
+        for target, where in ((model, "GPTModel"), (Wrapper(model), "TransformerBlock")):
+            with pytest.raises(BatchLayoutError, match=r"field 'packed_seq_params': expected None: a padded \[S, B\] batch.*"
+                                                       rf"found PackedSeqParams\(qkv_format='thd', 3 sequences\) passed to {where}"):
+                with torch.no_grad(), replay(target, plan):
+                    target(**batch) if target is model else target(batch)
+            assert all(seen == [] for seen in calls.values())  # no router ran
+        assert embedded == [1]  # the model refused before its embedding; the wrapper at the decoder
+        for site in find_routers(model).values():
+            assert not site.module._forward_pre_hooks and site.module.router_replay.router_replay_action is None
+        assert not model._forward_pre_hooks and not model.decoder._forward_pre_hooks
+        with torch.no_grad(), replay(model, plan):
+            model(**megatron_inputs(plan))
+    finally:
+        for h in handles:
+            h.remove()
+    assert all(len(seen) == 1 for seen in calls.values())

@@ -19,7 +19,8 @@ is enough. Megatron gathers probabilities from its own scores at the replayed id
 or after top-k, sigmoid with the selection-only expert bias left out, top-k scaling), so the
 router keeps its gradient (invariant 4). The hook also does the exactly-once accounting
 (`RouteLedger`, invariant 6), keyed by layer id. On exit every router's RouterReplay state
-(action, targets, queue, recorded ids) is put back as it was.
+(action, targets, queue, recorded ids) is put back as it was. A forward given packed sequences
+(`packed_seq_params`) is refused by name before any layer runs (`_refuse_packed`).
 
 Legend: B batch rows, S padded length, M = S * B sequence-first positions, K top-k.
 """
@@ -33,13 +34,13 @@ import torch
 from torch import nn
 
 from moe_replay.errors import GeometryMismatchError, Where
-from moe_replay.replay.errors import RouteConsumptionError, UnsupportedRouterError
+from moe_replay.replay.errors import BatchLayoutError, RouteConsumptionError, UnsupportedRouterError
 from moe_replay.replay.scoring import TokenScores, VocabShard
 from moe_replay.replay.ledger import RouteLedger, in_backward
 from moe_replay.replay.plan import RoutePlan
 
 from .layout import sequence_first_ids
-from .routers import ModelOrRouters, RouterSite, check_geometry, check_replayable, find_routers, sequence_share
+from .routers import ModelOrRouters, RouterSite, _router_base_class, check_geometry, check_replayable, find_routers, sequence_share
 
 _ACTIVE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 """Routers currently under a replay session (sessions do not nest)."""
@@ -67,6 +68,8 @@ class ReplaySession:
         partial: bool = False,
         expect_recompute: bool | None = None,
     ) -> None:
+        if not isinstance(model_or_routers, nn.Module):
+            model_or_routers = list(model_or_routers)  # walked twice: routers, then the forwards to watch
         self.plans: tuple[RoutePlan, ...] = (plans,) if isinstance(plans, RoutePlan) else tuple(plans)
         if not self.plans:
             raise ValueError("replay needs at least one RoutePlan, got 0")
@@ -75,6 +78,7 @@ class ReplaySession:
             geometry.check_matches(plan.geometry, Where(), f"micro-batch plans[0] vs plans[{m}] of one session")
             geometry = geometry.with_family_of(plan.geometry)
         self.sites = find_routers(model_or_routers)
+        self.entries = _forward_entries(model_or_routers)
         for site in self.sites.values():
             check_replayable(site)
         vocab = getattr(model_or_routers, "vocab_size", None) if isinstance(model_or_routers, nn.Module) else None
@@ -175,6 +179,8 @@ class ReplaySession:
                 rr.set_router_replay_action(_actions().REPLAY_FORWARD)
                 rr.target_topk_idx = self.ids_MK[0][lid]
                 self._handles.append(site.module.register_forward_pre_hook(self._hook(site), with_kwargs=True))
+            for entry in self.entries:
+                self._handles.append(entry.register_forward_pre_hook(_refuse_packed, with_kwargs=True))
         except BaseException:
             self._restore()
             raise
@@ -197,6 +203,38 @@ class ReplaySession:
         if exc_type is None:
             for ledger in self.ledgers:
                 ledger.finish(expect_recompute=bool(self.expect_recompute))
+
+
+def _forward_entries(model_or_routers: ModelOrRouters) -> list[nn.Module]:
+    """Where a forward's keyword arguments are seen before any layer runs: each model root (a
+    GPTModel, a chunk, or a wrapper around one) and each TransformerBlock under it (GPTModel hands
+    it `packed_seq_params` by keyword whatever wraps the model). Routers given alone have none."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    roots = [model_or_routers] if isinstance(model_or_routers, nn.Module) else list(model_or_routers)
+    router = _router_base_class()
+    entries = [r for r in roots if not isinstance(r, router)]
+    entries += [m for r in entries for m in r.modules() if isinstance(m, TransformerBlock) and m is not r]
+    return entries
+
+
+def _refuse_packed(module: nn.Module, args, kwargs) -> None:
+    """Packed sequences (PackedSeqParams, THD: every sequence of the micro-batch back to back in one
+    [T, 1, H] row) do not line up with a plan's padded [S, B] routes: refused by name before the
+    forward, not at the first router (where the hidden states would be [T, 1, H] instead of
+    [S, B, H]) nor inside attention (Megatron-core's non-TE DotProductAttention asserts
+    packed_seq_params is None)."""
+    packed = kwargs.get("packed_seq_params")
+    if packed is None:
+        return
+    cu_seqlens = getattr(packed, "cu_seqlens_q", None)
+    count = f", {len(cu_seqlens) - 1} sequences" if cu_seqlens is not None else ""
+    raise BatchLayoutError(
+        Where(field="packed_seq_params"),
+        "None: a padded [S, B] batch, one request per row, as megatron_inputs(plan) gives",
+        f"PackedSeqParams(qkv_format={getattr(packed, 'qkv_format', None)!r}{count}) passed to {type(module).__name__}",
+        "replay lays each plan's routes out per padded row (sequence-first [S * B, K]); packed sequences are not supported",
+    )
 
 
 def check_allgather_shapes(model: nn.Module, plans: Sequence[RoutePlan]) -> None:

@@ -1,0 +1,228 @@
+"""Megatron-core pipeline parallelism (PP=2) under replay, against a one-process replay of the same
+weights and routes. Used by tests/test_megatron_parallel.py and benchmarks/topologies.py (cell
+`megatron_pp2`).
+
+A 4-layer GPTModel (MoE layers 1 and 3, 8 experts, top-2, allgather dispatcher, fp32, eval) is
+built whole in one process and replays two micro-batch plans; its weights, logits and routing maps
+are the reference. Two gloo processes then each build one pipeline stage (stage 0: embedding and
+layers 0-1; stage 1: layers 2-3, final norm and output layer), load the reference weights of their
+own layers, and run Megatron's own 1F1B schedule (`get_forward_backward_func`, forward_only=True,
+2 micro-batches) inside `replay(stage, plans, partial=True)`: each stage holds one MoE layer and
+accounts for it alone.
+
+Test-only CPU shims, in the spawned processes only (library code has none): those of
+tests/test_megatron_replay.py (`torch.cuda.current_device` -> "cpu", `te_general_gemm`, CUDA RNG
+state -> CPU), and one for the schedule: megatron-core 0.16's non-interleaved schedule allocates
+its token counter with a literal `device="cuda"`, so the schedules module sees a `torch` whose
+`zeros` maps "cuda" to "cpu". Stage-to-stage tensors go through Megatron's P2PCommunicator with
+`batch_p2p_comm=False` (plain isend/irecv: gloo runs them on CPU; the batched path ends with
+`torch.cuda.synchronize()`).
+
+Legend: B batch rows, S padded length, M = S * B sequence-first positions, E experts, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import numpy as np
+import torch
+
+H, VOCAB, NUM_LAYERS, MOE_LAYERS = 16, 512, 4, (1, 3)
+LENGTHS = ((11, 6, 9), (7, 11, 5))
+"""Two micro-batches of three requests; both pad to S = 12 (the schedule sends one [S, B, H] shape)."""
+
+
+def _shims() -> None:
+    import megatron.core.pipeline_parallel.schedules as schedules
+    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    torch.cuda.current_device = lambda: "cpu"
+    moe_utils.te_general_gemm = None
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+    cpu_torch = types.ModuleType("torch")
+    cpu_torch.__dict__.update(vars(torch))
+    cpu_torch.zeros = lambda *a, device=None, **k: torch.zeros(*a, device="cpu" if device == "cuda" else device, **k)
+    schedules.torch = cpu_torch
+
+
+def _init(rank: int, world: int, init: str, pp: int) -> None:
+    import torch.distributed as dist
+    import megatron.core.tensor_parallel.random as mrandom
+    from megatron.core import parallel_state
+
+    torch.set_num_threads(1)
+    _shims()
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(1, pp)
+    mrandom.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
+
+
+def _close() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _gpt(pp: int, rank: int):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=NUM_LAYERS, hidden_size=H, num_attention_heads=2, ffn_hidden_size=32, moe_ffn_hidden_size=32,
+                            num_moe_experts=8, moe_router_topk=2, moe_enable_routing_replay=True, moe_layer_freq=[0, 1, 0, 1],
+                            use_cpu_initialization=True, moe_router_dtype="fp32", add_bias_linear=False,
+                            moe_token_dispatcher_type="allgather", pipeline_model_parallel_size=pp,
+                            pipeline_dtype=torch.float32, batch_p2p_comm=False)
+    torch.manual_seed(0)
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, pp_rank=rank)
+    return GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=64, pre_process=rank == 0, post_process=rank == pp - 1,
+                    share_embeddings_and_output_weights=False).eval()
+
+
+def _watch(model) -> tuple[dict[int, list[torch.Tensor]], list]:
+    """Every router call's routing map [M, E], by global layer id."""
+    from moe_replay.integrations.megatron import find_routers
+
+    maps: dict[int, list[torch.Tensor]] = {}
+    handles = [site.module.register_forward_hook(lambda m, a, out, lid=lid: maps.setdefault(lid, []).append(out[1].clone()))
+               for lid, site in find_routers(model).items()]
+    return maps, handles
+
+
+def _flips(maps: dict[int, list[torch.Tensor]], ids: list[dict[int, torch.Tensor]]) -> int:
+    """Positions (per layer, per micro-batch) whose routed expert set differs from the replayed ids."""
+    return sum(int((map_ME != torch.zeros_like(map_ME).scatter(1, ids[m][lid], True)).any(-1).sum())
+               for lid, seen in maps.items() for m, map_ME in enumerate(seen))
+
+
+def reference_worker(rank: int, init: str, plans, out: dict) -> None:
+    """The whole model in one process: weights, replayed logits, and the free-routing logits."""
+    from moe_replay.integrations.megatron import find_routers, megatron_inputs, replay
+
+    _init(rank, 1, init, 1)
+    try:
+        model = _gpt(1, 0)
+        with torch.no_grad():
+            for site in find_routers(model).values():
+                site.module.weight.normal_(0, 0.5)  # a decided router, so free and replayed routes differ
+        maps, handles = _watch(model)
+        with torch.no_grad(), replay(model, plans) as session:
+            logits = [model(**megatron_inputs(p)).clone() for p in plans]
+        for h in handles:
+            h.remove()
+        with torch.no_grad():
+            free = [model(**megatron_inputs(p)) for p in plans]
+        out["state"] = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+        out["logits"] = logits
+        out["flips"] = _flips(maps, session.ids_MK)
+        out["replay_vs_free"] = max(float((a - b).abs().max()) for a, b in zip(logits, free))
+        out["ids"] = session.ids_MK
+    finally:
+        _close()
+
+
+def _stage_state(full: dict[str, torch.Tensor], model, rank: int, layers_per_stage: int) -> dict[str, torch.Tensor]:
+    """The reference weights of this stage's layers, renamed to its local layer numbers."""
+    own = {}
+    for key in model.state_dict():
+        name = key
+        if key.startswith("decoder.layers."):
+            local, rest = key[len("decoder.layers."):].split(".", 1)
+            name = f"decoder.layers.{int(local) + rank * layers_per_stage}.{rest}"
+        if name in full:  # tensors only: _extra_state entries are None without Transformer Engine
+            own[key] = full[name]
+    return own
+
+
+def stage_worker(rank: int, init: str, plans, full: dict, out: dict) -> None:
+    from functools import partial
+
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from moe_replay.integrations.megatron import find_routers, megatron_inputs, replay
+
+    _init(rank, 2, init, 2)
+    try:
+        model = _gpt(2, rank)
+        missing, unexpected = model.load_state_dict(_stage_state(full, model, rank, NUM_LAYERS // 2), strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"stage {rank}: reference weights missing {missing[:4]}, unexpected {unexpected[:4]}")
+        maps, handles = _watch(model)
+        logits: list[torch.Tensor] = []
+
+        def keep_logits(logits_BSV: torch.Tensor):
+            logits.append(logits_BSV.detach().clone())
+            return logits_BSV.sum() * 0, {}
+
+        def forward_step(data_iterator, stage):
+            return stage(**next(data_iterator)), keep_logits
+
+        with torch.no_grad(), replay(model, plans, partial=True) as session:
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter([megatron_inputs(p) for p in plans]), model=[model],
+                num_microbatches=len(plans), seq_length=plans[0].seq_len, micro_batch_size=plans[0].batch_size,
+                forward_only=True)
+        for h in handles:
+            h.remove()
+        out[rank] = {
+            "layers": tuple(find_routers(model)),
+            "calls": {lid: len(seen) for lid, seen in maps.items()},
+            "forward_takes": [dict(ledger.forward_takes) for ledger in session.ledgers],
+            "flips": _flips(maps, session.ids_MK),
+            "ids": session.ids_MK,
+            "logits": logits,
+        }
+    finally:
+        _close()
+
+
+def _init_method(work) -> str:
+    """A fresh rendezvous file per process group (gloo's file store must not be reused)."""
+    return f"file://{work}/init_{np.random.default_rng().integers(1 << 30)}"
+
+
+def make_plans():
+    from moe_replay.geometry import ModelGeometry
+    from moe_replay.replay import PlanConfig, build_plan
+
+    from tests.trace_factory import random_trace
+
+    geometry = ModelGeometry(num_layers=NUM_LAYERS, moe_layer_ids=MOE_LAYERS, num_experts=8, top_k=2, vocab_size=VOCAB,
+                             family="megatron")
+    rng = np.random.default_rng(0)
+    plans = []
+    for m, lengths in enumerate(LENGTHS):
+        traces = [random_trace(f"m{m}q{i}", rng, geometry=geometry, num_tokens=n, prompt_len=2) for i, n in enumerate(lengths)]
+        plans.append(build_plan(traces, geometry, config=PlanConfig(pad_to_multiple_of=4)))
+    return plans
+
+
+def run_pp2(work) -> dict[str, Any]:
+    """Reference in one process, then PP=2 in two; the figures benchmarks/topologies.py reports,
+    plus the raw results for the test."""
+    import torch.multiprocessing as mp
+
+    plans = make_plans()
+    ref, out = mp.Manager().dict(), mp.Manager().dict()
+    mp.spawn(reference_worker, args=(_init_method(work), plans, ref), nprocs=1, join=True)
+    mp.spawn(stage_worker, args=(_init_method(work), plans, ref["state"], out), nprocs=2, join=True)
+    stages = [out[0], out[1]]
+    ref_logits = ref["logits"]
+    got = stages[1]["logits"]
+    diff = max(float((a - b).abs().max()) for a, b in zip(got, ref_logits)) if len(got) == len(ref_logits) else float("inf")
+    return {
+        "plans": plans,
+        "reference": dict(ref),
+        "stages": stages,
+        "max_abs_logit_diff": diff,
+        "flips": sum(s["flips"] for s in stages),
+        "reference_flips": ref["flips"],
+        "replay_vs_free_logit_diff": ref["replay_vs_free"],
+    }
