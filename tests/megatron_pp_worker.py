@@ -141,8 +141,6 @@ def _stage_state(full: dict[str, torch.Tensor], model, rank: int, layers_per_sta
 
 
 def stage_worker(rank: int, init: str, plans, full: dict, out: dict) -> None:
-    from functools import partial
-
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from moe_replay.integrations.megatron import find_routers, megatron_inputs, replay
