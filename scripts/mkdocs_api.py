@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File
 
 ROOTS = {"moe_replay": "moe_replay", "moe_replay.integrations": "integrations"}
@@ -52,6 +53,7 @@ def modules(repo: Path) -> list[str]:
     return sorted(set(names))
 
 
+@event_priority(100)  # before mkdocstrings' on_config, which drops a `paths` entry not yet on disk
 def on_config(config):
     _link_tree(_repo(config))
     return config

@@ -4,6 +4,7 @@ docs` runs), one page per module of the installed package, found from the tree (
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ def _hook():
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
+    shutil.rmtree(ROOT / _hook().SOURCE_TREE, ignore_errors=True)  # as in a fresh clone: the hook makes it
     run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, f"mkdocs build --strict failed:\n{run.stderr[-4000:]}"
