@@ -120,8 +120,12 @@ def check_replayable(site: RouterSite) -> None:
         refuse("moe_router_load_balancing_type", "sinkhorn", "picks experts without RouterReplay")
     if cfg.moe_expert_capacity_factor is not None:
         refuse("moe_expert_capacity_factor", cfg.moe_expert_capacity_factor, "may drop replayed tokens the engine kept; set it None")
-    if m.cp_group.size() > 1:
-        refuse("context_parallel_size", m.cp_group.size(), "splits each sequence over ranks; not supported yet")
+    cp = m.cp_group.size()
+    if cp > 1:
+        refuse("context_parallel_size", cp,
+               f"splits each sequence over {cp} ranks (each holds 2 of its {2 * cp} chunks, reordered for load balance), "
+               f"so this router would see S / {cp} positions that the plan's [S, B] routes are not laid out for; "
+               "expected 1 (replay does not support context parallelism)")
 
 
 def sequence_share(site: RouterSite) -> tuple[int, int]:
