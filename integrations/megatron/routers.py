@@ -8,7 +8,7 @@ Everything here runs before any forward: a router whose routing would bypass `Ro
 (fused TE top-k returns from `topk_routing_with_score_function` before RouterReplay is consulted;
 sinkhorn; a Router that is not a TopKRouter, or a TopKRouter subclass with its own routing), whose
 logits are replaced (`moe_router_force_load_balancing`: random logits would weigh the replayed ids),
-or whose tokens are split across ranks (sequence/context parallel), is refused with the setting to
+or whose sequences are split into reordered chunks across ranks (context parallel), is refused with the setting to
 change. A router numbered past the decoder stack (a multi-token-prediction layer: Megatron numbers
 it num_layers + k) is refused by name: traces hold decoder layers only.
 """
