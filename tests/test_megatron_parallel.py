@@ -1,8 +1,10 @@
 """Megatron-core replay across processes (gloo, CPU). Tensor + sequence parallelism (TP=2): each TP
 rank's routers see their slice of every sequence ([S / 2, B, H]), replay hands each rank the same
 slice of the plan's routes, and every rank's routing and gate weights equal a one-process replay
-of the whole sequence, sliced. Expert parallelism (EP=2, allgather dispatcher) and pipeline
-parallelism (PP=2 through Megatron's own schedule, tests/megatron_pp_worker.py) on GPTModels.
+of the whole sequence, sliced. Expert parallelism (EP=2) on GPTModels with the allgather dispatcher
+and with the all-to-all one (tests/megatron_ep_worker.py), and pipeline parallelism (PP=2 through
+Megatron's own schedule, tests/megatron_pp_worker.py). Context parallelism (CP=2, real TopKRouters
+in a CP group) is refused by name before any forward.
 
 Real `TopKRouter`s in a real TP group (Megatron's parallel_state on gloo). A whole GPTModel does not
 build with sequence parallelism on CPU: Megatron-core 0.16's non-TE norm asserts
@@ -215,3 +217,104 @@ def test_pipeline_parallel_stages_replay_their_layers_and_match_one_process(tmp_
     for got, want in zip(last["logits"], ref["logits"]):
         assert got.shape == want.shape == (3, 12, 512)
     assert r["max_abs_logit_diff"] <= 2e-5, r["max_abs_logit_diff"]
+
+
+def test_alltoall_expert_parallel_unequal_shapes_replay_and_match_one_process(tmp_path):
+    """EP=2 with Megatron's all-to-all dispatcher (`moe_token_dispatcher_type="alltoall"`, gloo's
+    `all_to_all_single` with split sizes), the two ranks replaying micro-batches of different shapes
+    ([11, 2] and [9, 2]): each rank holds 4 of the 8 experts, every router routes exactly its plan's
+    ids (flips 0), and each rank's logits equal a one-process replay of its own micro-batch with the
+    same weights (fp32, max |diff| <= 2e-5; measured 0.0 on CPU), while free routing moves them by
+    3.8e-2, so routes that were not replayed, or experts that ran on the wrong rank's weights, would
+    fail this. Set-up and CPU shims: tests/megatron_ep_worker.py."""
+    from .megatron_ep_worker import run_ep2_alltoall
+
+    r = run_ep2_alltoall(tmp_path)
+    assert r["shapes"] == [[11, 2], [9, 2]]
+    ranks = r["ranks"]
+    assert [x["local_experts"] for x in ranks] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for rank, x in enumerate(ranks):
+        assert x["dispatcher"] == "MoEAlltoAllTokenDispatcher"
+        assert x["layers"] == LAYERS and x["calls"] == {lid: 1 for lid in LAYERS}
+        assert x["flips"] == 0
+        for lid in LAYERS:
+            assert torch.equal(x["ids"][lid], r["reference"]["ids"][rank][lid])
+        assert x["logits"].shape == (2, r["shapes"][rank][0], 512)
+    assert r["reference_flips"] == 0 and r["replay_vs_free_logit_diff"] > 1e-3
+    assert r["max_abs_logit_diff"] <= 2e-5, r["max_abs_logit_diff"]
+
+
+def _cp_worker(rank: int, world: int, init: str, plan, out: dict) -> None:
+    """One rank of a context-parallel group of `world`: real TopKRouters in it, then replay."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from moe_replay.integrations.megatron import replay
+
+    _shims()
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world)
+    try:
+        cfg = TransformerConfig(num_layers=4, hidden_size=H, num_attention_heads=2, ffn_hidden_size=32, num_moe_experts=8,
+                                moe_router_topk=2, moe_enable_routing_replay=True, use_cpu_initialization=True,
+                                moe_router_dtype="fp32", add_bias_linear=False, moe_layer_freq=[0, 1, 0, 1],
+                                context_parallel_size=world)
+        try:  # a whole GPTModel first: on CPU, Megatron-core 0.16 refuses CP without Transformer Engine
+            GPTModel(cfg, get_gpt_decoder_block_spec(cfg, use_transformer_engine=False), vocab_size=512, max_sequence_length=64)
+            out[f"gpt{rank}"] = "built"
+        except AssertionError as e:
+            out[f"gpt{rank}"] = str(e)
+        routers = []
+        for lid in LAYERS:
+            r = TopKRouter(cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+            r.set_layer_number(lid + 1)
+            routers.append(r)
+        calls = []
+        for r in routers:
+            r.register_forward_pre_hook(lambda m, a: calls.append(m.layer_number))
+        try:
+            with replay(routers, plan):
+                for r in routers:
+                    r(torch.zeros(plan.seq_len // world, plan.batch_size, H))
+            out[rank] = ("replayed", routers[0].cp_group.size(), len(calls))
+        except Exception as e:  # noqa: BLE001  (the refusal is the result under test)
+            rr = routers[0].router_replay
+            out[rank] = (f"{type(e).__name__}: {e}", routers[0].cp_group.size(), len(calls),
+                         rr.router_replay_action, rr.target_topk_idx, len(rr.replay_backward_list))
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_context_parallel_refused_by_name_before_any_forward(tmp_path):
+    """context_parallel_size=2 over 2 gloo processes, real TopKRouters in Megatron's CP group: replay
+    refuses on every rank before any router runs (UnsupportedRouterError naming
+    context_parallel_size=2; no router call, RouterReplay left untouched). Under CP each rank holds
+    2 of the sequence's 4 chunks, reordered for load balance, which the plan's [S, B] routes are not
+    laid out for. A whole GPTModel does not build with CP on CPU: Megatron-core 0.16's non-TE
+    DotProductAttention asserts context_parallel_size == 1, and Transformer Engine needs a GPU."""
+    import torch.multiprocessing as mp
+
+    from moe_replay.geometry import ModelGeometry
+    from moe_replay.replay import build_plan
+
+    from .trace_factory import random_trace
+
+    geometry = ModelGeometry(num_layers=4, moe_layer_ids=LAYERS, num_experts=8, top_k=2, vocab_size=512, family="megatron")
+    rng = np.random.default_rng(0)
+    plan = build_plan([random_trace(f"q{i}", rng, geometry=geometry, num_tokens=n, prompt_len=2) for i, n in enumerate((12, 7))],
+                      geometry)
+    out = mp.Manager().dict()
+    mp.spawn(_cp_worker, args=(2, f"file://{tmp_path}/cp2", plan, out), nprocs=2, join=True)
+    for rank in (0, 1):
+        message, cp, calls, *state = out[rank]
+        assert cp == 2  # the routers really sit in a 2-rank CP group
+        assert message.startswith("UnsupportedRouterError") and "context_parallel_size=2 " in message, message
+        assert calls == 0 and state == [None, None, 0]  # before any forward, RouterReplay untouched
+        gpt = out[f"gpt{rank}"]
+        assert gpt == "built" or "only supported by TEDotProductAttention" in gpt, gpt

@@ -8,7 +8,7 @@ Everything here runs before any forward: a router whose routing would bypass `Ro
 (fused TE top-k returns from `topk_routing_with_score_function` before RouterReplay is consulted;
 sinkhorn; a Router that is not a TopKRouter, or a TopKRouter subclass with its own routing), whose
 logits are replaced (`moe_router_force_load_balancing`: random logits would weigh the replayed ids),
-or whose tokens are split across ranks (sequence/context parallel), is refused with the setting to
+or whose sequences are split into reordered chunks across ranks (context parallel), is refused with the setting to
 change. A router numbered past the decoder stack (a multi-token-prediction layer: Megatron numbers
 it num_layers + k) is refused by name: traces hold decoder layers only.
 """
@@ -120,8 +120,12 @@ def check_replayable(site: RouterSite) -> None:
         refuse("moe_router_load_balancing_type", "sinkhorn", "picks experts without RouterReplay")
     if cfg.moe_expert_capacity_factor is not None:
         refuse("moe_expert_capacity_factor", cfg.moe_expert_capacity_factor, "may drop replayed tokens the engine kept; set it None")
-    if m.cp_group.size() > 1:
-        refuse("context_parallel_size", m.cp_group.size(), "splits each sequence over ranks; not supported yet")
+    cp = m.cp_group.size()
+    if cp > 1:
+        refuse("context_parallel_size", cp,
+               f"splits each sequence over {cp} ranks (each holds 2 of its {2 * cp} chunks, reordered for load balance), "
+               f"so this router would see S / {cp} positions that the plan's [S, B] routes are not laid out for; "
+               "expected 1 (replay does not support context parallelism)")
 
 
 def sequence_share(site: RouterSite) -> tuple[int, int]:

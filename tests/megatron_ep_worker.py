@@ -1,0 +1,252 @@
+"""Megatron-core expert parallelism (EP=2) with the all-to-all token dispatcher under replay, against
+a one-process replay of the same weights and routes. Used by tests/test_megatron_parallel.py and
+benchmarks/topologies.py (cell `megatron_ep2_alltoall`).
+
+A 4-layer GPTModel (MoE layers 1 and 3, 8 experts, top-2, `moe_token_dispatcher_type="alltoall"`,
+fp32, eval) is built whole in one process (EP=1: all 8 experts local); it replays each rank's
+micro-batch plan and runs it again with free routing; its weights and logits are the reference.
+Two gloo processes then each build the same model with `expert_model_parallel_size=2` (rank r
+holds experts 4r..4r+3), load the reference weights (their own experts renumbered to local
+indices), and replay their own micro-batch: rank 0 a [S, B] = [11, 2] batch, rank 1 a [9, 2] one.
+The all-to-all dispatcher exchanges per-expert token counts and sends each rank exactly the tokens
+routed to its experts (`all_to_all_single` with split sizes), so unequal shapes need no padding.
+
+Test-only CPU shims, in the spawned processes only (library code has none):
+  * those of tests/test_megatron_replay.py: `torch.cuda.current_device` -> "cpu" (Megatron's
+    all-to-all allocates its output on `torch.cuda.current_device()`), `te_general_gemm` None,
+    CUDA RNG state -> CPU RNG state;
+  * the dispatcher module sees a `torch` whose `cuda` has a do-nothing `Stream`, `current_stream`,
+    `stream()` and event: megatron-core 0.16's `MoEAlltoAllTokenDispatcher.__init__` creates a
+    `torch.cuda.Stream()` for its device-to-host copies of the split sizes ("torch.cuda.Stream
+    requires CUDA support" on a CPU build), and `_maybe_dtoh_and_synchronize` enters that stream
+    and synchronizes on an event recorded there. On CPU the split sizes are already host tensors
+    (`maybe_move_tensor_to_cpu` copies CUDA tensors only), so there is nothing to overlap or wait
+    for: the shim changes no value;
+  * the dispatcher's `maybe_move_tensor_to_cpu` returns numpy split sizes for host tensors too:
+    megatron-core 0.16 converts only CUDA tensors (`tensor.is_cuda`) and leaves host ones as torch
+    tensors, which `torch.distributed.all_to_all_single` rejects as split sizes ("TypeError:
+    all_to_all_single(): incompatible function arguments", seen with `tensor([24, 16])`). On a GPU
+    the same call returns the same integers as numpy arrays, which is what the shim returns.
+
+Legend: B batch rows, S padded length, M = S * B sequence-first positions, E experts, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any
+
+import numpy as np
+import torch
+
+H, VOCAB, NUM_LAYERS, MOE_LAYERS, EXPERTS = 16, 512, 4, (1, 3), 8
+LENGTHS = ((11, 6), (9, 7))
+"""Rank 0's micro-batch pads to S = 11, rank 1's to S = 9: unequal [S, B] shapes across EP ranks."""
+
+
+class _HostStream:
+    """A CUDA stream stand-in on a CPU build: work is already ordered, events are already done."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self):
+        return types.SimpleNamespace(synchronize=lambda: None)
+
+
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """`maybe_move_tensor_to_cpu` as it behaves on a GPU: a host copy, numpy where asked."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.cpu().numpy()
+    return tensor
+
+
+def _shims() -> None:
+    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    torch.cuda.current_device = lambda: "cpu"
+    moe_utils.te_general_gemm = None
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
+    stream = _HostStream()
+    host_cuda = types.ModuleType("torch.cuda")
+    host_cuda.__dict__.update(vars(torch.cuda))
+    host_cuda.Stream = lambda *a, **k: stream
+    host_cuda.current_stream = lambda *a, **k: stream
+    host_cuda.stream = lambda s: contextlib.nullcontext()
+    host_torch = types.ModuleType("torch")
+    host_torch.__dict__.update(vars(torch))
+    host_torch.cuda = host_cuda
+    token_dispatcher.torch = host_torch
+
+
+def _init(rank: int, world: int, init: str, ep: int) -> None:
+    import torch.distributed as dist
+    import megatron.core.tensor_parallel.random as mrandom
+    from megatron.core import parallel_state
+
+    torch.set_num_threads(1)
+    _shims()
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+    mrandom.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
+
+
+def _close() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _gpt(ep: int):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=NUM_LAYERS, hidden_size=H, num_attention_heads=2, ffn_hidden_size=32, moe_ffn_hidden_size=32,
+                            num_moe_experts=EXPERTS, moe_router_topk=2, moe_enable_routing_replay=True,
+                            moe_layer_freq=[0, 1, 0, 1], use_cpu_initialization=True, moe_router_dtype="fp32",
+                            add_bias_linear=False, moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep)
+    torch.manual_seed(0)
+    return GPTModel(cfg, get_gpt_decoder_block_spec(cfg, use_transformer_engine=False), vocab_size=VOCAB,
+                    max_sequence_length=64).eval()
+
+
+def _watch(model) -> tuple[dict[int, list[torch.Tensor]], list]:
+    """Every router call's routing map [M, E], by global layer id."""
+    from moe_replay.integrations.megatron import find_routers
+
+    maps: dict[int, list[torch.Tensor]] = {}
+    handles = [site.module.register_forward_hook(lambda m, a, out, lid=lid: maps.setdefault(lid, []).append(out[1].clone()))
+               for lid, site in find_routers(model).items()]
+    return maps, handles
+
+
+def _flips(maps: dict[int, list[torch.Tensor]], ids: list[dict[int, torch.Tensor]]) -> int:
+    """Positions (per layer, per micro-batch) whose routed expert set differs from the replayed ids."""
+    return sum(int((map_ME != torch.zeros_like(map_ME).scatter(1, ids[m][lid], True)).any(-1).sum())
+               for lid, seen in maps.items() for m, map_ME in enumerate(seen))
+
+
+def reference_worker(rank: int, init: str, plans, out: dict) -> None:
+    """The whole model in one process (all experts local): weights, replayed and free logits per plan."""
+    from moe_replay.integrations.megatron import find_routers, megatron_inputs, replay
+
+    _init(rank, 1, init, 1)
+    try:
+        model = _gpt(1)
+        with torch.no_grad():
+            for site in find_routers(model).values():
+                site.module.weight.normal_(0, 0.5)  # a decided router, so free and replayed routes differ
+        maps, handles = _watch(model)
+        with torch.no_grad(), replay(model, plans) as session:
+            logits = [model(**megatron_inputs(p)).clone() for p in plans]
+        for h in handles:
+            h.remove()
+        with torch.no_grad():
+            free = [model(**megatron_inputs(p)).clone() for p in plans]
+        out["state"] = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+        out["logits"], out["free_logits"] = logits, free
+        out["flips"] = _flips(maps, session.ids_MK)
+        out["ids"] = session.ids_MK
+    finally:
+        _close()
+
+
+def _rank_state(full: dict[str, torch.Tensor], model, rank: int) -> dict[str, torch.Tensor]:
+    """The reference weights, each local expert i of this EP rank taken from global expert
+    rank * local + i (plain state_dict keys number experts locally)."""
+    own, marker = {}, ".local_experts."
+    local = EXPERTS // 2
+    for key in model.state_dict():
+        name = key
+        if marker in key:
+            head, rest = key.split(marker, 1)
+            i, tail = rest.split(".", 1)
+            name = f"{head}{marker}{int(i) + rank * local}.{tail}"
+        if name in full:  # tensors only: _extra_state entries are None without Transformer Engine
+            own[key] = full[name]
+    return own
+
+
+def ep_worker(rank: int, init: str, plans, full: dict, out: dict) -> None:
+    from moe_replay.integrations.megatron import find_routers, megatron_inputs, replay
+
+    _init(rank, 2, init, 2)
+    try:
+        model = _gpt(2)
+        dispatcher = next(m.token_dispatcher for m in model.modules() if hasattr(m, "token_dispatcher"))
+        missing, unexpected = model.load_state_dict(_rank_state(full, model, rank), strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"EP rank {rank}: reference weights missing {missing[:4]}, unexpected {unexpected[:4]}")
+        maps, handles = _watch(model)
+        plan = plans[rank]
+        with torch.no_grad(), replay(model, plan) as session:
+            logits = model(**megatron_inputs(plan)).clone()
+        for h in handles:
+            h.remove()
+        out[rank] = {
+            "dispatcher": type(dispatcher).__name__,
+            "local_experts": list(dispatcher.local_expert_indices),
+            "layers": tuple(find_routers(model)),
+            "calls": {lid: len(seen) for lid, seen in maps.items()},
+            "flips": _flips(maps, session.ids_MK),
+            "ids": session.ids_MK[0],
+            "logits": logits,
+        }
+    finally:
+        _close()
+
+
+def _init_method(work) -> str:
+    """A fresh rendezvous file per process group (gloo's file store must not be reused)."""
+    return f"file://{work}/init_{np.random.default_rng().integers(1 << 30)}"
+
+
+def make_plans():
+    """One micro-batch plan per EP rank, of different [S, B] shapes."""
+    from moe_replay.geometry import ModelGeometry
+    from moe_replay.replay import build_plan
+
+    from tests.trace_factory import random_trace
+
+    geometry = ModelGeometry(num_layers=NUM_LAYERS, moe_layer_ids=MOE_LAYERS, num_experts=EXPERTS, top_k=2, vocab_size=VOCAB,
+                             family="megatron")
+    rng = np.random.default_rng(0)
+    plans = []
+    for r, lengths in enumerate(LENGTHS):
+        traces = [random_trace(f"r{r}q{i}", rng, geometry=geometry, num_tokens=n, prompt_len=2) for i, n in enumerate(lengths)]
+        plans.append(build_plan(traces, geometry))
+    return plans
+
+
+def run_ep2_alltoall(work) -> dict[str, Any]:
+    """Reference in one process, then EP=2 in two; the figures benchmarks/topologies.py reports,
+    plus the raw results for the test."""
+    import torch.multiprocessing as mp
+
+    plans = make_plans()
+    ref, out = mp.Manager().dict(), mp.Manager().dict()
+    mp.spawn(reference_worker, args=(_init_method(work), plans, ref), nprocs=1, join=True)
+    mp.spawn(ep_worker, args=(_init_method(work), plans, ref["state"], out), nprocs=2, join=True)
+    ranks = [out[0], out[1]]
+    ref_logits, free_logits = ref["logits"], ref["free_logits"]
+    diff = max(float((r["logits"] - want).abs().max()) for r, want in zip(ranks, ref_logits))
+    free = max(float((r["logits"] - f).abs().max()) for r, f in zip(ranks, free_logits))
+    return {
+        "plans": plans,
+        "reference": dict(ref),
+        "ranks": ranks,
+        "shapes": [[p.seq_len, p.batch_size] for p in plans],
+        "max_abs_logit_diff": diff,
+        "flips": sum(r["flips"] for r in ranks),
+        "reference_flips": ref["flips"],
+        "replay_vs_free_logit_diff": free,
+    }
