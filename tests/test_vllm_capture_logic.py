@@ -267,10 +267,11 @@ def test_data_parallel_replies_merge_per_op():
         return CaptureRecord(status, key=key, **kw).to_dict()
 
     engine0 = [rec("ok", "a", req_id="a-1", prompt_len=3), rec("unknown", "b", known=2), rec("unknown", "c", known=2),
-               rec("ok", "d", req_id="d-1"), rec("unknown", "e", known=2)]
+               rec("ok", "d", req_id="d-1"), rec("unknown", "e", known=2), rec("unknown", "f", known=2)]
     engine1 = [rec("unknown", "a", known=1), rec("ok", "b", req_id="b-1", prompt_len=5), rec("evicted", "c"),
-               rec("ok", "d", req_id="d-9"), rec("unknown", "e", known=1)]
-    a, b, c, d, e = (CaptureRecord.from_dict(r) for r in merge_engines("capture.take", [engine0, engine1]))
+               rec("ok", "d", req_id="d-9"), rec("unknown", "e", known=1), rec("ambiguous", "f", matches=["f-1", "f-2"])]
+    a, b, c, d, e, f = (CaptureRecord.from_dict(r) for r in merge_engines("capture.take", [engine0, engine1]))
+    assert f.status == "ambiguous" and f.matches == ["f-1", "f-2"]  # one engine's ambiguity is kept
     assert (a.status, a.req_id, a.prompt_len) == ("ok", "a-1", 3)
     assert (b.status, b.req_id, b.prompt_len) == ("ok", "b-1", 5)
     assert c.status == "evicted"  # one engine evicted it: more telling than another's "unknown"

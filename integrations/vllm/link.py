@@ -58,9 +58,9 @@ def _take(per_engine: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         elif held:
             out.append({"status": "ambiguous", "key": held[0].get("key", ""),
                         "matches": [f"engine {i}: {r.get('req_id')}" for i, r in enumerate(replies) if r in held]})
-        else:
-            gone = [r for r in replies if r.get("status") == "evicted"]
-            out.append(gone[0] if gone else {**replies[0], "known": sum(int(r.get("known", 0)) for r in replies)})
+        else:  # an engine's own ambiguity, then an eviction, say more than "unknown"
+            told = [r for status in ("ambiguous", "evicted") for r in replies if r.get("status") == status]
+            out.append(told[0] if told else {**replies[0], "known": sum(int(r.get("known", 0)) for r in replies)})
     return out
 
 
