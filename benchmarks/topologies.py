@@ -17,6 +17,9 @@ and `max_abs_logprob_diff` against the reference (fp32 target <= 2e-5):
   vllm_dp2_scoring  forced scoring of those traces on the two engines (refused by name under DP);
   vllm_dp2_ep       the same with enable_expert_parallel=True (each rank holds 4 of the 8 experts);
   vllm_dp2_ep_scoring
+  vllm_pp2          capture and forced scoring on a vLLM engine with pipeline_parallel_size=2: refused
+                    by name before anything is installed (installed_on_workers 0);
+  vllm_pp2_scoring
   trl_tp2           TRL's GRPOTrainer with `vllm_tensor_parallel_size=2` under torchrun (two ranks,
                     one engine sharded over them): each rank's traces against the completions it
                     trains on, and replay flips in TRL's own metric log (reference: the trainer's
@@ -86,6 +89,33 @@ def vllm_child(model_dir: str, tp: int, out_dir: str, reference: str | None) -> 
     finally:
         scorer.uninstall()
     (out / "scores.json").write_text(json.dumps({t.key: s.tolist() for t, s in zip(ref, scores)}))
+    llm.llm_engine.engine_core.shutdown()
+
+
+# -- the pipeline-parallel child: capture and forced scoring, each refused or run ----------------------
+def pp_child(model_dir: str, pp: int, out_dir: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    from moe_replay.integrations.vllm import VllmCapture, VllmScorer, capture_engine_kwargs
+    from moe_replay.integrations.vllm.link import METHOD
+
+    llm = LLM(**capture_engine_kwargs(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256,
+                                      max_num_seqs=8, max_num_batched_tokens=1024, seed=0, pipeline_parallel_size=pp,
+                                      distributed_executor_backend="mp"))
+    out = {}
+    for name, attach in (("capture", VllmCapture), ("scoring", VllmScorer)):
+        try:
+            part = attach(llm)
+            if name == "capture":
+                part.generate(PROMPTS[:1], SamplingParams(max_tokens=4, seed=1), use_tqdm=False)
+            part.uninstall()
+            out[name] = {"status": "works"}
+        except Exception as e:  # the refusal, reported by name
+            out[name] = {"status": "refused", "error": f"{type(e).__name__}: {e}"}
+    # nothing was installed on any worker by a refused attach
+    replies = llm.collective_rpc(METHOD, args=("capture.stats", None))
+    out["installed_on_workers"] = sum(bool(r.get("ok")) for r in replies)
+    (Path(out_dir) / "pp.json").write_text(json.dumps(out))
     llm.llm_engine.engine_core.shutdown()
 
 
@@ -230,6 +260,17 @@ def cell_vllm_dp2(model_dir: Path, work: Path, ep_variants: tuple[bool, ...] = (
     return cells
 
 
+def cell_vllm_pp2(model_dir: Path, work: Path) -> dict[str, dict]:
+    d = work / "pp2"
+    d.mkdir()
+    proc = _run([sys.executable, __file__, "--child", "pp", str(model_dir), "2", str(d), "-"])
+    if proc.returncode:
+        return {"vllm_pp2": _error(proc)}
+    out = json.loads((d / "pp.json").read_text())
+    return {"vllm_pp2": {**out["capture"], "installed_on_workers": out["installed_on_workers"]},
+            "vllm_pp2_scoring": out["scoring"]}
+
+
 def cell_trl_tp2(model_dir: Path, work: Path) -> dict[str, dict]:
     out = work / "trl"
     out.mkdir()
@@ -306,7 +347,7 @@ def cell_megatron_ep2_alltoall(model_dir: Path, work: Path) -> dict[str, dict]:
         "seconds": round(time.perf_counter() - t0, 1)}}
 
 
-CELLS = {"vllm_tp2": cell_vllm_tp2, "vllm_dp2": cell_vllm_dp2, "trl_tp2": cell_trl_tp2,
+CELLS = {"vllm_tp2": cell_vllm_tp2, "vllm_dp2": cell_vllm_dp2, "vllm_pp2": cell_vllm_pp2, "trl_tp2": cell_trl_tp2,
          "megatron_pp2": cell_megatron_pp2, "megatron_ep2_alltoall": cell_megatron_ep2_alltoall}
 
 
@@ -315,6 +356,8 @@ def main() -> None:
         _, _, kind, model_dir, size, out_dir, ref = sys.argv
         if kind == "dp":
             dp_child(model_dir, int(size), ref == "ep", out_dir)
+        elif kind == "pp":
+            pp_child(model_dir, int(size), out_dir)
         else:
             vllm_child(model_dir, int(size), out_dir, ref if Path(ref).exists() and ref != out_dir else None)
         return

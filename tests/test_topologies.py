@@ -51,3 +51,15 @@ def test_vllm_data_parallel_capture_gets_every_engines_requests(tiny_model, tmp_
         assert cell["max_abs_logprob_diff"] <= 2e-5
         assert scoring["status"] == "refused" and scoring["reference"] == "works", scoring
         assert "ForceRouteError" in scoring["error"] and "data_parallel_size=2" in scoring["error"]
+
+
+def test_vllm_pipeline_parallel_is_refused_by_name_before_anything_is_installed(tiny_model, tmp_path):
+    """A pipeline-parallel engine splits a request's routes over stages (each holds its own MoE
+    layers, only the last samples): capture by hooks and forced scoring refuse it by name at attach,
+    and no worker has anything installed."""
+    cells = topologies.cell_vllm_pp2(tiny_model("qwen3_moe"), tmp_path)
+    for name, what in (("vllm_pp2", "capture of"), ("vllm_pp2_scoring", "forced scoring")):
+        cell = cells[name]
+        assert cell["status"] == "refused", cell
+        assert cell["error"].startswith("CaptureHookError: " + what) and "pipeline_parallel_size=2" in cell["error"]
+    assert cells["vllm_pp2"]["installed_on_workers"] == 0

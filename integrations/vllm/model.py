@@ -55,3 +55,16 @@ def forward_is_traced(vllm_config: Any) -> bool:
     mode = int(getattr(cc, "mode", getattr(cc, "level", 0)) or 0)
     graphs = getattr(cc, "cudagraph_mode", None)
     return mode != 0 or (graphs is not None and str(getattr(graphs, "name", graphs)) != "NONE")
+
+
+def refuse_pipeline_parallel(vllm_config: Any, what: str) -> None:
+    """Capture and forced scoring by hooks refuse a pipeline-parallel engine before anything is
+    installed: each stage's workers hold only their own MoE layers (vLLM puts PPMissingLayer in place
+    of the rest) and only the last stage samples, so one request's routes and kept sets would be
+    split over workers that the link reads one of. Tensor parallelism shards an engine without that."""
+    pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    if pp > 1:
+        raise CaptureHookError(
+            f"{what} on an engine with pipeline_parallel_size={pp}: expected pipeline_parallel_size=1 (each "
+            "pipeline stage holds only its own MoE layers and only the last one samples); shard the engine with "
+            "tensor_parallel_size instead")

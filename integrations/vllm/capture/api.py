@@ -20,6 +20,7 @@ from ....geometry import EngineInfo, ModelGeometry
 from ....trace import RolloutTrace, Sampling
 from ..errors import CaptureHookError, CollectError, UnknownRequestError
 from ..link import AsyncLink, SyncLink
+from ..model import refuse_pipeline_parallel
 from ..wire import CaptureRecord, InstallReply
 from .assemble import build_trace, merge_stream
 from .native import EngineFlags, native_trace, plan_sources
@@ -84,6 +85,7 @@ class _CaptureBase:
         self.plan = plan_sources(self.config, EngineFlags.of(vllm_config))
         self._hooks_config = self.plan.hooks_config(self.config)
         if self._hooks_config is not None:
+            refuse_pipeline_parallel(vllm_config, f"capture of {sorted(self.plan.hooks)} by hooks")
             return self._hooks_config.to_dict()
         from ....models.layout import geometry_of
 

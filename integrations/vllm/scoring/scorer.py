@@ -38,6 +38,7 @@ from ....trace import RolloutTrace
 from ..engine_kwargs import capture_engine_kwargs
 from ..errors import ForceRouteError, PrefixCacheMissError, ScoreAlignmentError, ScoringError
 from ..link import AsyncLink, SyncLink
+from ..model import refuse_pipeline_parallel
 from ..patch import FORCE_FLAG, flag_value
 from ..wire import InstallReply, ScoreRequest, ScoreResult
 from .prefix import CACHE_UPTO_KEY, READ_UPTO_KEY, SCHEDULER_QUALNAME, cache_salt, engine_reuse_ready, reusable_tokens
@@ -128,6 +129,7 @@ class _ScorerBase:
 
     def _prepare(self, vllm_config: Any) -> None:
         """Client-side state, checked before anything is installed on the engine."""
+        refuse_pipeline_parallel(vllm_config, "forced scoring")
         self.block_size = int(vllm_config.cache_config.block_size)
         self.engine_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         """The scoring engine's compute dtype, spelt as capture records it (EngineInfo.dtype)."""
