@@ -47,6 +47,7 @@ Usage: python benchmarks/topologies.py --json [--cells vllm_tp2,vllm_dp2,trl_tp2
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import socket
@@ -55,6 +56,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -293,58 +295,45 @@ def cell_trl_tp2(model_dir: Path, work: Path) -> dict[str, dict]:
         "seconds": round(time.perf_counter() - t0, 1)}}
 
 
-def cell_megatron_pp2(model_dir: Path, work: Path) -> dict[str, dict]:
-    """PP=2 replay vs one process, both on the GPTModel of tests/megatron_pp_worker.py (model_dir unused)."""
+def _megatron_cell(name: str, work: Path, run: Callable[[Path], dict], figures: Callable[[dict], dict]) -> dict[str, dict]:
+    """A Megatron layout run in this process's children (tests/megatron_*_worker.py, their own GPTModel)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from tests.megatron_pp_worker import run_pp2
-
-    out = work / "megatron_pp2"
+    out = work / name
     out.mkdir()
     t0 = time.perf_counter()
     try:
-        r = run_pp2(out)
+        r = run(out)
     except Exception as e:  # noqa: BLE001  (a cell reports its failure instead of ending the run)
-        return {"megatron_pp2": {"status": "error", "error": f"{type(e).__name__}: {e}"[-400:]}}
-    plans, (first, last) = r["plans"], r["stages"]
-    reached = sum(p.batch_size for p, _ in zip(plans, last["logits"]))  # requests whose logits left the last stage
-    return {"megatron_pp2": {
-        "status": "works",
-        "traces_complete": f"{reached}/{sum(p.batch_size for p in plans)}",
-        "flips": r["flips"],
-        "routed": sum(int(p.routed_N.sum()) for p in plans) * len(first["layers"] + last["layers"]),
-        "stage_layers": [list(first["layers"]), list(last["layers"])],
-        "max_abs_logit_diff": r["max_abs_logit_diff"],
-        "replay_vs_free_logit_diff": r["replay_vs_free_logit_diff"],
-        "seconds": round(time.perf_counter() - t0, 1)}}
+        return {name: {"status": "error", "error": f"{type(e).__name__}: {e}"[-400:]}}
+    return {name: {"status": "works", **figures(r), "max_abs_logit_diff": r["max_abs_logit_diff"],
+                   "replay_vs_free_logit_diff": r["replay_vs_free_logit_diff"],
+                   "seconds": round(time.perf_counter() - t0, 1)}}
+
+
+def cell_megatron_pp2(model_dir: Path, work: Path) -> dict[str, dict]:
+    """PP=2 replay vs one process (model_dir unused)."""
+    def figures(r: dict) -> dict:
+        plans, (first, last) = r["plans"], r["stages"]
+        reached = sum(p.batch_size for p, _ in zip(plans, last["logits"]))  # requests whose logits left the last stage
+        return {"traces_complete": f"{reached}/{sum(p.batch_size for p in plans)}", "flips": r["flips"],
+                "routed": sum(int(p.routed_N.sum()) for p in plans) * len(first["layers"] + last["layers"]),
+                "stage_layers": [list(first["layers"]), list(last["layers"])]}
+
+    return _megatron_cell("megatron_pp2", work, lambda out: importlib.import_module("tests.megatron_pp_worker").run_pp2(out), figures)
 
 
 def cell_megatron_ep2_alltoall(model_dir: Path, work: Path) -> dict[str, dict]:
-    """EP=2, all-to-all dispatcher, unequal micro-batch shapes per rank, vs one process, both on the
-    GPTModel of tests/megatron_ep_worker.py (model_dir unused)."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from tests.megatron_ep_worker import run_ep2_alltoall
+    """EP=2, all-to-all dispatcher, unequal micro-batch shapes per rank, vs one process (model_dir unused)."""
+    def figures(r: dict) -> dict:
+        plans, ranks = r["plans"], r["ranks"]
+        reached = sum(p.batch_size for p, x in zip(plans, ranks) if x["logits"].shape[:2] == (p.batch_size, p.seq_len))
+        return {"traces_complete": f"{reached}/{sum(p.batch_size for p in plans)}", "flips": r["flips"],
+                "routed": sum(int(p.routed_N.sum()) * len(x["layers"]) for p, x in zip(plans, ranks)),
+                "rank_shapes": r["shapes"], "rank_experts": [x["local_experts"] for x in ranks]}
 
-    out = work / "megatron_ep2_alltoall"
-    out.mkdir()
-    t0 = time.perf_counter()
-    try:
-        r = run_ep2_alltoall(out)
-    except Exception as e:  # noqa: BLE001  (a cell reports its failure instead of ending the run)
-        return {"megatron_ep2_alltoall": {"status": "error", "error": f"{type(e).__name__}: {e}"[-400:]}}
-    plans, ranks = r["plans"], r["ranks"]
-    reached = sum(p.batch_size for p, x in zip(plans, ranks) if x["logits"].shape[:2] == (p.batch_size, p.seq_len))
-    return {"megatron_ep2_alltoall": {
-        "status": "works",
-        "traces_complete": f"{reached}/{sum(p.batch_size for p in plans)}",
-        "flips": r["flips"],
-        "routed": sum(int(p.routed_N.sum()) * len(x["layers"]) for p, x in zip(plans, ranks)),
-        "rank_shapes": r["shapes"],
-        "rank_experts": [x["local_experts"] for x in ranks],
-        "max_abs_logit_diff": r["max_abs_logit_diff"],
-        "replay_vs_free_logit_diff": r["replay_vs_free_logit_diff"],
-        "seconds": round(time.perf_counter() - t0, 1)}}
+    return _megatron_cell("megatron_ep2_alltoall", work,
+                          lambda out: importlib.import_module("tests.megatron_ep_worker").run_ep2_alltoall(out), figures)
 
 
 CELLS = {"vllm_tp2": cell_vllm_tp2, "vllm_dp2": cell_vllm_dp2, "vllm_pp2": cell_vllm_pp2, "trl_tp2": cell_trl_tp2,

@@ -37,8 +37,9 @@ import contextlib
 import types
 from typing import Any
 
-import numpy as np
 import torch
+
+from . import megatron_gloo as gloo
 
 H, VOCAB, NUM_LAYERS, MOE_LAYERS, EXPERTS = 16, 512, 4, (1, 3), 8
 LENGTHS = ((11, 6), (9, 7))
@@ -84,24 +85,8 @@ def _shims() -> None:
     token_dispatcher.torch = host_torch
 
 
-def _init(rank: int, world: int, init: str, ep: int) -> None:
-    import torch.distributed as dist
-    import megatron.core.tensor_parallel.random as mrandom
-    from megatron.core import parallel_state
-
-    torch.set_num_threads(1)
-    _shims()
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
-    mrandom.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
 
 
-def _close() -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _gpt(ep: int):
@@ -118,33 +103,21 @@ def _gpt(ep: int):
                     max_sequence_length=64).eval()
 
 
-def _watch(model) -> tuple[dict[int, list[torch.Tensor]], list]:
-    """Every router call's routing map [M, E], by global layer id."""
-    from moe_replay.integrations.megatron import find_routers
-
-    maps: dict[int, list[torch.Tensor]] = {}
-    handles = [site.module.register_forward_hook(lambda m, a, out, lid=lid: maps.setdefault(lid, []).append(out[1].clone()))
-               for lid, site in find_routers(model).items()]
-    return maps, handles
 
 
-def _flips(maps: dict[int, list[torch.Tensor]], ids: list[dict[int, torch.Tensor]]) -> int:
-    """Positions (per layer, per micro-batch) whose routed expert set differs from the replayed ids."""
-    return sum(int((map_ME != torch.zeros_like(map_ME).scatter(1, ids[m][lid], True)).any(-1).sum())
-               for lid, seen in maps.items() for m, map_ME in enumerate(seen))
 
 
 def reference_worker(rank: int, init: str, plans, out: dict) -> None:
     """The whole model in one process (all experts local): weights, replayed and free logits per plan."""
     from moe_replay.integrations.megatron import find_routers, megatron_inputs, replay
 
-    _init(rank, 1, init, 1)
+    gloo.init(rank, 1, init, _shims)
     try:
         model = _gpt(1)
         with torch.no_grad():
             for site in find_routers(model).values():
                 site.module.weight.normal_(0, 0.5)  # a decided router, so free and replayed routes differ
-        maps, handles = _watch(model)
+        maps, handles = gloo.watch(model)
         with torch.no_grad(), replay(model, plans) as session:
             logits = [model(**megatron_inputs(p)).clone() for p in plans]
         for h in handles:
@@ -153,40 +126,22 @@ def reference_worker(rank: int, init: str, plans, out: dict) -> None:
             free = [model(**megatron_inputs(p)).clone() for p in plans]
         out["state"] = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
         out["logits"], out["free_logits"] = logits, free
-        out["flips"] = _flips(maps, session.ids_MK)
+        out["flips"] = gloo.flips(maps, session.ids_MK)
         out["ids"] = session.ids_MK
     finally:
-        _close()
-
-
-def _rank_state(full: dict[str, torch.Tensor], model, rank: int) -> dict[str, torch.Tensor]:
-    """The reference weights, each local expert i of this EP rank taken from global expert
-    rank * local + i (plain state_dict keys number experts locally)."""
-    own, marker = {}, ".local_experts."
-    local = EXPERTS // 2
-    for key in model.state_dict():
-        name = key
-        if marker in key:
-            head, rest = key.split(marker, 1)
-            i, tail = rest.split(".", 1)
-            name = f"{head}{marker}{int(i) + rank * local}.{tail}"
-        if name in full:  # tensors only: _extra_state entries are None without Transformer Engine
-            own[key] = full[name]
-    return own
+        gloo.close()
 
 
 def ep_worker(rank: int, init: str, plans, full: dict, out: dict) -> None:
     from moe_replay.integrations.megatron import find_routers, megatron_inputs, replay
 
-    _init(rank, 2, init, 2)
+    gloo.init(rank, 2, init, _shims, ep=2)
     try:
         model = _gpt(2)
         dispatcher = next(m.token_dispatcher for m in model.modules() if hasattr(m, "token_dispatcher"))
-        missing, unexpected = model.load_state_dict(_rank_state(full, model, rank), strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise RuntimeError(f"EP rank {rank}: reference weights missing {missing[:4]}, unexpected {unexpected[:4]}")
-        maps, handles = _watch(model)
+        # local expert i of this EP rank is global expert rank * (EXPERTS / 2) + i
+        gloo.load_reference(model, full, ".local_experts.", rank * (EXPERTS // 2), f"EP rank {rank}")
+        maps, handles = gloo.watch(model)
         plan = plans[rank]
         with torch.no_grad(), replay(model, plan) as session:
             logits = model(**megatron_inputs(plan)).clone()
@@ -197,52 +152,33 @@ def ep_worker(rank: int, init: str, plans, full: dict, out: dict) -> None:
             "local_experts": list(dispatcher.local_expert_indices),
             "layers": tuple(find_routers(model)),
             "calls": {lid: len(seen) for lid, seen in maps.items()},
-            "flips": _flips(maps, session.ids_MK),
+            "flips": gloo.flips(maps, session.ids_MK),
             "ids": session.ids_MK[0],
             "logits": logits,
         }
     finally:
-        _close()
+        gloo.close()
 
 
-def _init_method(work) -> str:
-    """A fresh rendezvous file per process group (gloo's file store must not be reused)."""
-    return f"file://{work}/init_{np.random.default_rng().integers(1 << 30)}"
 
 
 def make_plans():
     """One micro-batch plan per EP rank, of different [S, B] shapes."""
-    from moe_replay.geometry import ModelGeometry
-    from moe_replay.replay import build_plan
-
-    from tests.trace_factory import random_trace
-
-    geometry = ModelGeometry(num_layers=NUM_LAYERS, moe_layer_ids=MOE_LAYERS, num_experts=EXPERTS, top_k=2, vocab_size=VOCAB,
-                             family="megatron")
-    rng = np.random.default_rng(0)
-    plans = []
-    for r, lengths in enumerate(LENGTHS):
-        traces = [random_trace(f"r{r}q{i}", rng, geometry=geometry, num_tokens=n, prompt_len=2) for i, n in enumerate(lengths)]
-        plans.append(build_plan(traces, geometry))
-    return plans
+    return gloo.random_plans(LENGTHS, num_layers=NUM_LAYERS, moe_layers=MOE_LAYERS, experts=EXPERTS, vocab=VOCAB,
+                             prefix="r")
 
 
 def run_ep2_alltoall(work) -> dict[str, Any]:
     """Reference in one process, then EP=2 in two; the figures benchmarks/topologies.py reports,
     plus the raw results for the test."""
-    import torch.multiprocessing as mp
-
     plans = make_plans()
-    ref, out = mp.Manager().dict(), mp.Manager().dict()
-    mp.spawn(reference_worker, args=(_init_method(work), plans, ref), nprocs=1, join=True)
-    mp.spawn(ep_worker, args=(_init_method(work), plans, ref["state"], out), nprocs=2, join=True)
-    ranks = [out[0], out[1]]
+    ref, ranks = gloo.reference_then_ranks(work, reference_worker, ep_worker, plans)
     ref_logits, free_logits = ref["logits"], ref["free_logits"]
     diff = max(float((r["logits"] - want).abs().max()) for r, want in zip(ranks, ref_logits))
     free = max(float((r["logits"] - f).abs().max()) for r, f in zip(ranks, free_logits))
     return {
         "plans": plans,
-        "reference": dict(ref),
+        "reference": ref,
         "ranks": ranks,
         "shapes": [[p.seq_len, p.batch_size] for p in plans],
         "max_abs_logit_diff": diff,

@@ -26,8 +26,9 @@ from __future__ import annotations
 import types
 from typing import Any
 
-import numpy as np
 import torch
+
+from . import megatron_gloo as gloo
 
 H, VOCAB, NUM_LAYERS, MOE_LAYERS = 16, 512, 4, (1, 3)
 LENGTHS = ((11, 6, 9), (7, 11, 5))
@@ -49,24 +50,8 @@ def _shims() -> None:
     schedules.torch = cpu_torch
 
 
-def _init(rank: int, world: int, init: str, pp: int) -> None:
-    import torch.distributed as dist
-    import megatron.core.tensor_parallel.random as mrandom
-    from megatron.core import parallel_state
-
-    torch.set_num_threads(1)
-    _shims()
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    parallel_state.initialize_model_parallel(1, pp)
-    mrandom.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
 
 
-def _close() -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _gpt(pp: int, rank: int):
@@ -85,33 +70,21 @@ def _gpt(pp: int, rank: int):
                     share_embeddings_and_output_weights=False).eval()
 
 
-def _watch(model) -> tuple[dict[int, list[torch.Tensor]], list]:
-    """Every router call's routing map [M, E], by global layer id."""
-    from moe_replay.integrations.megatron import find_routers
-
-    maps: dict[int, list[torch.Tensor]] = {}
-    handles = [site.module.register_forward_hook(lambda m, a, out, lid=lid: maps.setdefault(lid, []).append(out[1].clone()))
-               for lid, site in find_routers(model).items()]
-    return maps, handles
 
 
-def _flips(maps: dict[int, list[torch.Tensor]], ids: list[dict[int, torch.Tensor]]) -> int:
-    """Positions (per layer, per micro-batch) whose routed expert set differs from the replayed ids."""
-    return sum(int((map_ME != torch.zeros_like(map_ME).scatter(1, ids[m][lid], True)).any(-1).sum())
-               for lid, seen in maps.items() for m, map_ME in enumerate(seen))
 
 
 def reference_worker(rank: int, init: str, plans, out: dict) -> None:
     """The whole model in one process: weights, replayed logits, and the free-routing logits."""
     from moe_replay.integrations.megatron import find_routers, megatron_inputs, replay
 
-    _init(rank, 1, init, 1)
+    gloo.init(rank, 1, init, _shims)
     try:
         model = _gpt(1, 0)
         with torch.no_grad():
             for site in find_routers(model).values():
                 site.module.weight.normal_(0, 0.5)  # a decided router, so free and replayed routes differ
-        maps, handles = _watch(model)
+        maps, handles = gloo.watch(model)
         with torch.no_grad(), replay(model, plans) as session:
             logits = [model(**megatron_inputs(p)).clone() for p in plans]
         for h in handles:
@@ -120,24 +93,11 @@ def reference_worker(rank: int, init: str, plans, out: dict) -> None:
             free = [model(**megatron_inputs(p)) for p in plans]
         out["state"] = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
         out["logits"] = logits
-        out["flips"] = _flips(maps, session.ids_MK)
+        out["flips"] = gloo.flips(maps, session.ids_MK)
         out["replay_vs_free"] = max(float((a - b).abs().max()) for a, b in zip(logits, free))
         out["ids"] = session.ids_MK
     finally:
-        _close()
-
-
-def _stage_state(full: dict[str, torch.Tensor], model, rank: int, layers_per_stage: int) -> dict[str, torch.Tensor]:
-    """The reference weights of this stage's layers, renamed to its local layer numbers."""
-    own = {}
-    for key in model.state_dict():
-        name = key
-        if key.startswith("decoder.layers."):
-            local, rest = key[len("decoder.layers."):].split(".", 1)
-            name = f"decoder.layers.{int(local) + rank * layers_per_stage}.{rest}"
-        if name in full:  # tensors only: _extra_state entries are None without Transformer Engine
-            own[key] = full[name]
-    return own
+        gloo.close()
 
 
 def stage_worker(rank: int, init: str, plans, full: dict, out: dict) -> None:
@@ -145,14 +105,12 @@ def stage_worker(rank: int, init: str, plans, full: dict, out: dict) -> None:
 
     from moe_replay.integrations.megatron import find_routers, megatron_inputs, replay
 
-    _init(rank, 2, init, 2)
+    gloo.init(rank, 2, init, _shims, pp=2)
     try:
         model = _gpt(2, rank)
-        missing, unexpected = model.load_state_dict(_stage_state(full, model, rank, NUM_LAYERS // 2), strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise RuntimeError(f"stage {rank}: reference weights missing {missing[:4]}, unexpected {unexpected[:4]}")
-        maps, handles = _watch(model)
+        # this stage's layers, numbered locally from 0
+        gloo.load_reference(model, full, "decoder.layers.", rank * (NUM_LAYERS // 2), f"stage {rank}")
+        maps, handles = gloo.watch(model)
         logits: list[torch.Tensor] = []
 
         def keep_logits(logits_BSV: torch.Tensor):
@@ -173,51 +131,34 @@ def stage_worker(rank: int, init: str, plans, full: dict, out: dict) -> None:
             "layers": tuple(find_routers(model)),
             "calls": {lid: len(seen) for lid, seen in maps.items()},
             "forward_takes": [dict(ledger.forward_takes) for ledger in session.ledgers],
-            "flips": _flips(maps, session.ids_MK),
+            "flips": gloo.flips(maps, session.ids_MK),
             "ids": session.ids_MK,
             "logits": logits,
         }
     finally:
-        _close()
+        gloo.close()
 
 
-def _init_method(work) -> str:
-    """A fresh rendezvous file per process group (gloo's file store must not be reused)."""
-    return f"file://{work}/init_{np.random.default_rng().integers(1 << 30)}"
 
 
 def make_plans():
-    from moe_replay.geometry import ModelGeometry
-    from moe_replay.replay import PlanConfig, build_plan
+    from moe_replay.replay import PlanConfig
 
-    from tests.trace_factory import random_trace
-
-    geometry = ModelGeometry(num_layers=NUM_LAYERS, moe_layer_ids=MOE_LAYERS, num_experts=8, top_k=2, vocab_size=VOCAB,
-                             family="megatron")
-    rng = np.random.default_rng(0)
-    plans = []
-    for m, lengths in enumerate(LENGTHS):
-        traces = [random_trace(f"m{m}q{i}", rng, geometry=geometry, num_tokens=n, prompt_len=2) for i, n in enumerate(lengths)]
-        plans.append(build_plan(traces, geometry, config=PlanConfig(pad_to_multiple_of=4)))
-    return plans
+    return gloo.random_plans(LENGTHS, num_layers=NUM_LAYERS, moe_layers=MOE_LAYERS, experts=8, vocab=VOCAB, prefix="m",
+                             config=PlanConfig(pad_to_multiple_of=4))
 
 
 def run_pp2(work) -> dict[str, Any]:
     """Reference in one process, then PP=2 in two; the figures benchmarks/topologies.py reports,
     plus the raw results for the test."""
-    import torch.multiprocessing as mp
-
     plans = make_plans()
-    ref, out = mp.Manager().dict(), mp.Manager().dict()
-    mp.spawn(reference_worker, args=(_init_method(work), plans, ref), nprocs=1, join=True)
-    mp.spawn(stage_worker, args=(_init_method(work), plans, ref["state"], out), nprocs=2, join=True)
-    stages = [out[0], out[1]]
+    ref, stages = gloo.reference_then_ranks(work, reference_worker, stage_worker, plans)
     ref_logits = ref["logits"]
     got = stages[1]["logits"]
     diff = max(float((a - b).abs().max()) for a, b in zip(got, ref_logits)) if len(got) == len(ref_logits) else float("inf")
     return {
         "plans": plans,
-        "reference": dict(ref),
+        "reference": ref,
         "stages": stages,
         "max_abs_logit_diff": diff,
         "flips": sum(s["flips"] for s in stages),
