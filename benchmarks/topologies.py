@@ -41,7 +41,7 @@ variable-size collectives DP's MoE layers call (all_gatherv, reduce_scatterv), a
 kernel ignores the expert map under EP; the DP cells fill both in the child only
 (tests/cpu_shims/sitecustomize.py on its PYTHONPATH).
 
-Usage: python benchmarks/topologies.py --json [--cells vllm_tp2,vllm_dp2,trl_tp2,megatron_pp2,megatron_ep2_alltoall]
+Usage: python benchmarks/topologies.py --json [--cells vllm_tp2,vllm_dp2,vllm_pp2,trl_tp2,megatron_pp2,megatron_ep2_alltoall]
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ from moe_replay.replay.ledger import RouteLedger, in_backward
 from moe_replay.replay.plan import RoutePlan
 
 from .layout import sequence_first_ids
-from .routers import ModelOrRouters, RouterSite, _router_base_class, check_geometry, check_replayable, find_routers, sequence_share
+from .routers import (ModelOrRouters, RouterSite, check_geometry, check_replayable, find_routers, router_base_class,
+                      sequence_share)
 
 _ACTIVE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 """Routers currently under a replay session (sessions do not nest)."""
@@ -212,7 +213,7 @@ def _forward_entries(model_or_routers: ModelOrRouters) -> list[nn.Module]:
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     roots = [model_or_routers] if isinstance(model_or_routers, nn.Module) else list(model_or_routers)
-    router = _router_base_class()
+    router = router_base_class()
     entries = [r for r in roots if not isinstance(r, router)]
     entries += [m for r in entries for m in r.modules() if isinstance(m, TransformerBlock) and m is not r]
     return entries

@@ -34,7 +34,7 @@ def _topk_router_class() -> type:
     return TopKRouter
 
 
-def _router_base_class() -> type:
+def router_base_class() -> type:
     from megatron.core.transformer.moe.router import Router
 
     return Router
@@ -59,7 +59,7 @@ class RouterSite:
 
 def find_routers(model_or_routers: ModelOrRouters) -> dict[int, RouterSite]:
     """{global layer id: RouterSite} in increasing layer order, for every TopKRouter found."""
-    topk_router, router_base = _topk_router_class(), _router_base_class()
+    topk_router, router_base = _topk_router_class(), router_base_class()
     roots = [model_or_routers] if isinstance(model_or_routers, nn.Module) else list(model_or_routers)
     sites: dict[int, RouterSite] = {}
     for c, root in enumerate(roots):

@@ -201,6 +201,7 @@ class RouteCapture:
         self.step_rows = int(runner.max_num_tokens)
         self.dtype = torch_route_dtype(geometry.num_experts)
         self.step: StepRoutes | None = getattr(runner.model, STEP_ROUTES_ATTR, None)
+        dp_rows = DataParallelRows.of(runner.vllm_config)
         self._own_step = False
         self.hold = False
         if self.step is not None:
@@ -218,10 +219,10 @@ class RouteCapture:
         elif torch.device(runner.device).type in HOLD_DEVICES:
             self.hold = True
         else:
-            self.step = StepRoutes(find_moe_layers(runner.model), self.step_rows, torch.device(runner.device),
-                                   DataParallelRows.of(runner.vllm_config))
+            self.step = StepRoutes(find_moe_layers(runner.model), self.step_rows, torch.device(runner.device), dp_rows)
             self._own_step = True
-        self.dp_rows = self.step.dp_rows if self.step is not None else DataParallelRows.of(runner.vllm_config)
+        self.dp_rows = self.step.dp_rows if self.step is not None else dp_rows
+        """This DP rank's row cut (None without data parallelism); a load-time step buffer has its own."""
         id_bytes = 8 if self.hold else self.dtype.itemsize  # held: the router's own int32/int64 ids
         self.capacity = max(self.step_rows, budget_bytes // (L * K * id_bytes))
         self.arena_TLK: torch.Tensor | None = None
