@@ -64,14 +64,9 @@ def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
 
 
 def _shims() -> None:
-    import megatron.core.tensor_parallel.random as mrandom
-    import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
-    torch.cuda.current_device = lambda: "cpu"
-    moe_utils.te_general_gemm = None
-    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda *a, **k: None
+    gloo.cpu_shims()
     token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
     stream = _HostStream()
     host_cuda = types.ModuleType("torch.cuda")
@@ -83,10 +78,6 @@ def _shims() -> None:
     host_torch.__dict__.update(vars(torch))
     host_torch.cuda = host_cuda
     token_dispatcher.torch = host_torch
-
-
-
-
 
 
 def _gpt(ep: int):
@@ -103,31 +94,11 @@ def _gpt(ep: int):
                     max_sequence_length=64).eval()
 
 
-
-
-
-
 def reference_worker(rank: int, init: str, plans, out: dict) -> None:
     """The whole model in one process (all experts local): weights, replayed and free logits per plan."""
-    from moe_replay.integrations.megatron import find_routers, megatron_inputs, replay
-
     gloo.init(rank, 1, init, _shims)
     try:
-        model = _gpt(1)
-        with torch.no_grad():
-            for site in find_routers(model).values():
-                site.module.weight.normal_(0, 0.5)  # a decided router, so free and replayed routes differ
-        maps, handles = gloo.watch(model)
-        with torch.no_grad(), replay(model, plans) as session:
-            logits = [model(**megatron_inputs(p)).clone() for p in plans]
-        for h in handles:
-            h.remove()
-        with torch.no_grad():
-            free = [model(**megatron_inputs(p)).clone() for p in plans]
-        out["state"] = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-        out["logits"], out["free_logits"] = logits, free
-        out["flips"] = gloo.flips(maps, session.ids_MK)
-        out["ids"] = session.ids_MK
+        out.update(gloo.reference_run(_gpt(1), plans))
     finally:
         gloo.close()
 
@@ -158,8 +129,6 @@ def ep_worker(rank: int, init: str, plans, full: dict, out: dict) -> None:
         }
     finally:
         gloo.close()
-
-
 
 
 def make_plans():

@@ -13,7 +13,20 @@ import numpy as np
 import torch
 
 
-def init(rank: int, world: int, init_method: str, shims: Callable[[], None], *, pp: int = 1, ep: int = 1) -> None:
+def cpu_shims() -> None:
+    """What megatron-core 0.16 needs to run on a CPU build (see tests/test_megatron_replay.py):
+    `torch.cuda.current_device` -> "cpu", `te_general_gemm` defined, CUDA RNG state -> CPU's."""
+    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    torch.cuda.current_device = lambda: "cpu"
+    moe_utils.te_general_gemm = None
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+
+
+def init(rank: int, world: int, init_method: str, shims: Callable[[], None] = cpu_shims, *, pp: int = 1, ep: int = 1,
+         cp: int = 1) -> None:
     """One gloo rank with Megatron's model-parallel state (TP 1) and CPU RNG tracking."""
     import torch.distributed as dist
     import megatron.core.tensor_parallel.random as mrandom
@@ -22,7 +35,7 @@ def init(rank: int, world: int, init_method: str, shims: Callable[[], None], *, 
     torch.set_num_threads(1)
     shims()
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    parallel_state.initialize_model_parallel(1, pp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(1, pp, expert_model_parallel_size=ep, context_parallel_size=cp)
     mrandom.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
 
 
@@ -98,3 +111,22 @@ def load_reference(model, full: dict[str, torch.Tensor], marker: str, offset: in
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise RuntimeError(f"{who}: reference weights missing {missing[:4]}, unexpected {unexpected[:4]}")
+
+
+def reference_run(model, plans: list) -> dict[str, Any]:
+    """The whole model in one process: its routers given decided weights (so free and replayed routes
+    differ), then each plan replayed and run free. Returns the weights, both logits, flips and ids."""
+    from moe_replay.integrations.megatron import find_routers, megatron_inputs, replay
+
+    with torch.no_grad():
+        for site in find_routers(model).values():
+            site.module.weight.normal_(0, 0.5)
+    maps, handles = watch(model)
+    with torch.no_grad(), replay(model, plans) as session:
+        logits = [model(**megatron_inputs(p)).clone() for p in plans]
+    for h in handles:
+        h.remove()
+    with torch.no_grad():
+        free = [model(**megatron_inputs(p)).clone() for p in plans]
+    return {"state": {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)},
+            "logits": logits, "free_logits": free, "flips": flips(maps, session.ids_MK), "ids": session.ids_MK}

@@ -19,20 +19,12 @@ import numpy as np
 import pytest
 import torch
 
+from . import megatron_gloo as gloo
+
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow
 
 H, LAYERS = 16, (1, 3)
-
-
-def _shims() -> None:
-    import megatron.core.tensor_parallel.random as mrandom
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-
-    torch.cuda.current_device = lambda: "cpu"
-    moe_utils.te_general_gemm = None
-    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda *a, **k: None
 
 
 def _routers(tp: int) -> list[torch.nn.Module]:
@@ -62,7 +54,7 @@ def _worker(rank: int, world: int, init: str, plan, x_SBH: torch.Tensor, out: di
 
     from moe_replay.integrations.megatron import replay
 
-    _shims()
+    gloo.cpu_shims()
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(world, 1)
     try:
@@ -128,7 +120,7 @@ def _ep_worker(rank: int, world: int, init: str, plans, out: dict) -> None:
 
     from moe_replay.integrations.megatron import find_routers, megatron_inputs, replay
 
-    _shims()
+    gloo.cpu_shims()
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
     mrandom.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
@@ -246,8 +238,6 @@ def test_alltoall_expert_parallel_unequal_shapes_replay_and_match_one_process(tm
 
 def _cp_worker(rank: int, world: int, init: str, plan, out: dict) -> None:
     """One rank of a context-parallel group of `world`: real TopKRouters in it, then replay."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -256,9 +246,7 @@ def _cp_worker(rank: int, world: int, init: str, plan, out: dict) -> None:
 
     from moe_replay.integrations.megatron import replay
 
-    _shims()
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world)
+    gloo.init(rank, world, init, cp=world)
     try:
         cfg = TransformerConfig(num_layers=4, hidden_size=H, num_attention_heads=2, ffn_hidden_size=32, num_moe_experts=8,
                                 moe_router_topk=2, moe_enable_routing_replay=True, use_cpu_initialization=True,
@@ -287,8 +275,7 @@ def _cp_worker(rank: int, world: int, init: str, plan, out: dict) -> None:
             out[rank] = (f"{type(e).__name__}: {e}", routers[0].cp_group.size(), len(calls),
                          rr.router_replay_action, rr.target_topk_idx, len(rr.replay_backward_list))
     finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        gloo.close()
 
 
 def test_context_parallel_refused_by_name_before_any_forward(tmp_path):
