@@ -62,7 +62,7 @@ def conversations(model_dir: Path, n: int, tokens: int):
 
 
 def k3(train_G: torch.Tensor, engine_G: torch.Tensor) -> float:
-    ones = torch.ones_like(engine_G)
+    ones = torch.ones_like(engine_G, dtype=torch.bool)
     return logprob_mismatch_metrics(train_G[None].double(), engine_G[None].double(), ones[None])["rollout_corr/k3_kl"]
 
 

@@ -67,7 +67,7 @@ def capture(model_dir: Path, dtype: str, n: int, tokens: int):
 
 
 def k3(logprobs_G: torch.Tensor, engine_G: torch.Tensor) -> float:
-    ones = torch.ones_like(engine_G)
+    ones = torch.ones_like(engine_G, dtype=torch.bool)
     return logprob_mismatch_metrics(logprobs_G[None], engine_G[None], ones[None])["rollout_corr/k3_kl"]
 
 

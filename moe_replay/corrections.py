@@ -17,7 +17,10 @@ and/or a keep decision. A list of corrections runs in order through `apply_corre
 * a token whose logprob is NaN or ±inf on either side (a rollout logprob of -inf is a token the
   engine gave probability 0: a broken sample) is rejected and counted, as the metrics do; a batch
   where every response token is such a one is refused (`LogprobInputError`), since its loss would be
-  exactly 0 with nothing said, and so is a logprob above 0 (beyond rounding, `LOGPROB_TOL`).
+  exactly 0 with nothing said, and so is a logprob above 0 (beyond rounding, `LOGPROB_TOL`);
+* logprobs, advantages and losses are floating point and masks torch.bool at every public entry
+  point, else `InputDtypeError` (integer logprobs would give log-ratios of 0; a float mask would
+  count 0.5 as True).
 
 A rejected token either leaves the loss denominator (rejection sampling, verl's
 ``rollout_rs`` path) or stays in it with weight 0 (IcePop's paper and verl's IS-weight path);
@@ -36,7 +39,7 @@ from typing import Any, Callable, ClassVar, Literal, Mapping, Sequence, TypeVar
 
 import torch
 
-from .metrics import LOG_CLAMP, check_log_clamp, check_logprobs, k3_terms, normalized_ess
+from .metrics import LOG_CLAMP, check_dtypes, check_log_clamp, check_logprobs, k3_terms, normalized_ess
 from .registry import Registry
 
 __all__ = [
@@ -77,9 +80,10 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     Masked-out positions are selected away with ``where`` (not multiplied by 0), so NaN/inf in
     padding cannot leak in. An empty selection gives 0 (a loss that contributes nothing), not NaN.
     """
-    keep = mask.bool()
-    kept = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
-    count = keep.sum() if dim is None else keep.sum(dim)
+    check_dtypes("masked_mean", "float", values=values)
+    check_dtypes("masked_mean", "bool", mask=mask)
+    kept = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    count = mask.sum() if dim is None else mask.sum(dim)
     total = kept.sum() if dim is None else kept.sum(dim)
     return total / count.clamp_min(1).to(values.dtype)
 
@@ -92,9 +96,10 @@ def aggregate_loss(loss_BS: torch.Tensor, keep_BS: torch.Tensor, mode: LossAggre
     ``seq-mean-token-sum``: each sequence's sum over kept tokens, averaged likewise. Fully rejected
     sequences drop out of every denominator.
     """
+    check_dtypes("aggregate_loss", "float", loss_BS=loss_BS)
+    check_dtypes("aggregate_loss", "bool", keep_BS=keep_BS)
     if loss_BS.shape != keep_BS.shape:
         raise ValueError(f"loss_BS shape {list(loss_BS.shape)} != keep_BS shape {list(keep_BS.shape)}")
-    keep_BS = keep_BS.bool()
     if mode == "token-mean":
         return masked_mean(loss_BS, keep_BS)
     has_B = keep_BS.any(-1)
@@ -525,12 +530,13 @@ def apply_corrections(
         corrections: configs, registered names or ``{"name": ..., **fields}`` mappings.
         train_logprobs_BS: the trainer's log π of each sampled token (detached here).
         rollout_logprobs_BS: the engine's log π of the same tokens.
-        response_mask_BS: 1/True on response tokens; padding is never kept.
+        response_mask_BS: bool, True on response tokens; padding is never kept.
         advantages: [B] or [B, S], finite on response tokens; needed by corrections that read
             them (``opsm``).
         log_clamp: bound on the summed log-weight before exp, in (0, 80).
 
-    Raises ValueError when the response mask selects no token (every fraction would be 0/0), and
+    Raises `InputDtypeError` (a TypeError) for integer logprobs or advantages or a non-bool mask,
+    ValueError when the response mask selects no token (every fraction would be 0/0), and
     `LogprobInputError` (a ValueError naming the position and the value) for a logprob above
     `LOGPROB_TOL` on a response token or when every response token has a NaN/±inf logprob.
 
@@ -552,6 +558,10 @@ def apply_corrections(
                                                       [low, high]), per token or per sequence
     A name used twice in the list gets ``<name>.<index>`` keys from its second use on.
     """
+    entry = "apply_corrections"
+    check_dtypes(entry, "float", train_logprobs_BS=train_logprobs_BS, rollout_logprobs_BS=rollout_logprobs_BS,
+                 advantages=advantages)
+    check_dtypes(entry, "bool", response_mask_BS=response_mask_BS)
     if train_logprobs_BS.dim() != 2:
         raise ValueError(f"train_logprobs_BS must be [B, S], got shape {list(train_logprobs_BS.shape)}")
     for arg, t in (("train_logprobs_BS", train_logprobs_BS), ("rollout_logprobs_BS", rollout_logprobs_BS)):
@@ -562,7 +572,7 @@ def apply_corrections(
     configs = [build_correction(c) for c in corrections]
 
     device = train_logprobs_BS.device
-    response_BS = response_mask_BS.bool().to(device)
+    response_BS = response_mask_BS.to(device)
     # float64 inputs keep float64 statistics (a float32 sum of 256 log-ratios is off by ~1e-5)
     wide = torch.float64 in (train_logprobs_BS.dtype, rollout_logprobs_BS.dtype)
     work = torch.float64 if wide else torch.float32
@@ -652,6 +662,7 @@ def reinforce_loss(
     ``advantages`` is [B] (broadcast over S) or [B, S]. A policy logprob above `LOGPROB_TOL` or
     NaN/±inf on a loss token (``result.keep_BS``) raises `LogprobInputError`.
     """
+    check_dtypes("reinforce_loss", "float", policy_logprobs_BS=policy_logprobs_BS, advantages=advantages)
     if policy_logprobs_BS.shape != result.keep_BS.shape:
         raise ValueError(f"policy_logprobs_BS shape {list(policy_logprobs_BS.shape)} != result.keep_BS shape "
                          f"{list(result.keep_BS.shape)}")

@@ -24,7 +24,9 @@ whose logprob is NaN or ±inf are left out of every statistic and counted in
 ``moe_replay/nonfinite_token_fraction``; a batch where every response token is such a one, or with a
 logprob above 0 (beyond rounding, `LOGPROB_TOL`) on a response token, is refused with a
 `LogprobInputError` naming the position and the value (`check_logprobs`, shared with the
-corrections and the KL penalty). Where and why these numbers differ from verl's:
+corrections and the KL penalty). Every public entry point takes floating-point logprobs and
+torch.bool masks and refuses other dtypes with an `InputDtypeError` (`check_dtypes`): integer
+logprobs would give log-ratios of 0 (k3 = 0) and a float mask would count 0.5 as True. Where and why these numbers differ from verl's:
 docs/corrections.md.
 """
 
@@ -51,7 +53,9 @@ log-likelihoods or logits passed as logprobs hold values far above it (a mean NL
 __all__ = [
     "LOG_CLAMP",
     "LOGPROB_TOL",
+    "InputDtypeError",
     "LogprobInputError",
+    "check_dtypes",
     "check_log_clamp",
     "check_logprobs",
     "k3_terms",
@@ -82,6 +86,36 @@ class LogprobInputError(TraceError, ValueError):
 
     row: int | None = None
     col: int | None = None
+
+
+class InputDtypeError(TraceError, TypeError):
+    """A tensor argument of a metric or a correction whose dtype cannot mean what the argument says:
+    integer logprobs (every log-ratio of equal integers is 0, so k3 reads 0 with nothing said), a
+    float or integer mask (0.5 and 2 would both count as True), or float expert ids."""
+
+
+_DTYPE_KINDS: dict[str, tuple[Callable[[torch.dtype], bool], str, str]] = {
+    # kind: (accepts, expected, why and the fix)
+    "float": (lambda d: d.is_floating_point, "a floating-point torch.Tensor (float16, bfloat16, float32 or float64)",
+              "integer logprobs or weights would be used as exact integers (log-ratios of 0, k3 = 0); pass the "
+              "float values the model computed"),
+    "bool": (lambda d: d == torch.bool, "a torch.bool mask",
+             "a float or integer mask is not read as 0/1: every nonzero value (0.5, 2) would count as True; pass "
+             "mask.bool() after checking its values, or mask > 0.5 for soft weights"),
+    "int": (lambda d: not d.is_floating_point and not d.is_complex and d != torch.bool, "an integer torch.Tensor of expert or token ids",
+            "float or bool ids would be truncated or read as 0/1"),
+}
+
+
+def check_dtypes(entry: str, kind: Literal["float", "bool", "int"], **tensors: object) -> None:
+    """Refuse a tensor argument of public entry point `entry` whose dtype is not of `kind` (None: not
+    given) with an `InputDtypeError` naming the entry, the argument, the expected and found dtype."""
+    accepts, expected, why = _DTYPE_KINDS[kind]
+    for name, t in tensors.items():
+        if t is None or (isinstance(t, torch.Tensor) and accepts(t.dtype)):
+            continue
+        found = f"dtype {t.dtype}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+        raise InputDtypeError(Where(field=f"{entry}({name})"), expected, found, why)
 
 
 def _logprob_error(name: str, row: int, col: int, expected: str, found: float, detail: str) -> LogprobInputError:
@@ -165,6 +199,8 @@ def normalized_ess(log_weights: torch.Tensor, mask: torch.Tensor | None = None) 
     Returns 0-d tensor; 1.0 when all weights are equal, 1/n when one weight dominates, and
     NaN for an empty selection.
     """
+    check_dtypes("normalized_ess", "float", log_weights=log_weights)
+    check_dtypes("normalized_ess", "bool", mask=mask)
     lw = log_weights.to(torch.float64)
     if mask is not None:
         lw = lw[mask.bool()]
@@ -212,7 +248,7 @@ def logprob_mismatch_metrics(
     Args:
         train_logprobs_BS: log π_train of each sampled token (trainer's recompute).
         rollout_logprobs_BS: log π_rollout of the same tokens, as the engine reported them.
-        response_mask_BS: 1/True on tokens that count (generated, not padding).
+        response_mask_BS: bool, True on tokens that count (generated, not padding).
         is_weights_BS: the IS weights actually applied to the loss (e.g. after truncation, 0 on
             rejected tokens); when given, ``rollout_corr/rollout_is_eff_sample_size`` is their ESS
             over the response mask, as verl computes it. Without them that key is absent: the
@@ -220,7 +256,8 @@ def logprob_mismatch_metrics(
             Each must be finite and >= 0 on response positions (else ValueError).
         log_clamp: bound on exponents before exp, in (0, 80) (else ValueError).
 
-    Raises `LogprobInputError` (a ValueError) for a logprob above `LOGPROB_TOL` on a response token
+    Raises `InputDtypeError` (a TypeError) for integer logprobs or weights or a non-bool mask, and
+    `LogprobInputError` (a ValueError) for a logprob above `LOGPROB_TOL` on a response token
     and when every response token has a NaN/±inf logprob on one side, naming the first position.
 
     Keys (one-line formulas; lr = log π_train - log π_rollout, ρ = exp(lr), "tok" = token mean,
@@ -250,6 +287,10 @@ def logprob_mismatch_metrics(
         moe_replay/response_tokens    number of valid tokens counted
         moe_replay/nonfinite_token_fraction  fraction of masked tokens with a NaN/inf logprob
     """
+    entry = "logprob_mismatch_metrics"
+    check_dtypes(entry, "float", train_logprobs_BS=train_logprobs_BS, rollout_logprobs_BS=rollout_logprobs_BS,
+                 is_weights_BS=is_weights_BS)
+    check_dtypes(entry, "bool", response_mask_BS=response_mask_BS)
     if train_logprobs_BS.dim() != 2:
         raise ValueError(f"train_logprobs_BS must be [B, S], got shape {list(train_logprobs_BS.shape)}")
     _check_BS("train_logprobs_BS", train_logprobs_BS, response_mask_BS)
@@ -364,7 +405,7 @@ def route_flip_metrics(
     Args:
         train_routes: expert ids the trainer's router chose, [B, S, L, K] or [T, L, K].
         trace_routes: expert ids recorded from the engine, same shape.
-        mask: [B, S] or [T]; True/1 on positions that count. None counts every position.
+        mask: bool [B, S] or [T]; True on positions that count. None counts every position.
         layer_ids: global layer id of each of the L columns (``geometry.moe_layer_ids``), used
             in the per-layer keys so a dense first layer does not shift every name; default 0..L-1.
 
@@ -380,6 +421,8 @@ def route_flip_metrics(
         moe_replay/route_order_mismatch_rate/layer_{id}  per layer: [same set, other order]
         moe_replay/route_tokens                    number of tokens counted
     """
+    check_dtypes("route_flip_metrics", "int", train_routes=train_routes, trace_routes=trace_routes)
+    check_dtypes("route_flip_metrics", "bool", mask=mask)
     if train_routes.shape != trace_routes.shape:
         raise ValueError(
             f"train_routes shape {list(train_routes.shape)} != trace_routes shape {list(trace_routes.shape)}"
@@ -479,6 +522,9 @@ def support_coverage_metrics(
         moe_replay/support_neg_log_coverage_mean  mean_t -log c_t (the renormalisation shift)
         moe_replay/support_size_mean              mean_t |kept set at t|
     """
+    entry = "support_coverage_metrics"
+    check_dtypes(entry, "float", train_logits_TV=train_logits_TV)
+    check_dtypes(entry, "bool", support_TV=support_TV, row_mask_T=row_mask_T)
     if train_logits_TV.dim() != 2:
         raise ValueError(f"train_logits_TV must be [T, V], got shape {list(train_logits_TV.shape)}")
     T, V = train_logits_TV.shape
@@ -491,8 +537,10 @@ def support_coverage_metrics(
             raise ValueError(f"support_TV has shape {list(support_TV.shape)}, expected [{T}, {V}]")
         support_TV = support_TV.to(device)
     else:
-        offsets_T1 = torch.as_tensor(support_offsets_T1, device=device).long()
-        ids_N = torch.as_tensor(support_ids_N, device=device).long()
+        offsets_T1 = torch.as_tensor(support_offsets_T1, device=device)
+        ids_N = torch.as_tensor(support_ids_N, device=device)
+        check_dtypes(entry, "int", support_offsets_T1=offsets_T1, support_ids_N=ids_N)
+        offsets_T1, ids_N = offsets_T1.long(), ids_N.long()
         if offsets_T1.shape != (T + 1,):
             raise ValueError(f"support_offsets_T1 has shape {list(offsets_T1.shape)}, expected [{T + 1}]")
         if int(offsets_T1[0]) != 0 or int(offsets_T1[-1]) != ids_N.numel() or bool((offsets_T1.diff() < 0).any()):
@@ -541,11 +589,17 @@ def mismatch_metrics(
     See `logprob_mismatch_metrics`, `route_flip_metrics` and `support_coverage_metrics` for the
     keys and their formulas.
     """
+    entry = "mismatch_metrics"  # checked here too, so the error names the function the caller called
+    check_dtypes(entry, "float", train_logprobs_BS=train_logprobs_BS, rollout_logprobs_BS=rollout_logprobs_BS,
+                 is_weights_BS=is_weights_BS, train_logits_TV=train_logits_TV)
+    check_dtypes(entry, "bool", response_mask_BS=response_mask_BS, route_mask=route_mask, support_TV=support_TV,
+                 support_row_mask_T=support_row_mask_T)
+    check_dtypes(entry, "int", train_routes=train_routes, trace_routes=trace_routes)
+    if (train_routes is None) != (trace_routes is None):
+        raise ValueError("route flip metrics need both train_routes and trace_routes")
     out = logprob_mismatch_metrics(
         train_logprobs_BS, rollout_logprobs_BS, response_mask_BS, is_weights_BS=is_weights_BS, log_clamp=log_clamp
     )
-    if (train_routes is None) != (trace_routes is None):
-        raise ValueError("route flip metrics need both train_routes and trace_routes")
     if train_routes is not None:
         out.update(route_flip_metrics(train_routes, trace_routes, route_mask, layer_ids=layer_ids))
     if train_logits_TV is not None:

@@ -37,7 +37,7 @@ from moe_replay.errors import RegistryError
 from moe_replay.metrics import LogprobInputError
 
 NAN = float("nan")
-MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
+MASK = torch.tensor([[True, True, True], [True, True, False]])
 
 
 def base_case(pad: float = NAN, requires_grad: bool = False):
@@ -233,7 +233,7 @@ def test_masked_mean_and_aggregation_denominators_count_kept_only():
     # a fully rejected sequence drops out of the sequence denominator
     keep2 = keep_of([[0, 0, 0], [1, 1, 0]])
     assert aggregate_loss(loss, keep2, "seq-mean-token-mean").item() == pytest.approx(5.5)
-    assert masked_mean(loss, torch.zeros(2, 3)).item() == 0.0
+    assert masked_mean(loss, torch.zeros(2, 3, dtype=torch.bool)).item() == 0.0
     close(masked_mean(loss, keep, dim=-1), [2.0, 6.0])
     with pytest.raises(ValueError, match="unknown loss aggregation mode 'sum'"):
         aggregate_loss(loss, keep, "sum")
@@ -268,7 +268,7 @@ def test_reinforce_loss_value_uses_kept_denominator():
 def test_huge_and_infinite_log_ratios_stay_finite():
     rollout = torch.tensor([[0.0, -1e4, -1.0, float("-inf")], [-1.0, 0.0, -1.0, -1.0]])
     train = torch.tensor([[-1e4, 0.0, float("-inf"), -1.0], [-1.0, 0.0, -1.0, -1.0]])
-    mask = torch.ones(2, 4)
+    mask = torch.ones(2, 4, dtype=torch.bool)
     singles = (["tis"], ["mis"], ["icepop"], ["gspo"], ["geo_rs"], ["token_veto"])
     for corr in (*singles, [{"name": "tis", "level": "sequence"}]):
         r = apply_corrections(corr, train, rollout, mask)
@@ -283,7 +283,7 @@ def test_huge_and_infinite_log_ratios_stay_finite():
 def test_nan_log_ratio_is_rejected_and_counted():
     train = torch.tensor([[float("-inf"), -1.0, NAN]])
     rollout = torch.tensor([[float("-inf"), -1.0, -1.0]])
-    r = apply_corrections([], train, rollout, torch.ones(1, 3))
+    r = apply_corrections([], train, rollout, torch.ones(1, 3, dtype=torch.bool))
     assert torch.equal(r.keep_BS, keep_of([[0, 1, 0]]))
     assert r.metrics["moe_replay/corr/nonfinite_token_fraction"] == pytest.approx(2 / 3)
     assert torch.isfinite(r.weights_BS).all()
@@ -410,9 +410,9 @@ def test_veto_fires_below_exp_minus_log_clamp():
     """Decisions read the raw log-ratio: a threshold below e^-log_clamp is not a dead zone."""
     rollout = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]])
     train = torch.tensor([[-13.0, -1.0], [-1.0, -1.0]])  # ρ = e^-12 ≈ 6e-6 < 1e-4
-    r = apply_corrections([TokenVetoConfig(threshold=1e-4)], train, rollout, torch.ones(2, 2), log_clamp=5.0)
+    r = apply_corrections([TokenVetoConfig(threshold=1e-4)], train, rollout, torch.ones(2, 2, dtype=torch.bool), log_clamp=5.0)
     assert torch.equal(r.keep_BS, keep_of([[0, 0], [1, 1]]))
-    ice = apply_corrections([IcePopConfig(low=1e-3, high=2.0, rejected="drop")], train, rollout, torch.ones(2, 2), log_clamp=5.0)
+    ice = apply_corrections([IcePopConfig(low=1e-3, high=2.0, rejected="drop")], train, rollout, torch.ones(2, 2, dtype=torch.bool), log_clamp=5.0)
     assert torch.equal(ice.keep_BS, keep_of([[0, 1], [1, 1]]))
 
 
@@ -434,14 +434,14 @@ def test_nonfinite_advantages_are_refused(bad):
 def test_empty_batch_is_refused():
     train, rollout = base_case(pad=0.0)
     with pytest.raises(ValueError, match="response_mask_BS selects no token"):
-        apply_corrections(["tis"], train, rollout, torch.zeros(2, 3))
+        apply_corrections(["tis"], train, rollout, torch.zeros(2, 3, dtype=torch.bool))
 
 
 def test_infinite_logprob_is_nonfinite_not_weight_c():
     """A rollout logprob of -inf is a broken sample: rejected and counted, as the metrics do."""
     train = torch.tensor([[-1.0, -1.0, -2.0]])
     rollout = torch.tensor([[float("-inf"), -1.0, -1.0]])
-    r = apply_corrections([TISConfig(threshold=2.0)], train, rollout, torch.ones(1, 3))
+    r = apply_corrections([TISConfig(threshold=2.0)], train, rollout, torch.ones(1, 3, dtype=torch.bool))
     assert torch.equal(r.keep_BS, keep_of([[0, 1, 1]]))
     close(r.weights_BS, [[0.0, 1.0, math.exp(-1.0)]])
     assert r.metrics["moe_replay/corr/nonfinite_token_fraction"] == pytest.approx(1 / 3)

@@ -37,7 +37,7 @@ def base_case(pad_value: float = NAN):
     train = torch.tensor([[1.0, 0.2, 0.1], [0.2, 0.5, 1.0]], dtype=torch.float64).log()
     rollout[1, 2] = pad_value
     train[1, 2] = pad_value
-    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]]).bool()
     return train, rollout, mask
 
 
@@ -129,7 +129,7 @@ def test_nonfinite_tokens_are_excluded_and_counted():
     train, rollout, mask = base_case(0.0)
     train2 = torch.cat([train, torch.tensor([[float("-inf")], [0.0]], dtype=torch.float64)], 1)
     rollout2 = torch.cat([rollout, torch.tensor([[-1.0], [0.0]], dtype=torch.float64)], 1)
-    mask2 = torch.cat([mask, torch.tensor([[1], [0]])], 1)
+    mask2 = torch.cat([mask, torch.tensor([[True], [False]])], 1)
     m = logprob_mismatch_metrics(train2, rollout2, mask2)
     ref = logprob_mismatch_metrics(train, rollout, mask)
     assert m["moe_replay/nonfinite_token_fraction"] == approx(1 / 6)
@@ -177,7 +177,7 @@ def test_huge_log_ratios_stay_finite():
     rollout[0, :] = -1e4  # trainer vastly more confident: lr = +1e4
     rollout[1, :] = 0.0
     train[1, :] = -1e4  # trainer vastly less confident: lr = -1e4
-    mask = torch.ones(4, 16)
+    mask = torch.ones(4, 16, dtype=torch.bool)
     m = logprob_mismatch_metrics(train, rollout, mask)
     for k, v in m.items():
         assert math.isfinite(v), (k, v)
@@ -196,7 +196,7 @@ def test_empty_mask_and_shape_errors():
 
 def test_identical_policies_give_zero_mismatch():
     train = -torch.rand(3, 7, dtype=torch.float64)
-    m = logprob_mismatch_metrics(train, train.clone(), torch.ones(3, 7))
+    m = logprob_mismatch_metrics(train, train.clone(), torch.ones(3, 7, dtype=torch.bool))
     assert m["rollout_corr/kl"] == 0.0 and m["rollout_corr/k3_kl"] == 0.0
     assert m["rollout_corr/chi2_token"] == approx(0.0) and m["rollout_corr/chi2_seq"] == approx(0.0)
     assert m["rollout_corr/ppl_ratio"] == approx(1.0)
@@ -252,7 +252,7 @@ TRACE_ROUTES = torch.tensor(
         [[8, 9], [8, 9]],
     ]
 )
-ROUTE_MASK = torch.tensor([1, 1, 1, 1, 0])
+ROUTE_MASK = torch.tensor([True, True, True, True, False])
 
 
 def test_route_flip_hand_computed():
@@ -287,7 +287,7 @@ def test_route_flip_errors():
     with pytest.raises(ValueError, match="mask has shape"):
         route_flip_metrics(TRAIN_ROUTES, TRACE_ROUTES, ROUTE_MASK[:3])
     with pytest.raises(ValueError, match="no token"):
-        route_flip_metrics(TRAIN_ROUTES, TRACE_ROUTES, torch.zeros(5))
+        route_flip_metrics(TRAIN_ROUTES, TRACE_ROUTES, torch.zeros(5, dtype=torch.bool))
 
 
 # ----------------------------------------------------------------------------- support coverage
@@ -414,7 +414,7 @@ def test_chi2_seq_is_not_saturated_at_exp20():
     """verl clamps Σ lr (not 2 Σ lr) at ±20 before exp(2·), so Σ lr = 15 gives e^30, not e^20."""
     train = torch.tensor([[5.0, 5.0, 5.0], [0.0, 0.0, 0.0], [0.0, 12.0, 13.0]], dtype=torch.float64) - 20.0
     rollout = torch.full((3, 3), -20.0, dtype=torch.float64)
-    m = logprob_mismatch_metrics(train, rollout, torch.ones(3, 3))
+    m = logprob_mismatch_metrics(train, rollout, torch.ones(3, 3, dtype=torch.bool))
     # Σ lr = [15, 0, 25]; the last one is clamped at 20 as verl's SAFETY_BOUND
     assert m["rollout_corr/chi2_seq"] == approx((math.exp(30) + 1 + math.exp(40)) / 3 - 1)
 
@@ -422,7 +422,7 @@ def test_chi2_seq_is_not_saturated_at_exp20():
 def test_k3_has_no_lower_dead_zone():
     """Only the exp of k3 = ρ - 1 - lr is clamped; lr = -30 reports ≈ 29, not the clamp's 19."""
     train = torch.tensor([[-31.0]], dtype=torch.float64)
-    m = logprob_mismatch_metrics(train, torch.tensor([[-1.0]], dtype=torch.float64), torch.ones(1, 1))
+    m = logprob_mismatch_metrics(train, torch.tensor([[-1.0]], dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool))
     assert m["rollout_corr/k3_kl"] == approx(math.exp(-30) - 1 + 30, rel=1e-8)
 
 

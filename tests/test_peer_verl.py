@@ -43,14 +43,14 @@ def _bf16_like_batch(seed: int = 0, batch: int = 4, seq: int = 10, noise: float 
     rollout = old + torch.randn(batch, seq, generator=g) * noise
     # both stay log-probabilities (the project refuses logprobs > 0): shift each row, keeping its ratios
     shift = torch.maximum(old, rollout).amax(-1, keepdim=True).clamp_min(0) + 0.01
-    return old - shift, rollout - shift, torch.ones(batch, seq)
+    return old - shift, rollout - shift, torch.ones(batch, seq, dtype=torch.bool)
 
 
 def _mask_mode_batch():
     """verl test_mask_mode: sequence 0 has ratio exp(-1) ~ 0.37, sequence 1 exp(0.5) ~ 1.65."""
     old = torch.tensor([[-2.0] * 5, [-2.0] * 5])
     rollout = torch.tensor([[-1.0] * 5, [-2.5] * 5])
-    return old, rollout, torch.ones(2, 5)
+    return old, rollout, torch.ones(2, 5, dtype=torch.bool)
 
 
 # ------------------------------------------------------------------------ test_basic_rollout_correction
@@ -103,7 +103,7 @@ def test_token_veto_rejects_the_sequence_through_the_mask():
     old = -torch.rand(2, 5, generator=g) - 20.0
     rollout = old.clone()
     rollout[0, 2] = old[0, 2] + 15.0
-    mask = torch.ones(2, 5)
+    mask = torch.ones(2, 5, dtype=torch.bool)
     res = apply_corrections([TISConfig(threshold=2.0), TokenVetoConfig(threshold=1e-4)], old, rollout, mask)
     assert int(res.keep_BS[0].sum()) == 0, "vetoed sequence leaves the loss mask"
     assert int(res.keep_BS[1].sum()) == 5, "the normal sequence keeps its mask"
@@ -124,7 +124,7 @@ def test_rejected_sequences_keep_nonzero_is_weights():
     old = -torch.rand(2, 5, generator=g) - 20.0
     rollout = old.clone()
     rollout[0, 2] = old[0, 2] + 15.0
-    veto = apply_corrections([TISConfig(threshold=2.0), TokenVetoConfig(threshold=1e-4)], old, rollout, torch.ones(2, 5))
+    veto = apply_corrections([TISConfig(threshold=2.0), TokenVetoConfig(threshold=1e-4)], old, rollout, torch.ones(2, 5, dtype=torch.bool))
     old_m, rollout_m, mask_m = _mask_mode_batch()
     masked = apply_corrections([TISConfig(threshold=2.0), MISConfig(level="token", threshold=2.0, low=0.5, weight=False)],
                                old_m, rollout_m, mask_m)
@@ -165,13 +165,13 @@ def test_mismatch_metric_keys_are_all_present():
     old = torch.randn(4, 12, generator=g) - 2.0
     rollout = torch.randn(4, 12, generator=g) - 1.5
     old, rollout = old.clamp(max=-1e-3), rollout.clamp(max=-1e-3)
-    m = logprob_mismatch_metrics(old, rollout, torch.ones(4, 12))
+    m = logprob_mismatch_metrics(old, rollout, torch.ones(4, 12, dtype=torch.bool))
     missing = [k for k in OFFPOLICY_KEYS if f"rollout_corr/{k}" not in m]
     assert not missing, missing
     assert all(math.isfinite(m[f"rollout_corr/{k}"]) for k in OFFPOLICY_KEYS)
     # the weights actually applied give verl's ESS key
-    w = apply_corrections([TISConfig(threshold=2.5)], old, rollout, torch.ones(4, 12)).weights_BS
-    assert "rollout_corr/rollout_is_eff_sample_size" in logprob_mismatch_metrics(old, rollout, torch.ones(4, 12),
+    w = apply_corrections([TISConfig(threshold=2.5)], old, rollout, torch.ones(4, 12, dtype=torch.bool)).weights_BS
+    assert "rollout_corr/rollout_is_eff_sample_size" in logprob_mismatch_metrics(old, rollout, torch.ones(4, 12, dtype=torch.bool),
                                                                                  is_weights_BS=w)
 
 

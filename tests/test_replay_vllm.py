@@ -135,7 +135,7 @@ def test_bf16_engine_fp32_trainer_replay_reduces_mismatch(model_root):
     flip_replay = route_flip_metrics(used_TLK, trace_TLK)["moe_replay/route_order_mismatch_rate"]
     flip_replay += route_flip_metrics(used_TLK, trace_TLK)["moe_replay/route_flip_rate"]
     temp_G = plan.per_token(temps)
-    ones = torch.ones_like(plan.engine_logprobs_G)
+    ones = torch.ones_like(plan.engine_logprobs_G, dtype=torch.bool)
 
     def k3(logits, support):
         lp = score_tokens(logits, plan, temperature=temp_G, use_support=support).logprobs_G
