@@ -20,8 +20,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moe_replay.errors import ChecksumError, MissingKeyError, TruncatedRecordError, Where
-from moe_replay.store import DirectoryStore, UnindexedDamageError
+from moe_replay.errors import (
+    ChecksumError, DuplicateKeyError, MissingKeyError, MoeReplayError, SchemaVersionError, TraceError, TraceFormatError, TruncatedRecordError,
+    Where,
+)
+from moe_replay.store import DirectoryStore, RescueDestinationError, UnindexedDamageError, rescue_store
 from moe_replay.store import directory as dirmod
 from moe_replay.store import framing
 
@@ -66,14 +69,57 @@ def test_truncated_index_is_recovered_from_intact_frames(tmp_path):
         _visible_then_repaired(_cut(src, tmp_path / "work", cut, None), n_visible, sizes, n_intact=4)
 
 
-def test_index_cut_inside_its_header_is_refused_and_nothing_is_deleted(tmp_path):
+def _header_damaged(src: Path, work: Path, how: str) -> Path:
+    """A copy of src whose index.bin header is cut ("cut:N": to N bytes) or damaged ("flip:N")."""
+    kind, at = how.split(":")
+    if kind == "cut":
+        return _cut(src, work, int(at), None)
+    work = _cut(src, work, None, None)
+    flip(work / framing.INDEX_NAME, int(at))
+    return work
+
+
+@pytest.mark.parametrize("how", [f"cut:{n}" for n in range(framing.HEADER.size)] + ["flip:0", "flip:13"])
+def test_index_with_a_cut_or_damaged_header_is_rebuilt_by_a_writer(tmp_path, how):
+    """A zero-byte, cut or damaged index header beside intact segments: plain readers refuse,
+    naming the file and the way out; a survey reader sees every record; a writer rebuilds the
+    index from the frames (they hold every key, in order) and appends."""
     src, sizes = _four_records(tmp_path)
-    for cut in range(framing.HEADER.size):
-        work = _cut(src, tmp_path / "work", cut, None)
-        with pytest.raises(TruncatedRecordError) as e:
-            DirectoryStore(work)
-        assert e.value.where.file == str(work / framing.INDEX_NAME)
-        assert (work / framing.segment_name(0)).stat().st_size == sizes[3][1]
+    work = _header_damaged(src, tmp_path / "work", how)
+    segment = (work / framing.segment_name(0)).read_bytes()
+    with pytest.raises(TraceError, match="rebuilds the index") as e:
+        DirectoryStore(work, readonly=True)
+    assert e.value.where.file == str(work / framing.INDEX_NAME)
+    with DirectoryStore(work, readonly=True, survey=True) as r:
+        assert same(list(r), [trace_for(i) for i in range(4)])
+        assert r.recovery["records_recovered"] == [f"r{i:07d}" for i in range(4)] and "refused" not in r.recovery
+        assert r.recovery["index_rewritten"] == 4 and r.recovery["unindexed_bytes"] == sizes[3][1] - framing.HEADER.size
+    assert (work / framing.segment_name(0)).read_bytes() == segment  # the survey wrote nothing
+    with DirectoryStore(work, durable=False) as w:
+        assert isinstance(w.recovery["index_header_damaged"], TraceError) and w.recovery["index_rewritten"] == 4
+        w.put(trace_for(4))
+    with DirectoryStore(work, readonly=True) as r:
+        assert r.recovery == {} and same(list(r), [trace_for(i) for i in range(5)]) and r.scan()[1] == []
+
+
+def test_foreign_or_newer_index_is_refused_and_nothing_is_written(tmp_path):
+    """Not damage: an index.bin of another format version, or a foreign index.bin with no segment
+    beside it, is refused by every opener; no byte changes."""
+    src, _ = _four_records(tmp_path)
+    work = _cut(src, tmp_path / "work", None, None)
+    data = bytearray((work / framing.INDEX_NAME).read_bytes())
+    data[: framing.HEADER.size] = framing.pack_header(framing.INDEX_MAGIC, framing.FORMAT_VERSION + 1)
+    (work / framing.INDEX_NAME).write_bytes(bytes(data))
+    for options in ({}, {"readonly": True}, {"readonly": True, "survey": True}):
+        with pytest.raises(SchemaVersionError):
+            DirectoryStore(work, **options)
+    assert (work / framing.INDEX_NAME).read_bytes() == bytes(data)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / framing.INDEX_NAME).write_bytes(b"some other program's index file")
+    with pytest.raises(TraceFormatError, match="header.magic"):
+        DirectoryStore(foreign)
+    assert (foreign / framing.INDEX_NAME).read_bytes() == b"some other program's index file"
 
 
 def test_torn_segment_tail_is_invisible_then_truncated(tmp_path):
@@ -90,18 +136,63 @@ def test_torn_segment_tail_is_invisible_then_truncated(tmp_path):
 
 def test_damage_before_an_intact_unindexed_record_refuses_the_writer(tmp_path):
     """Not a crash: r2's frame is damaged and r3's, after it, intact, both unindexed. Cutting at r2
-    would delete r3, so the writer refuses; readers still see r0, r1; no byte is removed."""
+    would delete r3, so the writer refuses; readers still see r0, r1; no byte is removed. A survey
+    reader shows what the writer saw (r3 too, r2's damage at its place), and the refusal's advice,
+    rescue_store, copies r0, r1 and r3 into a new store a writer opens."""
     src, sizes = _four_records(tmp_path)
     work = _cut(src, tmp_path / "work", sizes[1][0], None)
     flip(work / framing.segment_name(0), sizes[1][1] + 30)
     before = (work / framing.segment_name(0)).read_bytes()
-    with pytest.raises(UnindexedDamageError, match=r"offset %d.*intact frame.*readonly=True" % sizes[1][1]) as e:
+    with pytest.raises(UnindexedDamageError, match=r"offset %d.*intact frame.*rescue_store" % sizes[1][1]) as e:
         DirectoryStore(work)
     assert e.value.where.file == str(work / framing.segment_name(0))
     assert (work / framing.segment_name(0)).read_bytes() == before
     assert (work / framing.INDEX_NAME).stat().st_size == sizes[1][0]
     with DirectoryStore(work, readonly=True) as r:
         assert same(list(r), [trace_for(0), trace_for(1)])
+    with DirectoryStore(work, readonly=True, survey=True) as r:
+        assert str(r.recovery["refused"]) == str(e.value) and "records_recovered" not in r.recovery
+        assert r.recovery["records_unindexed"] == ["r0000003"]
+        assert r.recovery["unindexed_bytes"] == sizes[3][1] - sizes[1][1]
+        good, errors = r.scan()
+        assert good == ["r0000000", "r0000001", "r0000003"] and len(errors) == 1
+        assert errors[0].where.file == str(work / framing.segment_name(0)) and f"offset {sizes[1][1]}" in errors[0].where.field
+        with pytest.raises(MoeReplayError, match="survey=True"):
+            r.refresh()
+    assert (work / framing.segment_name(0)).read_bytes() == before
+    report = rescue_store(work, tmp_path / "rescued", durable=False)
+    assert (report.copied, report.unindexed, len(report.damaged), report.conflicts) == (3, 1, 1, [])
+    with DirectoryStore(tmp_path / "rescued", durable=False) as w:
+        assert w.recovery == {} and same(list(w), [trace_for(i) for i in (0, 1, 3)])
+        w.put(trace_for(2))
+    with pytest.raises(RescueDestinationError, match="new or empty directory"):
+        rescue_store(work, tmp_path / "rescued")
+
+
+def test_unindexed_copy_of_an_indexed_key_refuses_the_writer_and_rescue_names_it(tmp_path):
+    """An index restored from an older copy that misses r1's entry, while r1 was written again
+    later (r0 r1 r2 r1'): the writer cannot choose between two intact records of one key, so it
+    refuses; rescue copies r0, r1 (the first), r2 and names the second r1 by segment and offset."""
+    d = tmp_path / "s"
+    with DirectoryStore(d, durable=False) as s:
+        s.put_many([trace_for(0), trace_for(1)])
+        after_r1 = (d / framing.INDEX_NAME).stat().st_size
+        s.put(trace_for(2))
+    other = tmp_path / "other"
+    with DirectoryStore(other, durable=False) as s:
+        s.put(trace_for(1))
+    frame = (other / framing.segment_name(0)).read_bytes()[framing.HEADER.size :]
+    with open(d / framing.segment_name(0), "ab") as f:
+        offset = f.tell()
+        f.write(frame)
+    os.truncate(d / framing.INDEX_NAME, after_r1)  # r2's entry lost: r2 and r1' are the tail
+    with pytest.raises(DuplicateKeyError, match="rescue_store") as e:
+        DirectoryStore(d)
+    assert e.value.where.record == "r0000001" and e.value.where.field == f"frame at offset {offset}"
+    with DirectoryStore(d, readonly=True, survey=True) as r:
+        assert isinstance(r.recovery["refused"], DuplicateKeyError) and r.keys() == ["r0000000", "r0000001", "r0000002"]
+    report = rescue_store(d, tmp_path / "rescued", durable=False)
+    assert report.copied == 3 and [c.where.field for c in report.conflicts] == [f"frame at offset {offset}"]
 
 
 def test_unindexed_frames_in_later_segments_are_recovered(tmp_path):

@@ -2,6 +2,9 @@
 
   "memory"     MemoryStore     encoded records in a dict (tests, one process)
   "directory"  DirectoryStore  append-only segments + checksummed index, one writer, many readers
+
+`rescue_store(src, dst)` copies every intact record of a directory store (indexed or not) into a
+new one: what a writer's refusal to open a damaged store advises.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 from .base import STORES, TraceStore
 from .directory import DirectoryStore, ReadOnlyStoreError, StoreLockedError, StoreNotFoundError
 from .memory import MemoryStore
+from .rescue import RescueDestinationError, RescueReport, rescue_store
 from .salvage import UnindexedDamageError
 
 MEMORY_SCHEME = "memory://"
@@ -46,9 +50,12 @@ __all__ = [
     "DirectoryStore",
     "MemoryStore",
     "ReadOnlyStoreError",
+    "RescueDestinationError",
+    "RescueReport",
     "StoreLockedError",
     "StoreNotFoundError",
     "TraceStore",
     "UnindexedDamageError",
     "open_store",
+    "rescue_store",
 ]

@@ -46,6 +46,7 @@ from ..errors import (
     MoeReplayError,
     TraceError,
     TraceFormatError,
+    SchemaVersionError,
     TruncatedRecordError,
     Where,
 )
@@ -57,7 +58,7 @@ from .framing import (
     FRAME, FRAME_MAGIC, HEADER, INDEX_MAGIC, INDEX_NAME, LOCK_NAME, MAX_KEY_BYTES, SEGMENT_MAGIC, _SEGMENT_RE, Entry,
     check_header, frame_crc, pack_entry, pack_header, parse_index, segment_name,
 )
-from .salvage import Found, _Layout, find_holes, plan_salvage, scan_hole
+from .salvage import Found, TailSurvey, UnindexedDamageError, _Layout, find_holes, plan_salvage, scan_hole, survey_tail
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +95,19 @@ class DirectoryStoreOptions:
     durable: bool = True
     """fsync segments before index entries and the index after them (survives power loss);
     False still survives a crash of the writing process, since the write order is the same."""
+    survey: bool = False
+    """Reader only: also read what the next writer would find at open (the segment bytes past the
+    index, a damaged index header) and do what it would do, in memory only: its records are
+    visible, `recovery` says what it would recover, cut and remove, and `recovery["refused"]` holds
+    the error it would refuse to open with. Nothing is written. On a store with a live writer the
+    tail is that writer's commit in flight."""
 
     def __post_init__(self) -> None:
-        for name in ("create", "readonly", "durable"):
+        for name in ("create", "readonly", "durable", "survey"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DirectoryStoreOptions.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.survey and not self.readonly:
+            raise ValueError("DirectoryStoreOptions.survey=True needs readonly=True: a survey changes nothing")
         size = self.segment_bytes
         if isinstance(size, bool) or not isinstance(size, int) or size < MIN_SEGMENT_BYTES:
             raise ValueError(f"DirectoryStoreOptions.segment_bytes must be an int >= {MIN_SEGMENT_BYTES}, got {size!r}")
@@ -114,9 +123,10 @@ class DirectoryStore(TraceStore):
 
     def __init__(
         self, path: str | os.PathLike, *, create: bool = True, readonly: bool = False,
-        segment_bytes: int = DEFAULT_SEGMENT_BYTES, durable: bool = True,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES, durable: bool = True, survey: bool = False,
     ) -> None:
-        self.options = DirectoryStoreOptions(create=create, readonly=readonly, segment_bytes=segment_bytes, durable=durable)
+        self.options = DirectoryStoreOptions(create=create, readonly=readonly, segment_bytes=segment_bytes, durable=durable,
+                                             survey=survey)
         self.path = Path(path)
         self.readonly = readonly
         self._fds: OrderedDict[int, int] = OrderedDict()
@@ -180,14 +190,32 @@ class DirectoryStore(TraceStore):
                 self._init_index()
         self._index_fd = os.open(self.index_path, os.O_RDONLY if self.readonly else os.O_RDWR)
         size = self._load_index()
-        if not self.readonly:
+        if not self.readonly or self.options.survey:
             self._recover(size)
 
     def _load_index(self) -> int:
-        """Read the whole index (and fill holes it leaves); return its size in bytes."""
+        """Read the whole index (and fill holes it leaves); return its size in bytes. A damaged or
+        cut index header is rebuilt by a writer from the segments (the index holds nothing they do
+        not: every frame carries its key, and index order is file order)."""
         size = os.fstat(self._index_fd).st_size
         data = _read_at(self._index_fd, size, 0)
-        check_header(data, INDEX_MAGIC, Where(file=str(self.index_path)))
+        try:
+            check_header(data, INDEX_MAGIC, Where(file=str(self.index_path)))
+        except SchemaVersionError:
+            raise
+        except TraceError as err:
+            segments = [p.name for p in self.path.iterdir() if _SEGMENT_RE.match(p.name)]
+            if size >= HEADER.size and not segments:  # a foreign file named index.bin: not ours to rebuild
+                raise
+            if self.readonly and not self.options.survey:
+                advice = (f"the records are in {len(segments)} segment file(s): a writer rebuilds the index from "
+                          "them when it opens; survey=True (moe-replay inspect) reads them now")
+                raise type(err)(err.where, err.expected, err.found, f"{err.detail}; {advice}" if err.detail else advice) from None
+            self.recovery["index_header_damaged"] = err
+            self._index_stale = True
+            if not self.readonly:
+                log.warning("store %s: %s; the index is rebuilt from the segments", self.path, err)
+            return size
         self._absorb(data[HEADER.size :])
         return size
 
@@ -329,40 +357,58 @@ class DirectoryStore(TraceStore):
             return None
 
     def _recover(self, index_size: int) -> None:
-        """Writer only: cut the torn index tail, index again the intact frames of the tail
+        """Writer: cut the torn index tail, index again the intact frames of the tail
         (salvage.py), rewrite the index if it has damaged entries or missed records in holes
         (_fill_holes found them already), cut bytes that are no part of an intact frame, then pick
-        the segment to append to. Bytes that pass their checksum are never removed."""
-        if index_size > self._index_end:
+        the segment to append to. Bytes that pass their checksum are never removed.
+        A survey reader (readonly, survey=True) runs the same steps and writes nothing."""
+        dry = self.readonly
+        if index_size > self._index_end and "index_header_damaged" not in self.recovery:
             self.recovery["index_bytes_truncated"] = index_size - self._index_end
-            os.ftruncate(self._index_fd, self._index_end)
-        os.lseek(self._index_fd, self._index_end, os.SEEK_SET)
+            if not dry:
+                os.ftruncate(self._index_fd, self._index_end)
+        if not dry:
+            os.lseek(self._index_fd, self._index_end, os.SEEK_SET)
         last = max(self._entries.values(), default=None, key=lambda e: (e.segment, e.offset))
         seg, end = (last.segment, last.offset + FRAME.size + last.length) if last else (0, HEADER.size)
         tmp = [p for p in sorted(self.path.iterdir()) if p.name.endswith(".tmp")]
-        for p in tmp:
-            p.unlink()
+        if not dry:
+            for p in tmp:
+                p.unlink()
         damaged = self._damaged_last_segment(seg, end) if last is not None else None
         if damaged is not None:  # indexed bytes missing or damaged (possible only without
             # durable=True): never write over what the index still points at
             self.recovery["damaged_segment"] = damaged
             seg, end = seg + 1, HEADER.size
         existing = sorted(int(m.group(1)) for p in self.path.iterdir() if (m := _SEGMENT_RE.match(p.name)))
-        plan = plan_salvage(self.segment_path, [n for n in existing if n >= seg], (seg, end), _LAYOUT,
-                            self._entries.__contains__)
+        survey = survey_tail(self.segment_path, [n for n in existing if n >= seg], (seg, end), _LAYOUT)
+        if dry:
+            self._note_unindexed(existing, survey)
+        try:
+            plan = plan_salvage(survey, self._entries.__contains__)
+        except (UnindexedDamageError, DuplicateKeyError) as err:
+            if not dry:
+                raise
+            self.recovery["refused"] = err
+            self._show_tail(survey)
+            return
         if plan.found or self._index_stale:
-            self._reindex(plan.found)
+            self._reindex(plan.found, dry)
         for n, at in plan.truncate.items():
             self.recovery["segment_bytes_truncated"] = self.recovery.get("segment_bytes_truncated", 0) + (
-                self.segment_path(n).stat().st_size - at)
-            os.truncate(self.segment_path(n), at)
-        for n in plan.remove:
-            if n in self._fds:
-                os.close(self._fds.pop(n))
-            self.segment_path(n).unlink()
+                survey.sizes[n] - at)
+            if not dry:
+                os.truncate(self.segment_path(n), at)
+        if not dry:
+            for n in plan.remove:
+                if n in self._fds:
+                    os.close(self._fds.pop(n))
+                self.segment_path(n).unlink()
         removed = [p.name for p in tmp] + [segment_name(n) for n in plan.remove]
         if removed:
             self.recovery["files_removed"] = removed
+        if dry:
+            return
         if plan.append_at is None:
             self._new_segment(plan.new_segment)
         else:
@@ -375,6 +421,29 @@ class DirectoryStore(TraceStore):
         if self.recovery:
             log.warning("store %s: recovered after an interrupted write: %s", self.path, self.recovery)
 
+    def _note_unindexed(self, existing: list[int], survey: TailSurvey) -> None:
+        """Survey reader: the bytes and the intact records no index entry names (holes and tail)."""
+        holes = set(self.recovery.get("records_recovered", []))  # type: ignore[arg-type]
+        indexed = sum(FRAME.size + e.length for k, e in self._entries.items() if k not in holes)
+        sizes = (self._segment_size(n) for n in existing)
+        self.recovery["unindexed_bytes"] = max(0, sum(max(0, (s or 0) - HEADER.size) for s in sizes) - indexed)
+        self.recovery["records_unindexed"] = [*holes, *(f.key for f in survey.found if f.key not in self._entries)]
+
+    def _show_tail(self, survey: TailSurvey) -> None:
+        """Survey reader of a store a writer would refuse: every intact tail record is visible (the
+        first frame of a key wins, as the index's entry does), damaged stretches are problems."""
+        found, seen, duplicated = [], set(self._entries), []
+        for f in survey.found:
+            if f.key not in seen:
+                seen.add(f.key)
+                found.append(f)
+            else:
+                where = Where(file=str(survey.paths[f.segment]), record=f.key, field=f"frame at offset {f.offset}")
+                duplicated.append(DuplicateKeyError(where, "an unindexed record with a new key", "a key an earlier record holds"))
+        if duplicated:
+            self.recovery["frames_duplicated"] = duplicated
+        self._insert_in_file_order(found, [((d.segment, d.start), d.error) for d in survey.damage])
+
     def _damaged_last_segment(self, seg: int, end: int) -> str | None:
         """Why the segment of the last indexed record cannot be appended to, or None."""
         size = self._segment_size(seg)
@@ -386,15 +455,19 @@ class DirectoryStore(TraceStore):
             return str(err)
         return None
 
-    def _reindex(self, found: list[Found]) -> None:
+    def _reindex(self, found: list[Found], dry: bool = False) -> None:
         """Name the recovered records in the index (their segments synced first): append entries
         for tail records; rewrite the whole index when it has damaged entries or missed records
-        in holes."""
+        in holes. `dry`: in memory only (a survey reader)."""
         entries = {f.key: Entry(f.segment, f.offset, f.length, f.crc) for f in found}
         self._entries.update(entries)
         if found:
             keys = self.recovery.setdefault("records_recovered", [])
             keys += list(entries)  # type: ignore[operator]
+        if dry:
+            if self._index_stale:
+                self.recovery["index_rewritten"] = len(self._entries)
+            return
         if self.options.durable:
             recovered = set(self.recovery.get("records_recovered", []))  # type: ignore[arg-type]
             for n in sorted({e.segment for k, e in self._entries.items() if k in recovered}):
@@ -557,6 +630,9 @@ class DirectoryStore(TraceStore):
         self._check_open()
         if not self.readonly:
             return 0
+        if self.options.survey:
+            raise MoeReplayError(f"store {str(self.path)!r} was opened with survey=True, a snapshot of what a writer "
+                                 "would find at open; open a new reader to see later records")
         with self._mutex:
             if self._index_replaced():
                 return self._reopen_index()

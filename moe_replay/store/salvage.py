@@ -8,12 +8,14 @@ became of its index entry. Two places hold such frames:
   bytes read); `scan_hole` reads a hole frame by frame: intact frames come back as `Found`, damaged
   bytes as typed errors (never as records). Readers and writers both do this.
 - The tail: segment bytes after the last named frame (and any later segment files). A crash
-  between the segment sync and the index sync of a commit, or a truncated or partly restored
-  index.bin, leaves intact frames there. A writer opening the store scans them (`plan_salvage`),
-  indexes them again, in file order, and cuts only bytes that are not part of an intact frame.
-  Those can only be a torn tail: damaged bytes followed by an intact frame are not a crash, and the
-  writer refuses to open rather than delete the frame (`UnindexedDamageError`). Readers leave the
-  tail alone: a live writer may be committing there.
+  between the segment sync and the index sync of a commit, or a truncated, damaged or partly
+  restored index.bin, leaves intact frames there. A writer opening the store reads them all
+  (`survey_tail`), indexes them again, in file order, and cuts only bytes that are not part of an
+  intact frame (`plan_salvage`). Those can only be a torn tail: damaged bytes followed by an intact
+  frame are not a crash, and the writer refuses to open rather than delete the frame
+  (`UnindexedDamageError`, whose advice, `RESCUE_ADVICE`, copies every intact record to a new
+  store). Plain readers leave the tail alone: a live writer may be committing there; a reader
+  opened with `survey=True` reads it as the next writer would, and changes nothing.
 """
 
 from __future__ import annotations
@@ -99,83 +101,139 @@ def _intact_frame_after(fd: int, size: int, start: int, lay: _Layout) -> int | N
     return None
 
 
-def plan_salvage(
-    segment_path: Callable[[int], Path], segments: list[int], start: tuple[int, int], lay: _Layout,
-    indexed: Callable[[str], bool],
-) -> SalvagePlan:
-    """Scan `segments` (ascending, all >= start's segment) from `start` = (segment, offset): the
-    offset is the end of the last indexed frame, or the header size for a segment scanned whole.
+class Damage(NamedTuple):
+    """Bytes [start, stop) of segment `segment` that are no part of an intact frame, or (with
+    `checksummed`) one frame whose checksum holds but whose record this reader cannot decode."""
 
-    Raises UnindexedDamageError when damaged bytes come before an intact frame, and TraceError
-    (DuplicateKeyError) when an intact unindexed frame holds a key the index already has."""
-    plan = SalvagePlan(new_segment=start[0])
-    last_good: tuple[int, int] | None = None
-    for i, n in enumerate(segments):
+    segment: int
+    start: int
+    stop: int
+    error: TraceError
+    checksummed: bool = False
+
+
+@dataclass
+class TailSurvey:
+    """Everything past the last indexed frame, read frame by frame: every intact frame and every
+    damaged stretch, in file order (what a writer would index, cut or refuse over; `plan_salvage`)."""
+
+    start: tuple[int, int]
+    """(segment, offset) where the tail starts: the end of the last indexed frame."""
+    header_size: int
+    segments: list[int] = field(default_factory=list)
+    paths: dict[int, Path] = field(default_factory=dict)
+    sizes: dict[int, int] = field(default_factory=dict)
+    """segment -> file size in bytes."""
+    found: list[Found] = field(default_factory=list)
+    damage: list[Damage] = field(default_factory=list)
+
+    @property
+    def bytes(self) -> int:
+        """Segment bytes of the tail, file headers excluded."""
+        return sum(max(0, size - (self.start[1] if n == self.start[0] else self.header_size))
+                   for n, size in self.sizes.items())
+
+    def found_after(self, pos: tuple[int, int]) -> list[Found]:
+        return [f for f in self.found if (f.segment, f.offset) > pos]
+
+
+TAIL_DAMAGE = ("bytes past the last indexed record that are no part of an intact frame: a torn write "
+               "when no intact frame follows them (a writer cuts them), damage otherwise")
+HOLE_DAMAGE = ("bytes {start}..{stop} lie between indexed records and no index entry names them: "
+               "skipped, the record they held is lost")
+RESCUE_ADVICE = ("copy every intact record to a new store with moe_replay.store.rescue_store(src, dst) "
+                 "(command line: moe-replay rescue STORE NEW_STORE)")
+"""What a refusal advises: the copy keeps every intact record, indexed or not (store/rescue.py)."""
+
+
+def survey_tail(segment_path: Callable[[int], Path], segments: list[int], start: tuple[int, int], lay: _Layout) -> TailSurvey:
+    """Read `segments` (ascending, all >= start's segment) from `start` = (segment, offset): the
+    offset is the end of the last indexed frame, or the header size for a segment read whole.
+    Reads only, and goes on past damage, so nothing beyond it goes unseen."""
+    survey = TailSurvey(start, lay.header_size)
+    for n in segments:
         path = segment_path(n)
         fd = os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
+            survey.segments.append(n)
+            survey.paths[n], survey.sizes[n] = path, size
             off = start[1] if n == start[0] else lay.header_size
-            bad = None
             if off == lay.header_size:
                 try:
                     lay.check_header(_read_at(fd, lay.header_size, 0), Where(file=str(path)))
-                except TraceError:
-                    bad = 0
-            while bad is None and off < size:
+                except TraceError as err:
+                    later = _intact_frame_after(fd, size, lay.header_size, lay)
+                    off = size if later is None else later
+                    survey.damage.append(Damage(n, 0, off, err))
+            while off < size:
                 got = _frame_at(fd, size, off, lay)
                 if got is None:
-                    bad = off
-                    break
+                    later = _intact_frame_after(fd, size, off + 1, lay)
+                    stop = size if later is None else later
+                    survey.damage.append(Damage(n, off, stop, _damage_error(fd, path, off, stop, lay, TAIL_DAMAGE)))
+                    off = stop
+                    continue
                 length, crc, payload = got
-                where = Where(file=str(path), field=f"frame at offset {off}")
-                key = decode_trace(payload, where).key
-                if indexed(key) or any(f.key == key for f in plan.found):
-                    raise DuplicateKeyError(
-                        where.with_(record=key), "an unindexed record with a new key", "a key already in the store",
-                        "the writer refuses to open; read the store with readonly=True",
-                    )
-                plan.found.append(Found(key, n, off, length, crc))
-                off += lay.frame.size + length
-            if bad is None:
-                last_good = (n, off)
-                continue
-            later = _intact_frame_after(fd, size, max(bad, lay.header_size), lay)
-            later_seg = None
+                end = off + lay.frame.size + length
+                try:
+                    key = decode_trace(payload, Where(file=str(path), field=f"frame at offset {off}")).key
+                except TraceError as err:  # checksummed but not a record this reader can decode
+                    survey.damage.append(Damage(n, off, end, err, checksummed=True))
+                else:
+                    survey.found.append(Found(key, n, off, length, crc))
+                off = end
         finally:
             os.close(fd)
-        if later is None:
-            later_seg = next((m for m in segments[i + 1 :] if _has_intact_frame(segment_path(m), lay)), None)
-        if later is not None or later_seg is not None:
-            where_ = (n, later) if later is not None else (later_seg, None)
+    return survey
+
+
+def plan_salvage(survey: TailSurvey, indexed: Callable[[str], bool]) -> SalvagePlan:
+    """What a writer does with the tail `survey` found: index its intact frames again, cut a torn
+    tail (damaged bytes no intact frame follows), remove segments created but never written.
+
+    Raises UnindexedDamageError when cutting would delete a checksummed byte (damaged bytes
+    followed by an intact frame, or a checksummed frame this reader cannot decode), and
+    DuplicateKeyError when an intact unindexed frame holds a key the index already has."""
+    first = survey.damage[0] if survey.damage else None
+    if first is not None:
+        after = survey.found_after((first.segment, first.start))
+        kept = next((d for d in survey.damage if d.checksummed), None)
+        if after or kept is not None:
+            if after:
+                found = (f"damaged bytes followed by {len(after)} intact frame(s) (the first: segment {after[0].segment}, "
+                         f"offset {after[0].offset})")
+            else:
+                found = f"a checksummed frame this reader cannot decode ({kept.error})"
             raise UnindexedDamageError(
-                Where(file=str(path), field=f"bytes from offset {bad}"),
-                "intact frames up to a torn tail", f"damaged bytes followed by an intact frame (segment {where_[0]}"
-                + (f", offset {where_[1]})" if where_[1] is not None else ")"),
-                "not a crash: the writer refuses to open rather than delete intact records; read the store "
-                "with readonly=True and copy what it holds, or repair the segment by hand",
+                first.error.where.with_(field=f"bytes from offset {first.start}"), "intact frames up to a torn tail",
+                found, "not a crash: the writer refuses to open rather than delete intact records; " + RESCUE_ADVICE,
             )
-        if bad < lay.header_size:  # a segment created but never written: nothing to keep
-            plan.remove.extend(segments[i:])
-        else:
-            plan.truncate[n] = bad
-            plan.remove.extend(segments[i + 1 :])
-            last_good = (n, bad)
-        break
-    if last_good is not None:
-        plan.append_at = last_good
+    seen: set[str] = set()
+    for f in survey.found:
+        if indexed(f.key) or f.key in seen:
+            raise DuplicateKeyError(
+                Where(file=str(survey.paths[f.segment]), record=f.key, field=f"frame at offset {f.offset}"),
+                "an unindexed record with a new key", "a key already in the store",
+                "the writer refuses to open rather than choose between two intact records; " + RESCUE_ADVICE,
+            )
+        seen.add(f.key)
+    plan = SalvagePlan(found=list(survey.found), new_segment=survey.start[0])
+    if first is None:
+        if survey.segments:
+            last = survey.segments[-1]
+            plan.append_at = (last, survey.sizes[last])
+        return plan
+    i = survey.segments.index(first.segment)
+    if first.start < survey.header_size:  # a segment created but never written: nothing to keep
+        plan.remove = survey.segments[i:]
+        if i:
+            plan.append_at = (survey.segments[i - 1], survey.sizes[survey.segments[i - 1]])
     else:
-        plan.new_segment = start[0]
+        plan.truncate[first.segment] = first.start
+        plan.remove = survey.segments[i + 1 :]
+        plan.append_at = (first.segment, first.start)
     return plan
-
-
-def _has_intact_frame(path: Path, lay: _Layout) -> bool:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        return _intact_frame_after(fd, size, lay.header_size, lay) is not None
-    finally:
-        os.close(fd)
 
 
 # -- holes: unnamed bytes between named frames -----------------------------------------------------
@@ -235,7 +293,7 @@ def scan_hole(fd: int, path: Path, hole: Hole, lay: _Layout) -> tuple[list[Found
         if got is None:
             later = _intact_frame_after(fd, hole.end, off + 1, lay)
             stop = hole.end if later is None else later
-            damage.append((off, _damage_error(fd, path, off, stop, lay)))
+            damage.append((off, _damage_error(fd, path, off, stop, lay, HOLE_DAMAGE.format(start=off, stop=stop))))
             off = stop
             continue
         length, crc, payload = got
@@ -248,10 +306,8 @@ def scan_hole(fd: int, path: Path, hole: Hole, lay: _Layout) -> tuple[list[Found
     return found, damage
 
 
-def _damage_error(fd: int, path: Path, start: int, stop: int, lay: _Layout) -> TraceError:
+def _damage_error(fd: int, path: Path, start: int, stop: int, lay: _Layout, detail: str) -> TraceError:
     """The typed error for damaged bytes [start, stop) that no index entry names."""
-    detail = (f"bytes {start}..{stop} lie between indexed records and no index entry names them: "
-              "skipped, the record they held is lost")
     where = Where(file=str(path))
     head = _read_at(fd, lay.frame.size, start)
     if len(head) == lay.frame.size:
