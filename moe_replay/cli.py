@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from .errors import MoeReplayError
 from .registry import Registry
 
 
@@ -69,8 +70,13 @@ def _configure_make_model(p: argparse.ArgumentParser) -> None:
 
 @command("make-model", "build a tiny random-init MoE checkpoint; prints its geometry as JSON", _configure_make_model)
 def make_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from .models import build_tiny_model, geometry_of
 
+    problem = _output_dir_problem("--out", Path(args.out))
+    if problem:
+        return _fail("make-model", problem)
     t0 = time.perf_counter()
     path = build_tiny_model(args.family, args.out, seed=args.seed, size=args.size)
     _log(f"built {args.family} ({args.size}, seed {args.seed}) in {time.perf_counter() - t0:.1f} s -> {path}")
@@ -111,7 +117,7 @@ def demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .demo import DemoConfig, check_presets, run_demo
-    from .report import print_arm_table, render_report
+    from .report import HTML_NAME, PLOTS, print_arm_table, render_report
 
     try:
         cfg = DemoConfig(family=args.family, seed=args.seed, steps=args.steps, prompts_per_step=args.prompts,
@@ -119,9 +125,15 @@ def demo(args: argparse.Namespace) -> int:
                          estimator_n=args.estimator_n, arms=_parse_arms(args.arms))
         check_presets(cfg)
     except ValueError as e:
-        _log(f"moe-replay demo: {e}")
-        return 2
+        return _fail("demo", str(e))
     out = Path(args.out)
+    # every path the run writes, checked before the engine starts (minutes in)
+    problem = (_output_dir_problem("--out", out) or _output_dir_problem("--out", out / "model")
+               or _output_dir_problem("--out", out / "sync")
+               or next(filter(None, (_output_file_problem("--out", out / name)
+                                     for name in ("report.json", HTML_NAME, *(f"{p}.png" for p in PLOTS)))), None))
+    if problem:
+        return _fail("demo", problem)
     _log(f"moe-replay demo: {len(cfg.arms)} arms x {cfg.steps} steps, {cfg.prompts_per_step}x{cfg.samples_per_prompt} "
          f"rollouts per step, vLLM {cfg.engine_dtype} rollouts -> HF {cfg.trainer_dtype} training; output in {out}")
     with _progress(len(cfg.arms) * cfg.steps) as advance:
@@ -228,9 +240,72 @@ class _Progress:
 
 
 def _fail(command_name: str, msg: str, code: int = 2) -> int:
-    """A user error: one clear line on stderr, no traceback."""
-    print(f"moe-replay {command_name}: error: {msg}", file=sys.stderr, flush=True)
+    """A user error: one line on stderr (`moe-replay COMMAND: error: ...`), no traceback."""
+    print(f"moe-replay {command_name}: error: {' '.join(msg.split())}", file=sys.stderr, flush=True)
     return code
+
+
+def _blocking_ancestor(path) -> str | None:
+    """Why no directory can be created at `path` (None: one can, or it is one): the nearest
+    existing ancestor is not a directory, or may not be written."""
+    import os
+
+    parent = path
+    while not parent.exists():
+        if parent.parent == parent:
+            return None
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{str(parent)!r}, a file, in the path"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{str(parent)!r} not writable by this user"
+    return None
+
+
+def _output_dir_problem(flag: str, path) -> str | None:
+    """Why `path` cannot be an output directory (None: it can be, existing or new)."""
+    want = f"{flag} {str(path)!r}: expected a directory (existing or new)"
+    if path.exists() and not path.is_dir():
+        return f"{want}, found a file"
+    blocked = _blocking_ancestor(path)
+    return f"{want}, found {blocked}" if blocked else None
+
+
+def _output_file_problem(flag: str, path) -> str | None:
+    """Why `path` cannot be an output file (None: it can be written, existing or new)."""
+    want = f"{flag}: expected {str(path)!r} to be a file it writes"
+    if path.is_dir():
+        return f"{want}, found a directory there"
+    blocked = _blocking_ancestor(path.parent)
+    return f"{want}, found {blocked}" if blocked else None
+
+
+def _input_problem(what: str, path, *, directory: bool) -> str | None:
+    """Why `path` is not the input file (or directory) asked for (None: it is)."""
+    want = f"{str(path)!r}: expected {what} ({'a directory' if directory else 'a file'})"
+    if not path.exists():
+        return f"{want}, found nothing at that path"
+    if directory and not path.is_dir():
+        return f"{want}, found a file"
+    if not directory and path.is_dir():
+        return f"{want}, found a directory"
+    if not directory and not path.is_file():
+        return f"{want}, found something that is not a regular file"
+    return None
+
+
+def describe_error(err: BaseException) -> str:
+    """One line for an error the command line reports without a traceback: a moe_replay error's
+    own message (it names the file, expected and found), or an OS error as path: expected, found."""
+    if isinstance(err, OSError) and not isinstance(err, MoeReplayError) and err.strerror:
+        import errno as E
+
+        found = {E.ENOENT: "nothing at that path", E.EISDIR: "a directory", E.ENOTDIR: "a file where a directory was expected",
+                 E.EEXIST: "an existing file", E.EACCES: "permission denied", E.EPERM: "permission denied",
+                 E.ENOSPC: "no space left on the device"}.get(err.errno or 0, err.strerror)
+        where = f"{str(err.filename)!r}: " if err.filename else ""
+        return f"{where}expected a path this command can read or write, found {found}"
+    return " ".join(str(err).split())
 
 
 def _write_json(path: str, value: object) -> None:
@@ -257,27 +332,19 @@ def _configure_inspect(p: argparse.ArgumentParser) -> None:
 
 
 @command("inspect", "summarise a trace store: records, tokens, geometries, engines, parts, support sizes, "
-                    "bytes per token-layer per codec, damaged records (exit status 1 if any)", _configure_inspect)
+                    "bytes per token-layer per codec, damaged records, and what a writer opening it would recover "
+                    "or refuse (exit status 1 if any record is damaged or a writer would refuse)", _configure_inspect)
 def inspect(args: argparse.Namespace) -> int:
-    import os
+    from .report.inspect import print_store_summary, summarize_store, writer_would
 
-    from .report.inspect import print_store_summary, summarize_store
-    from .store import StoreNotFoundError, open_store
-
-    target = args.store
-    if target.startswith("memory://"):
-        return _fail("inspect", f"{target!r} is an in-process memory store; inspect a directory store (a path)")
+    if args.store.startswith("memory://"):
+        return _fail("inspect", f"{args.store!r}: expected a trace store directory, found an in-process memory store "
+                                "(it lives only inside the process that made it)")
     if args.sample < 0:
-        return _fail("inspect", f"--sample must be >= 0 records, got {args.sample}")
-    path = target.split("://", 1)[1] if "://" in target else target
-    if not os.path.exists(path):
-        return _fail("inspect", f"no trace store at {path!r}: the path does not exist. Give the directory a "
-                                "DirectoryStore writer created (it holds index.bin and seg-*.bin files), "
-                                "e.g. the --store directory of a capture run")
-    try:
-        store = open_store(target, readonly=True)
-    except (StoreNotFoundError, ValueError) as err:
-        return _fail("inspect", str(err))
+        return _fail("inspect", f"--sample: expected >= 0 records, found {args.sample}")
+    store, code = _open_store_dir("inspect", args.store, survey=True)
+    if store is None:
+        return code
     with store:
         with _Progress(len(store), "reading records", enabled=not args.json and sys.stderr.isatty()) as bar:
             summary = summarize_store(store, sample=args.sample, progress=lambda done, total: bar.update(done))
@@ -285,9 +352,86 @@ def inspect(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
     else:
         print_store_summary(summary)
+    problems = []
     if summary["damaged"]:
-        _log(f"{len(summary['damaged'])} damaged record(s) in {path}; exit status 1")
+        problems.append(f"{len(summary['damaged'])} damaged record(s) or byte range(s)")
+    if summary["writer"] and summary["writer"]["refuses"]:
+        problems.append(f"a writer would {writer_would(summary['writer'], str(store.path))}")
+    if problems:
+        _log(f"moe-replay inspect: {store.path}: {'; '.join(problems)}; exit status 1")
         return 1
+    return 0
+
+
+def _store_dir(target: str) -> str:
+    """The directory of a store URI (directory://PATH, file://PATH) or plain path."""
+    from .store import DIRECTORY_SCHEMES
+
+    return next((target[len(s):] for s in DIRECTORY_SCHEMES if target.startswith(s)), target)
+
+
+def _open_store_dir(command_name: str, target: str, **options):
+    """(a reader of the store directory `target`, 0), or (None, exit status) after one line saying
+    what was expected and found there, in the words of the command line."""
+    from pathlib import Path
+
+    from .errors import LocatedError
+    from .store import DirectoryStore
+    from .store.framing import INDEX_NAME
+
+    path = Path(_store_dir(target))
+    want = f"{str(path)!r}: expected a trace store directory (index.bin and seg-*.bin files, as a capture run writes)"
+    if "://" in str(path):
+        return None, _fail(command_name, f"{target!r}: expected a store directory path or directory://PATH, "
+                                         "found an unknown scheme")
+    if not path.exists():
+        return None, _fail(command_name, f"{want}, found nothing at that path")
+    if not path.is_dir():
+        return None, _fail(command_name, f"{want}, found a file")
+    if not (path / INDEX_NAME).exists() and not any(path.glob("seg-*.bin")):
+        found = sorted(p.name for p in path.iterdir())
+        return None, _fail(command_name, f"{want}, found " + (f"a directory holding {found[:3]}" if found else "an empty directory"))
+    try:
+        return DirectoryStore(path, readonly=True, **options), 0
+    except LocatedError as err:  # a damaged index header of a store that has no segments, a newer format
+        return None, _fail(command_name, f"{err.where}: expected {err.expected}, found {err.found}")
+
+
+# ---------------------------------------------------------------------------------------------
+# rescue
+
+
+def _configure_rescue(p: argparse.ArgumentParser) -> None:
+    p.add_argument("store", metavar="STORE", help="trace store directory to copy from (never written)")
+    p.add_argument("new_store", metavar="NEW_STORE", help="new or empty directory: the copy")
+
+
+@command("rescue", "copy every intact record of a trace store (indexed or not, before and after damage) into a new "
+                   "store: the way out when a writer refuses to open a damaged store", _configure_rescue)
+def rescue(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .store import rescue_store
+
+    source, code = _open_store_dir("rescue", args.store, survey=True)
+    if source is None:
+        return code
+    source.close()
+    new = Path(args.new_store)
+    problem = _output_dir_problem("NEW_STORE", new)
+    if problem is None and new.is_dir() and any(new.iterdir()):
+        problem = f"NEW_STORE {str(new)!r}: expected a new or empty directory, found one holding {sorted(p.name for p in new.iterdir())[:3]}"
+    if problem:
+        return _fail("rescue", problem)
+    report = rescue_store(source.path, new)
+    for err in report.damaged:
+        _log(f"  lost: {describe_error(err)}")
+    for err in report.conflicts:
+        _log(f"  not copied (its key is taken by an earlier record): {describe_error(err)}")
+    _log(f"copied {report.copied:,} records ({report.unindexed:,} that no index entry named) from {report.source} "
+         f"to {report.destination}; {len(report.damaged)} damaged stretch(es) held nothing readable")
+    print(json.dumps({"copied": report.copied, "unindexed": report.unindexed, "damaged": len(report.damaged),
+                      "conflicts": [str(c.where) for c in report.conflicts]}))
     return 0
 
 
@@ -306,20 +450,27 @@ def report(args: argparse.Namespace) -> int:
 
     from .report import ReportSchemaError, load_report, print_arm_table, render_report
 
+    from .report import HTML_NAME, PLOTS
+
     src = Path(args.report_json)
-    if not src.is_file():
-        return _fail("report", f"no report at {str(src)!r}: {'it is a directory' if src.is_dir() else 'the file does not exist'}; "
-                               "give the report JSON a `moe-replay demo` run wrote")
+    problem = _input_problem("the report JSON a `moe-replay demo` run wrote", src, directory=False)
+    if problem:
+        return _fail("report", problem)
     try:
         data = load_report(src)
     except ReportSchemaError as err:
-        return _fail("report", f"{src}: {err}")
+        return _fail("report", str(err) if str(src) in str(err) else f"{str(src)!r}: {err}")
+    out = Path(args.out) if args.out else src.parent
+    problem = _output_dir_problem("--out", out) or next(
+        filter(None, (_output_file_problem("--out", out / n) for n in (HTML_NAME, *(f"{p}.png" for p in PLOTS)))), None)
+    if problem:
+        return _fail("report", problem)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return _fail("report", "matplotlib is not installed; install the dev extra: pip install 'moe_replay[dev]'")
     t0 = time.perf_counter()
-    paths = render_report(data, Path(args.out) if args.out else src.parent)
+    paths = render_report(data, out)
     print_arm_table(data, file=sys.stderr)
     _log(f"rendered {len(paths) - 1} plots and {paths['html']} in {time.perf_counter() - t0:.1f} s")
     print(json.dumps({name: str(p) for name, p in paths.items()}))
@@ -348,9 +499,18 @@ def bench(args: argparse.Namespace) -> int:
     bench_dir = Path(args.benchmarks_dir) if args.benchmarks_dir else default_benchmarks_dir()
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
     if args.only is not None and not only:
-        return _fail("bench", f"--only names no benchmark: {args.only!r}")
+        return _fail("bench", f"--only: expected comma-separated benchmark names, found {args.only!r}")
     if args.timeout is not None and args.timeout <= 0:
-        return _fail("bench", f"--timeout must be > 0 seconds, got {args.timeout}")
+        return _fail("bench", f"--timeout: expected > 0 seconds, found {args.timeout}")
+    if args.out:
+        problem = _output_file_problem("--out", Path(args.out))
+        if problem:
+            return _fail("bench", problem)
+    problem = _input_problem("a folder of benchmark scripts", bench_dir, directory=True)
+    if problem:
+        hint = ("; `moe-replay bench` runs the scripts of a source checkout (a wheel install ships none): "
+                "install one with `pip install -e .`, or pass --benchmarks-dir DIR")
+        return _fail("bench", problem + (hint if not bench_dir.exists() else ""))
     try:
         names = select(bench_dir, only)
     except (BenchmarksNotFoundError, ValueError) as err:
@@ -411,9 +571,15 @@ def _chosen_command(argv: Sequence[str] | None) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand. A moe_replay error or an OS error (a path that cannot be read or
+    written) that a subcommand's own checks did not catch ends it with one line, exit status 2;
+    anything else is a bug and keeps its traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
-    return COMMANDS.get(args.command).run(args)
+    try:
+        return COMMANDS.get(args.command).run(args)
+    except (MoeReplayError, OSError) as err:
+        return _fail(args.command, describe_error(err))
 
 
 if __name__ == "__main__":

@@ -36,8 +36,8 @@ class MoeReplayError(Exception):
     """Root of every error raised by moe_replay."""
 
 
-class TraceError(MoeReplayError):
-    """A trace, record or store content is not what the reader expects."""
+class LocatedError(MoeReplayError):
+    """Input that is not what its reader expects, said as: where, expected, found (and why)."""
 
     def __init__(self, where: Where, expected: Any, found: Any, detail: str = "") -> None:
         self.where, self.expected, self.found, self.detail = where, expected, found, detail
@@ -46,6 +46,10 @@ class TraceError(MoeReplayError):
 
     def __reduce__(self):  # keep errors picklable across processes (Ray, vLLM workers)
         return (type(self), (self.where, self.expected, self.found, self.detail))
+
+
+class TraceError(LocatedError):
+    """A trace, record or store content is not what the reader expects."""
 
 
 class TraceFormatError(TraceError, ValueError):
@@ -93,6 +97,14 @@ class MissingKeyError(TraceError, KeyError):
 
     def __str__(self) -> str:
         return Exception.__str__(self)
+
+
+class ConfigFileError(LocatedError, ValueError):
+    """A configuration file (a preset YAML) cannot be read as one: not a file, not UTF-8 text, not YAML."""
+
+
+class ConfigFileNotFoundError(ConfigFileError, FileNotFoundError):
+    """A configuration file named by path does not exist."""
 
 
 class RegistryError(MoeReplayError, KeyError):

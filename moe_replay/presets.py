@@ -13,6 +13,7 @@ preset, the section and the key, and lists what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any, Mapping
 
 from .capture_config import CaptureConfig
 from .corrections import CorrectionConfig, build_correction
+from .errors import ConfigFileError, ConfigFileNotFoundError, Where
 from .estimator import EstimatorConfig
 from .replay import PlanConfig
 
@@ -128,15 +130,14 @@ def preset_names() -> list[str]:
     return sorted(p.name[: -len(".yaml")] for p in resources.files("moe_replay.configs").iterdir() if p.name.endswith(".yaml"))
 
 
-def load_preset(name_or_path: str | Path) -> Preset:
-    """A shipped preset by name, or a YAML file by path."""
+def load_preset(name_or_path: str | os.PathLike) -> Preset:
+    """A shipped preset by name, or a YAML file by path (ConfigFileError naming the file when it
+    is not a readable UTF-8 YAML file)."""
     import yaml
 
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.is_file():
-            raise FileNotFoundError(f"preset file {str(path)!r} does not exist; shipped presets: {preset_names()}")
-        text, source = path.read_text(), str(path)
+        text, source = _read_preset_file(path), str(path)
     else:
         res = resources.files("moe_replay.configs") / f"{name_or_path}.yaml"
         if not res.is_file():
@@ -144,6 +145,22 @@ def load_preset(name_or_path: str | Path) -> Preset:
         text, source = res.read_text(), f"configs/{name_or_path}.yaml"
     try:
         data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ValueError(f"preset {source}: not valid YAML ({e})") from None
+    except yaml.YAMLError as e:  # its message spans lines (the mark, a caret): one line here
+        raise ConfigFileError(Where(file=source), "a YAML preset", f"invalid YAML: {' '.join(str(e).split())}") from None
     return preset_from_dict(data, source)
+
+
+def _read_preset_file(path: Path) -> str:
+    where, want = Where(file=str(path)), "a preset YAML file"
+    if not path.exists():
+        raise ConfigFileNotFoundError(where, want, "no such file", f"shipped presets: {preset_names()}")
+    if not path.is_file():
+        raise ConfigFileError(where, want, "a directory" if path.is_dir() else "not a regular file")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigFileError(where, want, f"a file that cannot be read ({e.strerror})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigFileError(where, "UTF-8 text (YAML)", f"byte {data[e.start]:#04x} at offset {e.start}, not UTF-8") from None

@@ -4,6 +4,7 @@ and `bench` over an injected folder of fake benchmark scripts (collected JSON, f
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,10 @@ from moe_replay.cli import main
 from moe_replay.codec import bound_bits_per_token_layer
 from moe_replay.geometry import ModelGeometry
 from moe_replay.report.bench import KNOWN_ORDER, default_benchmarks_dir
-from moe_replay.store import DirectoryStore
+from moe_replay.codec.record import encode_trace
+from moe_replay.store import DirectoryStore, UnindexedDamageError
+from moe_replay.store import framing
+from tests.test_store import flip
 from tests.trace_factory import TINY_GEOMETRY, random_trace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,8 +121,82 @@ def test_inspect_missing_path_exits_2_naming_it(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "moe_replay.cli", "inspect", str(missing)],
                           capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2
-    assert str(missing) in proc.stderr and "does not exist" in proc.stderr
+    assert str(missing) in proc.stderr and "found nothing at that path" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+# -- inspect shows what a writer would recover and refuse ------------------------------------------
+def _cut_index(path: Path, keep: int) -> None:
+    """Cut index.bin after its first `keep` entries (as an index restored from an older copy)."""
+    data, pos = (path / framing.INDEX_NAME).read_bytes(), framing.HEADER.size
+    for _ in range(keep):
+        pos += framing.ENTRY.size + framing.ENTRY.unpack_from(data, pos)[1] + framing.CRC.size
+    os.truncate(path / framing.INDEX_NAME, pos)
+
+
+def test_inspect_counts_records_past_a_cut_index(store_dir, capsys):
+    """Index cut after 3 of 30 entries: the 27 intact records past it are read, counted in the
+    figures per token, and a writer would index them again (exit 0: nothing is damaged)."""
+    path, traces = store_dir
+    _, whole, _ = _inspect_json(capsys, path)
+    _cut_index(path, 3)
+    code, s, _ = _inspect_json(capsys, path)
+    assert code == 0 and s["damaged"] == [] and s["records"] == 30 and s["records_indexed"] == 3
+    assert s["unindexed"]["records"] == 27 and s["unindexed"]["keys"] == [t.key for t in traces[3:23]]
+    indexed_frames = sum(framing.FRAME.size + len(encode_trace(t)) for t in traces[:3])
+    assert s["unindexed"]["bytes"] == s["disk"]["segment_bytes"] - s["disk"]["segments"] * framing.HEADER.size - indexed_frames
+    assert s["writer"]["refuses"] is None and s["writer"]["recovers"] == 27
+    tokens = sum(t.num_tokens for t in traces)
+    assert s["tokens"]["total"] == tokens and s["disk"]["bytes_per_token"] == pytest.approx(s["disk"]["bytes"] / tokens)
+    assert s["disk"]["bytes_per_token"] < whole["disk"]["bytes_per_token"]  # a shorter index, every record counted
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "27 intact that no index entry names" in out and "index 27 intact record(s) again" in out
+    with DirectoryStore(path, durable=False) as w:  # what inspect said, a writer does
+        assert w.recovery["records_recovered"] == [t.key for t in traces[3:]]
+
+
+def test_inspect_names_damage_past_a_cut_index_and_the_writers_refusal(store_dir, capsys):
+    """The index cut after 3 entries and the 4th record corrupt, intact records after it: inspect
+    lists the damage and the writer's refusal (exit 1), and the command it names, `rescue`, copies
+    the 29 intact records into a store that opens cleanly."""
+    path, traces = store_dir
+    with DirectoryStore(path, readonly=True) as r:
+        e = r._entries[traces[3].key]
+    _cut_index(path, 3)
+    flip(path / framing.segment_name(e.segment), e.offset + framing.FRAME.size + e.length // 2)
+    code, s, err = _inspect_json(capsys, path)
+    assert code == 1 and "a writer would refuse to open (UnindexedDamageError)" in err
+    assert s["records"] == 29 and s["records_indexed"] == 3 and s["unindexed"]["records"] == 26
+    assert len(s["damaged"]) == 1 and s["damaged"][0]["file"] == str(path / framing.segment_name(e.segment))
+    refused = s["writer"]["refuses"]
+    assert refused["error"] == "UnindexedDamageError" and f"offset {e.offset}" in refused["where"]
+    with pytest.raises(UnindexedDamageError):
+        DirectoryStore(path)
+    assert main(["inspect", str(path)]) == 1
+    printed = capsys.readouterr()
+    err, out = printed.err, " ".join(printed.out.replace("│", " ").split())
+    assert f"moe-replay rescue {path} NEW_STORE" in err and "readonly=" not in err + out
+    assert "refuse to open (UnindexedDamageError)" in out and "26 intact that no index entry names; 1 damaged" in out
+    copy = path.parent / "copy"
+    assert main(["rescue", str(path), str(copy)]) == 0
+    assert json.loads(capsys.readouterr().out) == {"copied": 29, "unindexed": 26, "damaged": 1, "conflicts": []}
+    code, s, _ = _inspect_json(capsys, copy)
+    assert code == 0 and s["records"] == s["records_indexed"] == 29 and s["writer"]["refuses"] is None
+    with DirectoryStore(copy, readonly=True) as r:
+        assert [t.key for t in r] == [t.key for t in traces if t.key != traces[3].key]
+
+
+def test_inspect_a_zero_byte_index_beside_intact_segments(store_dir, capsys):
+    path, traces = store_dir
+    os.truncate(path / framing.INDEX_NAME, 0)
+    code, s, _ = _inspect_json(capsys, path)
+    assert code == 0 and s["records"] == 30 and s["records_indexed"] == 0
+    assert "16-byte header" in s["writer"]["rebuilds_index_header"] and s["writer"]["recovers"] == 30
+    with DirectoryStore(path, durable=False) as w:
+        assert len(w) == 30
+    code, s, _ = _inspect_json(capsys, path)
+    assert code == 0 and s["records_indexed"] == 30 and s["writer"]["recovers"] == 0
 
 
 @pytest.mark.parametrize("make", ["empty_dir", "file", "memory"])

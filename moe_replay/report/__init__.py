@@ -42,10 +42,14 @@ def render_report(report: dict, out_dir: str | os.PathLike) -> dict[str, Path]:
 def load_report(path: str | os.PathLike) -> dict:
     """Read and validate a report JSON file (FileNotFoundError, ReportSchemaError on bad content)."""
     p = Path(path)
+    data = p.read_bytes()
     try:
-        report = json.loads(p.read_text(encoding="utf-8"))
+        report = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ReportSchemaError(f"{str(p)!r}: expected UTF-8 JSON text, found byte {data[err.start]:#04x} "
+                                f"at offset {err.start}") from None
     except json.JSONDecodeError as err:
-        raise ReportSchemaError(f"{str(p)!r} is not valid JSON: {err}") from None
+        raise ReportSchemaError(f"{str(p)!r}: expected JSON text, found {'an empty file' if not data.strip() else f'text that is not valid JSON ({err})'}") from None
     return validate_report(report)
 
 

@@ -1,8 +1,11 @@
-"""`moe-replay inspect`: what a trace store holds, what it costs on disk, and what is damaged.
+"""`moe-replay inspect`: what a trace store holds, what it costs on disk, what is damaged, and
+what a writer opening it would recover, cut or refuse.
 
 One pass over the store (each record read, checksummed and decoded once, as `scan()` does), with
 bounded memory: support sizes go into a histogram, and only a strided sample of records is
-re-encoded with every route codec to compare bytes per token-layer.
+re-encoded with every route codec to compare bytes per token-layer. A directory store opened with
+`survey=True` (the CLI does) also yields the intact records no index entry names, so the figures
+per token count every record the segments hold, and `writer` says what the next writer would do.
 """
 
 from __future__ import annotations
@@ -137,6 +140,8 @@ def summarize_store(
         if progress is not None:
             progress(i + 1 + len(bad), total)
 
+    recovery = getattr(store, "recovery", {}) if getattr(getattr(store, "options", None), "survey", False) else None
+    unindexed = list(recovery.get("records_unindexed", [])) if recovery is not None else []
     disk = store_disk_bytes(store)
     if disk is not None:
         disk["bytes_per_token"] = disk["bytes"] / stats.tokens if stats.tokens else None
@@ -162,7 +167,11 @@ def summarize_store(
         "store": str(getattr(store, "path", getattr(store, "name", repr(store)))),
         "kind": type(store).__name__,
         "records": stats.records,
-        "records_indexed": total,
+        "records_indexed": total - len(unindexed),
+        "unindexed": None if recovery is None else {
+            "bytes": recovery.get("unindexed_bytes", 0), "records": len(unindexed), "keys": unindexed[:MAX_KEYS_SHOWN],
+        },
+        "writer": None if recovery is None else _writer_summary(recovery),
         "tokens": {"total": stats.tokens, "prompt": stats.tokens - stats.generated, "generated": stats.generated},
         "token_layers": stats.token_layers,
         "geometries": [{"records": n, "geometry": json.loads(g)} for g, n in stats.geometries.most_common()],
@@ -182,6 +191,53 @@ def summarize_store(
     }
 
 
+MAX_KEYS_SHOWN = 20
+"""Keys of unindexed records listed in the summary (the count is always whole)."""
+
+
+def _writer_summary(recovery: dict[str, Any]) -> dict[str, Any]:
+    """What a writer opening the store would do, from a survey reader's `recovery`."""
+    refused = recovery.get("refused")
+    header = recovery.get("index_header_damaged")
+    return {
+        "refuses": None if refused is None else {
+            "error": type(refused).__name__, "message": str(refused), "where": str(refused.where),
+            "expected": str(refused.expected), "found": str(refused.found),
+        },
+        "recovers": len(recovery.get("records_recovered", [])),
+        "rebuilds_index_header": None if header is None else str(header),
+        "rewrites_index": "index_rewritten" in recovery,
+        "cuts_index_bytes": recovery.get("index_bytes_truncated", 0),
+        "cuts_segment_bytes": recovery.get("segment_bytes_truncated", 0),
+        "removes_files": list(recovery.get("files_removed", [])),
+        "skips_damaged_segment": recovery.get("damaged_segment"),
+    }
+
+
+def writer_would(w: dict[str, Any], store: str = "STORE") -> str:
+    """One line: what the writer summary says a writer opening the store would do."""
+    if w["refuses"] is not None:
+        r = w["refuses"]
+        return (f"refuse to open ({r['error']}): {r['where']}: expected {r['expected']}, found {r['found']}; "
+                f"to keep every intact record, copy them to a new store: moe-replay rescue {store} NEW_STORE")
+    acts = []
+    if w["rebuilds_index_header"]:
+        acts.append("rebuild index.bin, whose header is damaged, from the segments")
+    if w["recovers"]:
+        acts.append(f"index {w['recovers']:,} intact record(s) again")
+    if w["rewrites_index"] and not w["rebuilds_index_header"]:
+        acts.append("rewrite the index")
+    if w["cuts_index_bytes"]:
+        acts.append(f"cut {w['cuts_index_bytes']:,} torn index byte(s)")
+    if w["cuts_segment_bytes"]:
+        acts.append(f"cut {w['cuts_segment_bytes']:,} torn segment byte(s) (no intact frame follows them)")
+    if w["removes_files"]:
+        acts.append(f"remove {', '.join(w['removes_files'])}")
+    if w["skips_damaged_segment"]:
+        acts.append(f"append to a new segment: {w['skips_damaged_segment']}")
+    return "; ".join(acts) if acts else "open it as it is (nothing to recover)"
+
+
 def _mib(n: int) -> str:
     return f"{n:,} B ({n / 2**20:.2f} MiB)"
 
@@ -194,12 +250,17 @@ def print_store_summary(summary: dict[str, Any], file=None) -> None:
     tok = s["tokens"]
     rows: list[list[Any]] = [
         ["store", f"{s['store']} ({s['kind']})"],
-        ["records", f"{s['records']:,} readable of {s['records_indexed']:,} indexed"
-                    + (f", {len(s['damaged'])} damaged" if s["damaged"] else "")],
+        ["records", f"{s['records']:,} readable: {s['records_indexed']:,} indexed"
+                    + (f", {s['unindexed']['records']:,} intact that no index entry names" if s["unindexed"] else "")
+                    + (f"; {len(s['damaged'])} damaged" if s["damaged"] else "")],
         ["tokens", f"{tok['total']:,} ({tok['prompt']:,} prompt, {tok['generated']:,} generated)"],
         ["routed token-layers", f"{s['token_layers']:,}"],
         ["parts present", ", ".join(f"{k} {v:,}/{s['records']:,}" for k, v in s["parts"].items())],
     ]
+    if s["unindexed"] is not None:
+        rows.append(["segment bytes no index entry names", f"{s['unindexed']['bytes']:,} B"])
+    if s["writer"] is not None:
+        rows.append(["a writer opening it would", writer_would(s["writer"], s["store"])])
     if s["support_size"]:
         ss = s["support_size"]
         rows.append(["support size (tokens kept per row)",
@@ -209,7 +270,7 @@ def print_store_summary(summary: dict[str, Any], file=None) -> None:
         rows.append(["on disk", f"{_mib(d['bytes'])}: index {d['index_bytes']:,} B, {d['segments']} segment(s) "
                                 f"{d['segment_bytes']:,} B" + (f", other {d['other_bytes']:,} B" if d["other_bytes"] else "")])
         if d["bytes_per_token"] is not None:
-            rows.append(["on disk per token", f"{d['bytes_per_token']:.2f} B (all parts)"])
+            rows.append(["on disk per token", f"{d['bytes_per_token']:.2f} B (all parts, every readable record)"])
         if d["bytes_per_token_layer"] is not None:
             rows.append(["on disk per token-layer", f"{d['bytes_per_token_layer']:.3f} B (all parts)"])
     print_table("trace store", ["", "value"], rows, file=file, numeric=[False, False])
