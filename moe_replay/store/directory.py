@@ -13,9 +13,11 @@ appends the index entries and syncs the index. A record is visible only once its
 with a matching CRC, and an entry only points at bytes made durable before it was written; so a
 crash leaves every committed record readable and a torn one invisible. Readers stop before a torn
 index tail; the next writer truncates it. Segment bytes past the last indexed record are scanned
-(salvage.py): intact frames (a crash between the two syncs, an index that lost entries) are
-indexed again, and only bytes that are no part of an intact frame are cut; damaged bytes followed
-by an intact frame make the writer refuse to open (UnindexedDamageError) rather than delete it.
+(salvage.py): intact frames (a crash between the two syncs, an index that lost entries or its
+header) are indexed again, and only bytes that are no part of an intact frame are cut; damaged
+bytes followed by an intact frame make the writer refuse to open (UnindexedDamageError) rather than
+delete it, and advise rescue.py's copy. A reader opened with survey=True runs the writer's recovery
+in memory only: what `moe-replay inspect` reports.
 
 Damaged index entries (a bad entry followed by good ones) are never trusted, and lose no record:
 every open checks, from the entries alone, that the named frames tile the segments up to the last
