@@ -55,9 +55,10 @@ class Sampling:
     adjusted: tuple[str, ...] = ()
     """The request's options that changed the sampler's logits besides temperature and the cut
     above (repetition / presence / frequency penalties, logit_bias, allowed or bad words, min_tokens,
-    structured outputs, logits processors), by vLLM's parameter names. The kept set is still what
-    the sampler drew from, but the recorded logprobs are of those adjusted logits, which no scorer
-    reproduces: a recorded logprob then cannot stand in for a replica (EstimatorConfig.rollout_replica).
+    structured outputs, logits processors), by vLLM's parameter names; an engine-level logits
+    processor (vLLM's `LLM(logits_processors=[cls])`) as "logits_processors:<class name>". The
+    kept set is still what the sampler drew from, but the recorded logprobs are of those adjusted
+    logits, which no scorer reproduces: a recorded logprob then cannot stand in for a replica (EstimatorConfig.rollout_replica).
     Empty in records written before it was recorded (schema <= 2)."""
 
     def __post_init__(self) -> None:

@@ -13,6 +13,7 @@ are read from the outputs, and hooks capture the rest.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterable, Sequence
 
 from ....capture_config import CaptureConfig
@@ -41,6 +42,35 @@ LOGIT_ADJUSTMENTS: tuple[tuple[str, Any], ...] = (
 )
 """vLLM SamplingParams options that change the logits the sampler draws from (and whose recorded
 logprob is of), each with its test for "set"; recorded by name in Sampling.adjusted."""
+
+
+ENGINE_PROCESSOR_PREFIX = "logits_processors:"
+"""`Sampling.adjusted` names of engine-level logits processors: this prefix + the processor's class name."""
+
+
+def engine_logits_processors(vllm_config: Any) -> tuple[str, ...]:
+    """`Sampling.adjusted` names of the custom logits processors this engine's sampler runs.
+
+    vLLM builds the sampler's processors from its three built-ins (min_tokens, logit_bias, min_p:
+    each acts only through its SamplingParams option, recorded by LOGIT_ADJUSTMENTS or by
+    Sampling.min_p) plus every class in `LLM(logits_processors=[...])` (model_config) and every
+    installed `vllm.logits_processors` entry point (`build_logitsprocs`). A custom processor sees
+    every request and says to no one which it changed, so each is named on every trace the engine
+    samples ("logits_processors:<class name>"): a +8 on one token's logit moves its logprob by up
+    to 8 nats, which no trainer forward reproduces (plan.adjusted_sampling_problem refuses it).
+    """
+    from importlib.metadata import entry_points
+
+    from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LOGITSPROCS_GROUP
+
+    builtin = {f"{c.__module__}:{c.__qualname__}" for c in BUILTIN_LOGITS_PROCESSORS}
+    given = list(getattr(vllm_config.model_config, "logits_processors", None) or ())
+    names = []
+    for entry in given + [ep.value for ep in entry_points(group=LOGITSPROCS_GROUP)]:
+        fqcn = f"{entry.__module__}:{entry.__qualname__}" if isinstance(entry, type) else str(entry).strip()
+        if fqcn not in builtin:
+            names.append(ENGINE_PROCESSOR_PREFIX + fqcn.rpartition(":")[2])
+    return tuple(dict.fromkeys(names))
 
 
 def sampling_summary(params: Any) -> dict[str, Any]:
@@ -83,6 +113,8 @@ class _CaptureBase:
     def _plan(self, vllm_config: Any) -> dict[str, Any] | None:
         """Decide each part's source; returns the hooks' config dict, or None when every part is native."""
         self.plan = plan_sources(self.config, EngineFlags.of(vllm_config))
+        self.engine_adjusted = engine_logits_processors(vllm_config)
+        """The engine's custom logits processors, named in every trace's `sampling.adjusted`."""
         self._hooks_config = self.plan.hooks_config(self.config)
         if self._hooks_config is not None:
             refuse_pipeline_parallel(vllm_config, f"capture of {sorted(self.plan.hooks)} by hooks")
@@ -135,6 +167,9 @@ class _CaptureBase:
                                          route_start=(route_starts or {}).get(out.request_id, 0))
                 if sampling and out.request_id in sampling:
                     trace.sampling = Sampling.from_dict(sampling[out.request_id])
+                if self.engine_adjusted:  # every request, whatever sampling summary it came with
+                    trace.sampling = dataclasses.replace(
+                        trace.sampling, adjusted=trace.sampling.adjusted + self.engine_adjusted)
                 trace.weights_version = self.weights_version
                 traces.append(trace)
             except Exception as e:  # one bad request never costs the others their traces
