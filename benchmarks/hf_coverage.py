@@ -5,12 +5,15 @@
     python benchmarks/hf_coverage.py qwen3_moe deepseek_v3 --modes bf16   # a few families, one mode
 
 Keys: families_total and families_replayed per mode (fp32; bf16 weights as from_pretrained loads them;
-autocast_bf16: fp32 weights, forward under bf16 autocast). Replayed: attach and first-forward
-verification pass, self-replay bit-identical, other routes change the output, backward finite, router
-gradient non-zero. seconds per mode; modes.<mode>.families_refused ({family: reason}, refusals and
-errors). Target: bf16 and autocast_bf16 replay as many families as fp32, at least 45, and no family is
-accepted in a mode where its self-replay is not bit-identical. CPU, one torch thread, tiny random models
-built from config classes (no download).
+autocast_bf16: fp32 weights, forward under bf16 autocast; fsdp2_bf16: sharded with fully_shard over 2 gloo
+ranks before attach, fp32 weights under a bf16 MixedPrecisionPolicy; fsdp2_autocast_bf16: sharded likewise,
+fp32 weights, forward under bf16 autocast). Replayed: attach and first-forward verification pass,
+self-replay bit-identical, other routes change the output, backward finite, router gradient non-zero.
+seconds per mode; modes.<mode>.families_refused ({family: reason}, refusals and errors) and .replayed.
+Target: every mode, FSDP2 ones included, replays as many families as fp32, at least 45, and no family is
+accepted in a mode where its self-replay is not bit-identical. CPU, one torch thread per process, tiny
+random models built from config classes (no download); the FSDP2 modes run in one spawn of 2 ranks that
+loops over every family.
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 
 Every family docs/hf_coverage.md marks replayed in fp32 is rebuilt from its config class (tiny,
 random, no download) and must again pass self-replay bit for bit, change under other routes, and
-train its routers; so must, in bf16 weights and under bf16 autocast, the families whose router
-arithmetic depends on the precision. Refusals are checked on real families whose routers cannot be
-replayed, and on a rule that holds in fp32 but not under autocast.
+train its routers; so must, in bf16 weights and under bf16 autocast, every family whose verified rule
+differs between the table's modes (read from the table) and those whose router arithmetic depends on the
+precision under one rule name (PRECISION_SENSITIVE). Refusals are checked on real families whose routers
+cannot be replayed, on a rule that holds in fp32 but not under autocast, and on a registered rule the
+probe cannot run. The FSDP2 rows: tests/test_hf_fsdp.py.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import pytest
 import torch
 
-from moe_replay.integrations.hf import coverage, find_routers, model_geometry, replay
+from moe_replay.integrations.hf import adapter_for, coverage, find_routers, model_geometry, replay
 from moe_replay.replay import UnsupportedRouterError
 
 TABLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "hf_coverage.md")
@@ -146,21 +148,35 @@ PRECISION_SENSITIVE = (
     "lfm2_moe", "longcat_flash", "minimax_m2",
 )
 """Families whose router scores in the logits' own dtype, casts its weights to the input dtype, keeps its
-weights in fp32 in a bf16 model, or whose bf16 logits tie outside the top k: each mode takes another arithmetic
-(6-10 s a mode on 2 cores for these 19, granitemoehybrid's mamba reference kernels ~4 s of it)."""
+weights in fp32 in a bf16 model, or whose bf16 logits tie outside the top k: each mode takes another arithmetic,
+some under the same rule name (so `mode_dependent`, which reads rule names, does not list them all)."""
+
+
+def mode_dependent() -> list[str]:
+    """Families whose verified rule differs between docs/hf_coverage.md's modes."""
+    return coverage.mode_dependent(TABLE) if os.path.exists(TABLE) else []
+
+
+RECHECKED = sorted(set(mode_dependent()) | set(PRECISION_SENSITIVE))
+"""The families whose bf16 and autocast_bf16 rows are re-run: every one whose rule or arithmetic depends on the
+mode (~1 s a family and mode on 2 cores; kimi_linear's linear-attention reference kernels are SLOW)."""
 
 
 @pytest.mark.parametrize("precision", ["bf16", "autocast_bf16"])
-def test_precision_sensitive_families_replay_bit_identically(precision):
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW else f for f in RECHECKED])
+def test_mode_dependent_families_replay_bit_identically(family, precision):
     claimed = coverage.claimed(TABLE, precision)
-    missing = sorted(set(PRECISION_SENSITIVE) - set(claimed))
-    assert not missing, f"{missing} not marked replayed in {precision} in docs/hf_coverage.md"
-    failed = {}
-    for family in PRECISION_SENSITIVE:
-        result = coverage.check_family(family, claimed, precision)
-        if result.status != "replayed":
-            failed[family] = result.reason
-    assert not failed, failed
+    assert family in claimed, f"{family} not marked replayed in {precision} in docs/hf_coverage.md"
+    result = coverage.check_family(family, claimed, precision)
+    assert result.status == "replayed", result.reason
+    row = next(c for c in coverage._rows(TABLE) if c[0] == family and c[2] == precision)
+    assert result.rule == row[5], (result.rule, row[5])  # the rule the table says this mode verifies
+
+
+def test_mode_dependent_set_is_read_from_the_table():
+    """autocast scores DeepSeek-style sigmoid routers in bf16 (`logits-dtype`): the table's rule names differ."""
+    assert {"axk1", "glm4_moe_lite", "solar_open"} <= set(mode_dependent())
+    assert "mellum" not in mode_dependent()
 
 
 def test_a_rule_that_holds_in_fp32_but_not_under_autocast_is_refused_on_the_first_forward(monkeypatch):
@@ -224,3 +240,38 @@ def test_families_are_found_by_their_router_classes():
     for family in ("dbrx", "dots1", "hunyuan_v1_moe"):
         assert all(f"| {family} | " in line for line in rows.splitlines() if line.startswith(f"| {family} | ")), family
         assert sum(line.startswith(f"| {family} | ") for line in rows.splitlines()) == len(coverage.PRECISIONS)
+
+
+def test_a_registered_rule_the_probe_cannot_run_is_refused(monkeypatch):
+    """Registration is not trust: a registered adapter for a router whose output is not (logits, weights, ids)
+    (Llama-4's returns 2 tensors) is refused at attach with what the probe found, not accepted unchecked."""
+    from moe_replay.integrations.hf import routers
+
+    wrong = routers.RouterAdapter("llama4_text", "transformers.models.llama4.modeling_llama4", "Llama4Router", "softmax_topk")
+    monkeypatch.setattr(routers, "_DISPATCH_ORDER", [wrong, *routers._DISPATCH_ORDER])
+    model = coverage.build_tiny("llama4_text", _FAMILY)
+    with pytest.raises(UnsupportedRouterError, match=r"llama4_text: router .*Llama4Router.*returns 2 tensors"):
+        find_routers(model)
+
+
+def test_a_registered_rule_on_weights_that_tell_rules_apart_only_later_is_verified_at_the_first_forward():
+    """Zero router weights (not loaded yet) cannot tell rules apart: the registered rule attaches unverified and is
+    probed again, in the forward's own context, on the first forward after the weights are loaded."""
+    from moe_replay.integrations.hf import infer
+    from moe_replay.replay import build_plan
+
+    model = coverage.build_tiny("qwen3_moe", _FAMILY)
+    geometry = model_geometry(model)
+    plan = build_plan(coverage._traces(model, geometry), geometry)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh = coverage.build_tiny("qwen3_moe", _FAMILY)
+    with torch.no_grad():
+        for m in fresh.modules():
+            if adapter_for(m) is not None:
+                m.weight.zero_()
+    sites = find_routers(fresh)  # attach: registered, nothing verified
+    assert all(not infer._VERIFIED.get(s.module) for s in sites.values())
+    fresh.load_state_dict(state)
+    with torch.no_grad(), replay(fresh, plan) as session:
+        fresh(**session.model_inputs())
+    assert all(infer._VERIFIED.get(s.module) for s in sites.values())  # probed on the loaded weights

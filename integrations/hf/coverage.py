@@ -2,8 +2,10 @@
 
 Families: every model type whose modeling module defines a router class (*Router, *Gating, or a
 *Gate that reads a top_k), and every one whose config has more than one expert by default (MoE
-blocks that route inline). For each, in each precision mode (PRECISIONS: fp32; bf16 weights as
-from_pretrained loads them; fp32 weights under bf16 autocast), `check_family` builds a tiny model
+blocks that route inline). For each, in each mode (PRECISIONS: fp32; bf16 weights as
+from_pretrained loads them; fp32 weights under bf16 autocast; and the layouts FSDP2 trainers run:
+the model sharded with fully_shard over FSDP_WORLD ranks before attach, under a bf16 param policy
+or bf16 autocast), `check_family` builds a tiny model
 from the config class with small overrides (no download), spreads its router weights so probes do
 not tie, attaches replay outside any autocast (as a trainer does) and requires, in order:
   1. every router gets a registered or verified adapter (find_routers; a refusal is the reason), and
@@ -14,6 +16,8 @@ not tie, attaches replay outside any autocast (as a trainer does) and requires, 
      really consumes the replayed ids (a block that re-routes on its own would pass 2 and fail here);
   4. a backward under replay: every gradient finite, every router's weight gradient non-zero.
 A family that fails any step, or errors while being built, is listed with its reason, per mode.
+The FSDP2 modes run in one spawn of FSDP_WORLD gloo ranks that loops over every family (`run_fsdp2`);
+`fsdp2_replay_check` is the same check for one family in a process group the caller set up (a GPU's).
 
 Legend: B batch rows, S tokens, T tokens of one sequence, L MoE layers, K top-k, E experts.
 """
@@ -26,7 +30,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -40,12 +44,23 @@ _ROUTER_CLASS_RE = re.compile(r"^class (\w+(?:Router|Gating|Gate))\(", re.MULTIL
 
 @dataclass(frozen=True)
 class Precision:
-    """How a trainer runs the forward: the parameter dtype as loaded, and the autocast dtype around the forward."""
+    """How a trainer runs the forward: the parameter dtype as loaded, the autocast dtype around the forward,
+    and how the model is laid out (one process, or FSDP2-sharded with a mixed-precision param dtype)."""
 
     name: str
     weights: torch.dtype
     autocast: torch.dtype | None = None
     about: str = ""
+    layout: Literal["single", "fsdp2"] = "single"
+    """"fsdp2": fully_shard on each decoder layer and the root (verl's FSDP2 actor), before attach."""
+    param_dtype: torch.dtype | None = None
+    """FSDP2 MixedPrecisionPolicy(param_dtype=...): the dtype its forward gathers the stored weights in."""
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("single", "fsdp2"):
+            raise ValueError(f"Precision {self.name!r}: layout must be 'single' or 'fsdp2', got {self.layout!r}")
+        if self.param_dtype is not None and self.layout != "fsdp2":
+            raise ValueError(f"Precision {self.name!r}: param_dtype={self.param_dtype} needs layout 'fsdp2'")
 
     def forward(self, device_type: str = "cpu"):
         """The context of the forward only: backward runs outside it, as torch.autocast asks."""
@@ -60,9 +75,17 @@ PRECISIONS: dict[str, Precision] = {
                   "(tensors the model keeps in fp32 stay fp32), no autocast"),
         Precision("autocast_bf16", torch.float32, torch.bfloat16,
                   about="fp32 weights, forward under `torch.autocast(dtype=torch.bfloat16)` (verl's and most FSDP trainers' forward)"),
+        Precision("fsdp2_bf16", torch.float32, layout="fsdp2", param_dtype=torch.bfloat16,
+                  about="FSDP2 over 2 gloo ranks (`fully_shard` on each decoder layer and the root, before attach), fp32 "
+                  "weights stored, `MixedPrecisionPolicy(param_dtype=torch.bfloat16)`, no autocast"),
+        Precision("fsdp2_autocast_bf16", torch.float32, torch.bfloat16, layout="fsdp2",
+                  about="FSDP2 over 2 gloo ranks as above, fp32 weights (no param policy), forward under bf16 autocast"),
     )
 }
-"""The precision modes coverage is measured in, in table order."""
+"""The modes coverage is measured in, in table order."""
+
+FSDP_WORLD = 2
+"""Ranks of the FSDP2 modes: 2 is the least that really shards (each rank holds half of each router matrix)."""
 
 LAYERS = 3
 """Decoder layers of the tiny models: with DeepSeek's first dense layer still 2 MoE layers."""
@@ -303,7 +326,9 @@ def check_family(family: str, families: dict[str, tuple[str, str]] | None = None
     try:
         model = build_tiny(family, families, mode.weights)
         result.model_class = type(model).__name__
-        if mode.weights != torch.float32 and (why := _own_forward_fails(model, mode)) is not None:
+        if mode.layout == "fsdp2":
+            fsdp2_shard(model, mode.param_dtype)
+        elif mode.weights != torch.float32 and (why := _own_forward_fails(model, mode)) is not None:
             plain = build_tiny(family, families, mode.weights, as_loaded=False)
             if _own_forward_fails(plain, mode) is None:  # the tensors kept in fp32 are what breaks HF's forward
                 model = plain
@@ -338,13 +363,13 @@ def check_family(family: str, families: dict[str, tuple[str, str]] | None = None
         if torch.equal(out2[mask_BS].detach(), ref[mask_BS]):
             result.reason = "replaying other experts leaves the outputs unchanged: the MoE block does not use the router's ids"
             return result
-        bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+        bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(_whole(p.grad)).all()]
         if bad:
             result.reason = f"non-finite gradients in {bad[:3]}"
             return result
         for lid, site in sites.items():
             grads = [p.grad for p in site.module.parameters() if p.dim() == 2]
-            if not grads or grads[0] is None or grads[0].abs().sum() == 0:
+            if not grads or grads[0] is None or _whole(grads[0]).abs().sum() == 0:
                 result.reason = f"router of layer {lid} ({site.name}) gets no gradient"
                 return result
         result.status = "replayed"
@@ -359,16 +384,170 @@ def check_family(family: str, families: dict[str, tuple[str, str]] | None = None
     return result
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of an FSDP2 shard (a collective: every rank asks for the same ones), else `t`."""
+    from .fsdp import is_sharded
+
+    return t.full_tensor() if is_sharded(t) else t
+
+
+def fsdp2_shard(model: nn.Module, param_dtype: torch.dtype | None = None, mesh: Any = None) -> nn.Module:
+    """`model` sharded as verl's FSDP2 actor shards it: `fully_shard` on each decoder layer, then on the root,
+    with `MixedPrecisionPolicy(param_dtype=param_dtype)`, over `mesh` (default: every rank of the default
+    process group, on the device the model's parameters are on). Needs an initialised process group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from .routers import _LAYER_LISTS, _decoder_layers_prefix
+
+    if mesh is None:
+        device = next(model.parameters()).device
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype)
+    prefix = _decoder_layers_prefix(model)
+    modules = dict(model.named_modules())
+    layers = modules.get(prefix[:-1]) if prefix else next(
+        (m for n, m in modules.items() if isinstance(m, nn.ModuleList) and n.rsplit(".", 1)[-1] in _LAYER_LISTS), None)
+    for layer in layers or []:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
 def run_all(families: dict[str, tuple[str, str]] | None = None, precisions: list[str] | None = None,
             threads: int = 1) -> dict[str, list[FamilyResult]]:
-    """{precision: check_family over every MoE family}; one torch thread (tiny matmuls drown in threading on a shared CPU)."""
+    """{precision: check_family over every MoE family}; one torch thread (tiny matmuls drown in threading on a shared
+    CPU). The FSDP2 modes run together in one spawn of FSDP_WORLD ranks (run_fsdp2)."""
     families = families or moe_families()
+    modes = precisions or list(PRECISIONS)
+    sharded = [p for p in modes if PRECISIONS[p].layout == "fsdp2"]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return {p: [check_family(f, families, p) for f in families] for p in (precisions or list(PRECISIONS))}
+        out = {p: [check_family(f, families, p) for f in families] for p in modes if p not in sharded}
     finally:
         torch.set_num_threads(before)
+    if sharded:
+        out.update(run_fsdp2(families, sharded, threads))
+    return {p: out[p] for p in modes}
+
+
+FSDP_TIMEOUT_S = 300
+"""Gloo's collective timeout in the coverage ranks: a family whose ranks stop agreeing fails in 5 min, not never."""
+
+
+def _fsdp2_rank(rank: int, world: int, port: int, families: dict[str, tuple[str, str]], modes: list[str], threads: int,
+                out_dir: str) -> None:
+    """One rank of run_fsdp2: every family in every FSDP2 mode, results pickled to out_dir/rank<r>.pkl."""
+    import datetime
+    import pickle
+    import warnings
+
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=FSDP_TIMEOUT_S))
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        out = {p: [check_family(f, families, p) for f in families] for p in modes}
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(out, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_fsdp2(families: dict[str, tuple[str, str]], modes: list[str], threads: int = 1,
+              world: int = FSDP_WORLD) -> dict[str, list[FamilyResult]]:
+    """{mode: check_family over `families`} for FSDP2 modes, in one spawn of `world` gloo ranks on this CPU that
+    loops over every family (one spawn, not one per family: a spawn costs ~10 s of imports). Each rank checks
+    the same model on the same batch; a family whose ranks disagree is an error naming both answers."""
+    import pickle
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    bad = [m for m in modes if PRECISIONS[m].layout != "fsdp2"]
+    if bad:
+        raise ValueError(f"run_fsdp2 runs FSDP2 modes only, got {bad}")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_fsdp2_rank, args=(world, port, dict(families), list(modes), threads, out_dir), nprocs=world)
+        ranks = []
+        for r in range(world):
+            with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
+                ranks.append(pickle.load(f))
+    out = ranks[0]
+    for mode, results in out.items():
+        for i, r in enumerate(results):
+            others = [rk[mode][i] for rk in ranks[1:] if (rk[mode][i].status, rk[mode][i].rule) != (r.status, r.rule)]
+            if others:
+                results[i] = FamilyResult(r.family, "error", mode, reason=f"ranks disagree: rank 0 {r.status} ({r.rule}), "
+                                          f"another {others[0].status} ({others[0].rule}): {others[0].reason}")
+    return out
+
+
+def fsdp2_replay_check(family: str, device: str | torch.device = "cuda", dtype_mode: str = "fsdp2_bf16",
+                       families: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:
+    """One family's tiny model on `device`, FSDP2-sharded over the default process group (initialised by the
+    caller: NCCL on a GPU, gloo on CPU; any world size), replay attached after sharding, in the FSDP2 mode
+    `dtype_mode` (a PRECISIONS name with layout "fsdp2"). Replays the routes the model chose itself in the same
+    batch and compares with its own forward. Returns {family, mode, device, world_size, rule, bit_identical,
+    max_abs_logit_diff, flips, routed_positions, flips_vs_alone, refused}: `flips` are replayed positions whose
+    expert set differs from the model's own choice under replay (0 where replay lands every route where it
+    belongs); `flips_vs_alone` the same against routes recorded with each sequence run alone (as an engine
+    runs it: batch padding may change bf16 rounding); `refused` the UnsupportedRouterError's text, or None.
+    Every rank must call it with the same arguments (the FSDP2 gathers are collectives)."""
+    import torch.distributed as dist
+
+    from moe_replay.replay import build_plan
+    from moe_replay.replay.errors import UnsupportedRouterError
+
+    from .replay import capture_routes, model_geometry, output_tensor, replay, with_own_routes
+    from .routers import find_routers
+
+    mode = PRECISIONS[dtype_mode]
+    if mode.layout != "fsdp2":
+        raise ValueError(f"dtype_mode {dtype_mode!r} is not an FSDP2 mode; FSDP2 modes: "
+                         f"{[p for p, m in PRECISIONS.items() if m.layout == 'fsdp2']}")
+    if not dist.is_initialized():
+        raise RuntimeError("fsdp2_replay_check needs an initialised default process group (torch.distributed.init_process_group)")
+    device = torch.device(device)
+    families = families or moe_families()
+    model = build_tiny(family, families, mode.weights).to(device)
+    fsdp2_shard(model, mode.param_dtype)
+    out: dict[str, Any] = dict(family=family, mode=dtype_mode, device=str(device), world_size=dist.get_world_size(),
+                               rule="", bit_identical=False, max_abs_logit_diff=float("nan"), flips=None,
+                               routed_positions=None, flips_vs_alone=None, refused=None)
+    try:
+        sites = find_routers(model)
+        geometry = model_geometry(model, sites)
+        traces = _traces(model, geometry)
+        plan = build_plan(traces, geometry).to(device)
+        with torch.no_grad(), mode.forward(device.type), capture_routes(model) as own:
+            ref = output_tensor(model(**plan.model_inputs()))
+        mask_BS = plan.attention_mask_BS.bool()
+        for name, p in (("flips", with_own_routes(plan, own)), ("flips_vs_alone", plan)):
+            with torch.no_grad(), mode.forward(device.type), replay(model, p, track_flips=True) as session:
+                got = output_tensor(model(**session.model_inputs()))
+            out[name] = int(sum(session.flips.flips.values()))
+            if name == "flips":
+                out["routed_positions"] = int(sum(session.flips.positions.values()))
+                diff = (got[mask_BS].float() - ref[mask_BS].float()).abs().max().item()
+                out["max_abs_logit_diff"] = diff
+                out["bit_identical"] = bool(torch.equal(got[mask_BS], ref[mask_BS]))
+        out["rule"] = "; ".join(sorted({_rule(s) for s in sites.values()}))
+    except UnsupportedRouterError as e:
+        out["refused"] = str(e)
+    return out
+
 
 
 def summary(results: dict[str, list[FamilyResult]]) -> dict[str, Any]:
@@ -418,9 +597,23 @@ def markdown(results: dict[str, list[FamilyResult]], families: dict[str, tuple[s
         "other experts changes them, and a backward under replay is finite with a non-zero gradient on every router. "
         "*refused* is replay refusing the model by name before any replayed output (at attach or on the first "
         "forward of a mode); *error* is the tiny model failing elsewhere (building, running). "
-        "`tests/test_hf_coverage.py` re-runs every row replayed in fp32, and the bf16 and autocast rows of the "
-        "families whose router arithmetic depends on the precision. Where HF's own forward fails with the tensors "
+        "Where HF's own forward fails with the tensors "
         "from_pretrained keeps in fp32, the bf16 row is measured with every tensor in bf16 and says so.",
+        "",
+        f"The `fsdp2_*` modes are the layout FSDP2 trainers (verl's FSDP2 actor) run: the same tiny model sharded with "
+        f"`fully_shard` on each decoder layer and the root over {FSDP_WORLD} gloo ranks (each rank holds a shard of each "
+        "router matrix) *before* replay attaches. Attach gathers each router's parameters with its FSDP2 module's own "
+        "`unshard()`, so the rule is verified on the parameters in the dtype the forward gathers them in (bf16 under the "
+        "param policy); each rank runs the same batch, and a family whose ranks disagree is an error.",
+        "",
+        "What the tests re-run: `tests/test_hf_coverage.py` every row replayed in fp32, and the bf16 and autocast_bf16 "
+        "rows of (a) every family whose verified rule differs between this table's modes, read from this table, and "
+        "(b) the families its `PRECISION_SENSITIVE` lists, whose arithmetic depends on the precision without changing "
+        "the rule's name (router weights kept in fp32, weights cast to the input dtype, bf16 logits that tie outside "
+        "the top k); the other families' bf16 rows are not re-run (their rule and its arithmetic are the fp32 ones). "
+        "`tests/test_hf_fsdp.py` re-runs the fsdp2 rows of the same families (marked slow), and in the quick suite "
+        "those of glm4_moe_lite, mellum and solar_open (inferred rules, refused on FSDP2 before attach gathered "
+        "shards) and deepseek_v3 (a registered one).",
         "",
         "Families are the model types whose modeling module defines a router class (`*Router`, `*Gating`, or a "
         "`*Gate` reading a top_k), and those whose config has more than one expert by default (inline routing).",
@@ -449,12 +642,27 @@ def markdown(results: dict[str, list[FamilyResult]], families: dict[str, tuple[s
     return "\n".join(lines) + "\n"
 
 
+def _rows(path: str) -> list[list[str]]:
+    """The family rows of a generated table, as their 8 cells (TABLE_HEAD's columns)."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in open(path)]
+    return [r for r in rows if len(r) == 8 and r[0] not in ("family", "---")]
+
+
 def claimed(path: str, precision: str = "fp32") -> dict[str, tuple[str, str]]:
     """{family: (config class name, module)} of the rows a generated table marks replayed in `precision`."""
     out: dict[str, tuple[str, str]] = {}
-    for line in open(path):
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 8 and cells[2] == precision and cells[6] == "replayed":
+    for cells in _rows(path):
+        if cells[2] == precision and cells[6] == "replayed":
             module, _, cls_name = cells[1].strip("`").rpartition(".")
             out[cells[0]] = (cls_name, module)
     return out
+
+
+def mode_dependent(path: str) -> list[str]:
+    """Families a generated table marks replayed in some modes under different verified rules (`logits-dtype` under
+    autocast, say): those whose rule changes with the mode."""
+    rules: dict[str, set[str]] = {}
+    for cells in _rows(path):
+        if cells[6] == "replayed":
+            rules.setdefault(cells[0], set()).add(cells[5])
+    return sorted(f for f, r in rules.items() if len(r) > 1)

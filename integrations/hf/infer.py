@@ -20,6 +20,11 @@ same call. A router that no candidate reproduces in a context, whose output is n
 weights [T, K], ids [T, K]) in some order, or whose logits are degenerate on the probe
 (uninitialised weights cannot tell rules apart) is refused by name with what did not match.
 
+FSDP2-sharded routers (`fully_shard`, as verl's and TRL's FSDP2 actors shard) are probed on the
+parameters their forward sees: attach gathers them with the owning FSDP2 module's own
+`unshard()` (in its MixedPrecisionPolicy's param dtype) and verifies in that context; in a forward
+FSDP2 has gathered them already (fsdp.py).
+
 Legend: T probe tokens, E experts, K top-k.
 """
 
@@ -36,6 +41,8 @@ from torch import nn
 
 from moe_replay.replay.errors import UnsupportedRouterError
 from moe_replay.replay.gates import GATE_RULES, GateSpec
+
+from .fsdp import unsharded
 
 PROBE_TOKENS = 4096
 """Probe rows. A wrong renormalisation, scale or epsilon shows in some bit of most rows, but some selection
@@ -122,6 +129,10 @@ class InferredAdapter:
 
 class _Refuse(Exception):
     pass
+
+
+class _Indistinct(_Refuse):
+    """The probe cannot tell rules apart (meta or uninitialised weights, tied logits): nothing is verified."""
 
 
 def _first_attr(objs: list[Any], names: tuple[str, ...]) -> Any:
@@ -257,6 +268,8 @@ class _ProbeContext:
     hidden_size: int
     registered: Any
     """The registered RouterAdapter, or None where the rule is inferred."""
+    owner: "weakref.ref[nn.Module] | None" = None
+    """The FSDP2 module (fully_shard) that gathers the router's parameters, where the model is sharded."""
 
 
 _PROBES: "weakref.WeakKeyDictionary[nn.Module, _ProbeContext]" = weakref.WeakKeyDictionary()
@@ -284,15 +297,22 @@ def precision_key(router: nn.Module, hidden_dtype: torch.dtype | None, device: t
 
 
 def attach_adapter(router: nn.Module, registered: Any, *, family: str, where: str, config: Any, parent: nn.Module | None,
-                   hidden_size: int, hidden_dtype: torch.dtype | None) -> Any:
+                   hidden_size: int, hidden_dtype: torch.dtype | None, fsdp_owner: nn.Module | None = None) -> Any:
     """The adapter for `router` verified at attach: the registered one checked, or one inferred.
 
-    Probes run in `hidden_dtype` (the model's residual dtype) under the autocast state of the call;
-    `adapter_in_context` verifies again on the first forward of each other context. Raises
-    UnsupportedRouterError naming family, router, layer and reason.
+    Probes run in `hidden_dtype` (the model's residual dtype as its forward feeds it) under the autocast
+    state of the call, on the parameters as the forward sees them (gathered by `fsdp_owner`, the FSDP2
+    module around the router, where the model is sharded); `adapter_in_context` verifies again on the
+    first forward of each other context. Raises UnsupportedRouterError naming family, router, layer and reason.
     """
-    _PROBES[router] = _ProbeContext(family, where, config, None if parent is None else weakref.ref(parent), hidden_size, registered)
-    return _verified(router, precision_key(router, hidden_dtype))
+    ctx = _ProbeContext(family, where, config, None if parent is None else weakref.ref(parent), hidden_size, registered,
+                        None if fsdp_owner is None else weakref.ref(fsdp_owner))
+    _PROBES[router] = ctx
+    try:
+        with unsharded(router, fsdp_owner, where):
+            return _verified(router, precision_key(router, hidden_dtype))
+    except ValueError as why:  # sharded parameters that cannot be gathered
+        raise UnsupportedRouterError(f"{family}: router {where!r} ({type(router).__name__}) cannot be probed: {why}") from None
 
 
 def infer_adapter(router: nn.Module, *, family: str, where: str, config: Any, parent: nn.Module | None, hidden_size: int) -> InferredAdapter:
@@ -311,7 +331,13 @@ def adapter_in_context(router: nn.Module, hidden: torch.Tensor | None, output: A
     hit = None if seen is None else seen.get(key)
     if hit is not None:
         return hit
-    adapter = _verified(router, key)
+    ctx = _PROBES.get(router)
+    owner = None if ctx is None or ctx.owner is None else ctx.owner()
+    try:
+        with unsharded(router, owner, "" if ctx is None else ctx.where):  # a no-op in a forward: FSDP2 gathered them
+            adapter = _verified(router, key)
+    except ValueError as why:
+        raise UnsupportedRouterError(f"router {type(router).__name__} cannot be probed: {why}") from None
     if output is not None:
         _check_output(router, adapter, output, key)
     _FORWARD.setdefault(router, {})[key] = adapter
@@ -340,14 +366,16 @@ def _verified(router: nn.Module, key: PrecisionKey) -> Any:
     parent = None if ctx.parent is None else ctx.parent()
     try:
         if ctx.registered is not None:
-            adapter = _check_registered(router, ctx.registered, key, parent=parent, hidden_size=ctx.hidden_size)
+            adapter, verified = _check_registered(router, ctx.registered, key, parent=parent, hidden_size=ctx.hidden_size)
         else:
             adapter = _infer(router, family=ctx.family, config=ctx.config, parent=parent, hidden_size=ctx.hidden_size, key=key)
+            verified = True
     except _Refuse as why:
         raise UnsupportedRouterError(
             f"{ctx.family}: router {ctx.where!r} ({type(router).__name__}) cannot be replayed in {_describe_key(key)}: {why}"
         ) from None
-    _VERIFIED.setdefault(router, {})[key] = adapter
+    if verified:  # an unverified registration is probed again at the first forward of the context
+        _VERIFIED.setdefault(router, {})[key] = adapter
     return adapter
 
 
@@ -378,7 +406,7 @@ def _probe(router: nn.Module, key: PrecisionKey, parent: nn.Module | None, hidde
     if param is None:
         raise _Refuse("has no floating-point parameters")
     if param.device.type == "meta":
-        raise _Refuse("its parameters are on the meta device; load weights before attaching replay")
+        raise _Indistinct("its parameters are on the meta device; load weights before attaching replay")
     extra = _extra_args(router, parent)
     gen = torch.Generator().manual_seed(_PROBE_SEED)
     tokens = PROBE_TOKENS
@@ -388,13 +416,13 @@ def _probe(router: nn.Module, key: PrecisionKey, parent: nn.Module | None, hidde
         logits_at, weights_at, ids_at, experts = _layout(out, tokens)
         spread = out[logits_at].float().std()
         if not torch.isfinite(spread) or spread == 0:
-            raise _Refuse(f"probe logits have spread {float(spread)}: router weights look uninitialised, no rule can be told apart")
+            raise _Indistinct(f"probe logits have spread {float(spread)}: router weights look uninitialised, no rule can be told apart")
         out = _call(router, hidden_TH * (2.0 / spread).to(hidden_TH.dtype), extra)  # logits O(2): every rule's output differs
     logits_TE = out[logits_at]
     top = logits_TE.float().topk(min(out[ids_at].shape[1] + 1, experts), dim=-1).values  # ties below the top k+1 choose nothing
     distinct = (top.diff(dim=-1) != 0).all(-1).float().mean()
     if distinct < 0.5:
-        raise _Refuse(f"probe logits tie within the top k+1 in {1 - float(distinct):.0%} of rows; cannot verify a rule")
+        raise _Indistinct(f"probe logits tie within the top k+1 in {1 - float(distinct):.0%} of rows; cannot verify a rule")
     return out, (logits_at, weights_at, ids_at, experts)
 
 
@@ -412,19 +440,22 @@ def _matches(spec: GateSpec, bias: Any, logits_TE, weights_TK, ids_TK) -> str | 
     return None
 
 
-def _check_registered(router: nn.Module, adapter: Any, key: PrecisionKey, *, parent: nn.Module | None, hidden_size: int) -> Any:
-    """A registered adapter, checked on the probe where its weights can be told apart (registration is the
-    explicit path: meta or uninitialised weights are trusted at attach and checked on the first forward)."""
+def _check_registered(router: nn.Module, adapter: Any, key: PrecisionKey, *, parent: nn.Module | None,
+                      hidden_size: int) -> tuple[Any, bool]:
+    """(the registered adapter, whether the probe verified it). Only weights that cannot tell rules apart
+    (meta, uninitialised, tied logits) leave it unverified: it is probed again on the first forward of the
+    context, and checked there against that forward's own router output either way. Any other probe
+    failure (the router's forward raising on the probe, another output layout) refuses it."""
     try:
         out, _ = _probe(router, key, parent, hidden_size)
-    except _Refuse:
-        return adapter
+    except _Indistinct:
+        return adapter, False
     with torch.no_grad():
         logits_TE, weights_TK, ids_TK = adapter.unpack(out)
         why = _matches(adapter.spec(router), adapter.selection_bias(router), logits_TE, weights_TK, ids_TK.long())
     if why is not None:
         raise _Refuse(f"its registered rule ({adapter.describe()}) does not reproduce it: {why}")
-    return adapter
+    return adapter, True
 
 
 _FP32_FORM: "weakref.WeakKeyDictionary[nn.Module, tuple[GateSpec, bool] | None]" = weakref.WeakKeyDictionary()

@@ -250,17 +250,24 @@ def self_routed_trace(model: nn.Module, tokens_S: np.ndarray, prompt_len: int, r
     geometry = model_geometry(model)
     tokens_S = np.asarray(tokens_S)
     with torch.no_grad(), capture_routes(model) as cap:
-        model(input_ids=torch.from_numpy(tokens_S).view(1, -1))
+        model(input_ids=torch.from_numpy(tokens_S).view(1, -1).to(_device(model)))
     # a trace holds routes of positions 0..S-2: the last token is sampled, never forwarded
-    routes_TLK = torch.stack([cap[lid] for lid in geometry.moe_layer_ids], 1)[:-1].numpy()
+    routes_TLK = torch.stack([cap[lid] for lid in geometry.moe_layer_ids], 1)[:-1].cpu().numpy()
     return RolloutTrace(request_id, tokens_S, prompt_len, geometry, routes_TLK=routes_TLK)
+
+
+def _device(model: nn.Module) -> torch.device:
+    """Where the model's inputs go: its first parameter's device (an FSDP2 shard's device is the mesh's)."""
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
 
 
 def with_own_routes(plan: RoutePlan, own: dict[int, torch.Tensor]) -> RoutePlan:
     """`plan` routing each recorded position with the ids the model chose for it in this very batch (`own`:
     capture_routes's {layer id: ids [N, K]}): in bf16 a batch's padding changes rounding, so a sequence run
     alone may route otherwise than inside the batch."""
-    ids_LNK = torch.stack([own[lid].reshape(plan.num_positions, -1) for lid in plan.geometry.moe_layer_ids]).to(plan.ids_LNK.dtype)
+    ids_LNK = torch.stack([own[lid].reshape(plan.num_positions, -1) for lid in plan.geometry.moe_layer_ids])
+    ids_LNK = ids_LNK.to(plan.ids_LNK.device, plan.ids_LNK.dtype)
     return replace(plan, ids_LNK=torch.where(plan.routed_N.view(1, -1, 1), ids_LNK, plan.ids_LNK))
 
 
@@ -277,7 +284,7 @@ def self_replay_gap(model: nn.Module, traces: Sequence[RolloutTrace],
     rule reproduces a router in that context."""
     from moe_replay.replay import build_plan
 
-    plan = build_plan(list(traces), model_geometry(model))
+    plan = build_plan(list(traces), model_geometry(model)).to(_device(model))
     with torch.no_grad(), context(), capture_routes(model) as own:
         ref = output_tensor(model(**plan.model_inputs()))
     plan = with_own_routes(plan, own)

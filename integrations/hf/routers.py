@@ -205,13 +205,14 @@ def find_routers(model: nn.Module) -> dict[int, RouterSite]:
     Raises UnsupportedRouterError (family, router, layer, reason) when a router cannot be verified,
     sits outside the decoder stack, or the model holds no router at all; all before any forward.
     """
+    from .fsdp import fsdp_owner
     from .infer import attach_adapter, looks_like_router
 
     modules = dict(model.named_modules())
     stack = _decoder_layers_prefix(model)
     config = getattr(model, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden_dtype = _hidden_dtype(model)
+    hidden_dtype = _hidden_dtype(model, modules)
     sites: dict[int, RouterSite] = {}
     for name, module in modules.items():
         adapter = adapter_for(module)
@@ -222,7 +223,7 @@ def find_routers(model: nn.Module) -> dict[int, RouterSite]:
         adapter = attach_adapter(
             module, adapter, family=_family(model), where=f"{name} (layer {layer_id})",
             config=getattr(module, "config", None) or text_config, parent=parent, hidden_size=_hidden_size(module),
-            hidden_dtype=hidden_dtype,
+            hidden_dtype=hidden_dtype, fsdp_owner=fsdp_owner(modules, name),
         )
         if layer_id in sites:
             raise UnsupportedRouterError(f"two routers in layer {layer_id}: {sites[layer_id].name!r} and {name!r}")
@@ -237,15 +238,22 @@ def find_routers(model: nn.Module) -> dict[int, RouterSite]:
     return dict(sorted(sites.items()))
 
 
-def _hidden_dtype(model: nn.Module) -> torch.dtype | None:
-    """The residual stream's dtype as the model holds it (its input embeddings'): what its routers are fed
-    outside autocast (a router HF keeps in fp32, like ERNIE-4.5's, still sees bf16 hidden states)."""
+def _hidden_dtype(model: nn.Module, modules: dict[str, nn.Module]) -> torch.dtype | None:
+    """The residual stream's dtype as the model's forward holds it (its input embeddings' in the forward: FSDP2's
+    param dtype where a MixedPrecisionPolicy sets one): what its routers are fed outside autocast (a router HF
+    keeps in fp32, like ERNIE-4.5's, still sees bf16 hidden states)."""
+    from .fsdp import forward_dtype, fsdp_owner
+
     get = getattr(model, "get_input_embeddings", None)
     try:
-        weight = getattr(get(), "weight", None) if callable(get) else None
+        embeddings = get() if callable(get) else None
     except Exception:  # models without input embeddings (some composite ones raise)
-        weight = None
-    return weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else None
+        embeddings = None
+    weight = getattr(embeddings, "weight", None)
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        return None
+    name = next((n for n, m in modules.items() if m is embeddings), None)
+    return forward_dtype(None if name is None else fsdp_owner(modules, name), weight)
 
 
 def _hidden_size(router: nn.Module) -> int:
