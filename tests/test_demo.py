@@ -33,6 +33,23 @@ def test_report_has_every_arm_and_the_required_keys(report):
     assert report["wall_s"] > 0
 
 
+def test_the_page_explains_every_column_of_a_real_report(report, tmp_path):
+    """Every column the page or the terminal prints for a real run has a glossary entry (a new metric
+    without one fails here), and each step's histogram holds all of its generated tokens."""
+    from moe_replay.report import render_report
+    from moe_replay.report.glossary import undocumented
+    from moe_replay.report.html import table_columns
+
+    columns = table_columns(report)
+    assert {"k3_kl_vs_pi_old", "kl", "chi2_token", "wall_s", "tokens"} <= set(columns)
+    assert undocumented(columns) == []
+    for arm in report["arms"].values():
+        for step in arm["steps"]:
+            assert sum(step["abs_logprob_diff_hist"]["counts"]) == step["tokens"] > 0
+    page = render_report(report, tmp_path)["html"].read_text(encoding="utf-8")
+    assert "no glossary entry" not in page and '<h2 id="glossary">' in page
+
+
 def test_replay_removes_route_flips_and_lowers_kl(report):
     arms = report["arms"]
     none = arms["none"]["mean"]

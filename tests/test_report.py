@@ -194,3 +194,70 @@ def test_arm_table_without_rich(monkeypatch, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split()[:3] == ["arm", "preset", "route-flip"] and lines[2].startswith("---")
     assert any(line.startswith("r3_support_multisample") for line in lines)
+
+
+def test_glossary_covers_every_column_the_tables_print():
+    """The page's and the terminal's columns come from the code (html.table_columns); each needs an
+    entry with a unit and a meaning, and an unknown column is reported (the check can fail)."""
+    from moe_replay.demo.loop import MEAN_KEYS as DEMO_MEAN_KEYS
+    from moe_replay.report.glossary import lookup, undocumented
+    from moe_replay.report.html import table_columns
+    from moe_replay.report.schema import MEAN_KEYS, STEP_KEYS
+
+    report = synthetic_report(steps=2)
+    for arm in report["arms"].values():
+        arm["mean"].update({k: 0.5 for k in DEMO_MEAN_KEYS})
+    columns = table_columns(report)
+    assert {"arm", "preset", "step", "wall_s", *MEAN_KEYS, *STEP_KEYS, *DEMO_MEAN_KEYS} <= set(columns)
+    assert undocumented(columns) == []
+    assert all(lookup(k).unit and lookup(k).meaning for k in columns)
+    report["arms"]["none"]["steps"][0]["new_metric"] = 1.0
+    assert "new_metric" in undocumented(table_columns(report))
+    assert lookup("moe_replay/corr/tis/token_masked_fraction").title == "tis: tokens masked"
+
+
+def test_page_explains_itself(tmp_path):
+    """Human headers (raw keys kept in the glossary), units, signs, n/a for unmeasured metrics, the
+    per-step wall time's unit, why token counts differ, and coinciding lines named."""
+    report = synthetic_report(steps=3)
+    report["arms"]["r3_support_multisample"]["mean"]["k3_kl_vs_pi_old"] = 1e-9
+    for arm in report["arms"].values():
+        arm["mean"]["kl"] = -2e-4
+    ms, r3 = report["arms"]["r3_support_multisample"], report["arms"]["r3_support"]
+    for a, b in zip(ms["steps"], r3["steps"]):
+        a["reward"] = b["reward"]  # the two replay arms drew the same completions
+    hist = ms["steps"][0]["abs_logprob_diff_hist"]["counts"]
+    fullest = hist.index(max(hist))
+    hist[fullest] -= 7  # 7 fewer tokens generated in this arm
+    ms["steps"][0]["tokens"] -= 7
+    page = render_report(report, tmp_path)["html"].read_text(encoding="utf-8")
+    assert '<th title="route_flip_rate">route-flip rate</th>' in page
+    assert '<th title="wall_s">wall time per step (s)</th>' in page
+    assert "<code>k3_kl_vs_pi_old</code>" in page and "<code>kl</code>" in page
+    assert page.count('title="not measured in this arm">n/a</td>') == 2  # k3_kl_vs_pi_old of none and r3_support
+    assert "either sign" in page and "negative" in page
+    assert "Token counts differ between arms" in page and "end-of-sequence" in page and "r3_support_multisample 11,993" in page
+    assert "Outside the histogram" not in page
+    hist[fullest] -= 3  # 3 tokens the step generated are not in its histogram
+    page = render_report(report, tmp_path)["html"].read_text(encoding="utf-8")
+    assert "Outside the histogram&#x27;s bins (non-finite or beyond its last edge): r3_support_multisample 3 of 11,993" in page
+    assert "arms r3_support and r3_support_multisample coincide" in page.replace("Arms", "arms")
+    glossary = page[page.index('id="glossary"'):]
+    from moe_replay.report.html import table_columns
+
+    for key in table_columns(report):
+        assert f"<code>{key}</code>" in glossary, key
+
+
+def test_coinciding_lines_are_found_and_named():
+    from moe_replay.report.plots import coincide_note, coinciding
+
+    report = synthetic_report(steps=4)
+    assert coinciding(report, "reward") == []
+    arms = report["arms"]
+    for a, b in zip(arms["none"]["steps"], arms["r3_support_multisample"]["steps"]):
+        b["reward"] = a["reward"]
+    assert coinciding(report, "reward") == [["none", "r3_support_multisample"]]
+    assert coincide_note(coinciding(report, "reward")) == "arms none and r3_support_multisample coincide"
+    arms["r3_support_multisample"]["steps"][2]["reward"] += 0.05  # 0.4% of the span is the tolerance
+    assert coinciding(report, "reward") == []

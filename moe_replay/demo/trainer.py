@@ -133,5 +133,6 @@ def _mismatch(batch, train_G, used_ids: dict[int, torch.Tensor]) -> dict[str, An
         "ppl_ratio": float(m["rollout_corr/ppl_ratio"]),
         "chi2_token": float(m["rollout_corr/chi2_token"]),
         "is_ess": float(m["moe_replay/is_ess_token"]),
+        "tokens": int(diff_G.size),  # generated tokens: the histogram's total unless some fall outside its bins
         "abs_logprob_diff_hist": {"edges": HIST_EDGES, "counts": counts.tolist()},
     }

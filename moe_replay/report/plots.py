@@ -22,11 +22,70 @@ PLOTS = {
 """Plot name (also the PNG file stem) -> what it shows."""
 
 _COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+_LINES = [("-", "o", 4.0), ("--", "s", 7.0), (":", "^", 10.0), ("-.", "D", 5.5), ((0, (5, 1, 1, 1)), "v", 8.5)]
+"""(line style, marker, marker size) per arm: where two arms' lines coincide, the later arm's dashes
+and its larger hollow markers still show around the earlier one's."""
+
+COINCIDE_TOL = 0.004
+"""Two per-step series coincide when they differ by at most this fraction of the axis span at every
+step (0.4% of the span is under a line width of a 4.2-inch plot): drawn on one another, one would
+hide the other, so the plot and the page name them."""
 
 
 def arm_colors(report: dict) -> dict[str, str]:
     """One fixed color per arm, in report order, shared by every plot and the HTML tables."""
     return {arm: _COLORS[i % len(_COLORS)] for i, arm in enumerate(report["arms"])}
+
+
+def arm_lines(report: dict) -> dict[str, tuple[Any, str, float]]:
+    """One fixed (line style, marker, marker size) per arm, in report order, for the per-step plots."""
+    return {arm: _LINES[i % len(_LINES)] for i, arm in enumerate(report["arms"])}
+
+
+def coinciding(report: dict, key: str, *, log: bool = False) -> list[list[str]]:
+    """Groups (in report order) of two or more arms whose per-step `key` lines would lie on one
+    another: same steps, and at every step within COINCIDE_TOL of the axis span (on a log axis,
+    of log10 values; non-positive values there compare exactly)."""
+    series = {name: _per_step(arm, key) for name, arm in report["arms"].items()}
+
+    def shown(y: np.ndarray) -> np.ndarray:
+        if not log:
+            return y
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(y > 0, np.log10(np.where(y > 0, y, 1.0)), -np.inf)
+
+    values = {name: shown(y) for name, (_, y) in series.items()}
+    finite = np.concatenate([v[np.isfinite(v)] for v in values.values()])
+    span = float(finite.max() - finite.min()) if len(finite) else 0.0
+    tol = COINCIDE_TOL * span if span > 0 else 0.0
+    groups: list[list[str]] = []
+    placed: set[str] = set()
+    names = list(series)
+    for i, a in enumerate(names):
+        if a in placed:
+            continue
+        group = [a]
+        for b in names[i + 1:]:
+            if b in placed or not np.array_equal(series[a][0], series[b][0]):
+                continue
+            va, vb = values[a], values[b]
+            both = np.isfinite(va) & np.isfinite(vb)
+            same_nonfinite = np.array_equal(va[~both], vb[~both], equal_nan=True)
+            if same_nonfinite and bool(np.all(np.abs(va[both] - vb[both]) <= tol)):
+                group.append(b)
+        if len(group) > 1:
+            groups.append(group)
+            placed.update(group)
+    return groups
+
+
+def coincide_note(groups: list[list[str]]) -> str:
+    """'arms r3_support and r3_support_multisample coincide' (one clause per group), or ''."""
+    clauses = []
+    for g in groups:
+        names = ", ".join(g[:-1]) + f" and {g[-1]}"
+        clauses.append(f"arms {names} coincide")
+    return "; ".join(clauses)
 
 
 def _figure(width: float = 7.5, height: float = 4.2):
@@ -151,7 +210,7 @@ def _per_step(arm: dict, key: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def plot_k3_kl(report: dict, path: Path) -> Path:
-    colors = arm_colors(report)
+    colors, lines = arm_colors(report), arm_lines(report)
     fig, ax = _figure()
     series = {name: _per_step(arm, "k3_kl") for name, arm in report["arms"].items()}
     positive = np.concatenate([y[np.isfinite(y) & (y > 0)] for _, y in series.values()])
@@ -168,30 +227,36 @@ def plot_k3_kl(report: dict, path: Path) -> Path:
                         mec=colors[name], mew=1.4)
             ax.plot(x, np.where(low, floor, y), color=colors[name], lw=1.0, ls=":" if low.all() else "-", alpha=0.8)
             y = np.where(low, np.nan, y)
-        ax.plot(x, y, marker="o", ms=3.5, lw=1.6, color=colors[name], label=label)
+        ls, marker, ms = lines[name]
+        ax.plot(x, y, marker=marker, ms=ms, mfc="none", mew=1.2, ls=ls, lw=1.6, color=colors[name], label=label)
     if floor is not None:
         ax.set_yscale("log")
         ax.set_ylim(bottom=floor / 2)
     title = "k3-KL per step (log scale)" if floor is not None else "k3-KL per step (all zero)"
     if clipped:
         title += f"\n(▽ on the floor {floor:.2g}: values below it, e.g. exact zeros)"
+    note = coincide_note(coinciding(report, "k3_kl", log=floor is not None))
+    if note:
+        title += f"\n({note})"
     ax.set_title(title, fontsize=11)
     ax.set_xlabel("step")
-    ax.set_ylabel("k3-KL")
+    ax.set_ylabel("k3-KL (nats per token)")
     ax.grid(alpha=0.3, which="both" if floor is not None else "major")
     _legend(fig, ax)
     return _save(fig, path)
 
 
 def plot_reward(report: dict, path: Path) -> Path:
-    colors = arm_colors(report)
+    colors, lines = arm_colors(report), arm_lines(report)
     fig, ax = _figure()
     for name, arm in report["arms"].items():
         x, y = _per_step(arm, "reward")
-        ax.plot(x, y, marker="o", ms=3.5, label=name, color=colors[name], lw=1.6)
-    ax.set_title("Mean reward per step")
+        ls, marker, ms = lines[name]
+        ax.plot(x, y, marker=marker, ms=ms, mfc="none", mew=1.2, ls=ls, label=name, color=colors[name], lw=1.6)
+    note = coincide_note(coinciding(report, "reward"))
+    ax.set_title("Mean reward per step" + (f"\n({note})" if note else ""), fontsize=11)
     ax.set_xlabel("step")
-    ax.set_ylabel("reward")
+    ax.set_ylabel("mean reward of the step")
     ax.grid(alpha=0.3)
     _legend(fig, ax)
     return _save(fig, path)

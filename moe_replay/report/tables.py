@@ -7,13 +7,10 @@ import numbers
 import sys
 from typing import Any, Sequence, TextIO
 
-ARM_COLUMNS = (
-    ("route_flip_rate", "route-flip rate"),
-    ("k3_kl", "k3-KL"),
-    ("max_abs_logprob_diff", "max |Δ logprob|"),
-    ("reward", "reward"),
-)
-"""(mean key, column title) of the per-arm table."""
+from .glossary import title as _title
+
+ARM_COLUMNS = tuple((key, _title(key)) for key in ("route_flip_rate", "k3_kl", "max_abs_logprob_diff", "reward"))
+"""(mean key, column title) of the per-arm table; the titles are the glossary's (glossary.py)."""
 
 
 def fmt(value: Any) -> str:
@@ -80,7 +77,7 @@ def print_arm_table(report: dict, *, file: TextIO | None = None) -> None:
     validate_report(report)
     print_table(
         "moe_replay demo: per-arm means",
-        ["arm", "preset", *(title for _, title in ARM_COLUMNS)],
+        [_title("arm"), _title("preset"), *(title for _, title in ARM_COLUMNS)],
         arm_rows(report),
         file=file,
         numeric=[False, False] + [True] * len(ARM_COLUMNS),
