@@ -41,6 +41,17 @@ def _cut(src: Path, dst: Path, index_at: int | None, segment_at: int | None) -> 
     return dst
 
 
+SURVEY_ONLY = ("unindexed_bytes", "records_unindexed", "refused", "frames_duplicated")
+
+
+def _as_writer_reports(recovery: dict) -> dict:
+    """A `recovery` dict as a writer reports it (a survey reader adds what it alone can say)."""
+    def plain(v):
+        return str(v) if isinstance(v, Exception) else [plain(x) for x in v] if isinstance(v, list) else v
+
+    return {k: plain(v) for k, v in recovery.items() if k not in SURVEY_ONLY}
+
+
 def _visible_then_repaired(work: Path, n_visible: int, sizes: list[tuple[int, int]], n_intact: int | None = None) -> None:
     """Readers see the first n_visible records; a writer then indexes again the records whose
     frames are intact (the first n_intact), cuts the rest, and appends normally."""
@@ -50,7 +61,10 @@ def _visible_then_repaired(work: Path, n_visible: int, sizes: list[tuple[int, in
         assert r.scan()[1] == []  # a torn tail is not damage: it is invisible
         with pytest.raises(MissingKeyError):
             r.get(f"r{n_visible:07d}")
+    with DirectoryStore(work, readonly=True, survey=True) as r:  # what the writer will do, foretold
+        foretold, survey_keys = _as_writer_reports(r.recovery), r.keys()
     with DirectoryStore(work, durable=False) as w:  # the writer recovers intact frames, cuts torn bytes ...
+        assert _as_writer_reports(w.recovery) == foretold and w.keys() == survey_keys
         assert w.recovery.get("records_recovered", []) == [f"r{i:07d}" for i in range(n_visible, n_intact)]
         index_end, segment_end = sizes[n_intact - 1] if n_intact else (framing.HEADER.size,) * 2
         assert (work / framing.INDEX_NAME).stat().st_size == index_end
@@ -250,9 +264,14 @@ def _damage(path: Path, start: int, end: int, mask: int = 0xFF) -> None:
 
 
 def _writer_keeps_all_and_appends(d: Path, n: int = 5, **options) -> None:
-    """A writer sees all n records, appends one more; a fresh reader sees n + 1, finds no damage
-    and nothing left to recover (the index names every record)."""
+    """A survey reader sees all n records and foretells the writer's recovery; the writer sees all
+    n, appends one more; a fresh reader sees n + 1, finds no damage and nothing left to recover
+    (the index names every record)."""
+    with DirectoryStore(d, readonly=True, survey=True) as r:
+        assert same(list(r), [trace_for(i) for i in range(n)]) and "refused" not in r.recovery
+        foretold = _as_writer_reports(r.recovery)
     with DirectoryStore(d, durable=False, **options) as w:
+        assert _as_writer_reports(w.recovery) == foretold
         assert same(list(w), [trace_for(i) for i in range(n)])
         w.put(trace_for(n))
     with DirectoryStore(d, readonly=True) as r:
