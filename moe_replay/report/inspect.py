@@ -298,8 +298,13 @@ def print_store_summary(summary: dict[str, Any], file=None) -> None:
         )
     if s["damaged"]:
         print_table("damaged records", ["record", "error", "message"],
-                    [[d["record"] or "(index entry)", d["error"], d["message"]] for d in s["damaged"]],
+                    [[d["record"] or _unkeyed(d["file"]), d["error"], d["message"]] for d in s["damaged"]],
                     file=file, numeric=[False, False, False])
+
+
+def _unkeyed(file: str | None) -> str:
+    """Label of damage no key names: an index entry, or segment bytes no entry names."""
+    return "(index entry)" if file is not None and Path(file).name == "index.bin" else "(segment bytes no entry names)"
 
 
 def _layers(ids: list[int]) -> str:
