@@ -110,7 +110,10 @@ def test_sequence_parallel_replay_equals_one_process_sliced(tmp_path):
 
 def _ep_worker(rank: int, world: int, init: str, plans, out: dict) -> None:
     """One rank of a GPTModel with its experts split over `world` expert-parallel ranks (allgather
-    dispatcher), replaying its own micro-batch."""
+    dispatcher), replaying its own micro-batch, given as the model and as Megatron-LM's chunk list
+    ([model], what `get_model` returns; several chunks under virtual pipeline). The group is
+    "cpu:gloo": its only backend serves CPU, as NCCL's serves CUDA only, so the shape check's
+    all_gather runs on the group's own device (`collective_device`)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     import megatron.core.tensor_parallel.random as mrandom
@@ -121,7 +124,7 @@ def _ep_worker(rank: int, world: int, init: str, plans, out: dict) -> None:
     from moe_replay.integrations.megatron import find_routers, megatron_inputs, replay
 
     gloo.cpu_shims()
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group("cpu:gloo", init_method=init, rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
     mrandom.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
     try:
@@ -141,14 +144,16 @@ def _ep_worker(rank: int, world: int, init: str, plans, out: dict) -> None:
 
         handles = [site.module.register_forward_hook(keep(lid)) for lid, site in find_routers(model).items()]
         plan = plans[rank]
-        try:
-            with torch.no_grad(), replay(model, plan) as session:
-                logits = model(**megatron_inputs(plan))
-            out[rank] = ("ok", bool(torch.isfinite(logits).all()),
-                         all(torch.equal(maps[lid], torch.zeros_like(maps[lid]).scatter(1, session.ids_MK[0][lid], True))
-                             for lid in maps))
-        except Exception as e:  # noqa: BLE001  (the refusal is the result under test)
-            out[rank] = ("error", f"{type(e).__name__}: {e}", bool(maps))
+        for form, target in (("model", model), ("chunks", [model])):
+            maps.clear()
+            try:
+                with torch.no_grad(), replay(target, plan) as session:
+                    logits = model(**megatron_inputs(plan))
+                out[f"{form}{rank}"] = ("ok", bool(torch.isfinite(logits).all()),
+                                        all(torch.equal(maps[lid], torch.zeros_like(maps[lid]).scatter(1, session.ids_MK[0][lid], True))
+                                            for lid in maps))
+            except Exception as e:  # noqa: BLE001  (the refusal is the result under test)
+                out[f"{form}{rank}"] = ("error", f"{type(e).__name__}: {e}", bool(maps))
         for h in handles:
             h.remove()
     finally:
@@ -159,7 +164,8 @@ def _ep_worker(rank: int, world: int, init: str, plans, out: dict) -> None:
 def test_allgather_expert_parallel_unequal_shapes_refused_equal_shapes_replayed(tmp_path):
     """Megatron's allgather dispatcher gathers the EP ranks' tokens as equal shapes; ranks with
     different micro-batch shapes abort the process inside gloo. Replay compares the shapes before
-    any forward and refuses by name on every rank; equal shapes replay with flips 0."""
+    any forward and refuses by name on every rank, for a model and for a chunk list alike; equal
+    shapes replay with flips 0."""
     import torch.multiprocessing as mp
 
     from moe_replay.geometry import ModelGeometry
@@ -174,14 +180,14 @@ def test_allgather_expert_parallel_unequal_shapes_refused_equal_shapes_replayed(
     equal = [build_plan(t[0:2], geometry), build_plan(t[4:6], geometry)]  # both [11, 2]
     out = mp.Manager().dict()
     mp.spawn(_ep_worker, args=(2, f"file://{tmp_path}/ep1", unequal, out), nprocs=2, join=True)
-    for rank in (0, 1):
-        status, message, forwarded = out[rank]
-        assert status == "error" and message.startswith("UnsupportedRouterError") and not forwarded
+    for key in ("model0", "model1", "chunks0", "chunks1"):
+        status, message, forwarded = out[key]
+        assert status == "error" and message.startswith("UnsupportedRouterError") and not forwarded, (key, out[key])
         assert "expected every rank's micro-batches to have one [S, B] shape" in message and "[[11, 2]]" in message
     out = mp.Manager().dict()
     mp.spawn(_ep_worker, args=(2, f"file://{tmp_path}/ep2", equal, out), nprocs=2, join=True)
-    for rank in (0, 1):
-        assert out[rank] == ("ok", True, True), out[rank]  # finite logits; every router routed exactly its plan's ids
+    for key in ("model0", "model1", "chunks0", "chunks1"):
+        assert out[key] == ("ok", True, True), (key, out[key])  # finite logits; every router routed exactly its plan's ids
 
 
 def test_pipeline_parallel_stages_replay_their_layers_and_match_one_process(tmp_path):

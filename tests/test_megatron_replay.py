@@ -16,6 +16,7 @@ Legend: B batch rows, S padded length, M = S * B sequence-first positions, K top
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import subprocess
 import sys
@@ -381,6 +382,13 @@ def test_unsupported_router_settings(megatron_cpu):
         replay(make_routers(moe_enable_routing_replay=False), plan)
     with pytest.raises(UnsupportedRouterError, match="moe_expert_capacity_factor"):
         replay(make_routers(moe_expert_capacity_factor=1.0), plan)
+    # DeepEP / HybridEP fused dispatch: never run under replay here (GPU only), refused by name at attach
+    flex = make_routers(moe_token_dispatcher_type="flex")
+    with pytest.raises(UnsupportedRouterError, match=r"moe_token_dispatcher_type='flex' is not one replay was run and "
+                                                     r"checked with \(expected one of \['allgather', 'alltoall'\]\)"):
+        replay(flex, plan)
+    assert all(not r._forward_pre_hooks and r.router_replay.router_replay_action is None for r in flex)
+    replay(make_routers(moe_token_dispatcher_type="alltoall"), plan)  # accepted: the checks run on creation
 
 
 def test_silent_skip_paths_are_refused_by_name(megatron_cpu):
@@ -518,3 +526,101 @@ def test_packed_sequences_refused_by_name_before_the_forward(megatron_cpu):
         for h in handles:
             h.remove()
     assert all(len(seen) == 1 for seen in calls.values())
+
+
+# -- bf16 parameters (Megatron's Float16Module, as Megatron-LM wraps a model trained with --bf16) ----
+def _gpt_bf16(router: str, router_dtype: str | None):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.module import Float16Module
+
+    torch.manual_seed(0)
+    cfg = _config(num_layers=4, moe_layer_freq=[0, 1, 0, 1], params_dtype=torch.bfloat16, bf16=True,
+                  moe_router_dtype=router_dtype, **ROUTERS[router])
+    model = GPTModel(cfg, get_gpt_decoder_block_spec(cfg, use_transformer_engine=False), vocab_size=512, max_sequence_length=64)
+    with torch.no_grad():
+        for site in find_routers(model).values():
+            site.module.weight.normal_(0, 0.5)
+            if site.module.expert_bias is not None:
+                site.module.expert_bias.copy_(torch.tensor([2.0, 1.5, 0, 0, 0, 0, 0, 0]))
+    return Float16Module(cfg, model).eval()  # bf16 parameters and activations, fp32 logits out
+
+
+def _scored_pass(model, plan, session_plan=None):
+    """Logits [B, S, V], scored logprobs [G] and every parameter's gradient of their sum; under replay
+    of `session_plan` when given, else with the routers' own choice recorded by Megatron's RouterReplay
+    (RECORD). Returns also the recorded ids {layer id: [S * B, K]} of a free pass."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from moe_replay.integrations.megatron import score_tokens
+
+    model.zero_grad(set_to_none=True)
+    sites = find_routers(model)
+    if session_plan is None:
+        for site in sites.values():
+            site.module.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+        logits = model(**megatron_inputs(plan))
+        score_tokens(logits.float(), plan).logprobs_G.sum().backward()
+        own = {lid: site.module.router_replay.recorded_topk_idx.clone() for lid, site in sites.items()}
+        for site in sites.values():
+            site.module.router_replay.clear_router_replay_action()
+            site.module.router_replay.clear_indices()
+    else:
+        with replay(model, session_plan):
+            logits = model(**megatron_inputs(session_plan))
+            score_tokens(logits.float(), session_plan).logprobs_G.sum().backward()
+        own = {}
+    from moe_replay.integrations.megatron import score_tokens as score
+
+    logp_G = score(logits.detach().float(), plan).logprobs_G
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), logp_G, grads, own
+
+
+def _plan_of_own_routes(traces, own, plan):
+    """The traces again, each routed as the model routed it (Megatron's ids, in its own column order)."""
+    s, b = plan.seq_len, plan.batch_size
+    lids = plan.geometry.moe_layer_ids
+    out = []
+    for row, t in enumerate(traces):  # right padding: trace row `row` holds positions 0..len-1 of batch row `row`
+        n = t.routes_TLK.shape[0]
+        routes = np.stack([own[lid].view(s, b, -1)[:n, row].numpy() for lid in lids], 1).astype(t.routes_TLK.dtype)
+        out.append(dataclasses.replace(t, routes_TLK=routes))
+    return build_plan(out, plan.geometry)
+
+
+@pytest.mark.parametrize("router_dtype", ["fp32", None])
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_bf16_params_replay_is_bit_identical_to_the_routers_own_choice(megatron_cpu, name, router_dtype):
+    """A GPTModel with bf16 parameters (Float16Module), its router in fp32 (`moe_router_dtype="fp32"`)
+    or in the model's bf16 (None). Replaying the routes the model chose itself gives, bit for bit, the
+    free pass's scored logprobs, its logits at every routed position and every parameter's gradient
+    (routers included): Megatron weighs the replayed ids with its own scores in the forward's own
+    precision. The replay is live (the unrouted positions, given rotating fill ids, change), and a
+    random plan is routed exactly (flips 0) and moves the scores, so a session that did nothing fails."""
+    model = _gpt_bf16(name, router_dtype)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    geom = model_geometry(model, vocab_size=512)
+    rng = np.random.default_rng(0)
+    traces = [random_trace(f"q{i}", rng, geometry=geom, num_tokens=n, prompt_len=2) for i, n in enumerate((11, 6, 8))]
+    random_plan = build_plan(traces, geom)
+    free_BSV, free_G, free_grads, own = _scored_pass(model, random_plan)
+    own_plan = _plan_of_own_routes(traces, own, random_plan)
+    rep_BSV, rep_G, rep_grads, _ = _scored_pass(model, own_plan, own_plan)
+    routed_BS = own_plan.routed_N.view(own_plan.batch_size, own_plan.seq_len)
+    assert torch.equal(rep_G, free_G)
+    assert torch.equal(rep_BSV[routed_BS], free_BSV[routed_BS])
+    assert not torch.equal(rep_BSV[~routed_BS], free_BSV[~routed_BS])  # fill ids at unrouted positions: replay ran
+    assert free_grads.keys() == rep_grads.keys() and len(free_grads) > 0
+    assert [n for n in free_grads if not torch.equal(free_grads[n], rep_grads[n])] == []
+    # a random plan: every router routes exactly its ids, and the scores move
+    maps, handles = _watch(model)
+    try:
+        with torch.no_grad(), replay(model, random_plan) as session:
+            forced_BSV = model(**megatron_inputs(random_plan))
+    finally:
+        for h in handles:
+            h.remove()
+    for lid, seen in maps.items():
+        assert [torch.equal(m, torch.zeros_like(m).scatter(1, session.ids_MK[0][lid], True)) for _, m in seen] == [True]
+    assert not torch.equal(forced_BSV[routed_BS], free_BSV[routed_BS])

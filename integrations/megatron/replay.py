@@ -33,6 +33,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from moe_replay.collectives import collective_device
 from moe_replay.errors import GeometryMismatchError, Where
 from moe_replay.replay.errors import BatchLayoutError, RouteConsumptionError, UnsupportedRouterError
 from moe_replay.replay.scoring import TokenScores, VocabShard
@@ -85,8 +86,7 @@ class ReplaySession:
         vocab = getattr(model_or_routers, "vocab_size", None) if isinstance(model_or_routers, nn.Module) else None
         check_geometry(self.sites, geometry, partial=partial, vocab_size=vocab)
 
-        if isinstance(model_or_routers, nn.Module):
-            check_allgather_shapes(model_or_routers, self.plans)
+        check_allgather_shapes(model_or_routers, self.plans)
         self.ledgers = [RouteLedger(plan) for plan in self.plans]
         if partial:  # a pipeline stage accounts for its own layers only
             for ledger in self.ledgers:
@@ -238,21 +238,27 @@ def _refuse_packed(module: nn.Module, args, kwargs) -> None:
     )
 
 
-def check_allgather_shapes(model: nn.Module, plans: Sequence[RoutePlan]) -> None:
+def check_allgather_shapes(model_or_chunks: ModelOrRouters, plans: Sequence[RoutePlan]) -> None:
     """Megatron's allgather dispatcher gathers every rank's [S, B] tokens over the tensor x expert
     parallel group and assumes equal shapes; unequal ones abort the process inside gloo ("Received
     data size doesn't match") or hang NCCL. Before any forward, every rank of that group shares its
     micro-batch shapes (one all_gather of 2 ints per plan, once per session) and all refuse by name
-    if they differ. A no-op without such a dispatcher or with a group of one rank."""
-    dispatcher = next((m.token_dispatcher for m in model.modules() if hasattr(m, "token_dispatcher")), None)
-    if dispatcher is None or type(dispatcher).__name__ != "MoEAllGatherTokenDispatcher":
+    if they differ. `model_or_chunks`: a model or its virtual-pipeline chunks (Megatron-LM's
+    `get_model` returns that list; every chunk's dispatchers share the group). The tensors go on the
+    device the group serves (`collective_device`: CUDA under NCCL, CPU under gloo). A no-op without
+    such a dispatcher, with a group of one rank, or given routers alone (a router holds no dispatcher)."""
+    roots = [model_or_chunks] if isinstance(model_or_chunks, nn.Module) else list(model_or_chunks)
+    dispatcher = next((m.token_dispatcher for root in roots for m in root.modules()
+                       if type(getattr(m, "token_dispatcher", None)).__name__ == "MoEAllGatherTokenDispatcher"), None)
+    if dispatcher is None:
         return
     group = dispatcher.tp_ep_group
     ranks = group.size() if group is not None else 1
     if ranks <= 1:
         return
-    mine = torch.tensor([[p.seq_len, p.batch_size] for p in plans], dtype=torch.int64)
-    counts = torch.tensor([len(plans)], dtype=torch.int64)
+    device = collective_device(group)
+    mine = torch.tensor([[p.seq_len, p.batch_size] for p in plans], dtype=torch.int64, device=device)
+    counts = torch.tensor([len(plans)], dtype=torch.int64, device=device)
     all_counts = [torch.empty_like(counts) for _ in range(ranks)]
     torch.distributed.all_gather(all_counts, counts, group=group)
     if len({int(c) for c in all_counts}) == 1:

@@ -8,6 +8,7 @@ Everything here runs before any forward: a router whose routing would bypass `Ro
 (fused TE top-k returns from `topk_routing_with_score_function` before RouterReplay is consulted;
 sinkhorn; a Router that is not a TopKRouter, or a TopKRouter subclass with its own routing), whose
 logits are replaced (`moe_router_force_load_balancing`: random logits would weigh the replayed ids),
+whose tokens go through a dispatcher replay was never run with (`REPLAYED_DISPATCHERS`: "flex" is refused),
 or whose sequences are split into reordered chunks across ranks (context parallel), is refused with the setting to
 change. A router numbered past the decoder stack (a multi-token-prediction layer: Megatron numbers
 it num_layers + k) is refused by name: traces hold decoder layers only.
@@ -26,6 +27,11 @@ from moe_replay.replay.errors import UnsupportedRouterError
 
 ModelOrRouters = Union[nn.Module, Iterable[nn.Module]]
 """A Megatron model, a list of model chunks (virtual pipeline), or the routers themselves."""
+
+
+REPLAYED_DISPATCHERS = frozenset({"allgather", "alltoall"})
+"""Token dispatchers replay is tested with (tests/test_megatron_parallel.py, EP = 2): the others
+(Megatron-core 0.16's "flex", over DeepEP / HybridEP) are refused by name at attach."""
 
 
 def _topk_router_class() -> type:
@@ -118,6 +124,12 @@ def check_replayable(site: RouterSite) -> None:
             refuse(f"{type(m).__name__}.{method}", "overridden", "may route without passing RouterReplay; replay drives TopKRouter's own routing only")
     if m.routing_type == "sinkhorn":
         refuse("moe_router_load_balancing_type", "sinkhorn", "picks experts without RouterReplay")
+    dispatcher = getattr(cfg, "moe_token_dispatcher_type", None)
+    if dispatcher not in REPLAYED_DISPATCHERS:
+        refuse("moe_token_dispatcher_type", dispatcher,
+               f"is not one replay was run and checked with (expected one of {sorted(REPLAYED_DISPATCHERS)}): 'flex' hands "
+               "the routing map to DeepEP / HybridEP fused kernels, which need a GPU and have no test here; set "
+               "'alltoall' (replayed across EP ranks of unequal shapes) or 'allgather'")
     if cfg.moe_expert_capacity_factor is not None:
         refuse("moe_expert_capacity_factor", cfg.moe_expert_capacity_factor, "may drop replayed tokens the engine kept; set it None")
     cp = m.cp_group.size()

@@ -40,6 +40,7 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 import torch
 
+from ..collectives import on_collective_device
 from ..errors import Where
 from ..registry import Registry
 from ..trace import SamplingSupport
@@ -141,10 +142,13 @@ class VocabShard:
             raise ValueError(f"VocabShard.start must be in [0, {self.vocab_size}), got {self.start}")
 
     def all_reduce(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        """On x's own device when the group serves it, else through a copy on the group's (a CPU
+        scoring over an NCCL group, say: `collectives.collective_device`)."""
         import torch.distributed as dist
 
-        dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
-        return x
+        y = on_collective_device(x, self.group)
+        dist.all_reduce(y, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
+        return y if y is x else x.copy_(y)
 
 
 class ScoringBackend(Protocol):
