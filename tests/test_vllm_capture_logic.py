@@ -288,6 +288,32 @@ def test_data_parallel_replies_merge_per_op():
         merge_engines("weights.end", [{"v": 1}, {"v": 2}])
 
 
+def test_data_parallel_score_takes_keep_the_engine_that_ran_each_request():
+    """Scoring requests are registered on every data-parallel engine; a take keeps the result of the
+    one engine that forwarded the request (cached >= 0), reports one that no engine ran as never
+    scored, and makes one that two engines ran a problem of that request, never a silent pick."""
+    import numpy as np
+
+    from moe_replay.integrations.vllm.link import merge_engines
+    from moe_replay.integrations.vllm.scoring import scorer  # noqa: F401  (registers the score.take merge)
+    from moe_replay.integrations.vllm.wire import ScoreResult
+
+    def res(cached, lp=(0.0,), problems=()):
+        return ScoreResult("ok", logprobs_G=np.array(lp, dtype=np.float32), problems=list(problems),
+                           cached=cached).to_dict()
+
+    never = "generated token 0 was never scored"
+    engine0 = [res(0, (-1.5,)), res(-1, (np.nan,), [never]), res(-1, (np.nan,), [never]), res(3, (-0.5,))]
+    engine1 = [res(-1, (np.nan,), [never]), res(5, (-2.5,)), res(-1, (np.nan,), [never]), res(3, (-0.5,))]
+    a, b, c, d = (ScoreResult.from_dict(r) for r in merge_engines("score.take", [engine0, engine1]))
+    assert (a.cached, a.logprobs_G.tolist(), a.problems) == (0, [-1.5], [])
+    assert (b.cached, b.logprobs_G.tolist(), b.problems) == (5, [-2.5], [])
+    assert c.problems == [never]
+    assert d.problems == ["expected one data-parallel engine to run the request, found engines [0, 1]"]
+    take = merge_engines("capture.take", [[{"status": "unknown", "key": "k", "known": 1}]] * 2)  # capture's rule stays
+    assert take == [{"status": "unknown", "key": "k", "known": 2}]
+
+
 def test_data_parallel_rows_cut_this_ranks_rows_from_the_gathered_batch():
     """vLLM's MoE layers route the whole DP batch (every rank's tokens, rank by rank); the capture
     function keeps rank r's rows, located by the forward context's per-rank counts, and an unknown

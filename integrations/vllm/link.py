@@ -76,14 +76,15 @@ def _stats(per_engine: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 MERGES: dict[str, Callable[[list[Any]], Any]] = {"take": _take, "stats": _stats, "discard": sum, "uninstall": all}
-"""Op name's last part -> how the values of several data-parallel engines become one."""
+"""Op name (or its last part, for ops capture and scoring share) -> how the values of several
+data-parallel engines become one; a part registers its own (scoring/scorer.py: 'score.take')."""
 
 
 def merge_engines(op: str, per_engine: list[Any]) -> Any:
     """One value from each engine's value of `op`; ops without a rule must agree across engines."""
     if len(per_engine) == 1:
         return per_engine[0]
-    rule = MERGES.get(op.rsplit(".", 1)[-1])
+    rule = MERGES.get(op) or MERGES.get(op.rsplit(".", 1)[-1])
     if rule is not None:
         return rule(per_engine)
     if any(v != per_engine[0] for v in per_engine[1:]):

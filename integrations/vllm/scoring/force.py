@@ -55,6 +55,22 @@ from ..step import external_id
 from ..wire import InstallReply, ScoreRequest, ScoreResult
 from .force_step import FORCE_STEP_ATTR, ForceStep, eager_routing
 
+
+def data_parallel_force_refusal(vllm_config: Any) -> str | None:
+    """Why routes cannot be forced on an engine of this config's data parallelism (None: they can).
+
+    The forcing step maps router row t to step row t; under data_parallel_size > 1 vLLM's MoE
+    layers gather every DP rank's rows before routing (naive dispatch), and a rank would have to
+    force the rows of another rank with ids only that rank holds. The scorer refuses at attach,
+    the worker at register."""
+    dp = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1)
+    if dp <= 1:
+        return None
+    return (f"data_parallel_size={dp}: MoE routers see rows gathered from other data-parallel ranks, which the "
+            "forcing buffers (one row per row of this rank's step) cannot address. Score freely on this engine "
+            "(VllmScorerConfig(force_routes=False)) or force routes on an engine with data_parallel_size=1")
+
+
 # -- one registered request -----------------------------------------------------------------------
 
 @dataclass
@@ -156,10 +172,7 @@ class WorkerScoring:
             self._own_force = True
         if self.force is not None and self.force.refusal is not None:
             self.force_refusal = self.force.refusal
-        dp = int(getattr(runner.vllm_config.parallel_config, "data_parallel_size", 1) or 1)
-        if dp > 1:  # the forcing step maps router row t to step row t: rows gathered from other ranks break that
-            self.force_refusal = (f"data_parallel_size={dp}: MoE routers see rows gathered from other data-parallel ranks, "
-                                  "which the forcing buffers (one row per row of this rank's step) cannot address")
+        self.force_refusal = data_parallel_force_refusal(runner.vllm_config) or self.force_refusal
         if self.force is not None and self.force.layer_ids != self.geometry.moe_layer_ids:
             raise ForceRouteError(f"load-time forcing step covers layers {self.force.layer_ids}, the model has MoE "
                                   f"layers {self.geometry.moe_layer_ids}")

@@ -117,6 +117,20 @@ def cache_salt(trace: RolloutTrace, forced: bool, weights_version: str) -> str:
     return h.hexdigest()[:32]
 
 
+def engine_for_prompt(trace: RolloutTrace, salt: str, engines: int) -> int | None:
+    """The data-parallel engine core every replica of `trace` under `salt` is sent to (None: one engine).
+
+    Each engine core has its own prefix cache and vLLM's client sends an unpinned request to the
+    least loaded one, so a replica would miss the prompt blocks an earlier replica cached on the
+    other core (with 2 engines, half the time). Pinning by a hash of the salt and the prompt keeps a
+    trace's replicas on one core and spreads distinct traces over all of them."""
+    if engines <= 1:
+        return None
+    h = hashlib.sha256(salt.encode())
+    h.update(np.ascontiguousarray(trace.token_ids_S[:trace.prompt_len], dtype=np.int64).tobytes())
+    return int.from_bytes(h.digest()[:8], "little") % engines
+
+
 def reusable_tokens(prompt_len: int, block_size: int) -> int:
     """Prompt tokens a replica can read from the cache: whole blocks before the last prompt token."""
     return (prompt_len - 1) // block_size * block_size

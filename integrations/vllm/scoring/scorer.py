@@ -37,13 +37,38 @@ from ....geometry import ModelGeometry
 from ....trace import RolloutTrace
 from ..engine_kwargs import capture_engine_kwargs
 from ..errors import ForceRouteError, PrefixCacheMissError, ScoreAlignmentError, ScoringError
-from ..link import AsyncLink, SyncLink
+from ..link import MERGES, AsyncLink, SyncLink, engine_count
 from ..model import refuse_pipeline_parallel
 from ..patch import FORCE_FLAG, flag_value
 from ..wire import InstallReply, ScoreRequest, ScoreResult
-from .prefix import CACHE_UPTO_KEY, READ_UPTO_KEY, SCHEDULER_QUALNAME, cache_salt, engine_reuse_ready, reusable_tokens
+from .force import data_parallel_force_refusal
+from .prefix import (CACHE_UPTO_KEY, READ_UPTO_KEY, SCHEDULER_QUALNAME, cache_salt, engine_for_prompt,
+                     engine_reuse_ready, reusable_tokens)
 
 _LINK = {"what": "scoring", "default": ScoringError, "kwargs_fn": "scoring_engine_kwargs"}
+
+
+def _take_scores(per_engine: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """`score.take` over data-parallel engines: per request, the result of the one engine that ran it.
+
+    Registration goes to every engine (the client cannot tell which core vLLM will pick), so each
+    engine answers 'ok' for every key; only the engine that forwarded the request's rows has seen
+    it (`cached` >= 0). None seen: the first engine's result (its problems say what was never
+    scored); two seen is a problem of that request, never a silent pick."""
+    out = []
+    for replies in zip(*per_engine):
+        seen = [i for i, r in enumerate(replies) if r.get("status") == "ok" and int(r.get("cached", -1)) >= 0]
+        if len(seen) == 1:
+            out.append(replies[seen[0]])
+        elif seen:
+            out.append({**replies[seen[0]], "problems": [
+                f"expected one data-parallel engine to run the request, found engines {seen}"]})
+        else:
+            out.append(replies[0])
+    return out
+
+
+MERGES["score.take"] = _take_scores
 
 
 @dataclass(frozen=True)
@@ -127,9 +152,14 @@ class _ScorerBase:
         self._link = link
         self.geometry = ModelGeometry.from_dict(InstallReply.from_dict(values[0]).geometry)
 
-    def _prepare(self, vllm_config: Any) -> None:
+    def _prepare(self, vllm_config: Any, engines: int = 1) -> None:
         """Client-side state, checked before anything is installed on the engine."""
         refuse_pipeline_parallel(vllm_config, "forced scoring")
+        self._force_block = data_parallel_force_refusal(vllm_config)
+        """None if this engine can force routes, else why not (free scoring works regardless)."""
+        self._check_force(self.config)
+        self.engines = engines
+        """Engine cores behind the client (data parallelism); a trace's replicas go to one of them."""
         self.block_size = int(vllm_config.cache_config.block_size)
         self.engine_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         """The scoring engine's compute dtype, spelt as capture records it (EngineInfo.dtype)."""
@@ -148,8 +178,13 @@ class _ScorerBase:
         other = copy.copy(self)  # shares the engine, its warm salts and pending promises
         other.config = config
         other.reuse_stats = collections.Counter()
+        other._check_force(config)
         other._check_reuse(config)
         return other
+
+    def _check_force(self, config: VllmScorerConfig) -> None:
+        if config.force_routes and self._force_block is not None:
+            raise ForceRouteError(f"VllmScorerConfig(force_routes=True): {self._force_block}")
 
     def _check_reuse(self, config: VllmScorerConfig) -> None:
         if (config.prompt_reuse or config.read_rollout_kv) and self._reuse_block is not None:
@@ -201,6 +236,14 @@ class _ScorerBase:
         return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                               skip_reading_prefix_cache=not self.prompt_reuse,
                               extra_args={CACHE_UPTO_KEY: max_cached, READ_UPTO_KEY: max_read})
+
+    def _engine_of(self, trace: RolloutTrace) -> int | None:
+        """The data-parallel engine core a reusing replica must run on (the one whose prefix cache
+        its earlier replicas filled); None: any (one engine, or nothing to reuse)."""
+        if not self.prompt_reuse or self.config.read_rollout_kv:
+            return None
+        return engine_for_prompt(trace, cache_salt(trace, self.config.force_routes, self.config.weights_version),
+                                 self.engines)
 
     def _temperature(self, trace: RolloutTrace) -> float:
         """The trace's recorded sampling temperature (trace.sampling; v1 records migrate theirs)."""
@@ -375,7 +418,7 @@ class AsyncVllmScorer(_ScorerBase):
     @classmethod
     async def attach(cls, engine: Any, config: VllmScorerConfig | None = None) -> "AsyncVllmScorer":
         self = cls(engine, config or VllmScorerConfig())
-        self._prepare(engine.vllm_config)
+        self._prepare(engine.vllm_config, engine_count(engine))
         self._on_install(*await AsyncLink.open(engine, "score.install", {"max_jobs": self.config.max_jobs}, **_LINK))
         return self
 
@@ -386,7 +429,8 @@ class AsyncVllmScorer(_ScorerBase):
             return self._assemble(traces, ids, [])
         await self._link.call("score.register", payloads, "registering scoring requests failed")
         async def one(rid: str, t: RolloutTrace) -> None:
-            async for _ in self.engine.generate(*self._prompt(t), request_id=rid):
+            rank = self._engine_of(t)  # a replica runs where its prompt's KV was cached
+            async for _ in self.engine.generate(*self._prompt(t), request_id=rid, data_parallel_rank=rank):
                 pass
 
         try:
