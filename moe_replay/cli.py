@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -101,6 +102,9 @@ def _configure_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--estimator-n", type=int, default=None, help="replicas of the multi-sample arm (preset's n if unset)")
     p.add_argument("--arms", default=",".join(d.arms), help="comma-separated arm=preset (or preset) list")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--verbose", action="store_true",
+                   help="show every log line, also the vLLM warnings the demo expects and drops by default "
+                        "(same as MOE_REPLAY_VERBOSE=1)")
 
 
 def _parse_arms(text: str) -> dict[str, str]:
@@ -134,6 +138,10 @@ def demo(args: argparse.Namespace) -> int:
                                      for name in ("report.json", HTML_NAME, *(f"{p}.png" for p in PLOTS)))), None))
     if problem:
         return _fail("demo", problem)
+    if args.verbose:  # read by expected_logs here and in engine processes started after this
+        from .expected_logs import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"
     _log(f"moe-replay demo: {len(cfg.arms)} arms x {cfg.steps} steps, {cfg.prompts_per_step}x{cfg.samples_per_prompt} "
          f"rollouts per step, vLLM {cfg.engine_dtype} rollouts -> HF {cfg.trainer_dtype} training; output in {out}")
     with _progress(len(cfg.arms) * cfg.steps) as advance:

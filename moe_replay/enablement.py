@@ -205,8 +205,24 @@ class Enabled:
         with self.trainer.replay(self.model, plan, track_flips) as (session, seen_plan):
             yield TrainBatch(self.preset, seen_plan, traces, session, self.trainer)
 
+    def __enter__(self) -> "Enabled":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    async def __aenter__(self) -> "Enabled":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._rollout is not None and self._rollout.is_async:
+            await self.aclose()
+        else:
+            self.close()
+
     def close(self) -> None:
-        """Detach capture and scoring hooks from a sync engine (AsyncLLM: `await mr.aclose()`)."""
+        """Detach capture and scoring hooks from a sync engine (AsyncLLM: `await mr.aclose()`); what
+        `with moe_replay.enable(...) as mr:` does on exit (`async with` for an async engine)."""
         if self._rollout is not None and self._rollout.is_async:
             raise ValueError(f"{self.engine_kind}: detach with `await mr.aclose()`")
         for part in (self.scorer, self.capture):

@@ -93,8 +93,9 @@ def test_multiprocess_llm_and_async_llm(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     stepped = training_step(model_dir, tmp_path / "step1")
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    # explicitly on: capture_engine_kwargs puts a one-process vLLM-CPU engine's core in this process
+    # when the variable is unset (engine_kwargs.cpu_env_defaults)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.run([sys.executable, __file__, str(model_dir), str(out), str(tmp_path / "step1")], env=env, capture_output=True,
                           text=True, timeout=300)
     meta_path = out / "meta.json"

