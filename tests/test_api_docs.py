@@ -1,20 +1,37 @@
 """The API reference builds from the docstrings with no warning (`mkdocs build --strict`, what `make
-docs` runs), one page per module of the installed package, found from the tree (scripts/mkdocs_api.py)."""
+docs` runs), one page per module of the installed package, found from the tree (scripts/mkdocs_api.py).
+
+The docs toolchain is the `docs` extra, which `make install` (scripts/bootstrap.py) installs for CI
+and `make test`: where it is missing these tests fail naming it, never skip, so a CI image without
+it cannot pass with the reference unbuilt."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("mkdocs")
-pytest.importorskip("mkdocstrings")
-
 ROOT = Path(__file__).resolve().parent.parent
+DOCS_MODULES = {"mkdocs": "mkdocs", "mkdocstrings": "mkdocstrings", "mkdocstrings-python": "mkdocstrings_handlers.python"}
+"""Distribution of the docs extra -> the module `mkdocs build` imports from it."""
+
+
+def test_docs_toolchain_is_installed_and_bootstrapped():
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["docs"]
+    assert sorted(re.split(r"[<>=!~ ;\[]", req, maxsplit=1)[0] for req in extra) == sorted(DOCS_MODULES)
+    bootstrap = (ROOT / "scripts" / "bootstrap.py").read_text()
+    extras = re.search(r'^PROJECT_EXTRAS = "([^"]*)"', bootstrap, re.M)
+    assert extras and "docs" in extras.group(1).split(","), "scripts/bootstrap.py must install the docs extra"
+    missing = [dist for dist, mod in DOCS_MODULES.items() if importlib.util.find_spec(mod.split(".")[0]) is None
+               or importlib.util.find_spec(mod) is None]
+    assert not missing, (f"the docs extra is not installed here (missing {missing}): run `make install` "
+                         "(scripts/bootstrap.py installs moe_replay[docs]) or pip install -e '.[docs]'")
 
 
 def _hook():
@@ -26,6 +43,7 @@ def _hook():
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
+    test_docs_toolchain_is_installed_and_bootstrapped()  # a missing toolchain fails here, by name
     out = tmp_path_factory.mktemp("site")
     shutil.rmtree(ROOT / _hook().SOURCE_TREE, ignore_errors=True)  # as in a fresh clone: the hook makes it
     run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
