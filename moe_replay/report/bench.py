@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -66,12 +67,20 @@ class BenchResult:
 
 
 def _parse(stdout: str) -> dict[str, Any] | None:
-    """The JSON object a benchmark printed: all of stdout, else its last line that is one."""
-    text = stdout.strip()
-    candidates = [text] + [line.strip() for line in reversed(text.splitlines()) if line.strip().startswith("{")]
-    for c in candidates:
+    """The last JSON object a benchmark printed on stdout, whatever came before it.
+
+    A benchmark prints one JSON object last, on one line or indented over many (json.dumps with
+    indent), after whatever its engine logged to stdout (vLLM prints ~125 lines before replay.py's
+    result). Candidates are the lines that open with `{` in column 0, tried from the last one up:
+    an indented object's nested objects never start in column 0, so the first candidate that
+    decodes to a dict is the whole last object, not a piece of it. Text after the object is
+    allowed (an engine's shutdown log).
+    """
+    decoder = json.JSONDecoder()
+    starts = [m.start() for m in re.finditer(r"^\{", stdout, flags=re.MULTILINE)]
+    for start in reversed(starts):
         try:
-            value = json.loads(c)
+            value, _ = decoder.raw_decode(stdout, start)
         except json.JSONDecodeError:
             continue
         if isinstance(value, dict):
@@ -83,8 +92,9 @@ def _tail(text: str) -> str:
     return text if len(text) <= STDERR_TAIL_CHARS else "..." + text[-STDERR_TAIL_CHARS:]
 
 
-def run_one(name: str, bench_dir: Path, *, timeout_s: float | None = None, python: str = sys.executable) -> BenchResult:
-    """Run benchmarks/<name>.py --json in a fresh process from the checkout root."""
+def run_one(name: str, bench_dir: Path, *, timeout_s: float | None = None, python: str = sys.executable,
+            extra_args: Sequence[str] = ()) -> BenchResult:
+    """Run benchmarks/<name>.py --json [extra_args] in a fresh process from the checkout root."""
     script = bench_dir / f"{name}.py"
     root = bench_dir.resolve().parent
     env = dict(os.environ)
@@ -94,7 +104,7 @@ def run_one(name: str, bench_dir: Path, *, timeout_s: float | None = None, pytho
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(
-            [python, str(script), "--json"], cwd=root, env=env, stdin=subprocess.DEVNULL,
+            [python, str(script), "--json", *extra_args], cwd=root, env=env, stdin=subprocess.DEVNULL,
             capture_output=True, text=True, timeout=timeout_s,
         )
     except subprocess.TimeoutExpired as exc:
