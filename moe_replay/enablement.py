@@ -26,8 +26,8 @@ Legend: G generated tokens of the batch (flat, trace order), B rows, Gm longest 
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -258,13 +258,13 @@ def _trainer_geometry(trainer: TrainerBinding, model: Any, preset: Preset, famil
                          f"Add a RouterAdapter (moe_replay.integrations.hf.register_router) or train without moe_replay.") from None
 
 
-def _enabled(preset: str | Path | Preset, llm: Any, model: Any, family: str) -> Enabled:
+def _enabled(preset: str | os.PathLike | Preset, llm: Any, model: Any, family: str) -> Enabled:
     if llm is None and model is None:
         raise ValueError("enable(...) needs an llm (rollout engine), a model (trainer), or both")
     return Enabled(preset if isinstance(preset, Preset) else load_preset(preset), llm=llm, model=model, family=family)
 
 
-def enable(preset: str | Path | Preset, *, llm: Any = None, model: Any = None, family: str = "") -> Enabled:
+def enable(preset: str | os.PathLike | Preset, *, llm: Any = None, model: Any = None, family: str = "") -> Enabled:
     """Switch `preset` (a name from configs/, a YAML path, or a Preset) on for `llm` and/or `model`.
 
     `family` names the model family where the model does not (a Megatron model: e.g. 'qwen3_moe'),
@@ -279,7 +279,7 @@ def enable(preset: str | Path | Preset, *, llm: Any = None, model: Any = None, f
     return mr._attached(*mr._rollout.attach(llm, mr.preset))
 
 
-async def enable_async(preset: str | Path | Preset, *, llm: Any = None, model: Any = None, family: str = "") -> Enabled:
+async def enable_async(preset: str | os.PathLike | Preset, *, llm: Any = None, model: Any = None, family: str = "") -> Enabled:
     """`enable` for any engine, awaiting the attachment of async ones (AsyncLLM)."""
     mr = _enabled(preset, llm, model, family)
     if llm is None:

