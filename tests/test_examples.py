@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +20,20 @@ def run(script: str, *args: str) -> str:
     return proc.stdout
 
 
-def test_grpo_loop():
-    out = run("grpo_loop.py", "--steps", "1", "--preset", "r3_support")
-    assert "step 0: reward" in out
+STEP_LINE = re.compile(r"step (\d+): reward (\S+)  mean \|A\| (\S+)  loss (.+?)  grad norm (.+?)  train/rollout k3-KL (\S+)")
+
+
+def test_grpo_loop_learns_from_non_zero_advantages():
+    """Every step has advantages, a gradient, and (on the second update, ratio != 1) a loss that are not 0."""
+    out = run("grpo_loop.py", "--steps", "2", "--preset", "r3_support")
+    steps = [STEP_LINE.search(line) for line in out.splitlines() if line.startswith("step ")]
+    assert [int(m.group(1)) for m in steps if m] == [0, 1], out[-2000:]
+    for m in steps:
+        losses = [float(x) for x in m.group(4).split(" -> ")]
+        norms = [float(x) for x in m.group(5).split(" -> ")]
+        assert float(m.group(3)) > 0, m.group(0)
+        assert len(losses) == len(norms) == 2 and losses[1] != 0.0, m.group(0)
+        assert min(norms) > 0, m.group(0)
 
 
 def test_verl_style_preset():
