@@ -1,4 +1,4 @@
-"""GRPO with routing replay, in ~70 lines: real vLLM rollouts (bf16), HF training (fp32).
+"""GRPO with routing replay, in ~80 lines: real vLLM rollouts (bf16), HF training (fp32).
 
 The demo's loop (`moe-replay demo`) without the bookkeeping. Swap the preset name to compare
 fixes: "none", "r3", "r3_support", "r3_support_multisample", "r3_support_icepop".
