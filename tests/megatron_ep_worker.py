@@ -34,6 +34,7 @@ Legend: B batch rows, S padded length, M = S * B sequence-first positions, E exp
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from typing import Any
 
@@ -80,7 +81,9 @@ def _shims() -> None:
     token_dispatcher.torch = host_torch
 
 
-def _gpt(ep: int):
+def _gpt(ep: int, bf16: bool = False):
+    """The model; with `bf16`, bf16 parameters in Megatron's Float16Module (as Megatron-LM wraps a
+    --bf16 model; fp32 logits out), the router in fp32 (`moe_router_dtype`)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -88,27 +91,33 @@ def _gpt(ep: int):
     cfg = TransformerConfig(num_layers=NUM_LAYERS, hidden_size=H, num_attention_heads=2, ffn_hidden_size=32, moe_ffn_hidden_size=32,
                             num_moe_experts=EXPERTS, moe_router_topk=2, moe_enable_routing_replay=True,
                             moe_layer_freq=[0, 1, 0, 1], use_cpu_initialization=True, moe_router_dtype="fp32",
-                            add_bias_linear=False, moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep)
+                            add_bias_linear=False, moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep,
+                            **(dict(params_dtype=torch.bfloat16, bf16=True) if bf16 else {}))
     torch.manual_seed(0)
-    return GPTModel(cfg, get_gpt_decoder_block_spec(cfg, use_transformer_engine=False), vocab_size=VOCAB,
-                    max_sequence_length=64).eval()
+    model = GPTModel(cfg, get_gpt_decoder_block_spec(cfg, use_transformer_engine=False), vocab_size=VOCAB,
+                     max_sequence_length=64)
+    if bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(cfg, model)
+    return model.eval()
 
 
-def reference_worker(rank: int, init: str, plans, out: dict) -> None:
+def reference_worker(rank: int, init: str, plans, out: dict, *, bf16: bool = False) -> None:
     """The whole model in one process (all experts local): weights, replayed and free logits per plan."""
     gloo.init(rank, 1, init, _shims)
     try:
-        out.update(gloo.reference_run(_gpt(1), plans))
+        out.update(gloo.reference_run(_gpt(1, bf16), plans))
     finally:
         gloo.close()
 
 
-def ep_worker(rank: int, init: str, plans, full: dict, out: dict) -> None:
+def ep_worker(rank: int, init: str, plans, full: dict, out: dict, *, bf16: bool = False) -> None:
     from moe_replay.integrations.megatron import find_routers, megatron_inputs, replay
 
     gloo.init(rank, 2, init, _shims, ep=2)
     try:
-        model = _gpt(2)
+        model = _gpt(2, bf16)
         dispatcher = next(m.token_dispatcher for m in model.modules() if hasattr(m, "token_dispatcher"))
         # local expert i of this EP rank is global expert rank * (EXPERTS / 2) + i
         gloo.load_reference(model, full, ".local_experts.", rank * (EXPERTS // 2), f"EP rank {rank}")
@@ -126,6 +135,7 @@ def ep_worker(rank: int, init: str, plans, full: dict, out: dict) -> None:
             "flips": gloo.flips(maps, session.ids_MK),
             "ids": session.ids_MK[0],
             "logits": logits,
+            "param_dtype": str(next(model.parameters()).dtype),
         }
     finally:
         gloo.close()
@@ -137,11 +147,12 @@ def make_plans():
                              prefix="r")
 
 
-def run_ep2_alltoall(work) -> dict[str, Any]:
-    """Reference in one process, then EP=2 in two; the figures benchmarks/topologies.py reports,
-    plus the raw results for the test."""
+def run_ep2_alltoall(work, bf16: bool = False) -> dict[str, Any]:
+    """Reference in one process, then EP=2 in two (both with bf16 parameters when `bf16`); the
+    figures benchmarks/topologies.py reports, plus the raw results for the test."""
     plans = make_plans()
-    ref, ranks = gloo.reference_then_ranks(work, reference_worker, ep_worker, plans)
+    ref, ranks = gloo.reference_then_ranks(work, functools.partial(reference_worker, bf16=bf16),
+                                           functools.partial(ep_worker, bf16=bf16), plans)
     ref_logits, free_logits = ref["logits"], ref["free_logits"]
     diff = max(float((r["logits"] - want).abs().max()) for r, want in zip(ranks, ref_logits))
     free = max(float((r["logits"] - f).abs().max()) for r, f in zip(ranks, free_logits))

@@ -217,17 +217,20 @@ def test_pipeline_parallel_stages_replay_their_layers_and_match_one_process(tmp_
     assert r["max_abs_logit_diff"] <= 2e-5, r["max_abs_logit_diff"]
 
 
-def test_alltoall_expert_parallel_unequal_shapes_replay_and_match_one_process(tmp_path):
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_alltoall_expert_parallel_unequal_shapes_replay_and_match_one_process(tmp_path, bf16):
     """EP=2 with Megatron's all-to-all dispatcher (`moe_token_dispatcher_type="alltoall"`, gloo's
     `all_to_all_single` with split sizes), the two ranks replaying micro-batches of different shapes
     ([11, 2] and [9, 2]): each rank holds 4 of the 8 experts, every router routes exactly its plan's
     ids (flips 0), and each rank's logits equal a one-process replay of its own micro-batch with the
     same weights (fp32, max |diff| <= 2e-5; measured 0.0 on CPU), while free routing moves them by
     3.8e-2, so routes that were not replayed, or experts that ran on the wrong rank's weights, would
-    fail this. Set-up and CPU shims: tests/megatron_ep_worker.py."""
+    fail this. With bf16 parameters (Float16Module) the EP ranks' logits equal the one-process replay
+    bit for bit. Set-up and CPU shims: tests/megatron_ep_worker.py."""
     from .megatron_ep_worker import run_ep2_alltoall
 
-    r = run_ep2_alltoall(tmp_path)
+    r = run_ep2_alltoall(tmp_path, bf16)
+    assert {x["param_dtype"] for x in r["ranks"]} == {"torch.bfloat16" if bf16 else "torch.float32"}
     assert r["shapes"] == [[11, 2], [9, 2]]
     ranks = r["ranks"]
     assert [x["local_experts"] for x in ranks] == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -240,6 +243,8 @@ def test_alltoall_expert_parallel_unequal_shapes_replay_and_match_one_process(tm
         assert x["logits"].shape == (2, r["shapes"][rank][0], 512)
     assert r["reference_flips"] == 0 and r["replay_vs_free_logit_diff"] > 1e-3
     assert r["max_abs_logit_diff"] <= 2e-5, r["max_abs_logit_diff"]
+    if bf16:
+        assert r["max_abs_logit_diff"] == 0.0, r["max_abs_logit_diff"]
 
 
 def _cp_worker(rank: int, world: int, init: str, plan, out: dict) -> None:
