@@ -3,11 +3,13 @@ syncs and demo runs; every other record passes, and MOE_REPLAY_VERBOSE=1 shows a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -29,17 +31,31 @@ class Seen(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-@pytest.fixture
-def seen():
-    """A handler on vLLM's loader and reload loggers and on a third logger (the same texts logged
-    there must pass); filters sit before a logger's handlers, so this sees what users would."""
+@contextlib.contextmanager
+def watching(*names: str) -> Iterator[Seen]:
+    """A handler on vLLM's loader and reload loggers and on `names` (the same texts logged there
+    must pass); filters sit before a logger's handlers, so it sees what users would. Put on after
+    vLLM is imported and its engine built: vLLM's logging set-up (dictConfig) empties the handlers
+    of every logger under 'vllm' (their filters stay)."""
     handler = Seen()
-    loggers = [logging.getLogger(n) for n in (LOADER_LOGGER, RELOAD_LOGGER, "vllm.model_executor.model_loader.utils")]
+    loggers = [logging.getLogger(n) for n in (LOADER_LOGGER, RELOAD_LOGGER, *names)]
     for lg in loggers:
         lg.addHandler(handler)
-    yield handler
-    for lg in loggers:
-        lg.removeHandler(handler)
+    try:
+        yield handler
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+
+
+@pytest.fixture
+def seen():
+    pytest.importorskip("vllm")
+    import vllm.model_executor.model_loader.reload.layerwise  # noqa: F401  (vLLM's logging set up first)
+    import vllm.model_executor.models.utils  # noqa: F401
+
+    with watching("vllm.model_executor.model_loader.utils") as handler:
+        yield handler
 
 
 def _load_into(dtype, weight_dtype):
@@ -77,7 +93,6 @@ OTHERS = [
 
 
 def test_sync_rules_drop_exactly_vllms_expected_messages(seen, monkeypatch):
-    pytest.importorskip("vllm")
     from moe_replay.integrations.vllm.weights import EXPECTED_SYNC_LOGS
 
     monkeypatch.delenv(VERBOSE_ENV, raising=False)
@@ -98,17 +113,19 @@ def test_sync_rules_drop_exactly_vllms_expected_messages(seen, monkeypatch):
     assert len(seen.messages) == len(OTHERS) + EXPECTED_FOUND and dropped.count == 0
 
 
-def test_nested_blocks_take_off_only_their_own_filters(seen, monkeypatch):
+def test_nested_blocks_take_off_only_their_own_filters(monkeypatch):
     monkeypatch.delenv(VERBOSE_ENV, raising=False)
-    rule = ExpectedLog(RELOAD_LOGGER, r"x\d", "test")
-    log = logging.getLogger(RELOAD_LOGGER)
-    with expected_logs([rule]) as outer:
+    rule = ExpectedLog("moe_replay.test.nested", r"x\d", "test")
+    log = logging.getLogger(rule.logger)
+    with watching(rule.logger) as seen, expected_logs([rule]) as outer:
         with expected_logs([rule]) as inner:
             log.warning("x1")
         log.warning("x2")  # the outer filter is still on
         log.warning("y")
-    log.warning("x3")
-    assert seen.messages == ["y", "x3"] and outer.count + inner.count == 2  # the first filter on drops x1
+    with watching(rule.logger) as after:
+        log.warning("x3")
+    assert after.messages == ["x3"]
+    assert seen.messages == ["y"] and outer.count + inner.count == 2  # the first filter on drops x1
 
 
 def test_a_rule_needs_a_logger_and_a_valid_pattern():
@@ -119,25 +136,27 @@ def test_a_rule_needs_a_logger_and_a_valid_pattern():
 
 
 @pytest.mark.vllm
-def test_update_weights_is_quiet_unless_verbose(tiny_model, vllm_llm, tmp_path, seen, monkeypatch):
-    """On a real bf16 engine, a sync of the fp32 checkpoint logs vLLM's cast and rotary warnings only
-    under MOE_REPLAY_VERBOSE=1."""
-    from moe_replay.integrations.vllm.weights import update_weights
+def test_update_weights_is_quiet_unless_verbose(tiny_model, vllm_llm, monkeypatch):
+    """On a real bf16 engine, a sync of the fp32 checkpoint logs vLLM's casts, its rotary warning
+    and three INFO lines only under MOE_REPLAY_VERBOSE=1; a record on those loggers that no rule
+    names passes either way."""
+    from moe_replay.integrations.vllm.weights import EXPECTED_SYNC_LOGS, update_weights
 
     model_dir = tiny_model("qwen3_moe")
     llm = vllm_llm(model_dir, dtype="bfloat16")
-    monkeypatch.delenv(VERBOSE_ENV, raising=False)
-    seen.messages.clear()
-    update_weights(llm, model_dir)
-    quiet = list(seen.messages)
-    monkeypatch.setenv(VERBOSE_ENV, "1")
-    seen.messages.clear()
-    update_weights(llm, model_dir)
-    loud = list(seen.messages)
+    names = [r.logger for r in EXPECTED_SYNC_LOGS]
+    runs = {}
+    for verbose in ("", "1"):
+        monkeypatch.setenv(VERBOSE_ENV, verbose)
+        with watching(*names) as seen:
+            update_weights(llm, model_dir)
+            logging.getLogger(LOADER_LOGGER).warning("not a sync's line")
+        runs[verbose] = seen.messages
+    quiet, loud = runs[""], runs["1"]
     casts = [m for m in loud if m.startswith("Attempted to load weight") and m.endswith("torch.bfloat16")]
-    rotary = [m for m in loud if m == "RotaryEmbedding: Failed to load weights"]
-    assert len(casts) >= 10 and len(rotary) >= 1, loud  # 15 casts and 1 rotary layer for this model
-    assert quiet == [m for m in loud if m not in casts and m not in rotary]
+    info = [m for m in loud if m.startswith(("Filesystem type", "Reloading and processing", "Successfully reset"))]
+    assert len(casts) == 15 and loud.count("RotaryEmbedding: Failed to load weights") == 1 and len(info) == 3, loud
+    assert quiet == ["not a sync's line"] and loud[-1] == "not a sync's line"
 
 
 @pytest.mark.vllm

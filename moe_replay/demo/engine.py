@@ -2,7 +2,9 @@
 
 Weights go trainer -> engine every step in place (`integrations.vllm.weights.update_weights`:
 vLLM's `reload_weights` from a `save_pretrained` directory, which the tiny model writes in ~15 ms,
-plus the CPU MoE repack vLLM 0.32 misses); the prefix cache is reset after each sync.
+plus the CPU MoE repack vLLM 0.32 misses); the prefix cache is reset after each sync. vLLM's
+routine lines of each sync and of the first load (weights.EXPECTED_SYNC_LOGS) and transformers'
+save progress bar are left out of the console unless MOE_REPLAY_VERBOSE=1 (`demo --verbose`).
 """
 
 from __future__ import annotations
