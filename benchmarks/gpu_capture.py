@@ -1,7 +1,10 @@
 """Rollout throughput with and without capture on a GPU vLLM engine (CUDA graphs + compile).
 
-Five settings, each its own engine, all alive at once (a slice of GPU memory each) and measured in
-interleaved rounds, so drift of the machine hits every setting alike:
+Five settings, each its own engine in its own process (vLLM 0.26 keeps CUDA-graph state per process:
+a second graph engine in one process dies with "CUDA graph capturing detected at an inappropriate
+time", measured on an H200), all alive at once (a slice of GPU memory each, started in parallel) and
+measured in interleaved rounds driven over a line protocol, so drift of the machine hits every
+setting alike:
 
   graphs              vLLM's default (torch.compile + CUDA graphs), no capture: the reference
   graphs_native       + vLLM's own `enable_return_routed_experts` (routes only; the outputs'
@@ -25,7 +28,10 @@ Model: `build_tiny_model("qwen3_moe", size="bench", num_experts=64, num_experts_
 hidden_size=1024, moe_intermediate_size=512, num_hidden_layers=8)`, bf16; 128 prompts of 16-64
 words, 128 generated tokens each (ignore_eos), top_p 0.95, max_num_seqs 128, prefix caching off.
 Prints one JSON object: per setting tokens/s (median over rounds) and `vs_graphs`, the median of
-per-round ratios to `graphs`. Target: graphs_capture >= 0.97 x graphs.
+per-round ratios to `graphs`; `capture_throughput_ratio` is graphs_capture's. Target: >= 0.97.
+For each capture setting, `breakdown`: capture's host seconds per part over the measured rounds
+(VllmCapture.timings(): per-step, per-flush, per-take and client parts) and each part's share of
+those rounds' wall time, so a GPU run shows where capture's time goes.
 
 Needs a GPU build of vLLM in the supported range (integrations/vllm/versions.py); written for
 vLLM 0.26 on one H100. `--dry-run` checks the plan on any machine: it builds every setting's
@@ -177,6 +183,24 @@ class Setting:
 
             self.capture = VllmCapture(self.llm, CaptureConfig())
 
+        self.wall_s = 0.0
+
+    def reset_timings(self) -> None:
+        """Start the breakdown's window (after the warm-up pass)."""
+        self.wall_s = 0.0
+        if self.capture is not None and hasattr(self.capture, "timings"):
+            self.capture.timings(reset=True)
+
+    def breakdown(self) -> dict | None:
+        """Capture's host seconds per part over the measured passes, and each part's share of their wall time."""
+        if self.capture is None or not hasattr(self.capture, "timings") or self.wall_s <= 0:
+            return None
+        parts = self.capture.timings()
+        return {"wall_s": round(self.wall_s, 3),
+                "parts": {k: {"s": round(float(v["s"]), 4), "calls": int(v["calls"]),
+                              "share": round(float(v["s"]) / self.wall_s, 5)} for k, v in parts.items()},
+                "host_share": round(sum(float(v["s"]) for v in parts.values()) / self.wall_s, 5)}
+
     def run(self, prompts: list[str], params) -> float:
         """Generated tokens per second of one pass (collect included for capture)."""
         t0 = time.perf_counter()
@@ -187,6 +211,7 @@ class Setting:
             rows = sum(len(c.routed_experts) for o in outs for c in o.outputs)  # materialised, not lazy
             assert rows > 0, "enable_return_routed_experts returned no routes"
         dt = time.perf_counter() - t0
+        self.wall_s += dt
         return sum(len(c.token_ids) for o in outs for c in o.outputs) / dt
 
     def close(self) -> None:
@@ -210,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", "--plan", dest="dry_run", action="store_true",
                     help="check and print the plan only (no engine, no GPU)")
     ap.add_argument("--compare-eager", action="store_true", help=f"run {COMPARE} with enforce_eager=True")
+    ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # child: one setting's engine
+    ap.add_argument("--start-timeout-s", type=float, default=400.0, help="per engine start (cold compile included)")
+    ap.add_argument("--run-timeout-s", type=float, default=120.0, help="per pass")
     args = ap.parse_args(argv)
     args.settings = [s for s in args.settings.split(",") if s]
     bad = [s for s in args.settings if s not in SETTINGS + (COMPARE,)]
@@ -230,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, default=str))
         return 0
 
+    if args.serve:
+        return serve(args)
     import vllm
-    from vllm import SamplingParams
 
     from moe_replay.models import build_tiny_model
 
@@ -240,23 +269,37 @@ def main(argv: list[str] | None = None) -> int:
         if model_dir is None:
             spec = dict(MODEL)
             model_dir = str(build_tiny_model(spec.pop("family"), Path(tmp) / "bench", seed=0, **spec))
-        prompts = workload(args.prompts)
-        params = SamplingParams(temperature=1.0, top_p=args.top_p, max_tokens=args.max_tokens, ignore_eos=True)
-        engines = plan(args, model_dir)
-        compare = compare_native_hooks(engines.pop(COMPARE), prompts, args.max_tokens, args.top_p) \
-            if COMPARE in engines else None
-        settings = [Setting(name, kw) for name, kw in engines.items()]
-        tps: dict[str, list[float]] = {s.name: [] for s in settings}
+        child_args = ["--model-dir", model_dir, "--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens),
+                      "--top-p", str(args.top_p), "--gpu-memory-utilization", str(args.gpu_memory_utilization)] + \
+            (["--compare-eager"] if args.compare_eager else [])
+        children = [Child(name, child_args) for name in args.settings]  # every engine starts at once
+        compare, tps, breakdowns, failed = None, {}, {}, {}
         try:
-            for s in settings:  # warm-up pass each (compile / graph capture already happened at start)
-                s.run(prompts, params)
+            ready = []
+            for c in children:
+                try:
+                    reply = c.reply(args.start_timeout_s)
+                except (TimeoutError, RuntimeError) as e:
+                    failed[c.name] = str(e)
+                    continue
+                if reply.get("ready"):
+                    ready.append(c)
+                elif c.name == COMPARE and "result" in reply:
+                    compare = reply["result"]
+                else:
+                    failed[c.name] = reply.get("error") or reply
+            tps = {c.name: [] for c in ready}
+            for c in ready:  # warm-up pass each (compile / graph capture already happened at start)
+                c.ask("run", args.run_timeout_s)
+                c.ask("reset", args.run_timeout_s)
             for r in range(args.rounds):
-                order = settings[r % len(settings):] + settings[: r % len(settings)]  # rotate the order
-                for s in order:
-                    tps[s.name].append(s.run(prompts, params))
+                order = ready[r % len(ready):] + ready[: r % len(ready)] if ready else []  # rotate the order
+                for c in order:
+                    tps[c.name].append(c.ask("run", args.run_timeout_s)["tokens_per_s"])
+            breakdowns = {c.name: c.ask("breakdown", args.run_timeout_s).get("breakdown") for c in ready}
         finally:
-            for s in settings:
-                s.close()
+            for c in children:
+                c.close()
     out = {"benchmark": "gpu_capture", "vllm": vllm.__version__, "device": _device_name(), "model": MODEL,
            "rounds": args.rounds, "prompts": args.prompts, "max_tokens": args.max_tokens, "top_p": args.top_p,
            "settings": {}}
@@ -264,10 +307,112 @@ def main(argv: list[str] | None = None) -> int:
         row = {"tokens_per_s": round(statistics.median(runs), 1), "runs": [round(x, 1) for x in runs]}
         if "graphs" in tps:
             row["vs_graphs"] = round(statistics.median(a / b for a, b in zip(runs, tps["graphs"])), 4)
+        if breakdowns.get(name) is not None:
+            row["breakdown"] = breakdowns[name]
         out["settings"][name] = row
+    if "graphs_capture" in out["settings"] and "vs_graphs" in out["settings"]["graphs_capture"]:
+        out["capture_throughput_ratio"] = out["settings"]["graphs_capture"]["vs_graphs"]
     if compare is not None:
         out[COMPARE] = compare
-    print(json.dumps(out))
+    if failed:
+        out["failed"] = failed
+    print(json.dumps(out, default=str))
+    return 0
+
+
+PROTOCOL = "@@gpu_capture "
+"""Prefix of the child's protocol lines on stdout (vLLM logs there too)."""
+
+
+class Child:
+    """One setting's engine in its own process: `ask(cmd)` sends a command line and waits for its reply."""
+
+    def __init__(self, name: str, child_args: list[str]) -> None:
+        import queue
+        import subprocess
+        import threading
+
+        self.name = name
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", name, *child_args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.lines: "queue.Queue[str | None]" = queue.Queue()
+
+        def pump() -> None:
+            for line in self.proc.stdout:
+                if line.startswith(PROTOCOL):
+                    self.lines.put(line[len(PROTOCOL):])
+                else:
+                    sys.stderr.write(f"[{name}] {line}")
+            self.lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def reply(self, timeout_s: float) -> dict:
+        import queue
+
+        try:
+            line = self.lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"setting {self.name}: no reply in {timeout_s:.0f} s") from None
+        if line is None:
+            raise RuntimeError(f"setting {self.name}: the process exited (rc {self.proc.wait()})")
+        return json.loads(line)
+
+    def ask(self, cmd: str, timeout_s: float) -> dict:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        got = self.reply(timeout_s)
+        if "error" in got:
+            raise RuntimeError(f"setting {self.name}: {got['error']}")
+        return got
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+        except Exception:  # noqa: BLE001 - a stuck engine is killed
+            self.proc.kill()
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Child: build one setting's engine, answer "run" / "reset" / "breakdown" / "quit" on stdin."""
+    from vllm import SamplingParams
+
+    def say(obj: dict) -> None:
+        print(PROTOCOL + json.dumps(obj, default=str), flush=True)
+
+    name = args.serve
+    prompts = workload(args.prompts)
+    kw = engine_kwargs(name, args.model_dir, args.gpu_memory_utilization, args.prompts, args.compare_eager)
+    try:
+        if name == COMPARE:
+            say({"result": compare_native_hooks(kw, prompts, args.max_tokens, args.top_p)})
+            return 0
+        setting = Setting(name, kw)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which goes on with the others
+        say({"error": f"{type(e).__name__}: {e}"})
+        return 1
+    params = SamplingParams(temperature=1.0, top_p=args.top_p, max_tokens=args.max_tokens, ignore_eos=True)
+    say({"ready": True})
+    for line in sys.stdin:
+        cmd = line.strip()
+        try:
+            if cmd == "run":
+                say({"tokens_per_s": setting.run(prompts, params)})
+            elif cmd == "reset":
+                setting.reset_timings()
+                say({"ok": True})
+            elif cmd == "breakdown":
+                say({"breakdown": setting.breakdown()})
+            elif cmd == "quit":
+                break
+            else:
+                say({"error": f"unknown command {cmd!r}"})
+        except Exception as e:  # noqa: BLE001
+            say({"error": f"{type(e).__name__}: {e}"})
+    setting.close()
     return 0
 
 

@@ -34,8 +34,13 @@ forcing step is bound at model load, integrations/vllm/scoring/force_step.py) or
 Timings: median of `--repeats` (interleaved, torch.cuda.synchronize around each). Output is JSON
 labelled with the GPU name and the vLLM / torch versions.
 
+`--quick` (what benchmarks/gpu_driver.py runs inside a 15-minute GPU lease): the timed jobs are the
+rollout, the HF recompute, pipelined and the estimator at n = 1/2/4/8 (full re-scoring) and n = 4 with
+prompt reuse; 2 repeats, 4 variance repeats; the second engine (other mode) is skipped. Partial
+results go to stderr as each section ends, so a run cut short still leaves its figures in the log.
+
 Usage: python benchmarks/gpu_estimator.py --json [--engine graph|eager] [--requests 64] [--tokens 128]
-       [--repeats 3] [--variance-repeats 8] [--gpu-memory-utilization 0.25] [--plan]
+       [--repeats 3] [--variance-repeats 8] [--gpu-memory-utilization 0.25] [--quick] [--plan]
 `--plan` prints the configuration as JSON and exits (checks the script on a machine without a GPU).
 """
 
@@ -73,7 +78,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.25)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--plan", action="store_true", help="print the configuration and exit (no GPU needed)")
+    ap.add_argument("--quick", action="store_true",
+                    help="the jobs the targets need, 2 repeats, 4 variance repeats, no second engine")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.repeats, args.variance_repeats = min(args.repeats, 2), min(args.variance_repeats, 4)
     for name in ("requests", "tokens", "repeats", "variance_repeats", "block_size"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -177,6 +186,12 @@ def main(argv=None) -> None:
     free_ref = free.score_batch(traces)
     placements[f"{main_mode}_all_free_routing"] = compare(ref, free_ref)
 
+    def progress(section: str, value) -> None:
+        print(json.dumps({"section": section, "value": value}, default=str), file=sys.stderr, flush=True)
+
+    progress("noise", {"forced_vs_rollout_max_abs": float(gap.max()), "forced_vs_rollout_mean_abs": float(gap.mean()),
+                       "placements": placements})
+
     # -- timings, interleaved ---------------------------------------------------------------------
     times: dict[str, list[float]] = {}
 
@@ -202,9 +217,16 @@ def main(argv=None) -> None:
     jobs = [("rollout", lambda: cap.generate(P, sp, use_tqdm=False)), ("hf", lambda: hf.score_batch(traces)),
             ("pipelined", lambda: pipelined(scorer)), ("pipelined_reuse", lambda: pipelined(reuse())),
             ("pipelined_reuse_rollout", lambda: pipelined(reuse(), replicas=3))]
+    if args.quick:
+        jobs = [j for j in jobs if j[0] in ("rollout", "hf", "pipelined")]
     for n in NS:
         jobs.append((f"est{n}", lambda n=n: estimate(traces, BucketScorer(scorer, len(traces)), EstimatorConfig(n=n),
                                                      batch_size=len(traces))))
+        if args.quick:
+            if n == 4:
+                jobs.append(("est4_reuse", lambda: estimate(traces, BucketScorer(reuse(), len(traces)),
+                                                            EstimatorConfig(n=4), batch_size=len(traces))))
+            continue
         jobs.append((f"est{n}_reuse", lambda n=n: estimate(traces, BucketScorer(reuse(), len(traces)),
                                                            EstimatorConfig(n=n), batch_size=len(traces))))
         if n > 1:
@@ -217,6 +239,7 @@ def main(argv=None) -> None:
         for name, fn in jobs[r % len(jobs):] + jobs[: r % len(jobs)]:
             times.setdefault(name, []).append(sync(fn)[0])
     med = {k: statistics.median(v) for k, v in times.items()}
+    progress("timings_s", med)
 
     # -- variance under real engine noise -----------------------------------------------------------
     probs = {n: [] for n in NS}
@@ -225,19 +248,23 @@ def main(argv=None) -> None:
             est = estimate(traces, BucketScorer(scorer, len(traces), offset=k), EstimatorConfig(n=n), batch_size=len(traces))
             probs[n].append(np.concatenate([e.prob_G for e in est]))
     var = {n: float(np.stack(probs[n]).var(axis=0, ddof=1).sum()) for n in NS}
+    progress("variance", var)
 
     # -- the other mode: a second engine, forced in every bucket, and free for reference ------------
     other = {}
-    llm_o = LLM(**scoring_engine_kwargs(enforce_eager=other_mode == "eager", **kw))
-    so = VllmScorer(llm_o, full_cfg)
-    for b in BUCKETS:
-        try:
-            placements[f"{other_mode}_batch{b}"] = compare(
-                ref, BucketScorer(so, len(traces), BUCKETS.index(b)).score_batch(traces))
-        except ScoringError as e:  # recorded, never silent: a forcing failure is a finding
-            other[f"batch{b}_forced_error"] = f"{type(e).__name__}: {e}"
-    free_o = so.with_config(dataclasses.replace(full_cfg, force_routes=False))
-    placements[f"{other_mode}_all_free_routing_vs_{main_mode}_free"] = compare(free_ref, free_o.score_batch(traces))
+    if args.quick:
+        other["skipped"] = "--quick"
+    else:
+        llm_o = LLM(**scoring_engine_kwargs(enforce_eager=other_mode == "eager", **kw))
+        so = VllmScorer(llm_o, full_cfg)
+        for b in BUCKETS:
+            try:
+                placements[f"{other_mode}_batch{b}"] = compare(
+                    ref, BucketScorer(so, len(traces), BUCKETS.index(b)).score_batch(traces))
+            except ScoringError as e:  # recorded, never silent: a forcing failure is a finding
+                other[f"batch{b}_forced_error"] = f"{type(e).__name__}: {e}"
+        free_o = so.with_config(dataclasses.replace(full_cfg, force_routes=False))
+        placements[f"{other_mode}_all_free_routing_vs_{main_mode}_free"] = compare(free_ref, free_o.score_batch(traces))
 
     digests = {k: v["digest"] for k, v in placements.items() if "free" not in k}
     result = {
@@ -247,22 +274,24 @@ def main(argv=None) -> None:
         "engine": main_mode, "placements": placements, "other_engine": {"mode": other_mode, **other},
         "distinct_forced_results": len(set(digests.values())), "forced_placements": len(digests),
         "estimator_s": {str(n): med[f"est{n}"] for n in NS},
-        "estimator_s_reuse": {str(n): med[f"est{n}_reuse"] for n in NS},
+        "estimator_s_reuse": {str(n): med[f"est{n}_reuse"] for n in NS if f"est{n}_reuse" in med},
         "hf_recompute_s": med["hf"],
         "n4_over_hf_recompute": med["est4"] / med["hf"], "n4_reuse_over_hf_recompute": med["est4_reuse"] / med["hf"],
-        "estimator_s_reuse_rollout": {str(n): med[f"est{n}_reuse_rollout"] for n in NS if n > 1},
-        "n4_reuse_rollout_over_hf_recompute": med["est4_reuse_rollout"] / med["hf"],
-        "pipelined_s_reuse_rollout": med["pipelined_reuse_rollout"],
-        "pipelined_overhead_reuse_rollout": med["pipelined_reuse_rollout"] / med["rollout"] - 1.0,
-        "rollout_s": med["rollout"], "pipelined_s": med["pipelined"], "pipelined_s_reuse": med["pipelined_reuse"],
+        "estimator_n4_vs_recompute": med["est4"] / med["hf"],
+        "estimator_s_reuse_rollout": {str(n): med[f"est{n}_reuse_rollout"] for n in NS if f"est{n}_reuse_rollout" in med},
+        "n4_reuse_rollout_over_hf_recompute": med["est4_reuse_rollout"] / med["hf"] if "est4_reuse_rollout" in med else None,
+        "pipelined_s_reuse_rollout": med.get("pipelined_reuse_rollout"),
+        "pipelined_overhead_reuse_rollout": med["pipelined_reuse_rollout"] / med["rollout"] - 1.0
+        if "pipelined_reuse_rollout" in med else None,
+        "rollout_s": med["rollout"], "pipelined_s": med["pipelined"], "pipelined_s_reuse": med.get("pipelined_reuse"),
         "pipelined_overhead": med["pipelined"] / med["rollout"] - 1.0,
-        "pipelined_overhead_reuse": med["pipelined_reuse"] / med["rollout"] - 1.0,
+        "pipelined_overhead_reuse": med["pipelined_reuse"] / med["rollout"] - 1.0 if "pipelined_reuse" in med else None,
         "variance_ratio": {str(n): (var[n] / var[1] if var[1] > 0 else None) for n in NS},
         "variance_ratio_target": {str(n): 1.1 / n for n in NS},
         "noise": "real engine noise only (batch-size buckets); nothing injected",
         "raw_s": times,
     }
-    print(json.dumps(result, indent=1) if args.json else result)
+    print(json.dumps(result) if args.json else result)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,10 @@ Time: median ms of `--repeats` runs, all paths interleaved in one loop (the mach
 `time_vs_plain` (new paths): forward+backward ms over plain's, same run and G.
 Compile: the script runs with an empty inductor cache of its own, so `compile_s` (the first
 forward+backward of `new`, less its steady-state time) is a cold compile.
+On a GPU (`--device cuda`): memory is the CUDA caching allocator's peak (max_memory_allocated, reset
+before each call) over what was allocated before it; time brackets each call with synchronize.
 
-Usage: python benchmarks/scoring.py --json [--g 64,256] [--repeats 3] [--temperature 1.0]
+Usage: python benchmarks/scoring.py --json [--g 64,256] [--repeats 3] [--temperature 1.0] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -96,13 +98,17 @@ def masked_logprobs(logits_GV, target_G, mask_GV=None, temperature=1.0):
 
 
 # -- one measured call per path ---------------------------------------------------------------------
+DEVICE = "cpu"
+"""Where the logits live (--device): the CPU allocator's profiler events or CUDA's allocator stats."""
+
+
 def make_case(g: int, seed: int = 0) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
-    logits = (torch.randn(g, V) * 2).to(torch.bfloat16)
+    logits = (torch.randn(g, V, device=DEVICE) * 2).to(torch.bfloat16)
     sizes = rng.integers(1, MAX_KEPT + 1, g)
     rows = [np.sort(rng.choice(V, int(n), replace=False)) for n in sizes]
-    target = torch.tensor([int(rng.choice(r)) for r in rows])
+    target = torch.tensor([int(rng.choice(r)) for r in rows], device=DEVICE)
     sup = SamplingSupport.from_rows(rows)
     return {"logits": logits, "target": target, "support": sup, "csr": SupportCSR.from_supports([sup], [g])}
 
@@ -114,7 +120,7 @@ def paths(case: dict[str, Any], with_support: bool, temperature: float) -> dict[
         return torch.log_softmax(x.float(), -1).gather(1, target[:, None]).squeeze(1)
 
     def current(x):
-        mask = support_mask_GV([sup], [g], V) if with_support else None
+        mask = support_mask_GV([sup], [g], V, device=DEVICE) if with_support else None
         return masked_logprobs(x, target, mask, temperature)[0]
 
     def new(x):
@@ -134,6 +140,8 @@ def run_once(fn, logits: torch.Tensor, backward: bool, measure: bool) -> tuple[f
     """(seconds, peak extra bytes without the logits' grad, with it)."""
     x = logits.detach().requires_grad_(True)
     gc.collect()
+    if DEVICE != "cpu":
+        return _run_once_cuda(fn, x, backward, measure)
     t0 = time.perf_counter()
     if measure:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -151,6 +159,22 @@ def run_once(fn, logits: torch.Tensor, backward: bool, measure: bool) -> tuple[f
     grad_bytes = x.grad.untyped_storage().nbytes() if (backward and x.grad is not None) else 0
     del lp
     return dt, peak - grad_bytes, peak
+
+
+def _run_once_cuda(fn, x: torch.Tensor, backward: bool, measure: bool) -> tuple[float, float, float]:
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    lp = fn(x)
+    if backward:
+        lp.sum().backward()
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() - before
+    grad_bytes = x.grad.untyped_storage().nbytes() if (backward and x.grad is not None) else 0
+    del lp
+    return (dt, peak - grad_bytes, peak) if measure else (dt, 0.0, 0.0)
 
 
 def bench(gs: Sequence[int], repeats: int, temperature: float) -> dict[str, Any]:
@@ -196,19 +220,25 @@ def main() -> None:
     ap.add_argument("--g", default="64,256", help="comma-separated numbers of scored rows")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     t0 = time.perf_counter()
     result = {
-        "device": "cpu",
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
         "torch_threads": torch.get_num_threads(),
         "V": V,
         "logits_dtype": "bfloat16",
         "temperature": args.temperature,
         "support_kept_per_row": f"1-{MAX_KEPT}",
-        "memory_method": ("peak of the CPU allocator's allocations minus frees during the call (torch.profiler "
+        "memory_method": ("peak of CUDA's caching allocator (max_memory_allocated, reset before the call) minus what "
+                          "was allocated before it, minus the logits' gradient, over the bf16 logits' bytes")
+        if DEVICE == "cuda" else ("peak of the CPU allocator's allocations minus frees during the call (torch.profiler "
                           "profile_memory events; compiled code included), minus the logits' gradient (logits-sized, "
                           "every path returns it; counted in peak_over_logits_with_grad), over the bf16 logits' bytes"),
-        "backend_auto": "torch_compiled on CPU at these sizes (moe_replay.replay.scoring.COMPILE_MIN_ELEMENTS)",
+        "backend_auto": "torch_compiled on CPU at these sizes (moe_replay.replay.scoring.COMPILE_MIN_ELEMENTS)"
+        if DEVICE == "cpu" else "the backend score_logits picks for CUDA tensors",
         "time_method": f"median of {args.repeats} interleaved runs after one warm-up each",
         "results": bench([int(x) for x in args.g.split(",")], args.repeats, args.temperature),
     }

