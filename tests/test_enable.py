@@ -64,6 +64,21 @@ def test_one_training_loop_serves_every_preset(setup, preset):
         mr.close()
 
 
+def test_enable_as_a_context_manager_detaches_on_exit(setup):
+    from vllm import SamplingParams
+
+    from moe_replay.integrations.vllm import CaptureHookError
+
+    llm, model = setup
+    with moe_replay.enable("r3_support", llm=llm, model=model) as mr:
+        _, traces = mr.generate(PROMPTS[:1], SamplingParams(n=1, max_tokens=4, seed=0), use_tqdm=False)
+        assert len(traces) == 1
+        with pytest.raises(CaptureHookError, match="already installed"):  # the engine holds this capture
+            moe_replay.enable("r3_support", llm=llm)
+    assert mr.capture is None and mr.scorer is None
+    moe_replay.enable("r3_support", llm=llm).close()  # detached on exit: a new capture installs
+
+
 def test_errors_name_what_to_do(setup):
     llm, model = setup
     with pytest.raises(ValueError, match="needs an llm"):
