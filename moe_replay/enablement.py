@@ -10,7 +10,9 @@
         fix = batch.corrections(logp_G.detach())                  # the preset's IS weights / masks
         loss = ...; loss.backward()                               # inside the `with`
 
-Whatever the preset leaves off is a no-op, so one training loop serves every preset. The engine and
+`with moe_replay.enable(...) as mr:` detaches capture and scoring from the engine on exit (what
+`mr.close()` does; `async with` for an async engine). Whatever the preset leaves off is a no-op,
+so one training loop serves every preset. The engine and
 the model are served by registered bindings (bindings.py: vLLM `LLM` and `AsyncLLM`; Megatron-core
 and Hugging Face models), first match wins; a framework is imported only when its object is given.
 An `AsyncLLM` attaches asynchronously: `mr = await moe_replay.enable_async(preset, llm=engine, ...)`,
