@@ -34,7 +34,7 @@ For each capture setting, `breakdown`: capture's host seconds per part over the 
 those rounds' wall time, so a GPU run shows where capture's time goes.
 
 Needs a GPU build of vLLM in the supported range (integrations/vllm/versions.py); written for
-vLLM 0.26 on one H100. `--dry-run` checks the plan on any machine: it builds every setting's
+vLLM 0.26 on one H100 / H200. `--dry-run` checks the plan on any machine: it builds every setting's
 EngineArgs against the installed vLLM (on the tiny model; no engine, no GPU) and prints the plan as JSON.
 
 Usage: python benchmarks/gpu_capture.py [--rounds 3] [--settings graphs,graphs_capture,...,native_vs_hooks]

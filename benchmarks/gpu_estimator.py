@@ -1,6 +1,6 @@
 """GPU figures of the multi-sample π_old estimator. Needs a CUDA GPU and vLLM.
 
-Written for one H100 with vLLM 0.26 (../shared/notes/gpu.md); never run by the tests. On the
+Written for one H100 / H200 with vLLM 0.26 (ran on an H200, 2026-11-27: docs/benchmarks.md); never run by the tests. On the
 gpu.md bench model (qwen3_moe, 8 layers, hidden 1024, 64 experts top-8, bf16), `--requests`
 rollouts of `--tokens` tokens (top_p 0.9) are sampled and captured on the main engine, then
 scored on it. `--engine graph` (default, vLLM's default: torch.compile + CUDA graphs; the routers'
