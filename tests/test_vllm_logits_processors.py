@@ -94,3 +94,12 @@ def test_engine_without_custom_processors_names_none(tiny_model, vllm_llm):
     assert plain.sampling.adjusted == ()
     build_plan([plain], plain.geometry)  # min_p alone is plain sampling
     assert biased.sampling.adjusted == ("logit_bias", "min_tokens")
+
+
+def test_thinking_token_budget_is_named():
+    """vLLM forces the end-of-thinking token past a request's thinking_token_budget by setting its
+    logit to 1e9 (the others stay finite), a shift the trainer cannot see: named like logit_bias."""
+    from moe_replay.integrations.vllm.capture.api import sampling_summary
+
+    assert sampling_summary(SamplingParams(thinking_token_budget=4))["adjusted"] == ["thinking_token_budget"]
+    assert sampling_summary(SamplingParams(thinking_token_budget=None))["adjusted"] == []

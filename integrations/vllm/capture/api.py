@@ -39,6 +39,7 @@ LOGIT_ADJUSTMENTS: tuple[tuple[str, Any], ...] = (
     ("min_tokens", lambda v: bool(v)),
     ("structured_outputs", lambda v: v is not None),
     ("logits_processors", lambda v: bool(v)),
+    ("thinking_token_budget", lambda v: v is not None),  # past the budget: the end token's logit set to 1e9
 )
 """vLLM SamplingParams options that change the logits the sampler draws from (and whose recorded
 logprob is of), each with its test for "set"; recorded by name in Sampling.adjusted."""
