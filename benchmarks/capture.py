@@ -21,6 +21,17 @@ hook_time_fraction: seconds spent in capture code (step snapshots, flushes, supp
 route functions inside the forward, and collect(): the worker's take plus decoding on the client),
 over the run's wall time. On a shared, loaded machine the throughput ratio is noisy (run times drift
 by 10-30%; hence many interleaved pairs); hook_time_fraction is not.
+`breakdown`: the same capture code by part (`VllmCapture.timings()`, summed over every timed capture
+run): `share_of_wall` (each part's seconds over those runs' wall time), `share_of_capture`,
+`us_per_step` (part seconds per engine step, whatever how often the part runs) and `calls`. Parts:
+step.* run in every engine step (finish: finished requests and room checks; arm: the route rows'
+sentinel; layout: the step's request ids, query starts, positions; route_copy: step buffer -> arena;
+slots: KV slots; batch: records of the batch, the step's snapshot; support_stage: the truncated
+logit rows' copy; commit: the sampled ids), flush.* once per flush (window: steps laid end to end;
+route_read: the arena read to the host, sentinel check; slot_cache; route_records; kept_sets: kept
+ids, sizes, logprob gathers; sample_records), take.assemble per collected record, client.rpc (the
+take call less the worker's own time in it), client.build (decoding records, building traces),
+forward.route_hold (eager CPU engines: the route functions inside the forward).
 
 `compiled` (bench model, vLLM's default `enforce_eager=False`: torch.compile on vLLM-CPU): two
 engines live side by side, one built plainly and one with `capture_engine_kwargs()` (its routers
@@ -103,16 +114,27 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if cap:
             hook_fracs.append(code_s / dt)
+            parts = cap.timings()  # after the clock stopped: take already flushed every step
+            for k, v in parts.items():
+                got = part_sums.setdefault(k, {"s": 0.0, "calls": 0})
+                got["s"] += v["s"]
+                got["calls"] += v["calls"]
+            on_wall[0] += dt
+            on_steps[0] += cap.stats()["steps"]
             cap.uninstall()
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         return (n / dt, n / dc), traces
 
     hook_fracs: list[float] = []
     cap_mode: list[str | None] = [None]
+    part_sums: dict[str, dict[str, float]] = {}
+    on_wall, on_steps = [0.0], [0]
 
     run(False), run(True)  # warm both paths
     prof = _op_profile(run) if compiled else None
     hook_fracs.clear()
+    part_sums.clear()
+    on_wall[0], on_steps[0] = 0.0, 0
     off, on, ratios, off_w, on_w, ratios_w, traces = [], [], [], [], [], [], None
     for i in range(pairs):
         order = (False, True) if i % 2 == 0 else (True, False)
@@ -151,6 +173,7 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
         "overhead_wall": round(statistics.median(ratios_w), 4),
         "overhead_wall_ci95": _ci95(ratios_w),
         "hook_time_fraction": round(statistics.median(hook_fracs), 4),
+        "breakdown": _breakdown(part_sums, on_wall[0], on_steps[0]),
         "trace_bytes_per_token": round(nbytes / tokens, 2),
         "support_rows_mean": round(sum(int(t.support.sizes_G().sum()) for t in traces)
                                    / sum(t.num_generated for t in traces), 2),
@@ -185,6 +208,27 @@ def _op_profile(run) -> dict:
         "added_op_self_ms_per_step": round(sum(max(0.0, on.get(k, (0, 0))[1] - off.get(k, (0, 0))[1])
                                                for k in added) / steps, 4),
         "self_ms_per_step_off": round(sum(t for _, t in off.values()) / steps, 3),
+    }
+
+
+def _breakdown(parts: dict[str, dict[str, float]], wall_s: float, steps: int) -> dict:
+    """Capture's host work by part (VllmCapture.timings(), summed over every timed capture run):
+    each part's share of those runs' wall time and of capture's own time, and microseconds per
+    engine step. step.* parts run in every engine step, flush.* once per flush (many steps),
+    take.* / client.* once per collect."""
+    from moe_replay.integrations.vllm.timings import shares
+
+    if not parts or wall_s <= 0:
+        return {}
+    of_wall = shares(parts, wall_s)
+    total = of_wall["total"]
+    return {
+        "steps": steps,
+        "capture_share_of_wall": round(total, 5),
+        "share_of_wall": {k: round(v, 5) for k, v in of_wall.items() if k != "total"},
+        "share_of_capture": {k: round(v / total, 4) for k, v in of_wall.items() if k != "total" and total > 0},
+        "us_per_step": {k: round(parts[k]["s"] / max(steps, 1) * 1e6, 2) for k in of_wall if k != "total"},
+        "calls": {k: parts[k]["calls"] for k in of_wall if k != "total"},
     }
 
 

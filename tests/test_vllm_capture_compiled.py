@@ -159,3 +159,34 @@ def test_sample_outside_recorded_support_is_reported(engines, monkeypatch):
         assert cap.stats()["support_misses"] == 3
     finally:
         cap.uninstall()
+
+
+def test_timings_break_capture_down_by_part(engines):
+    """VllmCapture.timings(): capture's host work by part on the compiled engine, each per-step
+    part called once per engine step that forwarded tokens, flush and client parts present, all
+    times >= 0 and bounded by the run; reset starts the count again."""
+    import time
+
+    compiled, _, _ = engines
+    cap = VllmCapture(compiled, CaptureConfig())
+    try:
+        t0 = time.perf_counter()
+        outs = compiled.generate([prompt_text(n, seed=40 + n) for n in (9, 30)],
+                                 sampling_params(*SAMPLING[0], max_tokens=6), use_tqdm=False)
+        cap.collect(outs)
+        wall = time.perf_counter() - t0
+        parts = cap.timings(reset=True)
+        steps = cap.stats()["steps"]
+        assert steps >= 6
+        for name in ("step.layout", "step.route_copy", "step.batch"):
+            assert parts[name]["calls"] == steps, (name, parts[name], steps)
+        assert parts["step.arm"]["calls"] >= steps  # every engine step, also one with nothing scheduled
+        assert parts["step.support_stage"]["calls"] == parts["step.commit"]["calls"] == steps
+        for name in ("flush.window", "flush.route_read", "flush.route_records", "flush.kept_sets",
+                     "flush.sample_records", "take.assemble", "client.rpc", "client.build"):
+            assert parts[name]["calls"] >= 1, name
+        assert "forward.route_hold" not in parts  # compiled: the route writes run inside the graph
+        assert all(v["s"] >= 0 for v in parts.values()) and sum(v["s"] for v in parts.values()) < wall
+        assert cap.timings() == {}  # reset, and nothing ran since
+    finally:
+        cap.uninstall()

@@ -338,3 +338,30 @@ def test_data_parallel_rows_cut_this_ranks_rows_from_the_gathered_batch():
             assert torch.equal(sp, torch.arange(20).view(10, 2)[(0, 4)[rank]:(0, 4)[rank] + int(counts[rank])])
         with override_forward_context(SimpleNamespace(dp_metadata=None)):
             assert cut(ids_TK) is ids_TK  # no DP metadata (a dummy or profile run): as routed
+
+
+def test_part_timings_merge_over_engines_and_name_the_rpc():
+    """Capture's per-part host times (timings.py): data-parallel engines' parts add up; the client's
+    view turns its own take call into client.rpc, less the worker's time inside take(); shares are
+    fractions of a wall time, largest first."""
+    from moe_replay.integrations.vllm.link import merge_engines
+    from moe_replay.integrations.vllm.timings import PartTimes, client_view, shares
+
+    w0 = {"parts": {"step.layout": {"s": 0.5, "calls": 10}, "flush.kept_sets": {"s": 0.25, "calls": 1}}, "take_s": 0.125}
+    w1 = {"parts": {"step.layout": {"s": 0.25, "calls": 6}}, "take_s": 0.0625}
+    merged = merge_engines("capture.timings", [w0, w1])
+    assert merged["parts"]["step.layout"] == {"s": 0.75, "calls": 16}
+    assert merged["parts"]["flush.kept_sets"] == {"s": 0.25, "calls": 1} and merged["take_s"] == 0.1875
+    client = PartTimes()
+    client.add("client.take_call", 0.25)
+    client.add("client.build", 0.125)
+    client.add("client.build", 0.125)
+    view = client_view(merged, client)
+    assert view["client.rpc"] == {"s": 0.0625, "calls": 1}  # 0.25 s call - 0.1875 s inside take()
+    assert view["client.build"] == {"s": 0.25, "calls": 2} and "client.take_call" not in view
+    assert view["step.layout"]["s"] == 0.75  # the worker's parts pass through
+    sh = shares(view, wall_s=10.0)
+    assert list(sh)[:2] == ["total", "step.layout"] and sh["step.layout"] == 0.075
+    assert sh["total"] == pytest.approx((0.75 + 0.25 + 0.0625 + 0.25) / 10)
+    client.reset()
+    assert client.to_dict() == {} and client.total() == 0.0

@@ -24,6 +24,7 @@ from typing import Any, Callable, NoReturn
 
 from . import endpoint
 from .errors import CaptureHookError
+from .timings import merge_worker_timings
 
 EXTENSION = "moe_replay.integrations.vllm.endpoint.ReplayWorkerExtension"
 """Qualified name to pass as vLLM's `worker_extension_cls`."""
@@ -75,7 +76,8 @@ def _stats(per_engine: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-MERGES: dict[str, Callable[[list[Any]], Any]] = {"take": _take, "stats": _stats, "discard": sum, "uninstall": all}
+MERGES: dict[str, Callable[[list[Any]], Any]] = {"take": _take, "stats": _stats, "discard": sum, "uninstall": all,
+                                                 "timings": merge_worker_timings}
 """Op name (or its last part, for ops capture and scoring share) -> how the values of several
 data-parallel engines become one; a part registers its own (scoring/scorer.py: 'score.take')."""
 

@@ -77,6 +77,9 @@ class StepViews:
         self._qsl, self._discard = r.query_start_loc.np, r.discard_request_mask.np
         self._host = torch.device(r.device).type in HOST_MIRROR_DEVICES
         self._positions = r.positions.numpy() if self._host else None
+        self._slots_np: dict[int, np.ndarray] = {}
+        """Host runners: a numpy view of each KV group's slot mapping, made once per input batch
+        (a `.numpy()` per step is ~4 dispatcher ops inside the engine's step, benchmarks/capture.py)."""
 
     def layout(self, n: int) -> StepLayout:
         """The current step's layout for its n scheduled tokens (taken once, then shared)."""
@@ -101,7 +104,10 @@ class StepViews:
         if self._host:
             # the tensor vLLM's kernel writes: on CPU runners `.gpu` is a host tensor, and it is not
             # always `.cpu` (an input batch rebuilt for a hybrid KV layout gets separate buffers)
-            return bt.slot_mapping.gpu.numpy()[:n].copy()
+            view = self._slots_np.get(kv_group)
+            if view is None:
+                view = self._slots_np[kv_group] = bt.slot_mapping.gpu.numpy()
+            return view[:n].copy()
         row_T = np.repeat(np.arange(len(layout.req_ids)), np.diff(layout.qsl_B1))
         size = int(bt.block_size)
         return kv_slots(bt.block_table.np[row_T, layout.pos_T // size], layout.pos_T, size)

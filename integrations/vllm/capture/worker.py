@@ -38,8 +38,9 @@ from ....capture_config import CaptureConfig
 from ..errors import CaptureHookError
 from ..model import geometry_from_runner
 from ..patch import patch_runner
-from ..runner import OPS, RunnerState, register_part_ops, runner_state
+from ..runner import OPS, RunnerState, installed, register_part_ops, runner_state
 from ..step import StepLayout
+from ..timings import PartTimes
 from ..versions import check_vllm_version
 from ..wire import CaptureRecord, InstallReply
 from .block_cache import SlotRouteCache, route_kv_group
@@ -148,6 +149,11 @@ class WorkerCapture:
         """Sampled tokens found outside their recorded support (each fails its trace)."""
         self.hook_s = 0.0
         """Seconds spent in capture code outside the forward (snapshots, flushes, support staging)."""
+        self.times = PartTimes()
+        """Host seconds per part (timings.py): step.* per engine step, flush.*, take.*."""
+        self.take_s = 0.0
+        """Seconds inside take() (its flush and take.assemble): the client subtracts it from its call."""
+        self.support.times = self.times
         try:
             self._patches, self.views = patch_runner(runner, self)
         except Exception:
@@ -157,27 +163,44 @@ class WorkerCapture:
 
     # -- step hooks ---------------------------------------------------------------------------
     def before_step(self, scheduler_output: Any) -> None:
+        clock, times = time.perf_counter, self.times
+        t0 = clock()
         for rid in scheduler_output.finished_req_ids:
             self.book.finish(rid)
         self.preemptions += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
         self._step = None
-        if (self.routes is not None and not self.routes.room_for_step(self._arena_row)) or not self.support.room_for(
-                self.max_rows):
-            self.flush()
+        full = (self.routes is not None and not self.routes.room_for_step(self._arena_row)) or not self.support.room_for(
+            self.max_rows)
+        times.add("step.finish", clock() - t0)
+        if full:
+            self.flush()  # timed as flush.*
         if self.routes is not None:
+            t0 = clock()
             self.routes.arm(self._arena_row, scheduler_output.total_num_scheduled_tokens)
+            times.add("step.arm", clock() - t0)
 
     def after_forward(self, scheduler_output: Any) -> None:
         n = scheduler_output.total_num_scheduled_tokens
         if not n:
             return
+        clock, times = time.perf_counter, self.times
+        t0 = clock()
         layout = self.views.layout(n)
+        t1 = clock()
+        times.add("step.layout", t1 - t0)
         routes, problem, row0 = self.routes, None, self._arena_row
         if routes is not None:
             problem = routes.land(n)
             if problem is None:
                 self._arena_row += n
-        slots_T = self.views.slots(layout, self.kv_group) if problem is None and self.slot_cache is not None else None
+            t0, t1 = t1, clock()
+            times.add("step.route_copy", t1 - t0)
+        if problem is None and self.slot_cache is not None:
+            slots_T = self.views.slots(layout, self.kv_group)
+            t0, t1 = t1, clock()
+            times.add("step.slots", t1 - t0)
+        else:
+            slots_T = None
         batch = self._batch
         reads: list[tuple[RequestRecord, np.ndarray, int, int]] = []
         if batch is None or batch.req_ids != layout.req_ids:
@@ -186,13 +209,16 @@ class WorkerCapture:
         self.pending.append(step)
         self._step = step
         self.steps += 1
+        times.add("step.batch", clock() - t1)
 
     def after_sample(self, sampled_B1: Any, sampling_metadata: Any) -> None:
+        t0 = time.perf_counter()
         step, self._step = self._step, None
         if step is None:  # dummy/profile sampler runs have no requests
             self.support.drop_pending()
             return
         step.sample_row = self.support.commit(sampled_B1, sampling_metadata)
+        self.times.add("step.commit", time.perf_counter() - t0)
 
     def _resolve_batch(self, layout: StepLayout, reads: list[tuple[RequestRecord, np.ndarray, int, int]]) -> _Batch:
         """Records of a new batch composition; new requests get a record (and a queued prefix read)."""
@@ -241,13 +267,19 @@ class WorkerCapture:
         steps, self.pending = self.pending, []
         if not steps:
             return
+        clock, times = time.perf_counter, self.times
+        t0 = clock()
         self.flushes += 1
         win = _Window.of(steps)
         records = _records_of(steps)
+        t1 = clock()
+        times.add("flush.window", t1 - t0)
         if self.routes is not None:
             routed_S = np.array([st.problem is None for st in steps])
             chunk_TLK, unwritten_TL = self.routes.chunk(int(win.n_S[routed_S].sum()))
             self._arena_row = 0
+            t0, t1 = t1, clock()
+            times.add("flush.route_read", t1 - t0)
             written_T = None
             if unwritten_TL is not None:  # a layer left rows at the sentinel: those steps fail
                 written_T = ~unwritten_TL.any(axis=1)
@@ -259,10 +291,13 @@ class WorkerCapture:
                             rec.problems.append(f"engine step: {st.problem}")
             if self.slot_cache is not None:
                 self._slot_cache_pass(steps, chunk_TLK, written_T)
+                t0, t1 = t1, clock()
+                times.add("flush.slot_cache", t1 - t0)
             # routed steps hold consecutive route rows 0, 1, ... in step order (route_hook.RouteCapture)
             routed_T = routed_S[win.step_T]
             for rec, sel in _group(win.uid_T[routed_T], records):
                 rec.write_routes_at(win.pos_T[routed_T][sel], chunk_TLK[sel])
+            times.add("flush.route_records", clock() - t1)
         sampled_S = np.array([st.sample_row is not None for st in steps])
         if sampled_S.any():
             self._distribute_samples(steps, win, sampled_S, records)
@@ -291,11 +326,14 @@ class WorkerCapture:
         sampled_B = sampled_S[win.step_B]
         uid_X = np.where(win.discard_B, -1, win.uid_B)[sampled_B]
         g_X = (win.last_pos_B + 1 - win.prompt_B)[sampled_B]
-        staged = self.support.compute()
+        t0 = time.perf_counter()
+        staged = self.support.compute()  # times flush.kept_sets itself
         if staged.outside_R is not None:
             self.support_misses += int(staged.outside_R.sum())
+        t1 = time.perf_counter()
         for rec, sel in _group(uid_X, records):
             rec.write_samples(g_X[sel], sel, staged)
+        self.times.add("flush.sample_records", time.perf_counter() - t1)
 
     def _flush_between_steps(self) -> None:
         """Flush for an RPC (discard/stats): its time counts as capture time too (inside a step, the
@@ -339,8 +377,12 @@ class WorkerCapture:
         t0 = time.perf_counter()
         self.flush()
         self._batch = None  # a taken live request gets no record on its next step
+        t1 = time.perf_counter()
         out = [self.book.take(k) for k in keys]
-        self.hook_s += time.perf_counter() - t0  # flush + assembling the records: capture work too
+        t2 = time.perf_counter()
+        self.times.add("take.assemble", t2 - t1)
+        self.take_s += t2 - t0
+        self.hook_s += t2 - t0  # flush + assembling the records: capture work too
         return out
 
     def discard(self, keys: list[str]) -> int:
@@ -363,6 +405,22 @@ class WorkerCapture:
             "route_mode": self.routes.mode if self.routes is not None else None,
             "kv_group": self.kv_group if self.slot_cache is not None else None,
         }
+
+    def timings(self, reset: bool = False) -> dict[str, Any]:
+        """{"parts": host seconds and calls per part since install (or the last reset), "take_s":
+        seconds inside take()}, after a flush (timed as flush.* like any other); see timings.py.
+        Hold mode adds the route functions inside the eager forward as `forward.route_hold`."""
+        self._flush_between_steps()
+        parts = self.times.to_dict()
+        if self.routes is not None and self.routes.hold_s[1]:
+            parts["forward.route_hold"] = {"s": self.routes.hold_s[0], "calls": self.routes.hold_s[1]}
+        out = {"parts": parts, "take_s": self.take_s}
+        if reset:
+            self.times.reset()
+            self.take_s = 0.0
+            if self.routes is not None:
+                self.routes.hold_s[:] = [0.0, 0]
+        return out
 
     def uninstall(self) -> None:
         self._patches.undo()
@@ -415,3 +473,8 @@ def _capture_install(runner: Any, st: RunnerState, config: dict[str, Any]) -> di
 
 
 register_part_ops("capture", "capture")
+
+
+@OPS.register("capture.timings")
+def _capture_timings(runner: Any, st: RunnerState, reset: Any) -> dict[str, Any]:
+    return installed(st, "capture").timings(bool(reset))
