@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from .errors import GeometryMismatchError, Where
+from .noise import EngineNoise
 
 
 def route_dtype(num_experts: int) -> np.dtype:
@@ -126,10 +127,18 @@ class EngineInfo:
     """Model compute dtype in the engine, e.g. 'bfloat16'."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form msgpack-able details (device, kernel backend, ...)."""
+    noise: EngineNoise | None = None
+    """The engine-noise model the engine ran under (moe_replay/noise.py), None for a clean engine:
+    a perturbed trace says so (absent from the record when None, so clean records keep their bytes)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("noise")
+        if self.noise is not None:
+            d["noise"] = self.noise.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EngineInfo":
-        return cls(**d)
+        noise = d.get("noise")
+        return cls(**{**d, "noise": None if noise is None else EngineNoise.from_dict(noise)})

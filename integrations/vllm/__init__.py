@@ -14,9 +14,9 @@ from __future__ import annotations
 from ...capture_config import CaptureConfig
 from ...trace import stitch
 from .errors import (CaptureAlignmentError, CaptureError, CaptureEvictedError, CaptureHookError, CollectError,
-                     ForceRouteError, NoMoeLayersError, PrefixCacheMissError, RequestAbortedError,
+                     EngineNoiseError, ForceRouteError, NoMoeLayersError, PrefixCacheMissError, RequestAbortedError,
                      ScoreAlignmentError, ScoringError, SupportOverflowError, UnknownRequestError)
-from . import capture, scoring, weights  # noqa: F401  (registrations: endpoint ops, load-time steps)
+from . import capture, noise, scoring, weights  # noqa: F401  (registrations: endpoint ops, load-time steps)
 
 __all__ = [
     "AsyncVllmCapture", "CaptureAlignmentError", "CaptureConfig", "CaptureError", "CaptureEvictedError",
@@ -24,13 +24,14 @@ __all__ = [
     "SupportOverflowError", "UnknownRequestError", "VllmCapture", "capture_engine_kwargs", "stitch",
     "AsyncVllmScorer", "ForceRouteError", "ScoreAlignmentError", "ScoringError", "VllmScorer", "VllmScorerConfig",
     "scoring_engine_kwargs", "PrefixCacheMissError", "native_engine_kwargs", "NativeSourceError", "NativeOutputError",
+    "EngineNoiseError", "VllmEngineNoise",
 ]
 
 _LAZY = {"VllmCapture": "capture.api", "AsyncVllmCapture": "capture.api", "capture_engine_kwargs": "engine_kwargs",
          "EXTENSION": "link", "VllmScorer": "scoring.scorer", "AsyncVllmScorer": "scoring.scorer",
          "VllmScorerConfig": "scoring.scorer", "scoring_engine_kwargs": "scoring.scorer",
          "native_engine_kwargs": "capture.native", "NativeSourceError": "capture.native",
-         "NativeOutputError": "capture.native"}
+         "NativeOutputError": "capture.native", "VllmEngineNoise": "noise"}
 
 
 def __getattr__(name: str):

@@ -71,3 +71,8 @@ class ScoreAlignmentError(ScoringError):
 
 class PrefixCacheMissError(ScoreAlignmentError):
     """Prompt reuse was promised for a trace (an earlier replica cached its prompt) and missed."""
+
+
+class EngineNoiseError(CaptureHookError):
+    """The engine-noise model cannot be installed as asked (noise.py): already installed, a compiled
+    forward for route flips, or a capture on the engine that would record perturbed traces as clean."""

@@ -15,6 +15,9 @@ routes. We wrap, on the *instances* of one model runner only (never on classes):
                                                   force_step.py), one wrapper per router instance;
                                                   on eager engines at install, on compiled ones
                                                   at load (below).
+  * runner.model.compute_logits                -> the engine-noise model's numerics variants
+                                                  (noise.py, opt-in; its route flips wrap the
+                                                  routers' _compute_routing through patch_routers).
 
 One class-level wrapper exists, because a compiled forward only calls capture functions set
 before torch.compile traces it, i.e. before any runner instance can be reached:
@@ -261,6 +264,15 @@ def patch_routers(routers: list[Any], make: Callable[[int, Callable], Callable])
     except Exception:
         patches.undo()
         raise
+    return patches
+
+
+def patch_compute_logits(model: Any, make: Callable[[Callable], Callable]) -> InstancePatches:
+    """Wrap `model.compute_logits(hidden_states)` on the model *instance* (noise.py: the engine-noise
+    model's logit variants). The runner calls it outside any compiled graph, so it works on eager
+    and compiled engines alike; decode rows, prompt-logprob rows and spec-decode rows all pass here."""
+    patches = InstancePatches()
+    patches.wrap(model, "compute_logits", make)
     return patches
 
 

@@ -29,6 +29,8 @@ class RunnerState:
     """capture.worker.WorkerCapture, while capture is installed."""
     scoring: Any = None
     """scoring.force.WorkerScoring, while scoring is installed."""
+    noise: Any = None
+    """noise.WorkerNoise, while the engine-noise model is installed."""
 
 
 def runner_state(runner: Any) -> RunnerState:
