@@ -34,6 +34,7 @@ GEOMETRY = {
     "qwen2_moe": (2, (0, 1), "qwen2_moe"),
     "deepseek_v3": (3, (1, 2), "deepseek_v3"),
     "gpt_oss": (2, (0, 1), "gpt_oss"),
+    "glm4_moe": (3, (1, 2), "glm4_moe"),
 }
 ROUTER_SUFFIX = {"gpt_oss": "mlp.router.weight"}  # every other family: mlp.gate.weight
 
@@ -71,7 +72,7 @@ def test_imports_stay_light_and_cli_runs_as_module():
 
 
 def test_unknown_family_lists_supported(tmp_path):
-    with pytest.raises(RegistryError, match="unknown model family 'llama_moe'; supported: deepseek_v3, gpt_oss"):
+    with pytest.raises(RegistryError, match="unknown model family 'llama_moe'; supported: deepseek_v3, glm4_moe, gpt_oss"):
         build_tiny_model("llama_moe", tmp_path)
     with pytest.raises(RegistryError, match="supported: bench, tiny"):
         build_tiny_model("qwen3_moe", tmp_path, size="huge")

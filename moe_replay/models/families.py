@@ -153,6 +153,26 @@ def _deepseek_v3(p: SizePreset) -> dict[str, Any]:
     )
 
 
+@_family("glm4_moe", "Glm4MoeConfig", router_biases=("mlp.gate.e_score_correction_bias",))
+def _glm4_moe(p: SizePreset) -> dict[str, Any]:
+    """Sigmoid scores + correction bias, grouped top-k, dense layer 0, no registered router adapter: replay
+    infers and verifies its rule (integrations/hf/infer.py); GQA attention with half-rotary heads."""
+    n_group = 2 if p.num_experts % 2 == 0 else 1
+    return dict(
+        _attention(p, p.num_moe_layers + 1),
+        n_routed_experts=p.num_experts,
+        num_experts_per_tok=p.top_k,
+        n_shared_experts=1,
+        moe_intermediate_size=p.expert_ffn,
+        intermediate_size=p.dense_ffn,
+        first_k_dense_replace=1,
+        n_group=n_group,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
+
+
 @_family(
     "gpt_oss",
     "GptOssConfig",

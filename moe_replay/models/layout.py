@@ -75,7 +75,7 @@ def _deepseek(c: ConfigView) -> tuple[list[int], int]:
 
 for _t in ("qwen2_moe", "qwen3_moe"):
     LAYOUTS.add(_t, _qwen_sparse_step)
-for _t in ("deepseek_v2", "deepseek_v3"):
+for _t in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
     LAYOUTS.add(_t, _deepseek)
 LAYOUTS.add("mixtral", _every_layer(("num_local_experts", "num_experts")))
 LAYOUTS.add("olmoe", _every_layer(("num_experts", "num_local_experts")))
