@@ -1,5 +1,6 @@
 """capture_engine_kwargs and a user's own worker extension: vLLM takes one `worker_extension_cls`,
-so a framework that has its own (verl's colocate extension) mixes moe_replay's endpoint into it."""
+so a framework that has its own (verl's colocate extension) mixes moe_replay's endpoint into it.
+Also: paths reach vLLM as str, and vLLM-CPU's settings are filled in only where the user left them."""
 
 from __future__ import annotations
 
@@ -50,11 +51,12 @@ CPU_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")
 
 
 @pytest.mark.parametrize("kwargs, expected", [
-    ({}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}),
-    ({"tensor_parallel_size": 2}, {"VLLM_CPU_KVCACHE_SPACE": "1"}),  # several processes: vLLM's own layout
-    ({"data_parallel_size": 2, "pipeline_parallel_size": 1}, {"VLLM_CPU_KVCACHE_SPACE": "1"}),
-    ({"kv_cache_memory_bytes": 2 << 30}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),  # the user's memory setting
-    ({"gpu_memory_utilization": 0.5, "pipeline_parallel_size": 2}, {}),
+    ({"model": "m"}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}),
+    ({"model": "m", "tensor_parallel_size": 2}, {"VLLM_CPU_KVCACHE_SPACE": "1"}),  # several processes: vLLM's layout
+    ({"model": "m", "data_parallel_size": 2, "pipeline_parallel_size": 1}, {"VLLM_CPU_KVCACHE_SPACE": "1"}),
+    ({"model": "m", "kv_cache_memory_bytes": 2 << 30}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),  # the user's memory
+    ({"model": "m", "gpu_memory_utilization": 0.5, "pipeline_parallel_size": 2}, {}),
+    ({"additional_config": {}}, {}),  # a part of another builder's kwargs (verl's server): its engine is unseen
 ])
 def test_cpu_env_defaults_fill_only_what_the_user_left_unset(kwargs, expected, monkeypatch):
     from vllm.platforms import current_platform
@@ -69,5 +71,5 @@ def test_cpu_env_defaults_fill_only_what_the_user_left_unset(kwargs, expected, m
     assert {k: os.environ[k] for k in CPU_ENV if k in os.environ} == expected
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # a value the user set is kept
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
-    assert cpu_env_defaults(kwargs) == {}
+    assert cpu_env_defaults({"model": "m"}) == {}
     assert (os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"], os.environ["VLLM_CPU_KVCACHE_SPACE"]) == ("1", "4")

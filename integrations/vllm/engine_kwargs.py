@@ -42,8 +42,12 @@ def cpu_env_defaults(engine_kwargs: dict[str, Any]) -> dict[str, str]:
       multi-process core (the script then needs an `if __name__ == "__main__":` guard).
     - VLLM_CPU_KVCACHE_SPACE=CPU_KVCACHE_GIB when neither `kv_cache_memory_bytes` nor
       `gpu_memory_utilization` is given (vLLM lets the variable override both).
-    Nothing is set on other platforms.
+    Nothing is set on other platforms, nor for kwargs that do not name the `model`: those are a
+    part of another builder's engine kwargs (verl's server adds only the extension and its
+    config), whose parallel and memory settings this call does not see.
     """
+    if "model" not in engine_kwargs:
+        return {}
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
