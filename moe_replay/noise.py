@@ -60,7 +60,7 @@ class EngineNoise:
     above the last edge form one more bucket. Bucket b gets variant (b + seed) % variants."""
     row_fraction: float = 0.34
     """Fraction of rows a non-clean variant perturbs (the H100: 34% of tokens vary)."""
-    logit_sigma: float = 0.03
+    logit_sigma: float = 0.035
     """Logit perturbation scale at scale 1 (nats, times a unit-normal direction and an Exp(1) row
     amplitude); calibrated by benchmarks/noise_calibration.py."""
     route_flip_fraction: float = 0.015
@@ -146,6 +146,9 @@ class NoiseState:
         self._dirs: dict[tuple[int, int, str], torch.Tensor] = {}
         self.counts = {"steps": 0, "rows": 0, "rows_perturbed": 0, "route_rows": 0, "route_rows_flipped": 0}
         self.variant_steps: dict[int, int] = {}
+        """variant -> compute_logits calls that ran it."""
+        self.req_counts: dict[int, int] = {}
+        """request count of the step -> compute_logits calls."""
 
     def _direction(self, variant: int, V: int, device: torch.device) -> torch.Tensor:
         key = (variant, V, str(device))
@@ -162,6 +165,7 @@ class NoiseState:
         self.counts["steps"] += 1
         self.counts["rows"] += T
         self.variant_steps[v] = self.variant_steps.get(v, 0) + 1
+        self.req_counts[num_reqs] = self.req_counts.get(num_reqs, 0) + 1
         if v == 0 or cfg.sigma == 0.0 or cfg.row_fraction == 0.0 or T == 0:
             return logits_TV
         u_T = row_keys(hidden_TH, cfg.seed, 2, v)
@@ -196,4 +200,5 @@ class NoiseState:
         return out_TE
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counts, "variant_steps": {str(k): v for k, v in sorted(self.variant_steps.items())}}
+        return {**self.counts, "variant_steps": {str(k): v for k, v in sorted(self.variant_steps.items())},
+                "req_counts": {str(k): v for k, v in sorted(self.req_counts.items())}}
