@@ -321,6 +321,28 @@ def test_prompt_reuse_reads_the_prompt_and_nothing_else(fp32):
         assert np.abs(e.replicas_RG - f).max() == 0.0
 
 
+def test_free_prompt_reuse_promises_each_prompt_its_own_blocks(fp32):
+    """Free routing keys the cache salt by the mode alone, so every trace shares it; the promise a
+    later replica is held to is per prompt (salt and prompt tokens: prefix.prompt_key), so prompts
+    spanning different numbers of whole blocks each read exactly their own, with no miss."""
+    from moe_replay.integrations.vllm.scoring.prefix import reusable_tokens
+
+    traces, llm = fp32["traces"], fp32["llm"]
+    blocks = [reusable_tokens(t.prompt_len, 32) for t in traces]
+    assert len(set(blocks)) > 1, blocks  # a promise keyed by the salt alone would promise one prompt another's
+    full = fp32["scorer"].with_config(VllmScorerConfig(force_routes=False, prompt_reuse=False)).score_batch(traces)
+    assert llm.reset_prefix_cache()
+    sc = _reuse(fp32, "t-free", force_routes=False)
+    first = sc.score_batch(traces)
+    promised = sc.reuse_stats["promised_tokens"]
+    again = sc.score_batch(traces)
+    st = sc.reuse_stats
+    assert promised == 0 and st["promised_tokens"] == sum(blocks) and st.get("misses", 0) == 0, st
+    assert st["cached_tokens"] >= sum(blocks)
+    for f, a, b in zip(full, first, again):
+        assert np.array_equal(f, a) and np.array_equal(f, b)
+
+
 def test_reused_kv_never_crosses_routes_modes_or_rollouts(fp32):
     """The cache salt keys prompt KV by the forced routes, the routing mode and the weights version:
     prompt KV cached under random routes is not read by the same tokens under their own routes, nor

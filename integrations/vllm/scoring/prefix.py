@@ -117,18 +117,25 @@ def cache_salt(trace: RolloutTrace, forced: bool, weights_version: str) -> str:
     return h.hexdigest()[:32]
 
 
-def engine_for_prompt(trace: RolloutTrace, salt: str, engines: int) -> int | None:
-    """The data-parallel engine core every replica of `trace` under `salt` is sent to (None: one engine).
+def prompt_key(trace: RolloutTrace, salt: str) -> str:
+    """The prompt blocks a replica of `trace` under `salt` reads: the salt and the prompt's tokens.
+
+    The salt alone does not name them: under free routing it is keyed by the mode only, so every
+    trace shares it, and a promise keyed by it would promise one trace the blocks of another."""
+    h = hashlib.sha256(salt.encode())
+    h.update(np.ascontiguousarray(trace.token_ids_S[:trace.prompt_len], dtype=np.int64).tobytes())
+    return h.hexdigest()[:32]
+
+
+def engine_for_prompt(key: str, engines: int) -> int | None:
+    """The data-parallel engine core every replica reading the prompt blocks `key` (prompt_key) is
+    sent to (None: one engine).
 
     Each engine core has its own prefix cache and vLLM's client sends an unpinned request to the
     least loaded one, so a replica would miss the prompt blocks an earlier replica cached on the
-    other core (with 2 engines, half the time). Pinning by a hash of the salt and the prompt keeps a
-    trace's replicas on one core and spreads distinct traces over all of them."""
-    if engines <= 1:
-        return None
-    h = hashlib.sha256(salt.encode())
-    h.update(np.ascontiguousarray(trace.token_ids_S[:trace.prompt_len], dtype=np.int64).tobytes())
-    return int.from_bytes(h.digest()[:8], "little") % engines
+    other core (with 2 engines, half the time). Pinning by the key keeps a trace's replicas on one
+    core and spreads distinct prompts over all of them."""
+    return None if engines <= 1 else int(key, 16) % engines
 
 
 def reusable_tokens(prompt_len: int, block_size: int) -> int:

@@ -43,7 +43,7 @@ from ..patch import FORCE_FLAG, flag_value
 from ..wire import InstallReply, ScoreRequest, ScoreResult
 from .force import data_parallel_force_refusal
 from .prefix import (CACHE_UPTO_KEY, READ_UPTO_KEY, SCHEDULER_QUALNAME, cache_salt, engine_for_prompt,
-                     engine_reuse_ready, reusable_tokens)
+                     engine_reuse_ready, prompt_key, reusable_tokens)
 
 _LINK = {"what": "scoring", "default": ScoringError, "kwargs_fn": "scoring_engine_kwargs"}
 
@@ -166,7 +166,7 @@ class _ScorerBase:
         self._reuse_block = engine_reuse_ready(vllm_config)
         """None if this engine can reuse prompt KV, else why not."""
         self._warm: dict[str, int] = {}
-        """Cache salt -> prompt tokens a later replica is promised to read (an earlier one cached them)."""
+        """prefix.prompt_key -> prompt tokens a later replica is promised to read (an earlier one cached them)."""
         self._promised: dict[str | None, int] = {}
         """Request id -> prompt tokens it was promised to read from the cache, until assembled."""
         self.reuse_stats = collections.Counter()
@@ -242,8 +242,11 @@ class _ScorerBase:
         its earlier replicas filled); None: any (one engine, or nothing to reuse)."""
         if not self.prompt_reuse or self.config.read_rollout_kv:
             return None
-        return engine_for_prompt(trace, cache_salt(trace, self.config.force_routes, self.config.weights_version),
-                                 self.engines)
+        return engine_for_prompt(self._prompt_key(trace), self.engines)
+
+    def _prompt_key(self, trace: RolloutTrace) -> str:
+        """Names the prompt blocks a reusing replica of `trace` reads (prefix.prompt_key)."""
+        return prompt_key(trace, cache_salt(trace, self.config.force_routes, self.config.weights_version))
 
     def _temperature(self, trace: RolloutTrace) -> float:
         """The trace's recorded sampling temperature (trace.sampling; v1 records migrate theirs)."""
@@ -289,7 +292,7 @@ class _ScorerBase:
             if self.config.read_rollout_kv:  # promised: the rollout cached its prompt's blocks
                 self._promised[rid] = reusable_tokens(t.prompt_len, self.block_size)
             elif self.prompt_reuse:  # promised: an earlier scoring of this salt cached the prompt's blocks
-                self._promised[rid] = self._warm.get(cache_salt(t, self.config.force_routes, self.config.weights_version), 0)
+                self._promised[rid] = self._warm.get(self._prompt_key(t), 0)
             ids.append(rid)
             payloads.append(p)
         return ids, payloads
@@ -324,7 +327,7 @@ class _ScorerBase:
             if self.prompt_reuse and not self.config.read_rollout_kv:
                 reusable = reusable_tokens(t.prompt_len, self.block_size)
                 if reusable:
-                    self._warm[cache_salt(t, self.config.force_routes, self.config.weights_version)] = reusable
+                    self._warm[self._prompt_key(t)] = reusable
             lp = np.asarray(rep.logprobs_G).astype(np.float64).reshape(-1)
             if lp.shape != (t.num_generated,):
                 raise ScoreAlignmentError(f"trace {t.key!r}: expected {t.num_generated} scores, found {lp.shape}")
