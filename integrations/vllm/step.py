@@ -66,6 +66,7 @@ class StepViews:
         self._ib: Any = None
         self._host = False
         self._layout: StepLayout | None = None
+        self._slots_np: dict[int, np.ndarray] = {}
 
     def new_step(self) -> None:
         """Forget the previous step's layout (called before each engine step)."""
