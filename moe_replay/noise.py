@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 NOISE_LEVELS: dict[str, float] = {"off": 0.0, "calibrated": 1.0, "2x": 2.0, "4x": 4.0, "8x": 8.0}
-"""The named noise levels of the lab (issue 32): `EngineNoise(scale=NOISE_LEVELS[name])`."""
+"""The named noise levels: `EngineNoise(scale=NOISE_LEVELS[name])`."""
 
 _KEY_MULT = 4096.0
 """Row key = frac(|h . r| * 4096): the projection of a hidden row (norm ~ sqrt(H) ~ 8 for the tiny
