@@ -12,7 +12,7 @@ start from on one GPU. Checks, each reported separately (a failure is a finding,
                 bf16), verl's default) and fsdp2_autocast_bf16 (bf16 autocast over fp32 params):
                 replaying its own routes must be bit-identical with 0 flips. Families: qwen3_moe (a
                 registered adapter) and glm4_moe, deepseek_v2 (gate rules inferred at attach: the
-                probe that issue 30 found failing on sharded parameters);
+                attach probe that once failed on sharded parameters);
   train_step    the project's tiny qwen3_moe checkpoint (build_tiny_model) sharded the same way:
                 self-replay gap, and a replayed forward + backward with finite router gradients.
 
@@ -55,7 +55,7 @@ def check_collectives() -> dict:
     dist.all_gather(gathered, placed)
     out["all_gather_ok"] = bool(all(torch.equal(g.cpu(), shapes) for g in gathered))
     out["placed_on"] = str(placed.device)
-    try:  # the unfixed call: CPU tensors over an NCCL group (what issue 30 reported)
+    try:  # the unfixed call: CPU tensors over an NCCL group (the crash the placement prevents)
         dist.all_gather([torch.empty_like(shapes) for _ in range(dist.get_world_size())], shapes)
         out["cpu_tensors_over_nccl"] = "accepted"
     except Exception as e:  # noqa: BLE001 - the refusal is the finding

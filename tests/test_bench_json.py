@@ -32,6 +32,8 @@ CASES: dict[str, tuple[list[str], str, tuple]] = {
                        (vllm, slow)),
     "hf_coverage": (["qwen3_moe", "--modes", "fp32"], "wall_seconds", (slow,)),
     "multi_turn": (["--conversations", "2", "--tokens", "4"], "k3_kl_turn1_kept_set", (vllm, slow)),
+    "noise_calibration": (["--rollouts", "2", "--tokens", "4", "--targets", "1", "--placements", "2"], "calibrated",
+                          (vllm, slow)),
     "scoring": (["--g", "8", "--repeats", "1"], "G=8", (slow,)),
     "topologies": (["--cells", "vllm_pp2"], "cells", (vllm, slow)),
     "trl_grpo": (["--steps", "2", "--repeats", "1"], "steps", (vllm, slow)),
