@@ -328,6 +328,16 @@ def check_family(family: str, families: dict[str, tuple[str, str]] | None = None
         result.model_class = type(model).__name__
         if mode.layout == "fsdp2":
             fsdp2_shard(model, mode.param_dtype)
+            if mode.param_dtype is not None and (why := _own_forward_fails(model, mode)) is not None:
+                plain = build_tiny(family, families, mode.weights)
+                for b in plain.buffers():
+                    if b.is_floating_point():
+                        b.data = b.data.to(mode.param_dtype)
+                fsdp2_shard(plain, mode.param_dtype)
+                if _own_forward_fails(plain, mode) is None:  # the fp32 buffers are what breaks HF's forward
+                    model = plain
+                    result.note = (f"HF's own forward fails under FSDP2's param policy, which casts parameters, not buffers "
+                                   f"({why}); measured with floating buffers in {str(mode.param_dtype).replace('torch.', '')}")
         elif mode.weights != torch.float32 and (why := _own_forward_fails(model, mode)) is not None:
             plain = build_tiny(family, families, mode.weights, as_loaded=False)
             if _own_forward_fails(plain, mode) is None:  # the tensors kept in fp32 are what breaks HF's forward
@@ -363,13 +373,16 @@ def check_family(family: str, families: dict[str, tuple[str, str]] | None = None
         if torch.equal(out2[mask_BS].detach(), ref[mask_BS]):
             result.reason = "replaying other experts leaves the outputs unchanged: the MoE block does not use the router's ids"
             return result
-        bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(_whole(p.grad)).all()]
+        named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+        like = named[0][1] if named else None
+        bad = [n for (n, _), b in zip(named, _any_ranks([not torch.isfinite(_local(g)).all() for _, g in named], like)) if b]
         if bad:
             result.reason = f"non-finite gradients in {bad[:3]}"
             return result
-        for lid, site in sites.items():
-            grads = [p.grad for p in site.module.parameters() if p.dim() == 2]
-            if not grads or grads[0] is None or _whole(grads[0]).abs().sum() == 0:
+        router_grads = [next((p.grad for p in s.module.parameters() if p.dim() == 2), None) for s in sites.values()]
+        moved = _any_ranks([g is not None and bool(_local(g).abs().sum() > 0) for g in router_grads], like)
+        for (lid, site), grad, nonzero in zip(sites.items(), router_grads, moved):
+            if grad is None or not nonzero:
                 result.reason = f"router of layer {lid} ({site.name}) gets no gradient"
                 return result
         result.status = "replayed"
@@ -384,11 +397,25 @@ def check_family(family: str, families: dict[str, tuple[str, str]] | None = None
     return result
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """The full tensor of an FSDP2 shard (a collective: every rank asks for the same ones), else `t`."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of an FSDP2 shard, else `t`."""
     from .fsdp import is_sharded
 
-    return t.full_tensor() if is_sharded(t) else t
+    return t.to_local() if is_sharded(t) else t
+
+
+def _any_ranks(flags: list[bool], like: torch.Tensor | None) -> list[bool]:
+    """Each flag OR-ed over the ranks that shard `like` (one all-reduce on its mesh's group and device), or as
+    given where `like` is no shard."""
+    from .fsdp import is_sharded
+
+    if not flags or not is_sharded(like):
+        return [bool(f) for f in flags]
+    import torch.distributed as dist
+
+    t = torch.tensor([float(bool(f)) for f in flags], device=like.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=like.device_mesh.get_group())
+    return [bool(v) for v in t.tolist()]
 
 
 def fsdp2_shard(model: nn.Module, param_dtype: torch.dtype | None = None, mesh: Any = None) -> nn.Module:
@@ -604,16 +631,17 @@ def markdown(results: dict[str, list[FamilyResult]], families: dict[str, tuple[s
         f"`fully_shard` on each decoder layer and the root over {FSDP_WORLD} gloo ranks (each rank holds a shard of each "
         "router matrix) *before* replay attaches. Attach gathers each router's parameters with its FSDP2 module's own "
         "`unshard()`, so the rule is verified on the parameters in the dtype the forward gathers them in (bf16 under the "
-        "param policy); each rank runs the same batch, and a family whose ranks disagree is an error.",
+        "param policy); each rank runs the same batch, and a family whose ranks disagree is an error. Where HF's own "
+        "forward fails under the param policy (FSDP2 casts parameters, not buffers), the row is measured with floating "
+        "buffers in bf16 and says so.",
         "",
         "What the tests re-run: `tests/test_hf_coverage.py` every row replayed in fp32, and the bf16 and autocast_bf16 "
         "rows of (a) every family whose verified rule differs between this table's modes, read from this table, and "
         "(b) the families its `PRECISION_SENSITIVE` lists, whose arithmetic depends on the precision without changing "
         "the rule's name (router weights kept in fp32, weights cast to the input dtype, bf16 logits that tie outside "
         "the top k); the other families' bf16 rows are not re-run (their rule and its arithmetic are the fp32 ones). "
-        "`tests/test_hf_fsdp.py` re-runs the fsdp2 rows of the same families (marked slow), and in the quick suite "
-        "those of glm4_moe_lite, mellum and solar_open (inferred rules, refused on FSDP2 before attach gathered "
-        "shards) and deepseek_v3 (a registered one).",
+        "`tests/test_hf_fsdp.py` re-runs the fsdp2 rows of the same families, and of mellum (an inferred rule the "
+        "precision does not change) and deepseek_v3 (a registered one); all its tests are marked slow (2 ranks).",
         "",
         "Families are the model types whose modeling module defines a router class (`*Router`, `*Gating`, or a "
         "`*Gate` reading a top_k), and those whose config has more than one expert by default (inline routing).",
@@ -646,6 +674,18 @@ def _rows(path: str) -> list[list[str]]:
     """The family rows of a generated table, as their 8 cells (TABLE_HEAD's columns)."""
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in open(path)]
     return [r for r in rows if len(r) == 8 and r[0] not in ("family", "---")]
+
+
+def read_table(path: str) -> dict[str, list[FamilyResult]]:
+    """{mode: results} as a generated table holds them (a row's note stays inside its reason; seconds are not kept),
+    so `markdown` renders the same table: what `benchmarks/hf_coverage.py --update` re-runs some rows of."""
+    out: dict[str, list[FamilyResult]] = {p: [] for p in PRECISIONS}
+    for family, _, mode, model_class, router, rule, status, reason in _rows(path):
+        if mode not in out:
+            raise ValueError(f"{path}: row of {family!r} in mode {mode!r}, not one of {list(PRECISIONS)}")
+        layers: list[int] = []
+        out[mode].append(FamilyResult(family, status, mode, "", rule, reason, router, model_class, 0.0, layers))
+    return {p: rs for p, rs in out.items() if rs}
 
 
 def claimed(path: str, precision: str = "fp32") -> dict[str, tuple[str, str]]:

@@ -9,6 +9,11 @@ FSDP2 module with its own `unshard()` / `reshard()` (a collective: every rank at
 the same order, so every rank issues the same all-gathers), and `forward_dtype` says which dtype a
 parameter takes in the forward, so attach verifies the precision context the forward will run in.
 torch.distributed is imported only where a model holds DTensors.
+
+Attach probes are the same on every rank (seeded probe states, the same gathered weights), so every rank
+accepts or refuses together. The first-forward check against the forward's own router output reads each
+rank's own batch: where a rule fails there on one rank only, that rank raises and the others wait in their
+next collective until the process group's timeout.
 """
 
 from __future__ import annotations
