@@ -32,6 +32,8 @@ CASES: dict[str, tuple[list[str], str, tuple]] = {
                        (vllm, slow)),
     "hf_coverage": (["qwen3_moe", "--modes", "fp32"], "wall_seconds", (slow,)),
     "multi_turn": (["--conversations", "2", "--tokens", "4"], "k3_kl_turn1_kept_set", (vllm, slow)),
+    "lab": (["--rollouts", "4", "--tokens", "4", "--variance-repeats", "2", "--variance-rollouts", "4", "--boot", "50",
+             "--arms", "none,r3_support"], "arms", (vllm, slow)),
     "noise_calibration": (["--rollouts", "2", "--tokens", "4", "--targets", "1", "--placements", "2"], "calibrated",
                           (vllm, slow)),
     "scoring": (["--g", "8", "--repeats", "1"], "G=8", (slow,)),
