@@ -54,10 +54,12 @@ class LabConfig:
     score_batch: int = 4
     """Rollouts per estimator batch, before the lab's filler rollouts."""
     boot: int = 2000
+    grad_groups: int = 8
+    """Bootstrap units of the gradient interval: contiguous groups of rollouts (one backward each)."""
     arms: tuple[str, ...] = tuple(ARMS)
 
     def __post_init__(self) -> None:
-        for name in ("rollouts", "tokens", "estimator_n", "variance_repeats", "variance_rollouts", "score_batch", "boot"):
+        for name in ("rollouts", "tokens", "estimator_n", "variance_repeats", "variance_rollouts", "score_batch", "boot", "grad_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LabConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.variance_repeats < 2:
@@ -164,13 +166,13 @@ def run_quick_lab(cfg: LabConfig, model_dir: str, progress: Callable[[str], None
     from ...presets import load_preset
 
     _, ref_RP = run_arm(model_dir, dataclasses.replace(load_preset("none"), corrections=()), traces, adv_R,
-                        clip_eps=cfg.clip_eps, reference=True)
+                        clip_eps=cfg.clip_eps, reference=True, groups=cfg.grad_groups)
     hh = gram(ref_RP, ref_RP)
     arms: dict[str, Any] = {}
     for arm in cfg.arms:
         preset = arm_preset(arm)
         old = pi_old_G if preset.estimator.enabled else None
-        m, g_RP = run_arm(model_dir, preset, traces, adv_R, pi_old_G=old, clip_eps=cfg.clip_eps)
+        m, g_RP = run_arm(model_dir, preset, traces, adv_R, pi_old_G=old, clip_eps=cfg.clip_eps, groups=cfg.grad_groups)
         gs = grad_stats(gram(g_RP, g_RP), gram(g_RP, ref_RP), hh, boot=cfg.boot, seed=cfg.seed)
         arms[arm] = {**m, "grad_cos_to_reference": gs.to_dict(), "preset": preset.name,
                      "corrections": [c.name for c in preset.corrections],
