@@ -36,10 +36,10 @@ CASES: dict[str, tuple[list[str], str, tuple]] = {
              "--arms", "none,r3_support"], "arms", (vllm, slow)),
     "noise_calibration": (["--rollouts", "2", "--tokens", "4", "--targets", "1", "--placements", "2"], "calibrated",
                           (vllm, slow)),
-    "scoring": (["--g", "8", "--repeats", "1"], "G=8", (slow,)),
+    "scoring": (["--g", "8", "--repeats", "1"], "results", (slow,)),
     "topologies": (["--cells", "vllm_pp2"], "cells", (vllm, slow)),
     "trl_grpo": (["--steps", "2", "--repeats", "1"], "steps", (vllm, slow)),
-    "verl_fsdp": (["--steps", "1", "--prompts", "2"], "steps", (vllm, slow)),
+    "verl_fsdp": (["--steps", "1", "--prompts", "4"], "steps", (vllm, slow)),  # verl: a multiple of its micro batch (4)
 }
 
 
