@@ -20,7 +20,11 @@ def _vllm_sync(llm: Any, preset: Any) -> tuple[Any, Any]:
     from .scoring.scorer import VllmScorer
 
     capture = VllmCapture(llm, preset.capture)
-    scorer = VllmScorer(llm, _scorer_config(preset)) if preset.estimator.enabled else None
+    try:  # a scorer that refuses (forced scoring under data parallelism) leaves no capture behind
+        scorer = VllmScorer(llm, _scorer_config(preset)) if preset.estimator.enabled else None
+    except BaseException:
+        capture.uninstall()
+        raise
     return capture, scorer
 
 
@@ -29,7 +33,11 @@ async def _vllm_async(engine: Any, preset: Any) -> tuple[Any, Any]:
     from .scoring.scorer import AsyncVllmScorer
 
     capture = await AsyncVllmCapture.attach(engine, preset.capture)
-    scorer = await AsyncVllmScorer.attach(engine, _scorer_config(preset)) if preset.estimator.enabled else None
+    try:  # as in _vllm_sync: a refusing scorer leaves no capture behind
+        scorer = await AsyncVllmScorer.attach(engine, _scorer_config(preset)) if preset.estimator.enabled else None
+    except BaseException:
+        await capture.uninstall()
+        raise
     return capture, scorer
 
 
