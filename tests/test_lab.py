@@ -55,4 +55,5 @@ def test_quick_lab_tiniest(tiny_model):
         assert -1.0 <= c["ci95"][0] <= c["value"] <= c["ci95"][1] + 1e-9 <= 1.0 + 1e-9
     assert out["arms"]["r3_support"]["flip_rate"] == 0.0  # replay: the trainer ran the engine's experts
     assert set(out["estimator"]["variance_ratio"]) == {"2", "4", "8"}
+    assert all(v is not None and v >= 0.0 for v in out["estimator"]["var"].values())
     assert set(out["targets"]) >= {"phantom_clip_r3_support_le_tenth_of_none", "variance_ratio_n4_le_half"}
