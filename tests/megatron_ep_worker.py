@@ -81,7 +81,7 @@ def _shims() -> None:
     token_dispatcher.torch = host_torch
 
 
-def _gpt(ep: int, bf16: bool = False):
+def _gpt(ep: int, bf16: bool = False, dispatcher: str = "alltoall"):
     """The model; with `bf16`, bf16 parameters in Megatron's Float16Module (as Megatron-LM wraps a
     --bf16 model; fp32 logits out), the router in fp32 (`moe_router_dtype`)."""
     from megatron.core.models.gpt import GPTModel
@@ -91,7 +91,7 @@ def _gpt(ep: int, bf16: bool = False):
     cfg = TransformerConfig(num_layers=NUM_LAYERS, hidden_size=H, num_attention_heads=2, ffn_hidden_size=32, moe_ffn_hidden_size=32,
                             num_moe_experts=EXPERTS, moe_router_topk=2, moe_enable_routing_replay=True,
                             moe_layer_freq=[0, 1, 0, 1], use_cpu_initialization=True, moe_router_dtype="fp32",
-                            add_bias_linear=False, moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep,
+                            add_bias_linear=False, moe_token_dispatcher_type=dispatcher, expert_model_parallel_size=ep,
                             **(dict(params_dtype=torch.bfloat16, bf16=True) if bf16 else {}))
     torch.manual_seed(0)
     model = GPTModel(cfg, get_gpt_decoder_block_spec(cfg, use_transformer_engine=False), vocab_size=VOCAB,
@@ -103,21 +103,22 @@ def _gpt(ep: int, bf16: bool = False):
     return model.eval()
 
 
-def reference_worker(rank: int, init: str, plans, out: dict, *, bf16: bool = False) -> None:
+def reference_worker(rank: int, init: str, plans, out: dict, *, bf16: bool = False, dispatcher: str = "alltoall") -> None:
     """The whole model in one process (all experts local): weights, replayed and free logits per plan."""
     gloo.init(rank, 1, init, _shims)
     try:
-        out.update(gloo.reference_run(_gpt(1, bf16), plans))
+        out.update(gloo.reference_run(_gpt(1, bf16, dispatcher), plans))
     finally:
         gloo.close()
 
 
-def ep_worker(rank: int, init: str, plans, full: dict, out: dict, *, bf16: bool = False) -> None:
+def ep_worker(rank: int, init: str, plans, full: dict, out: dict, *, bf16: bool = False,
+              dispatcher: str = "alltoall") -> None:
     from moe_replay.integrations.megatron import find_routers, megatron_inputs, replay
 
     gloo.init(rank, 2, init, _shims, ep=2)
     try:
-        model = _gpt(2, bf16)
+        model = _gpt(2, bf16, dispatcher)
         dispatcher = next(m.token_dispatcher for m in model.modules() if hasattr(m, "token_dispatcher"))
         # local expert i of this EP rank is global expert rank * (EXPERTS / 2) + i
         gloo.load_reference(model, full, ".local_experts.", rank * (EXPERTS // 2), f"EP rank {rank}")
@@ -141,18 +142,23 @@ def ep_worker(rank: int, init: str, plans, full: dict, out: dict, *, bf16: bool 
         gloo.close()
 
 
-def make_plans():
-    """One micro-batch plan per EP rank, of different [S, B] shapes."""
-    return gloo.random_plans(LENGTHS, num_layers=NUM_LAYERS, moe_layers=MOE_LAYERS, experts=EXPERTS, vocab=VOCAB,
+EQUAL_LENGTHS = ((11, 6), (11, 5))
+"""Both ranks' micro-batches pad to [11, 2]: the allgather dispatcher gathers the EP ranks' tokens as equal shapes."""
+
+
+def make_plans(lengths=LENGTHS):
+    """One micro-batch plan per EP rank (by default of different [S, B] shapes)."""
+    return gloo.random_plans(lengths, num_layers=NUM_LAYERS, moe_layers=MOE_LAYERS, experts=EXPERTS, vocab=VOCAB,
                              prefix="r")
 
 
-def run_ep2_alltoall(work, bf16: bool = False) -> dict[str, Any]:
+def run_ep2_alltoall(work, bf16: bool = False, dispatcher: str = "alltoall") -> dict[str, Any]:
     """Reference in one process, then EP=2 in two (both with bf16 parameters when `bf16`); the
-    figures benchmarks/topologies.py reports, plus the raw results for the test."""
-    plans = make_plans()
-    ref, ranks = gloo.reference_then_ranks(work, functools.partial(reference_worker, bf16=bf16),
-                                           functools.partial(ep_worker, bf16=bf16), plans)
+    figures benchmarks/topologies.py reports, plus the raw results for the test. `dispatcher`
+    "allgather" runs Megatron's allgather dispatcher instead, on equal micro-batch shapes."""
+    plans = make_plans(EQUAL_LENGTHS if dispatcher == "allgather" else LENGTHS)
+    ref, ranks = gloo.reference_then_ranks(work, functools.partial(reference_worker, bf16=bf16, dispatcher=dispatcher),
+                                           functools.partial(ep_worker, bf16=bf16, dispatcher=dispatcher), plans)
     ref_logits, free_logits = ref["logits"], ref["free_logits"]
     diff = max(float((r["logits"] - want).abs().max()) for r, want in zip(ranks, ref_logits))
     free = max(float((r["logits"] - f).abs().max()) for r, f in zip(ranks, free_logits))

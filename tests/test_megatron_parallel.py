@@ -247,6 +247,23 @@ def test_alltoall_expert_parallel_unequal_shapes_replay_and_match_one_process(tm
         assert r["max_abs_logit_diff"] == 0.0, r["max_abs_logit_diff"]
 
 
+def test_allgather_expert_parallel_equal_shapes_match_one_process(tmp_path):
+    """EP=2 with the allgather dispatcher on equal micro-batch shapes ([11, 2] on both ranks): every
+    router routes exactly its plan's ids (flips 0) and each rank's logits equal a one-process replay of
+    its own micro-batch with the same weights (fp32, <= 2e-5), while free routing moves them, so
+    routes not replayed or experts run on the wrong rank's weights would fail this."""
+    from .megatron_ep_worker import run_ep2_alltoall
+
+    r = run_ep2_alltoall(tmp_path, dispatcher="allgather")
+    assert r["shapes"] == [[11, 2], [11, 2]]
+    for x in r["ranks"]:
+        assert x["dispatcher"] == "MoEAllGatherTokenDispatcher"
+        assert x["layers"] == LAYERS and x["calls"] == {lid: 1 for lid in LAYERS}
+        assert x["flips"] == 0
+    assert r["reference_flips"] == 0 and r["replay_vs_free_logit_diff"] > 1e-3
+    assert r["max_abs_logit_diff"] <= 2e-5, r["max_abs_logit_diff"]
+
+
 def _cp_worker(rank: int, world: int, init: str, plan, out: dict) -> None:
     """One rank of a context-parallel group of `world`: real TopKRouters in it, then replay."""
     from megatron.core.models.gpt import GPTModel
