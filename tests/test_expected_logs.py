@@ -39,13 +39,20 @@ def watching(*names: str) -> Iterator[Seen]:
     of every logger under 'vllm' (their filters stay)."""
     handler = Seen()
     loggers = [logging.getLogger(n) for n in (LOADER_LOGGER, RELOAD_LOGGER, *names)]
+    # Earlier tests in the same process may have run a logging dictConfig that disables existing
+    # loggers (hydra's, under verl) or raised vLLM's level: what is under test is the filters, so
+    # the loggers are enabled at vLLM's default level (INFO) for the block and restored after.
+    saved = [(lg, lg.disabled, lg.level) for lg in loggers]
     for lg in loggers:
+        lg.disabled = False
+        lg.setLevel(logging.INFO)
         lg.addHandler(handler)
     try:
         yield handler
     finally:
-        for lg in loggers:
+        for lg, disabled, level in saved:
             lg.removeHandler(handler)
+            lg.disabled, lg.level = disabled, level
 
 
 @pytest.fixture
