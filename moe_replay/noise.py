@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported where the math runs: geometry (and so every trace reader) imports
+    import torch   # this module for the EngineNoise config, and `import torch` costs ~2 s and pulls tqdm
 
 NOISE_LEVELS: dict[str, float] = {"off": 0.0, "calibrated": 1.0, "2x": 2.0, "4x": 4.0, "8x": 8.0}
 """The named noise levels: `EngineNoise(scale=NOISE_LEVELS[name])`."""
@@ -125,6 +127,8 @@ class EngineNoise:
 
 
 def _gen(*seed: int) -> torch.Generator:
+    import torch
+
     g = torch.Generator()
     g.manual_seed(int(np.random.SeedSequence(list(seed)).generate_state(1, dtype=np.uint64)[0] >> 1))
     return g
@@ -133,6 +137,8 @@ def _gen(*seed: int) -> torch.Generator:
 def row_keys(x_TH: torch.Tensor, *seed: int) -> torch.Tensor:
     """Pseudo-uniform keys in [0, 1) (float64, [T]) hashed from each row of `x_TH` by a projection
     seeded by `seed`: the same row gives the same key whatever else is in the batch."""
+    import torch
+
     r_H = torch.randn(x_TH.shape[-1], generator=_gen(*seed), dtype=torch.float64).to(x_TH.device)
     proj_T = (x_TH.to(torch.float64) @ r_H).abs() * _KEY_MULT
     return proj_T - proj_T.floor()
@@ -151,6 +157,8 @@ class NoiseState:
         """request count of the step -> compute_logits calls."""
 
     def _direction(self, variant: int, V: int, device: torch.device) -> torch.Tensor:
+        import torch
+
         key = (variant, V, str(device))
         if key not in self._dirs:
             self._dirs[key] = torch.randn(V, generator=_gen(self.config.seed, 1, variant), dtype=torch.float32).to(device)
@@ -159,6 +167,8 @@ class NoiseState:
     def perturb_logits(self, logits_TV: torch.Tensor, hidden_TH: torch.Tensor, num_reqs: int) -> torch.Tensor:
         """The logits a step of `num_reqs` requests returns under this noise (a new tensor when any
         row moves; the input itself when none does)."""
+        import torch
+
         cfg = self.config
         v = cfg.variant_of(num_reqs)
         T = logits_TV.shape[0]
@@ -179,6 +189,8 @@ class NoiseState:
                            top_k: int) -> torch.Tensor:
         """Router logits with the k-th and (k+1)-th largest swapped on the rows the key selects
         (`flip_fraction` of them): the top-k set changes by one expert on exactly those rows."""
+        import torch
+
         cfg = self.config
         T, E = router_logits_TE.shape
         self.counts["route_rows"] += T
