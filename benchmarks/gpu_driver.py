@@ -40,6 +40,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_replay.report.bench import last_json_object as last_json  # the steps print one JSON object last
+
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
 
@@ -94,22 +96,6 @@ STEPS = (
          (PY, str(HERE / "gpu_capture.py"), "--dry-run", "--settings", "graphs_native,native_vs_hooks"), 240),
 )
 NAMES = tuple(s.name for s in STEPS)
-
-
-def last_json(text: str):
-    """The last line of `text` that parses as a JSON object (the steps print theirs last), else None."""
-    for line in reversed(text.strip().splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                continue
-    try:  # a pretty-printed object (gpu_estimator --json --plan prints with indent)
-        start = text.index("\n{") + 1 if not text.lstrip().startswith("{") else text.index("{")
-        return json.loads(text[start:])
-    except ValueError:
-        return None
 
 
 def run_step(step: Step, plan: bool, limit_s: float, log) -> dict:

@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from moe_replay.report.bench import _parse, available, default_benchmarks_dir, run_one
+from moe_replay.report.bench import available, default_benchmarks_dir, run_one
+from moe_replay.report.bench import last_json_object as _parse
 
 BENCH = default_benchmarks_dir()
 GPU_PREFIX = "gpu_"

@@ -66,7 +66,7 @@ class BenchResult:
     """The benchmark's JSON object, or a failure record (failed, returncode, error, stderr_tail)."""
 
 
-def _parse(stdout: str) -> dict[str, Any] | None:
+def last_json_object(stdout: str) -> dict[str, Any] | None:
     """The last JSON object a benchmark printed on stdout, whatever came before it.
 
     A benchmark prints one JSON object last, on one line or indented over many (json.dumps with
@@ -115,7 +115,7 @@ def run_one(name: str, bench_dir: Path, *, timeout_s: float | None = None, pytho
             "error": f"timed out after {timeout_s} s", "stderr_tail": _tail(err),
         })
     wall = time.perf_counter() - t0
-    value = _parse(proc.stdout) if proc.returncode == 0 else None
+    value = last_json_object(proc.stdout) if proc.returncode == 0 else None
     if value is not None:
         return BenchResult(name, True, wall, value)
     error = (f"exited with code {proc.returncode}" if proc.returncode != 0
