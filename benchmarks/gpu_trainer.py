@@ -63,35 +63,15 @@ def check_collectives() -> dict:
     return out
 
 
-def _shard(model, mode: str):
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mode == "fsdp2_bf16" else None
-    kw = {"mp_policy": mp} if mp is not None else {}
-    for layer in model.model.layers:
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)
-    return model
-
-
 def check_family(family: str, tmp: Path, device: str = "cuda") -> dict:
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
 
-    from moe_replay.integrations.hf.replay import capture_routes, model_geometry, replay, self_replay_gap
+    from moe_replay.integrations.hf.coverage import fsdp2_shard
+    from moe_replay.integrations.hf.replay import model_geometry, replay, self_replay_gap, self_routed_trace
     from moe_replay.models import build_tiny_model
     from moe_replay.replay import build_plan
-    from moe_replay.trace import RolloutTrace
-
-    def own_trace(model, tokens_S, prompt_len, request_id, ctx):
-        """The model's own free routes of `tokens_S` run alone, on the model's device (a batch of one)."""
-        geometry = model_geometry(model)
-        with torch.no_grad(), ctx(), capture_routes(model) as cap:
-            model(input_ids=torch.from_numpy(tokens_S).view(1, -1).to(device))
-        routes_TLK = torch.stack([cap[lid].cpu() for lid in geometry.moe_layer_ids], 1)[:-1].numpy()
-        return RolloutTrace(request_id, tokens_S, prompt_len, geometry, routes_TLK=routes_TLK)
 
     path = build_tiny_model(family, tmp / family, seed=0)
     rng = np.random.default_rng(0)
@@ -101,12 +81,13 @@ def check_family(family: str, tmp: Path, device: str = "cuda") -> dict:
         t0 = time.perf_counter()
         try:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device)
-            _shard(model, mode)
+            fsdp2_shard(model, torch.bfloat16 if mode == "fsdp2_bf16" else None)
             vocab = int(model.config.vocab_size)
             ctx = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if mode == "fsdp2_autocast_bf16" \
                 else contextlib.nullcontext
             tokens = [rng.integers(0, vocab, n).astype(np.int64) for n in (24, 17, 31, 9)]
-            traces = [own_trace(model, t, 4, f"req-{i}", ctx) for i, t in enumerate(tokens)]
+            with ctx():  # each sequence's own free routes, run alone as an engine runs it
+                traces = [self_routed_trace(model, t, 4, f"req-{i}") for i, t in enumerate(tokens)]
             row["self_replay_gap"] = self_replay_gap(model, traces, ctx)
             row["bit_identical"] = row["self_replay_gap"] == 0.0
             plan = build_plan(traces, model_geometry(model))
