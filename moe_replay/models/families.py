@@ -117,6 +117,23 @@ def _qwen2_moe(p: SizePreset) -> dict[str, Any]:
     )
 
 
+def _grouped_moe(p: SizePreset, n_group: int, topk_group: int) -> dict[str, Any]:
+    """The DeepSeek-V3-style MoE keys (routed + one shared expert, dense layer 0, grouped top-k,
+    scaling 2.5, renormalised) that deepseek_v3 and glm4_moe configs share."""
+    return dict(
+        n_routed_experts=p.num_experts,
+        num_experts_per_tok=p.top_k,
+        n_shared_experts=1,
+        moe_intermediate_size=p.expert_ffn,
+        intermediate_size=p.dense_ffn,
+        first_k_dense_replace=1,
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
+
+
 @_family(
     "deepseek_v3",
     "DeepseekV3Config",
@@ -133,16 +150,7 @@ def _deepseek_v3(p: SizePreset) -> dict[str, Any]:
     return dict(
         cfg,
         num_key_value_heads=p.num_heads,
-        n_routed_experts=p.num_experts,
-        num_experts_per_tok=p.top_k,
-        n_shared_experts=1,
-        moe_intermediate_size=p.expert_ffn,
-        intermediate_size=p.dense_ffn,
-        first_k_dense_replace=1,
-        n_group=n_group,
-        topk_group=max(1, n_group // 2),
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
+        **_grouped_moe(p, n_group, topk_group=max(1, n_group // 2)),
         topk_method="noaux_tc",  # vLLM reads these two; without them it uses softmax and no bias
         scoring_func="sigmoid",
         kv_lora_rank=512,  # the only values vLLM's CPU MLA kernel accepts
@@ -158,19 +166,7 @@ def _glm4_moe(p: SizePreset) -> dict[str, Any]:
     """Sigmoid scores + correction bias, grouped top-k, dense layer 0, no registered router adapter: replay
     infers and verifies its rule (integrations/hf/infer.py); GQA attention with half-rotary heads."""
     n_group = 2 if p.num_experts % 2 == 0 else 1
-    return dict(
-        _attention(p, p.num_moe_layers + 1),
-        n_routed_experts=p.num_experts,
-        num_experts_per_tok=p.top_k,
-        n_shared_experts=1,
-        moe_intermediate_size=p.expert_ffn,
-        intermediate_size=p.dense_ffn,
-        first_k_dense_replace=1,
-        n_group=n_group,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-    )
+    return dict(_attention(p, p.num_moe_layers + 1), **_grouped_moe(p, n_group, topk_group=1))
 
 
 @_family(
