@@ -145,7 +145,7 @@ def test_a_rule_needs_a_logger_and_a_valid_pattern():
 @pytest.mark.vllm
 def test_update_weights_is_quiet_unless_verbose(tiny_model, vllm_llm, monkeypatch):
     """On a real bf16 engine, a sync of the fp32 checkpoint logs vLLM's casts, its rotary warning
-    and three INFO lines only under MOE_REPLAY_VERBOSE=1; a record on those loggers that no rule
+    and its INFO lines (two, plus a once-per-process filesystem line) only under MOE_REPLAY_VERBOSE=1; a record on those loggers that no rule
     names passes either way."""
     from moe_replay.integrations.vllm.weights import EXPECTED_SYNC_LOGS, update_weights
 
@@ -161,8 +161,12 @@ def test_update_weights_is_quiet_unless_verbose(tiny_model, vllm_llm, monkeypatc
         runs[verbose] = seen.messages
     quiet, loud = runs[""], runs["1"]
     casts = [m for m in loud if m.startswith("Attempted to load weight") and m.endswith("torch.bfloat16")]
-    info = [m for m in loud if m.startswith(("Filesystem type", "Reloading and processing", "Successfully reset"))]
-    assert len(casts) == 15 and loud.count("RotaryEmbedding: Failed to load weights") == 1 and len(info) == 3, loud
+    info = [m for m in loud if m.startswith(("Reloading and processing", "Successfully reset"))]
+    # vLLM logs "Filesystem type ..." with info_once keyed on its arguments, available RAM among them:
+    # under a cgroup limit that figure repeats, and the quiet run's call already spent the line.
+    fs_lines = [m for m in loud if m.startswith("Filesystem type")]
+    assert len(casts) == 15 and loud.count("RotaryEmbedding: Failed to load weights") == 1 and len(info) == 2, loud
+    assert len(fs_lines) <= 1, fs_lines
     assert quiet == ["not a sync's line"] and loud[-1] == "not a sync's line"
 
 
