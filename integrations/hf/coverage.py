@@ -177,11 +177,11 @@ def moe_families() -> dict[str, tuple[str, str]]:
             text = cfg.get_text_config()
         except Exception:  # composite configs that need sub-configs or optional packages: not text MoE
             continue
-        if routers and not any(hasattr(text, k) for k in _EXPERT_KEYS + ("ffn_config",)):
+        if routers and not any(_has(text, k) for k in _EXPERT_KEYS + ("ffn_config",)):
             continue  # a vision or audio config of a model whose text half routes
         if not routers:
-            experts = [getattr(text, k, None) for k in _EXPERT_KEYS]
-            if not any(isinstance(v, int) and v > 1 for v in experts) and not isinstance(getattr(text, "num_experts", None), list):
+            experts = [_get(text, k) for k in _EXPERT_KEYS]
+            if not any(isinstance(v, int) and v > 1 for v in experts) and not isinstance(_get(text, "num_experts"), list):
                 continue
         key = str(getattr(text, "model_type", "") or model_type)
         out.setdefault(key, (type(text).__name__, type(text).__module__))
@@ -209,6 +209,13 @@ def _has(config: Any, name: str) -> bool:
         return hasattr(config, name)
     except Exception:  # per-layer attributes (Gemma 4's head_dim) raise on a global read: they exist
         return True
+
+
+def _get(config: Any, name: str) -> Any:
+    try:
+        return getattr(config, name, None)
+    except Exception:  # a per-layer attribute (transformers 5.24's heterogeneous configs) raises on a global read
+        return None
 
 
 def tiny_config(family: str, config_cls: type) -> Any:
