@@ -1,13 +1,11 @@
 """Which MoE families of the installed transformers replay, per precision mode, measured on tiny random models.
 
-Families: every model type whose modeling module defines a router class (*Router, *Gating, or a
-*Gate that reads a top_k), and every one whose config has more than one expert by default (MoE
-blocks that route inline). For each, in each mode (PRECISIONS: fp32; bf16 weights as
+Families: tiny.moe_families (every decoder MoE family of the installed transformers). For each, in each mode (PRECISIONS: fp32; bf16 weights as
 from_pretrained loads them; fp32 weights under bf16 autocast; and the layouts FSDP2 trainers run:
 the model sharded with fully_shard over FSDP_WORLD ranks before attach, under a bf16 param policy
-or bf16 autocast), `check_family` builds a tiny model
-from the config class with small overrides (no download), spreads its router weights so probes do
-not tie, attaches replay outside any autocast (as a trainer does) and requires, in order:
+or bf16 autocast), `check_family` builds its tiny model
+(tiny.build_tiny: small overrides on the config class, no download, router weights spread so probes do
+not tie; a model the builder cannot make is status "builder", the builder's failure), attaches replay outside any autocast (as a trainer does) and requires, in order:
   1. every router gets a registered or verified adapter (find_routers; a refusal is the reason), and
      verifies again on the first forward in the mode's dtype and autocast state;
   2. self-replay: replaying the routes HF itself chose in this batch's forward, in this mode, gives
@@ -25,9 +23,7 @@ Legend: B batch rows, S tokens, T tokens of one sequence, L MoE layers, K top-k,
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -36,11 +32,10 @@ import numpy as np
 import torch
 from torch import nn
 
-_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok", "moe_topk", "top_k_experts")
-"""Config attributes that name experts (a default above 1 makes a model type an MoE family even without a router class)."""
-_ROUTER_CLASS_RE = re.compile(r"^class (\w+(?:Router|Gating|Gate))\(", re.MULTILINE)
-"""Router-shaped class definitions in a modeling module; a *Gate counts only where its body reads a top_k."""
-
+from .tiny import (  # noqa: F401  (re-exported: tests and benchmarks import them from coverage)
+    FAMILY_INPUT_EMBEDDINGS, FAMILY_TINY, LAYERS, TINY, TinyBuildError, _get, _has, _model_class, _router_classes, _spread_routers, build_tiny,
+    cast_as_loaded, moe_families, tiny_config,
+)
 
 @dataclass(frozen=True)
 class Precision:
@@ -87,35 +82,6 @@ PRECISIONS: dict[str, Precision] = {
 FSDP_WORLD = 2
 """Ranks of the FSDP2 modes: 2 is the least that really shards (each rank holds half of each router matrix)."""
 
-LAYERS = 3
-"""Decoder layers of the tiny models: with DeepSeek's first dense layer still 2 MoE layers."""
-TINY: dict[str, Any] = dict(
-    vocab_size=96, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=LAYERS,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False,
-    num_experts=8, num_local_experts=8, n_routed_experts=8, moe_num_experts=8, num_experts_per_tok=2, moe_topk=2,
-    top_k_experts=2, n_shared_experts=1, shared_expert_intermediate_size=32, moe_shared_expert_intermediate_size=32,
-    first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=16,
-    qk_nope_head_dim=16, v_head_dim=16, qk_head_dim=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    mlp_only_layers=[], decoder_sparse_step=1, sliding_window=8, linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-)
-"""Overrides applied to every config that has the attribute: 8 experts, top-2, width 64."""
-FAMILY_TINY: dict[str, dict[str, Any]] = {
-    "glm4v_moe_text": dict(head_dim=128),  # its default mrope sections [8, 12, 12] need a 64-wide rotary half
-    "lfm2_moe": dict(layer_types=["full_attention", "conv", "full_attention"], num_dense_layers=1),
-    "deepseek_ocr2_text": dict(mlp_layer_types=["dense", "sparse", "sparse"]),
-    "granitemoehybrid": dict(layer_types=["attention", "linear_attention", "attention"]),
-    "ernie4_5_vl_moe_text": dict(moe_intermediate_size=[32, 32]),
-    "qwen3_omni_moe_talker_text": dict(shared_expert_intermediate_size=32),
-    "zaya": dict(num_experts_per_tok=1),  # ZAYA validates top-1 only
-    "dbrx": dict(d_model=64, n_heads=4, n_layers=LAYERS, max_seq_len=64, ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8,
-                 moe_top_k=2, hidden_size=64), attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0)),
-    **{f: dict(enable_moe_block=True, global_head_dim=16, hidden_size_per_layer_input=16, vocab_size_per_layer_input=96,
-               num_kv_shared_layers=0, layer_types=["sliding_attention", "sliding_attention", "full_attention"])
-       for f in ("gemma4_text", "diffusion_gemma_text")},  # MoE blocks are off by default
-}
-"""Per-family overrides on top of TINY, where a family's defaults do not shrink on their own."""
-
 SEQ_LENS = (7, 5)
 """Two rows of different length: padding is part of what replay must line up."""
 
@@ -124,8 +90,9 @@ SEQ_LENS = (7, 5)
 class FamilyResult:
     family: str
     status: str
-    """"replayed", "refused" (by replay, at attach or on the first forward, before any replayed output) or
-    "error" (failed elsewhere)."""
+    """"replayed", "refused" (by replay, at attach or on the first forward, before any replayed output),
+    "builder" (the tiny model could not be built, or HF's own forward of it fails in fp32: the builder's failure,
+    not the family's) or "error" (failed elsewhere)."""
     precision: str = "fp32"
     """Name in PRECISIONS."""
     note: str = ""
@@ -139,150 +106,6 @@ class FamilyResult:
 
     def row(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v not in ("", [], None)}
-
-
-def _router_classes(folder: str) -> list[str]:
-    """Router-shaped classes defined in a model folder's modeling modules."""
-    names = []
-    for f in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        if not (f.startswith("modeling_") and f.endswith(".py")):
-            continue
-        src = open(os.path.join(folder, f)).read()
-        for m in _ROUTER_CLASS_RE.finditer(src):
-            body = src[m.end():].split("\nclass ", 1)[0]
-            if not m.group(1).endswith("Gate") or "top_k" in body:
-                names.append(m.group(1))
-    return names
-
-
-def moe_families() -> dict[str, tuple[str, str]]:
-    """{text model type: (config class name, its module)} for every model type whose modeling module defines
-    a router class and whose text config names experts (DBRX: in its ffn_config), or whose text config has more
-    than one expert by default (inline routing)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import transformers
-    from transformers import CONFIG_MAPPING
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
-
-    root = os.path.join(os.path.dirname(transformers.__file__), "models")
-    out: dict[str, tuple[str, str]] = {}
-    for model_type in CONFIG_MAPPING_NAMES:
-        folder = os.path.join(root, model_type_to_module_name(model_type))
-        routers = _router_classes(folder)
-        sources = [os.path.join(folder, f) for f in os.listdir(folder) if f.startswith("configuration_")] if os.path.isdir(folder) else []
-        if not routers and not any(key in open(f).read() for f in sources for key in _EXPERT_KEYS):
-            continue  # instantiating all ~450 configs costs a minute; only those with a router or naming experts can be MoE
-        try:
-            cfg = CONFIG_MAPPING[model_type]()
-            text = cfg.get_text_config()
-        except Exception:  # composite configs that need sub-configs or optional packages: not text MoE
-            continue
-        if routers and not any(_has(text, k) for k in _EXPERT_KEYS + ("ffn_config",)):
-            continue  # a vision or audio config of a model whose text half routes
-        if not routers:
-            experts = [_get(text, k) for k in _EXPERT_KEYS]
-            if not any(isinstance(v, int) and v > 1 for v in experts) and not isinstance(_get(text, "num_experts"), list):
-                continue
-        key = str(getattr(text, "model_type", "") or model_type)
-        out.setdefault(key, (type(text).__name__, type(text).__module__))
-    return dict(sorted(out.items()))
-
-
-def _model_class(config_cls: type, config_module: str) -> type:
-    """The causal LM for this config class, else its base text model, from the family's modeling module."""
-    from transformers import PreTrainedModel
-
-    modeling = importlib.import_module(config_module.replace(".configuration_", ".modeling_"))
-    mine = [
-        c for c in vars(modeling).values()
-        if isinstance(c, type) and issubclass(c, PreTrainedModel) and getattr(c, "config_class", None) is config_cls
-    ]
-    for suffix in ("ForCausalLM", "Model"):
-        for c in mine:
-            if c.__name__.endswith(suffix) and "Pretrained" not in c.__name__ and "PreTrained" not in c.__name__:
-                return c
-    raise LookupError(f"no causal LM or base model class for {config_cls.__name__} in {modeling.__name__}")
-
-
-def _has(config: Any, name: str) -> bool:
-    try:
-        return hasattr(config, name)
-    except Exception:  # per-layer attributes (Gemma 4's head_dim) raise on a global read: they exist
-        return True
-
-
-def _get(config: Any, name: str) -> Any:
-    try:
-        return getattr(config, name, None)
-    except Exception:  # a per-layer attribute (transformers 5.24's heterogeneous configs) raises on a global read
-        return None
-
-
-def tiny_config(family: str, config_cls: type) -> Any:
-    base = config_cls()
-    kwargs = {k: v for k, v in TINY.items() if _has(base, k)}
-    if hasattr(base, "kv_lora_rank"):  # multi-head latent attention: rotary width is qk_rope_head_dim, kv heads = heads
-        kwargs.update(head_dim=kwargs["qk_rope_head_dim"], num_key_value_heads=kwargs["num_attention_heads"])
-    kwargs.update(FAMILY_TINY.get(family, {}))
-    for list_key in ("layer_types", "mlp_layer_types"):
-        default = getattr(base, list_key, None) if _has(base, list_key) and not isinstance(getattr(config_cls, list_key, None), property) else None
-        if isinstance(getattr(config_cls, list_key, None), property):
-            continue  # derived from other fields (Jamba)
-        if isinstance(default, list) and len(default) >= LAYERS:
-            kwargs.setdefault(list_key, list(default[-LAYERS:]))
-    if isinstance(getattr(base, "num_experts", None), list):
-        kwargs["num_experts"], kwargs["moe_topk"] = [8] * LAYERS, [2] * LAYERS
-    return config_cls(**kwargs)
-
-
-def _spread_routers(model: nn.Module) -> None:
-    """Router matrices N(0, 0.5) and selection biases N(0, 0.3): no ties, and the bias changes choices."""
-    from .infer import looks_like_router
-    from .routers import adapter_for
-
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for module in model.modules():
-            if adapter_for(module) is None and not looks_like_router(module):
-                continue
-            for name, p in list(module.named_parameters()) + list(module.named_buffers()):
-                if p.is_floating_point() and p.dim() == 2:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-                elif p.is_floating_point() and "bias" in name:
-                    p.copy_(torch.randn(p.shape, generator=gen).view_as(p) * 0.3)
-
-
-def cast_as_loaded(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """`model` in `dtype` as `from_pretrained(dtype=dtype)` loads it: the tensors its dtype plan keeps in fp32
-    (`_keep_in_fp32_modules_strict`, e.g. ERNIE-4.5's router weight and DeepSeek-V3's correction bias) stay fp32."""
-    model = model.to(dtype)
-    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
-    keep = [re.compile(k.replace("*", ".*")) for k, v in plan.items() if v == torch.float32]
-    if keep and dtype != torch.float32:
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if t.is_floating_point() and any(k.search(name) for k in keep):
-                t.data = t.data.float()
-    return model
-
-
-def build_tiny(family: str, families: dict[str, tuple[str, str]] | None = None, dtype: torch.dtype = torch.float32,
-               as_loaded: bool = True) -> nn.Module:
-    """The family's tiny random model, router weights spread, in `dtype` as from_pretrained would load it
-    (`as_loaded=False`: every tensor in `dtype`)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    families = families or moe_families()
-    cls_name, module = families[family]
-    config_cls = getattr(importlib.import_module(module), cls_name)
-    config = tiny_config(family, config_cls)
-    torch.manual_seed(0)
-    model = _model_class(config_cls, module)(config).float().eval()
-    for parent in model.modules():  # selection biases that live on the MoE block, not the router
-        for name, b in parent.named_buffers(recurse=False):
-            if name in ("e_score_correction_bias", "expert_bias") and b.is_floating_point():
-                with torch.no_grad():
-                    b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
-    _spread_routers(model)
-    return cast_as_loaded(model, dtype) if as_loaded else model.to(dtype)
 
 
 def _traces(model: nn.Module, geometry) -> list:
@@ -319,6 +142,10 @@ def _own_forward_fails(model: nn.Module, mode: Precision) -> str | None:
     return None
 
 
+def _notes(*notes: str) -> str:
+    return "; ".join(n for n in notes if n)
+
+
 def check_family(family: str, families: dict[str, tuple[str, str]] | None = None, precision: str = "fp32") -> FamilyResult:
     """Build, self-replay, shifted replay and backward one family in one precision mode; never raises."""
     from moe_replay.replay import build_plan
@@ -333,6 +160,9 @@ def check_family(family: str, families: dict[str, tuple[str, str]] | None = None
     try:
         model = build_tiny(family, families, mode.weights)
         result.model_class = type(model).__name__
+        if family in FAMILY_INPUT_EMBEDDINGS:
+            embeddings, why = FAMILY_INPUT_EMBEDDINGS[family]
+            result.note = f"the tiny model's embed_tokens is its {embeddings} ({why})"
         if mode.layout == "fsdp2":
             fsdp2_shard(model, mode.param_dtype)
             if mode.param_dtype is not None and (why := _own_forward_fails(model, mode)) is not None:
@@ -343,14 +173,23 @@ def check_family(family: str, families: dict[str, tuple[str, str]] | None = None
                 fsdp2_shard(plain, mode.param_dtype)
                 if _own_forward_fails(plain, mode) is None:  # the fp32 buffers are what breaks HF's forward
                     model = plain
-                    result.note = (f"HF's own forward fails under FSDP2's param policy, which casts parameters, not buffers "
-                                   f"({why}); measured with floating buffers in {str(mode.param_dtype).replace('torch.', '')}")
+                    result.note = _notes(result.note, f"HF's own forward fails under FSDP2's param policy, which casts "
+                                         f"parameters, not buffers ({why}); measured with floating buffers in {str(mode.param_dtype).replace('torch.', '')}")
         elif mode.weights != torch.float32 and (why := _own_forward_fails(model, mode)) is not None:
             plain = build_tiny(family, families, mode.weights, as_loaded=False)
             if _own_forward_fails(plain, mode) is None:  # the tensors kept in fp32 are what breaks HF's forward
                 model = plain
-                result.note = (f"HF's own forward fails with the tensors from_pretrained keeps in fp32 ({why}); "
-                               f"measured with every tensor in {str(mode.weights).replace('torch.', '')}")
+                result.note = _notes(result.note, f"HF's own forward fails with the tensors from_pretrained keeps in fp32 "
+                                     f"({why}); measured with every tensor in {str(mode.weights).replace('torch.', '')}")
+        if (why := _own_forward_fails(model, mode)) is not None:
+            plain32 = mode is PRECISIONS["fp32"]
+            if plain32 or _own_forward_fails(build_tiny(family, families), PRECISIONS["fp32"]) is not None:
+                raise TinyBuildError(f"tiny model does not run (HF's own forward, no replay attached): {why}")
+            result.reason = f"HF's own forward fails in this mode, no replay attached (it runs in fp32): {why}"
+            return result
+    except TinyBuildError as e:
+        result.status, result.reason = "builder", str(e).removeprefix(f"{family}: ")
+        return result
     except Exception as e:
         result.reason = f"tiny model does not build: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         return result
