@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .tiny import (  # noqa: F401  (re-exported: tests and benchmarks import them from coverage)
-    FAMILY_INPUT_EMBEDDINGS, FAMILY_TINY, LAYERS, TINY, TinyBuildError, _get, _has, _model_class, _router_classes, _spread_routers, build_tiny,
+    FAMILY_TINY, LAYERS, TINY, TinyBuildError, _get, _has, _model_class, _router_classes, _spread_routers, build_tiny,
     cast_as_loaded, moe_families, tiny_config,
 )
 
@@ -158,11 +158,9 @@ def check_family(family: str, families: dict[str, tuple[str, str]] | None = None
     t0 = time.perf_counter()
     result = FamilyResult(family, "error", precision)
     try:
-        model = build_tiny(family, families, mode.weights)
-        result.model_class = type(model).__name__
-        if family in FAMILY_INPUT_EMBEDDINGS:
-            embeddings, why = FAMILY_INPUT_EMBEDDINGS[family]
-            result.note = f"the tiny model's embed_tokens is its {embeddings} ({why})"
+        notes: list[str] = []
+        model = build_tiny(family, families, mode.weights, notes=notes)
+        result.model_class, result.note = type(model).__name__, _notes(*notes)
         if mode.layout == "fsdp2":
             fsdp2_shard(model, mode.param_dtype)
             if mode.param_dtype is not None and (why := _own_forward_fails(model, mode)) is not None:
@@ -181,12 +179,6 @@ def check_family(family: str, families: dict[str, tuple[str, str]] | None = None
                 model = plain
                 result.note = _notes(result.note, f"HF's own forward fails with the tensors from_pretrained keeps in fp32 "
                                      f"({why}); measured with every tensor in {str(mode.weights).replace('torch.', '')}")
-        if (why := _own_forward_fails(model, mode)) is not None:
-            plain32 = mode is PRECISIONS["fp32"]
-            if plain32 or _own_forward_fails(build_tiny(family, families), PRECISIONS["fp32"]) is not None:
-                raise TinyBuildError(f"tiny model does not run (HF's own forward, no replay attached): {why}")
-            result.reason = f"HF's own forward fails in this mode, no replay attached (it runs in fp32): {why}"
-            return result
     except TinyBuildError as e:
         result.status, result.reason = "builder", str(e).removeprefix(f"{family}: ")
         return result
@@ -194,7 +186,13 @@ def check_family(family: str, families: dict[str, tuple[str, str]] | None = None
         result.reason = f"tiny model does not build: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         return result
     try:
-        sites = find_routers(model)  # attach outside autocast, as a trainer attaches
+        sites = find_routers(model)  # attach outside autocast, as a trainer attaches; a refusal here is the family's
+        if (why := _own_forward_fails(model, mode)) is not None:
+            if mode is PRECISIONS["fp32"] or _own_forward_fails(build_tiny(family, families), PRECISIONS["fp32"]) is not None:
+                result.status, result.reason = "builder", f"tiny model does not run (HF's own forward, no replay attached): {why}"
+            else:
+                result.reason = f"HF's own forward fails in this mode, no replay attached (it runs in fp32): {why}"
+            return result
         first = next(iter(sites.values()))
         result.router = type(first.module).__name__
         result.layers = list(sites)

@@ -207,8 +207,10 @@ def find_routers(model: nn.Module) -> dict[int, RouterSite]:
     """
     from .fsdp import fsdp_owner
     from .infer import attach_adapter, looks_like_router
+    from .structure import refuse_structure
 
     modules = dict(model.named_modules())
+    refuse_structure(model, modules, _family(model))  # encoder-decoder models, inline-routing blocks (structure.py)
     stack = _decoder_layers_prefix(model)
     config = getattr(model, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config

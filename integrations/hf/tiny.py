@@ -14,6 +14,7 @@ whose tiny model cannot be built or run raises TinyBuildError: the builder's fai
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
@@ -67,6 +68,7 @@ FAMILY_TINY: dict[str, dict[str, Any]] = {
     "qwen4_exp_text": dict(  # its sparse-attention indexer has no defaults; n-gram tables default to 20M rows
         indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4, hc_lowrank=4,
         heads_per_ngram=2, ngram_vocab_size_base=17, make_ngram_vocab_size_divisible_by=4, split_ngram_parts=4),
+    "doge": dict(is_moe=True, num_experts=16),  # MoE is off by default; product keys: experts a square (4 keys^2)
     "zaya": dict(num_experts_per_tok=1),  # ZAYA validates top-1 only
     "dbrx": dict(d_model=64, n_heads=4, n_layers=LAYERS, max_seq_len=64, ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8,
                  moe_top_k=2, hidden_size=64), attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0)),
@@ -225,10 +227,41 @@ def _first_line(e: BaseException, limit: int = 160) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:limit] if str(e) else ''}"
 
 
+@contextlib.contextmanager
+def _nan_for_uninitialised():
+    """Model construction with every `torch.empty` float tensor NaN (deterministic mode's
+    `fill_uninitialized_memory`), so a tensor HF's init never writes is found, not left holding whatever the
+    allocator last held (Qwen3-Omni's talker experts: finite in one process, NaN after other models were built)."""
+    import torch.utils.deterministic as deterministic
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        deterministic.fill_uninitialized_memory = before[2]
+
+
+def _init_left_uninitialised(model: nn.Module, std: float) -> list[str]:
+    """Names of the floating tensors HF's init left NaN, each drawn N(0, std) from a fixed seed instead."""
+    gen = torch.Generator().manual_seed(2)
+    left = []
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.is_floating_point() and t.numel() and bool(torch.isnan(t).any()):
+                t.copy_(torch.randn(t.shape, generator=gen) * std)
+                left.append(name)
+    return left
+
+
 def build_tiny(family: str, families: dict[str, tuple[str, str]] | None = None, dtype: torch.dtype = torch.float32,
-               as_loaded: bool = True) -> nn.Module:
+               as_loaded: bool = True, notes: list[str] | None = None) -> nn.Module:
     """The family's tiny random model, router weights spread, in `dtype` as from_pretrained would load it
-    (`as_loaded=False`: every tensor in `dtype`). Raises TinyBuildError where the config or model cannot be made."""
+    (`as_loaded=False`: every tensor in `dtype`). Raises TinyBuildError where the config or model cannot be made.
+    `notes` (when given) gets a line for each way the tiny model departs from HF's own construction."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     families = families or moe_families()
     cls_name, module = families[family]
@@ -236,16 +269,24 @@ def build_tiny(family: str, families: dict[str, tuple[str, str]] | None = None, 
         config_cls = getattr(importlib.import_module(module), cls_name)
         config = tiny_config(family, config_cls)
         torch.manual_seed(0)
-        model = _model_class(config_cls, module)(config).float().eval()
+        with _nan_for_uninitialised():
+            model = _model_class(config_cls, module)(config).float().eval()
     except Exception as e:
         raise TinyBuildError(f"{family}: tiny model does not build: {_first_line(e)}") from e
+    left = _init_left_uninitialised(model, float(_get(config, "initializer_range") or 0.02))
+    if left and notes is not None:
+        notes.append(f"HF's init leaves {left[0]}{f' and {len(left) - 1} more' if len(left) > 1 else ''} uninitialised "
+                     "(a checkpoint fills them); the tiny model draws them N(0, initializer_range)")
+    if family in FAMILY_INPUT_EMBEDDINGS:
+        embeddings, why = FAMILY_INPUT_EMBEDDINGS[family]
+        model.embed_tokens = getattr(model, embeddings)
+        if notes is not None:
+            notes.append(f"the tiny model's embed_tokens is its {embeddings} ({why})")
     for parent in model.modules():  # selection biases that live on the MoE block, not the router
         for name, b in parent.named_buffers(recurse=False):
             if name in ("e_score_correction_bias", "expert_bias") and b.is_floating_point():
                 with torch.no_grad():
                     b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
-    if family in FAMILY_INPUT_EMBEDDINGS:
-        model.embed_tokens = getattr(model, FAMILY_INPUT_EMBEDDINGS[family][0])
     _spread_routers(model)
     return cast_as_loaded(model, dtype) if as_loaded else model.to(dtype)
 
