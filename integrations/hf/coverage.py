@@ -1,11 +1,11 @@
 """Which MoE families of the installed transformers replay, per precision mode, measured on tiny random models.
 
-Families: tiny.moe_families (every decoder MoE family of the installed transformers). For each, in each mode (PRECISIONS: fp32; bf16 weights as
-from_pretrained loads them; fp32 weights under bf16 autocast; and the layouts FSDP2 trainers run:
-the model sharded with fully_shard over FSDP_WORLD ranks before attach, under a bf16 param policy
-or bf16 autocast), `check_family` builds its tiny model
-(tiny.build_tiny: small overrides on the config class, no download, router weights spread so probes do
-not tie; a model the builder cannot make is status "builder", the builder's failure), attaches replay outside any autocast (as a trainer does) and requires, in order:
+Families: tiny.moe_families (the decoder MoE families of the installed transformers). For each, in each
+mode (PRECISIONS: fp32; bf16 weights as from_pretrained loads them; fp32 weights under bf16 autocast; and
+the layouts FSDP2 trainers run: the model sharded with fully_shard over FSDP_WORLD ranks before attach,
+under a bf16 param policy or bf16 autocast), `check_family` builds its tiny model (tiny.build_tiny: small
+overrides on the config class, no download, router weights spread so probes do not tie), attaches replay
+outside any autocast (as a trainer does) and requires, in order:
   1. every router gets a registered or verified adapter (find_routers; a refusal is the reason), and
      verifies again on the first forward in the mode's dtype and autocast state;
   2. self-replay: replaying the routes HF itself chose in this batch's forward, in this mode, gives
@@ -13,7 +13,9 @@ not tie; a model the builder cannot make is status "builder", the builder's fail
   3. replaying other routes (each id shifted by one expert) changes the outputs, so the MoE block
      really consumes the replayed ids (a block that re-routes on its own would pass 2 and fail here);
   4. a backward under replay: every gradient finite, every router's weight gradient non-zero.
-A family that fails any step, or errors while being built, is listed with its reason, per mode.
+A family that fails any step is listed with its reason and status, per mode: "refused" where replay refuses
+it by name, "builder" where its tiny model does not build or HF's own fp32 forward of it fails with no replay
+attached (the builder's failure, not the family's), "error" for anything else.
 The FSDP2 modes run in one spawn of FSDP_WORLD gloo ranks that loops over every family (`run_fsdp2`);
 `fsdp2_replay_check` is the same check for one family in a process group the caller set up (a GPU's).
 
@@ -172,7 +174,8 @@ def check_family(family: str, families: dict[str, tuple[str, str]] | None = None
                 if _own_forward_fails(plain, mode) is None:  # the fp32 buffers are what breaks HF's forward
                     model = plain
                     result.note = _notes(result.note, f"HF's own forward fails under FSDP2's param policy, which casts "
-                                         f"parameters, not buffers ({why}); measured with floating buffers in {str(mode.param_dtype).replace('torch.', '')}")
+                                         f"parameters, not buffers ({why}); measured with floating buffers in "
+                                         f"{str(mode.param_dtype).replace('torch.', '')}")
         elif mode.weights != torch.float32 and (why := _own_forward_fails(model, mode)) is not None:
             plain = build_tiny(family, families, mode.weights, as_loaded=False)
             if _own_forward_fails(plain, mode) is None:  # the tensors kept in fp32 are what breaks HF's forward
@@ -188,8 +191,10 @@ def check_family(family: str, families: dict[str, tuple[str, str]] | None = None
     try:
         sites = find_routers(model)  # attach outside autocast, as a trainer attaches; a refusal here is the family's
         if (why := _own_forward_fails(model, mode)) is not None:
-            if mode is PRECISIONS["fp32"] or _own_forward_fails(build_tiny(family, families), PRECISIONS["fp32"]) is not None:
-                result.status, result.reason = "builder", f"tiny model does not run (HF's own forward, no replay attached): {why}"
+            fp32 = PRECISIONS["fp32"]
+            if mode is fp32 or _own_forward_fails(build_tiny(family, families), fp32) is not None:
+                result.status = "builder"
+                result.reason = f"tiny model does not run (HF's own forward, no replay attached): {why}"
             else:
                 result.reason = f"HF's own forward fails in this mode, no replay attached (it runs in fp32): {why}"
             return result
@@ -422,18 +427,22 @@ def fsdp2_replay_check(family: str, device: str | torch.device = "cuda", dtype_m
 
 
 def summary(results: dict[str, list[FamilyResult]]) -> dict[str, Any]:
-    """The JSON the coverage script prints: counts per precision mode, then each mode's refusals and replays."""
+    """The JSON the coverage script prints: counts per precision mode (each STATUSES status), then each mode's
+    refusals (replay's, by name), builder failures, errors and replays."""
     import transformers
 
     return {
         "transformers": transformers.__version__,
         "families_total": {p: len(rs) for p, rs in results.items()},
         "families_replayed": {p: sum(r.status == "replayed" for r in rs) for p, rs in results.items()},
+        "families_by_status": {p: {st: sum(r.status == st for r in rs) for st in STATUSES} for p, rs in results.items()},
         "seconds": {p: round(sum(r.seconds for r in rs), 1) for p, rs in results.items()},
         "modes": {
             p: {
                 "about": PRECISIONS[p].about,
-                "families_refused": {r.family: r.reason for r in rs if r.status != "replayed"},
+                "families_refused": {r.family: r.reason for r in rs if r.status == "refused"},
+                "families_builder": {r.family: r.reason for r in rs if r.status == "builder"},
+                "families_error": {r.family: r.reason for r in rs if r.status == "error"},
                 "notes": {r.family: r.note for r in rs if r.note},
                 "replayed": sorted(r.family for r in rs if r.status == "replayed"),
             }
@@ -442,6 +451,8 @@ def summary(results: dict[str, list[FamilyResult]]) -> dict[str, Any]:
     }
 
 
+STATUSES = ("replayed", "refused", "builder", "error")
+"""FamilyResult.status values, in table order."""
 TABLE_HEAD = "| family | config class | mode | model built | router | rule (verified) | status | reason |"
 
 
@@ -457,9 +468,10 @@ def markdown(results: dict[str, list[FamilyResult]], families: dict[str, tuple[s
         "",
         f"Generated by `python benchmarks/hf_coverage.py --write` on transformers {transformers.__version__}. Do not edit by hand.",
         "",
-        "| mode | what runs | families replayed |",
-        "|---|---|---|",
-        *[f"| {p} | {PRECISIONS[p].about} | {s['families_replayed'][p]} of {s['families_total'][p]} |" for p in modes],
+        "| mode | what runs | families replayed | refused | builder | error |",
+        "|---|---|---|---|---|---|",
+        *[f"| {p} | {PRECISIONS[p].about} | {s['families_replayed'][p]} of {s['families_total'][p]} | "
+          + " | ".join(str(s["families_by_status"][p][st]) for st in STATUSES[1:]) + " |" for p in modes],
         "",
         "A family is *replayed* in a mode when, on a tiny random model built from its config class (3 layers, 8 experts, "
         "top-2, width 64, no download) and run in that mode, every router gets a registered or a verified inferred "
@@ -467,7 +479,11 @@ def markdown(results: dict[str, list[FamilyResult]], families: dict[str, tuple[s
         "autocast state), replaying the routes HF chose in the same forward gives bit-identical outputs, replaying "
         "other experts changes them, and a backward under replay is finite with a non-zero gradient on every router. "
         "*refused* is replay refusing the model by name before any replayed output (at attach or on the first "
-        "forward of a mode); *error* is the tiny model failing elsewhere (building, running). "
+        "forward of a mode), for a reason of the family's own structure (an encoder-decoder model, an MoE block that "
+        "routes inline, two routers in one layer) or of its router (no rule reproduces its weights, an output replay "
+        "cannot read); *builder* is the tiny model failing to build, or HF's own fp32 forward of it failing with no "
+        "replay attached: the builder's failure, not the family's; *error* is anything else failing (HF's own forward "
+        "in one mode only, a replay step). "
         "Where HF's own forward fails with the tensors "
         "from_pretrained keeps in fp32, the bf16 row is measured with every tensor in bf16 and says so.",
         "",
@@ -488,7 +504,11 @@ def markdown(results: dict[str, list[FamilyResult]], families: dict[str, tuple[s
         "precision does not change) and deepseek_v3 (a registered one); all its tests are marked slow (2 ranks).",
         "",
         "Families are the model types whose modeling module defines a router class (`*Router`, `*Gating`, or a "
-        "`*Gate` reading a top_k), and those whose config has more than one expert by default (inline routing).",
+        "`*Gate` reading a top_k), and those whose config has more than one expert by default (inline routing); "
+        "not the sub-configs of vision or audio encoders (their experts route image patches or audio frames, never "
+        "the decoder's tokens a trace records), nor model types transformers ships a config for but no modeling "
+        "module (no model to run). Where the tiny model departs from HF's own construction (a tensor HF's init "
+        "leaves unwritten, an input embedding HF's forward cannot find), its row's reason says so.",
         "",
         "Rule notation: `softmax_topk` softmax over all experts then gather; `topk_softmax` softmax over the "
         "top-k logits; `sigmoid_bias_group` per-expert score (sigmoid or sqrtsoftplus) then gather; `renorm` "

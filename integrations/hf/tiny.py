@@ -8,14 +8,16 @@ decoder tokens a trace records) and model types that ship a config but no modeli
 no model to run; their checkpoints load remote code).
 
 `build_tiny` builds one family's model: TINY's overrides for every attribute the config has, FAMILY_TINY's on
-top where a family's defaults do not shrink on their own, router weights spread so probes do not tie. A family
-whose tiny model cannot be built or run raises TinyBuildError: the builder's failure, not the family's.
+top where a family's defaults do not shrink on their own, router weights spread so probes do not tie. A tiny
+model that cannot be built raises TinyBuildError: the builder's failure, not the family's (coverage reports it,
+and a tiny model HF's own fp32 forward cannot run, as status "builder").
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 import re
 from typing import Any
@@ -23,22 +25,24 @@ from typing import Any
 import torch
 from torch import nn
 
-_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok", "moe_topk", "top_k_experts")
-"""Config attributes that name experts (a default above 1 makes a model type an MoE family even without a router class)."""
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok", "moe_topk",
+                "top_k_experts")
+"""Config attributes that name experts (a default above 1 makes a model type an MoE family even without a router
+class)."""
 _ROUTER_CLASS_RE = re.compile(r"^class (\w+(?:Router|Gating|Gate))\(", re.MULTILINE)
 """Router-shaped class definitions in a modeling module; a *Gate counts only where its body reads a top_k."""
 
 
 class TinyBuildError(RuntimeError):
-    """A family's tiny model could not be built, or HF's own forward of it (no replay attached) fails: the
-    builder's failure (its config overrides), not the family's."""
+    """A family's tiny model could not be built: the builder's failure (its config overrides), not the family's."""
 
 
 LAYERS = 3
 """Decoder layers of the tiny models: with DeepSeek's first dense layer still 2 MoE layers."""
 TINY: dict[str, Any] = dict(
-    vocab_size=96, unpadded_vocab_size=96, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=LAYERS,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False,
+    vocab_size=96, unpadded_vocab_size=96, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+    num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+    tie_word_embeddings=False,
     num_experts=8, num_local_experts=8, n_routed_experts=8, moe_num_experts=8, num_experts_per_tok=2, moe_topk=2,
     top_k_experts=2, n_shared_experts=1, shared_expert_intermediate_size=32, moe_shared_expert_intermediate_size=32,
     first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=16,
@@ -46,14 +50,16 @@ TINY: dict[str, Any] = dict(
     mlp_only_layers=[], decoder_sparse_step=1, sliding_window=8, linear_num_key_heads=2, linear_num_value_heads=4,
     linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
 )
-"""Overrides applied to every config that has the attribute: 8 experts, top-2, width 64."""
+"""Overrides applied to every config that has the attribute: 8 experts, top-2, width 64 (`unpadded_vocab_size`:
+Inkling 2's LM head width, 200058 by default, which replay samples tokens from)."""
 FAMILY_TINY: dict[str, dict[str, Any]] = {
     "glm4v_moe_text": dict(head_dim=128),  # its default mrope sections [8, 12, 12] need a 64-wide rotary half
     "lfm2_moe": dict(layer_types=["full_attention", "conv", "full_attention"], num_dense_layers=1),
     "deepseek_ocr2_text": dict(mlp_layer_types=["dense", "sparse", "sparse"]),
     "granitemoehybrid": dict(layer_types=["attention", "linear_attention", "attention"]),
-    "ernie4_5_vl_moe_text": dict(moe_intermediate_size=[32, 32],  # mrope sections sum to head_dim 16 / 2 (default [22, 22, 20])
-                                 rope_parameters=dict(rope_type="default", rope_theta=500000.0, mrope_section=[3, 3, 2])),
+    "ernie4_5_vl_moe_text": dict(  # mrope sections sum to head_dim 16 / 2 (default [22, 22, 20] needs 128)
+        moe_intermediate_size=[32, 32],
+        rope_parameters=dict(rope_type="default", rope_theta=500000.0, mrope_section=[3, 3, 2])),
     "qwen3_omni_moe_talker_text": dict(shared_expert_intermediate_size=32),
     "dots3_note_text": dict(  # per-layer MLA widths: its sliding layers take theirs from swa_* keys (HF's own tiny test)
         head_dim=32, swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=16, swa_kv_lora_rank=16,
@@ -61,13 +67,14 @@ FAMILY_TINY: dict[str, dict[str, Any]] = {
         index_head_dim=32, index_topk=64, shared_experts_intermediate_size=32),
     "glm5_next_text": dict(qk_rope_head_dim=0, qk_nope_head_dim=32, index_head_dim=16, index_n_heads=2, index_topk=64,
                            index_kpool=16, linear_head_dim=16, linear_num_heads=2),  # its DSA layers are NoPE (rope 0)
-    "hy_v4_vl_text": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2])),  # sums to rope 16 / 2
-    "jamba": dict(attn_layer_period=3, attn_layer_offset=2, expert_layer_period=1, expert_layer_offset=0),  # by default
-    # 3 layers hold no attention layer (one in 8), which HF's forward needs, and one MoE layer (one in 2)
-    "mistral4": dict(head_dim=32),  # its head_dim is qk_nope + qk_rope (16 + 16), not the rotary width MLA's rule above sets
+    "hy_v4_vl_text": dict(  # mrope sections sum to qk_rope_head_dim 16 / 2 (default [12, 10, 10] needs 64)
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2])),
+    "jamba": dict(  # by default 3 layers hold no attention layer (one in 8), which HF's forward needs, and 1 MoE layer
+        attn_layer_period=3, attn_layer_offset=2, expert_layer_period=1, expert_layer_offset=0),
+    "mistral4": dict(head_dim=32),  # its head_dim is qk_nope + qk_rope (16 + 16), not the rotary width MLA's rule sets
     "qwen4_exp_text": dict(  # its sparse-attention indexer has no defaults; n-gram tables default to 20M rows
-        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4, hc_lowrank=4,
-        heads_per_ngram=2, ngram_vocab_size_base=17, make_ngram_vocab_size_divisible_by=4, split_ngram_parts=4),
+        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
+        hc_lowrank=4, heads_per_ngram=2, ngram_vocab_size_base=17, make_ngram_vocab_size_divisible_by=4, split_ngram_parts=4),
     "doge": dict(is_moe=True, num_experts=16),  # MoE is off by default; product keys: experts a square (4 keys^2)
     "zaya": dict(num_experts_per_tok=1),  # ZAYA validates top-1 only
     "dbrx": dict(d_model=64, n_heads=4, n_layers=LAYERS, max_seq_len=64, ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8,
@@ -103,9 +110,9 @@ _ENCODER_KEYS = ("vision_config", "audio_config")
 """`base_config_key`s of encoder sub-configs (Dots3 Note's vision tower routes image patches through experts)."""
 
 
-def _modeling_file(config_module: str) -> str:
-    """The modeling module's file name for a configuration module (`...configuration_x` -> `modeling_x.py`)."""
-    return config_module.rsplit(".", 1)[-1].replace("configuration_", "modeling_", 1) + ".py"
+def _has_modeling_module(config_module: str) -> bool:
+    """Whether transformers ships a modeling module beside this configuration module (`configuration_x` -> `modeling_x`)."""
+    return importlib.util.find_spec(config_module.replace(".configuration_", ".modeling_")) is not None
 
 
 def moe_families() -> dict[str, tuple[str, str]]:
@@ -133,7 +140,7 @@ def moe_families() -> dict[str, tuple[str, str]]:
             continue
         if getattr(text, "base_config_key", "") in _ENCODER_KEYS:
             continue  # a vision or audio encoder's own MoE: it routes patches or frames, not the decoder's tokens
-        if not os.path.isfile(os.path.join(root, *type(text).__module__.split(".")[2:-1], _modeling_file(type(text).__module__))):
+        if not _has_modeling_module(type(text).__module__):
             continue  # a config without a modeling module: transformers holds no model to run
         if routers and not any(_has(text, k) for k in _EXPERT_KEYS + ("ffn_config",)):
             continue  # a vision or audio config of a model whose text half routes
