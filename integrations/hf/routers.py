@@ -6,9 +6,12 @@ and config. Both are verified bit for bit on the router (infer.py): at attach, i
 and the autocast state of the attach, and again on the first forward of each (input dtype, weight
 dtype, autocast dtype) the router meets; a router no rule reproduces in a context is refused by
 name there. Family-specific knowledge (attribute names, whether HF casts weights back to the logits
-dtype) lives only here and in infer.py's hint lists. Registered adapters work on HF's router
-modules that return (router_logits [T, E], weights [T, K], ids [T, K]) from hidden states [T, H];
-inferred ones locate those three in whatever order the router returns them.
+dtype) lives only here, in infer.py's hint lists and in outputs.py's output conventions. Registered
+adapters work on HF's router modules that return (router_logits [T, E], weights [T, K], ids [T, K])
+from hidden states [T, H]; inferred ones locate those three in whatever order the router returns
+them, or read them through the output convention registered for the router's class (outputs.py).
+A decoder layer holds one router: a trace records one expert choice per token per layer, so a family
+that routes twice in a layer (JetMoE: attention experts and MLP experts) is refused by name.
 
 Layer ids come from the decoder stack's `layers.<i>` index. A router outside the decoder's layer
 list (a multi-token-prediction or draft layer, e.g. transformers' MtpModel, whose own `layers.0`
@@ -17,7 +20,6 @@ would collide with decoder layer 0) is refused by name: no trace records routes 
 
 from __future__ import annotations
 
-import importlib
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -28,6 +30,8 @@ from torch import nn
 from moe_replay.registry import Registry
 from moe_replay.replay.errors import UnsupportedRouterError
 from moe_replay.replay.gates import GATE_RULES, GateSpec
+
+from .outputs import lookup_class
 
 
 @dataclass(frozen=True)
@@ -57,13 +61,7 @@ class RouterAdapter:
         """The class, or None when this transformers version lacks it (looked up once per process:
         `find_routers` asks every adapter about every module, ~200 lookups for the tiny 2-layer model,
         ~1 ms of each replayed micro-batch when each was an import_module call)."""
-        key = (self.module, self.class_name)
-        if key not in _ROUTER_CLASSES:
-            try:
-                _ROUTER_CLASSES[key] = getattr(importlib.import_module(self.module), self.class_name, None)
-            except ImportError:
-                _ROUTER_CLASSES[key] = None
-        return _ROUTER_CLASSES[key]
+        return lookup_class(self.module, self.class_name)
 
     def spec(self, router: nn.Module) -> GateSpec:
         return GateSpec(self.rule, top_k=int(router.top_k), upcast=self.upcast, **self.spec_kwargs(router))
@@ -82,12 +80,13 @@ class RouterAdapter:
         """The router's output with replayed weights, in the dtype of HF's own weights in this call, and ids."""
         return logits, weights.to(output[1].dtype), ids
 
+    def register_hook(self, router: nn.Module, hook):
+        """A removable forward hook (router, args, output) on the router, whose output the block consumes."""
+        return router.register_forward_hook(hook)
+
     def describe(self) -> str:
         return f"{self.rule}{'' if self.upcast else ' logits-dtype'} (registered {self.family})"
 
-
-_ROUTER_CLASSES: dict[tuple[str, str], type | None] = {}
-"""(module, class name) -> router class, or None where this transformers lacks it."""
 
 ROUTER_ADAPTERS: Registry[RouterAdapter] = Registry("HF router family")
 _DISPATCH_ORDER: list[RouterAdapter] = []
@@ -228,7 +227,10 @@ def find_routers(model: nn.Module) -> dict[int, RouterSite]:
             hidden_dtype=hidden_dtype, fsdp_owner=fsdp_owner(modules, name),
         )
         if layer_id in sites:
-            raise UnsupportedRouterError(f"two routers in layer {layer_id}: {sites[layer_id].name!r} and {name!r}")
+            raise UnsupportedRouterError(
+                f"{_family(model)}: two routers in layer {layer_id}, {sites[layer_id].name!r} ({type(sites[layer_id].module).__name__}) "
+                f"and {name!r} ({type(module).__name__}): the layer routes its tokens twice, and a trace records one expert "
+                "choice per token per decoder layer (engines capture one; none captures a second router)")
         sites[layer_id] = RouterSite(name, layer_id, module, adapter)
     if not sites:
         supported = ", ".join(f"{a.family} ({a.class_name})" for a in _DISPATCH_ORDER)
