@@ -10,7 +10,9 @@ autocast_bf16: fp32 weights, forward under bf16 autocast; fsdp2_bf16: sharded wi
 ranks before attach, fp32 weights under a bf16 MixedPrecisionPolicy; fsdp2_autocast_bf16: sharded likewise,
 fp32 weights, forward under bf16 autocast). Replayed: attach and first-forward verification pass,
 self-replay bit-identical, other routes change the output, backward finite, router gradient non-zero.
-seconds per mode; modes.<mode>.families_refused ({family: reason}, refusals and errors) and .replayed.
+seconds per mode; modes.<mode>.replayed, .families_refused ({family: reason}: replay refuses it by name),
+.families_builder (the tiny model does not build, or HF's own forward fails with nothing attached: the builder's
+failure, not the family's), .families_error (anything else) and .families_by_status (counts).
 Target: every mode, FSDP2 ones included, replays as many families as fp32, at least 45, and no family is
 accepted in a mode where its self-replay is not bit-identical. CPU, one torch thread per process, tiny
 random models built from config classes (no download); the FSDP2 modes run in one spawn of 2 ranks that
