@@ -74,11 +74,15 @@ def test_selection_bias_on_the_parent_block_is_read_live():
 
 
 def test_router_no_rule_reproduces_is_refused_by_name_before_forward():
-    """PhiMoE's sparsemixer is not in the rule table: refused with family, router, layer and what did not match."""
-    model = coverage.build_tiny("phimoe", _FAMILY)
+    """A gate arithmetic in no rule (Mellum's router with its weights squared, on the instance): refused with
+    family, router, layer and what did not match, before any forward of the model."""
+    model = coverage.build_tiny("mellum", _FAMILY)
+    for m in model.modules():
+        if type(m).__name__ == "MellumTopKRouter":
+            m.forward = lambda h, own=m.forward: (lambda o: (o[0], o[1] ** 2, o[2]))(own(h))
     calls = []
     model.register_forward_pre_hook(lambda *a: calls.append(1))
-    with pytest.raises(UnsupportedRouterError, match=r"phimoe: router 'model\.layers\.0\.mlp\.router \(layer 0\)'.*no rule .*bit for bit"):
+    with pytest.raises(UnsupportedRouterError, match=r"mellum: router 'model\.layers\.0\.mlp\.gate \(layer 0\)'.*no rule .*bit for bit"):
         model_geometry(model)
     assert not calls
 

@@ -30,6 +30,7 @@ Legend: T probe tokens, E experts, K top-k.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import weakref
@@ -52,6 +53,11 @@ _PROBE_SEED = 1234
 _BIAS_NAMES = ("e_score_correction_bias", "expert_bias", "balancing_biases")
 """Tensors (on the router, its submodules or its parent block) that take part in selection only."""
 _SCALE_NAMES = ("routed_scaling_factor", "route_scale", "router_scaling_factor")
+_EXPERT_SCALE_NAMES = ("per_expert_scale",)
+"""Tensors [E] on the router that multiply each expert's weight (Gemma 4): read live, so they get their gradient."""
+_JITTER_NAMES = ("router_jitter_noise",)
+"""Sparsemixer's relative mask gap / 2 (Phi-3.5-MoE); its rule is a candidate only where the router or config names it."""
+
 
 
 def looks_like_router(module: nn.Module) -> bool:
@@ -77,6 +83,9 @@ class InferredAdapter:
     bias_at: tuple[Any, str] | None = None
     """(weakref to the module holding it, attribute path) of the selection-only bias the verified
     selection used; read at each call, so a later .to(device) or checkpoint load is seen."""
+    scale_at: tuple[Any, str] | None = None
+    """(weakref to the router, attribute path) of the per-expert scale the verified weights use (GateSpec.expert_scale);
+    read at each call like the bias, so a trained scale's current value weighs and gets the gradient."""
 
     @property
     def rule(self) -> str:
@@ -97,6 +106,12 @@ class InferredAdapter:
         owner = self.bias_at[0]()
         return None if owner is None else _get_path(owner, self.bias_at[1])
 
+    def expert_scale(self, router: nn.Module) -> torch.Tensor | None:
+        if self.scale_at is None:
+            return None
+        owner = self.scale_at[0]()
+        return None if owner is None else _get_path(owner, self.scale_at[1])
+
     def unpack(self, output) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return output[self.logits_at], output[self.weights_at], output[self.ids_at]
 
@@ -110,7 +125,9 @@ class InferredAdapter:
     def describe(self) -> str:
         s = self.gate_spec
         parts = [s.rule]
-        if s.rule != "topk_softmax":
+        if s.rule == "sparsemixer":
+            parts.append(f"jitter={s.jitter_eps:g}")
+        elif s.rule != "topk_softmax":
             parts.append("renorm" if s.renormalize else "no-renorm")
         if s.renorm_eps is not None:
             parts.append(f"eps={s.renorm_eps:g}")
@@ -119,7 +136,9 @@ class InferredAdapter:
         if s.rule == "sigmoid_bias_group" and s.scoring != "sigmoid":
             parts.append(s.scoring)
         if self.bias_at is not None:
-            parts.append("bias")
+            parts.append("bias" if s.bias_on == "scores" else "bias-on-logits")
+        if s.expert_scale:
+            parts.append("per-expert-scale")
         if s.num_groups > 1:
             parts.append(f"groups={s.num_groups}/{s.topk_group}({s.group_score}{'' if s.group_fill is None else f', fill {s.group_fill:g}'})")
         if not s.upcast:
@@ -160,6 +179,14 @@ def _find_bias(router: nn.Module, parent: nn.Module | None, experts: int) -> tup
         for name, t in tensors:
             if name.rsplit(".", 1)[-1] in _BIAS_NAMES and t.numel() == experts:
                 return owner, name
+    return None
+
+
+def _find_scale(router: nn.Module, experts: int) -> str | None:
+    """Attribute path of a per-expert weight scale [E] on the router (any depth), or None."""
+    for name, t in list(router.named_parameters()) + list(router.named_buffers()):
+        if name.rsplit(".", 1)[-1] in _EXPERT_SCALE_NAMES and t.numel() == experts and t.is_floating_point():
+            return name
     return None
 
 
@@ -215,8 +242,10 @@ def _ordered(hint: Any, options: list) -> list:
     return [hint] + [o for o in options if o != hint] if hint in options else options
 
 
-def _candidates(router: nn.Module, config: Any, top_k: int, experts: int, bias: Any, upcasts: list[bool]) -> list[tuple[GateSpec, bool]]:
-    """Rule-table candidates, the ones the hints name first: (spec, use the bias in selection)."""
+def _candidates(router: nn.Module, config: Any, top_k: int, experts: int, bias: Any, upcasts: list[bool],
+                per_expert: Any = None) -> list[tuple[GateSpec, bool]]:
+    """Rule-table candidates, the ones the hints name first: (spec, use the bias in selection). `per_expert`: the
+    router's per-expert scale tensor, if it has one (candidates weigh by it first, then without)."""
     objs = [router, config]
     norm = _first_attr(objs, ("norm_topk_prob",))
     renorms = _ordered(None if norm is None else bool(norm), [True, False])
@@ -233,22 +262,32 @@ def _candidates(router: nn.Module, config: Any, top_k: int, experts: int, bias: 
         score = "max" if method == "group_limited_greedy" else "top2_sum"
         group = dict(num_groups=groups, topk_group=min(topk_group, groups), group_score=score)
         group_opts = [group, {**group, "group_fill": 0.0}, {}]
-    rules = [("softmax_topk", {}), ("topk_softmax", {}), ("sigmoid_bias_group", {"scoring": "sigmoid"})]
+    rules = [("softmax_topk", {}), ("topk_softmax", {}), ("sigmoid_bias_group", {"scoring": "sigmoid"}), ("probs_topk", {})]
     if scoring_hint == "sqrtsoftplus":
         rules = [("sigmoid_bias_group", {"scoring": "sqrtsoftplus"})]
     elif scoring_hint == "sigmoid":
-        rules = rules[2:] + rules[:2]
+        rules = rules[2:3] + rules[:2] + rules[3:]
+    elif per_expert is not None:  # a per-expert scale on a softmax router: Gemma 4 returns probabilities
+        rules = rules[3:] + rules[:3]
+    jitter = _first_attr(objs, _JITTER_NAMES)
+    if jitter is not None and top_k == 2 and scoring_hint is None:  # Mixtral's config names it too (its input jitter)
+        # in the logits' dtype first, as HF's runs: on bf16 logits fp32 scores round its 2% window otherwise in
+        # 1 of ~8000 rows (97 of 800000 measured), which the 4096 probe rows may not show
+        rules.append(("sparsemixer", {"jitter_eps": float(jitter)}))
     out: list[tuple[GateSpec, bool]] = []
     for rule, extra in rules:
-        for renorm in renorms if rule != "topk_softmax" else [False]:
+        for renorm in renorms if rule not in ("topk_softmax", "sparsemixer") else [False]:
             for eps in [None, 1e-6] if renorm else [None]:
                 for scale_ in scales:
-                    for g in group_opts:
-                        for use_bias in [True, False] if bias is not None else [False]:
-                            for upcast in upcasts:
-                                spec = GateSpec(rule, top_k=top_k, renormalize=renorm, routed_scaling_factor=scale_, renorm_eps=eps,
-                                                upcast=upcast, **extra, **g)
-                                out.append((spec, use_bias))
+                    for g in group_opts if rule != "sparsemixer" else [{}]:
+                        for use_bias in [True, False] if bias is not None and rule != "sparsemixer" else [False]:
+                            for bias_on in ["scores", "logits"] if use_bias and rule == "sigmoid_bias_group" else ["scores"]:
+                                for by_scale in [True, False] if per_expert is not None else [False]:
+                                    for upcast in upcasts if rule != "sparsemixer" else upcasts[::-1]:
+                                        spec = GateSpec(rule, top_k=top_k, renormalize=renorm, routed_scaling_factor=scale_,
+                                                        renorm_eps=eps, upcast=upcast, bias_on=bias_on, expert_scale=by_scale,
+                                                        **extra, **g)
+                                        out.append((spec, use_bias))
     return out
 
 
@@ -385,9 +424,11 @@ def _check_output(router: nn.Module, adapter: Any, output: Any, key: PrecisionKe
     logits_TE, weights_TK, ids_TK = adapter.unpack(output)
     spec, bias = adapter.spec(router), adapter.selection_bias(router)
     rule = GATE_RULES.get(spec.rule)
+    if router.training and getattr(rule, "random_in_training", False):
+        return  # HF's own output is a random draw there; the rule was verified in eval mode (_probe)
     with torch.no_grad():
         ids_TK = ids_TK.long()
-        mine_TK = rule.weights(logits_TE.detach(), ids_TK, spec, bias).to(weights_TK.dtype)
+        mine_TK = rule.weights(logits_TE.detach(), ids_TK, spec, bias, expert_scale_of(adapter, router)).to(weights_TK.dtype)
         wrong = int((mine_TK != weights_TK).any(-1).sum())
         picked = rule.select(logits_TE.detach(), spec, bias).sort(-1).values
         moved = int((picked != ids_TK.sort(-1).values).any(-1).sum())
@@ -398,6 +439,22 @@ def _check_output(router: nn.Module, adapter: Any, output: Any, key: PrecisionKe
             f"its verified rule ({adapter.describe()}) gives other weights than HF in {wrong} and other experts in {moved} "
             f"of this forward's {logits_TE.shape[0]} tokens"
         )
+
+
+@contextlib.contextmanager
+def _eval_mode(router: nn.Module):
+    """The router (and its submodules) in eval mode for a probe, restored after. A rule is arithmetic on the
+    router's logits; training mode adds only randomness to routers (DBRX's and Switch's input jitter, Phi-MoE's
+    sparsemixer sampling its experts), which a bit-for-bit probe cannot verify and replay never uses (its ids are
+    the recorded ones). A deterministic training-mode difference would still show at the first training forward,
+    checked against HF's own output (`_check_output`) unless the rule declares that output random."""
+    modes = [(m, m.training) for m in router.modules()]
+    router.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def _probe(router: nn.Module, key: PrecisionKey, parent: nn.Module | None, hidden_size: int):
@@ -411,7 +468,7 @@ def _probe(router: nn.Module, key: PrecisionKey, parent: nn.Module | None, hidde
     gen = torch.Generator().manual_seed(_PROBE_SEED)
     tokens = PROBE_TOKENS
     hidden_TH = torch.randn(tokens, hidden_size, generator=gen).to(param.device, key[0])
-    with torch.no_grad():
+    with torch.no_grad(), _eval_mode(router):
         out = _call(router, hidden_TH, extra)
         logits_at, weights_at, ids_at, experts = _layout(out, tokens)
         spread = out[logits_at].float().std()
@@ -426,10 +483,18 @@ def _probe(router: nn.Module, key: PrecisionKey, parent: nn.Module | None, hidde
     return out, (logits_at, weights_at, ids_at, experts)
 
 
-def _matches(spec: GateSpec, bias: Any, logits_TE, weights_TK, ids_TK) -> str | None:
-    """None when `spec` reproduces the weights and the id sets bit for bit; else what differs."""
+def expert_scale_of(adapter: Any, router: nn.Module) -> torch.Tensor | None:
+    """The per-expert weight scale `adapter` verified on `router` (GateSpec.expert_scale), read live; None for
+    adapters that weigh by none (registered ones, and adapter kinds that have no `expert_scale`)."""
+    read = getattr(adapter, "expert_scale", None)
+    return None if read is None else read(router)
+
+
+def _matches(spec: GateSpec, bias: Any, logits_TE, weights_TK, ids_TK, scale: Any = None) -> str | None:
+    """None when `spec` reproduces the weights and the id sets bit for bit; else what differs. `scale`: the
+    router's per-expert scale, used where `spec.expert_scale`."""
     rule = GATE_RULES.get(spec.rule)
-    mine_TK = rule.weights(logits_TE.detach(), ids_TK, spec, bias).to(weights_TK.dtype)
+    mine_TK = rule.weights(logits_TE.detach(), ids_TK, spec, bias, scale if spec.expert_scale else None).to(weights_TK.dtype)
     if not torch.equal(mine_TK, weights_TK):
         err = (mine_TK.float() - weights_TK.float()).abs().max().item()
         return f"weights differ in {int((mine_TK != weights_TK).any(-1).sum())}/{len(ids_TK)} probe rows (max abs error {err:.3g})"
@@ -452,7 +517,8 @@ def _check_registered(router: nn.Module, adapter: Any, key: PrecisionKey, *, par
         return adapter, False
     with torch.no_grad():
         logits_TE, weights_TK, ids_TK = adapter.unpack(out)
-        why = _matches(adapter.spec(router), adapter.selection_bias(router), logits_TE, weights_TK, ids_TK.long())
+        why = _matches(adapter.spec(router), adapter.selection_bias(router), logits_TE, weights_TK, ids_TK.long(),
+                       expert_scale_of(adapter, router))
     if why is not None:
         raise _Refuse(f"its registered rule ({adapter.describe()}) does not reproduce it: {why}")
     return adapter, True
@@ -502,23 +568,46 @@ def _ids_with_bias_shift(router: nn.Module, key: PrecisionKey, parent: nn.Module
             bias.copy_(saved)
 
 
+def _probe_with_scale_shift(router: nn.Module, key: PrecisionKey, parent: nn.Module | None, hidden_size: int,
+                            scale: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """(the router's probe output, the scale it ran with) with its per-expert scale multiplied by 0.5 .. 2 across the
+    experts (restored after). Loaded scales are often all ones (Gemma 4 initialises them so), where a rule that
+    ignores the scale and one that weighs by it agree; training moves them, so the probe tells the two apart now."""
+    saved = scale.detach().clone()
+    try:
+        with torch.no_grad():
+            scale.mul_(torch.linspace(0.5, 2.0, scale.numel()).view(scale.shape).to(scale.device, scale.dtype))
+        out, _ = _probe(router, key, parent, hidden_size)
+        return out, scale.detach().clone()
+    finally:
+        with torch.no_grad():
+            scale.copy_(saved)
+
+
 def _infer(router: nn.Module, *, family: str, config: Any, parent: nn.Module | None, hidden_size: int, key: PrecisionKey) -> InferredAdapter:
     out, (logits_at, weights_at, ids_at, experts) = _probe(router, key, parent, hidden_size)
     logits_TE, weights_TK, ids_TK = out[logits_at], out[weights_at], out[ids_at].long()
     bias_at = _find_bias(router, parent, experts)
     bias = None if bias_at is None else _get_path(*bias_at)
+    scale_at = _find_scale(router, experts)
+    scale = None if scale_at is None else _get_path(router, scale_at)
     top_k = int(ids_TK.shape[1])
     upcasts = [True] if logits_TE.dtype == torch.float32 else [True, False]  # on fp32 logits both are the same arithmetic
-    candidates = _candidates(router, config, top_k, experts, bias, upcasts)
+    candidates = _candidates(router, config, top_k, experts, bias, upcasts, scale)
     form = _fp32_form(router, family=family, config=config, parent=parent, hidden_size=hidden_size, key=key)
     if form is not None:  # the fp32 form first: where bf16 cannot tell two forms apart, the one fp32 verified wins
         candidates.sort(key=lambda c: (replace(c[0], upcast=True), c[1]) != form)
     shifted = None if bias is None else _ids_with_bias_shift(router, key, parent, hidden_size, bias, ids_at)
+    rescaled = None if scale is None else _probe_with_scale_shift(router, key, parent, hidden_size, scale)
     near: list[str] = []
     with torch.no_grad():
         for spec, use_bias in candidates:
             b = bias if use_bias else None
-            why = _matches(spec, b, logits_TE, weights_TK, ids_TK)
+            why = _matches(spec, b, logits_TE, weights_TK, ids_TK, scale)
+            if why is None and rescaled is not None:
+                (r_out, r_scale) = rescaled
+                why = _matches(spec, b, r_out[logits_at], r_out[weights_at], r_out[ids_at].long(), r_scale)
+                why = None if why is None else f"with its per-expert scale {scale_at!r} changed, {why}"
             if why is None and shifted is not None:
                 picked = GATE_RULES.get(spec.rule).select(logits_TE.detach(), spec, None if b is None else b - _BIAS_SHIFT)
                 moved = int((picked.sort(-1).values != shifted.sort(-1).values).any(-1).sum())
@@ -526,19 +615,22 @@ def _infer(router: nn.Module, *, family: str, config: Any, parent: nn.Module | N
                                                f"{_BIAS_SHIFT:g}, selects other experts in {moved}/{len(ids_TK)} rows")
             if why is None:
                 where = None if b is None else (weakref.ref(bias_at[0]), bias_at[1])
-                return InferredAdapter(family, type(router).__name__, spec, logits_at, weights_at, ids_at, len(out), experts, where)
+                scaled = (weakref.ref(router), scale_at) if spec.expert_scale else None
+                return InferredAdapter(family, type(router).__name__, spec, logits_at, weights_at, ids_at, len(out), experts, where,
+                                       scale_at=scaled)
             if "selects other experts" in why:
                 near.append(why)
     if near:
         raise _Refuse("; ".join(dict.fromkeys(near)))
-    best = _closest(logits_TE, ids_TK, weights_TK, router, config, top_k, experts, bias, upcasts)
+    best = _closest(logits_TE, ids_TK, weights_TK, router, config, top_k, experts, bias, upcasts, scale)
     raise _Refuse(f"no rule in the table reproduces its weights bit for bit on {len(ids_TK)} probe tokens ({best})")
 
 
-def _closest(logits_TE, ids_TK, weights_TK, router, config, top_k, experts, bias, upcasts) -> str:
+def _closest(logits_TE, ids_TK, weights_TK, router, config, top_k, experts, bias, upcasts, scale=None) -> str:
     errs = []
-    for spec, use_bias in _candidates(router, config, top_k, experts, bias, upcasts):
-        w = GATE_RULES.get(spec.rule).weights(logits_TE.detach(), ids_TK, spec, bias if use_bias else None).float()
+    for spec, use_bias in _candidates(router, config, top_k, experts, bias, upcasts, scale):
+        w = GATE_RULES.get(spec.rule).weights(logits_TE.detach(), ids_TK, spec, bias if use_bias else None,
+                                              scale if spec.expert_scale else None).float()
         errs.append(((w - weights_TK.float()).abs().max().item(), spec.rule))
     err, rule = min(errs)
     return f"closest: {rule}, max abs weight error {err:.3g}"

@@ -30,7 +30,7 @@ from moe_replay.replay.ledger import RouteLedger, check_layers, in_backward
 from moe_replay.replay.plan import RoutePlan
 from moe_replay.trace import RolloutTrace
 
-from .infer import adapter_in_context
+from .infer import adapter_in_context, expert_scale_of
 from .routers import RouterSite, find_routers
 
 _ACTIVE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -152,7 +152,7 @@ class ReplaySession:
                 _count_flips(flips, layer_id, free_NK, ids_NK, self.plan.routed_N)
             if routes is not None and not in_backward():
                 routes.used_ids[layer_id], routes.own_ids[layer_id] = ids_NK.detach().clone(), free_NK.detach().clone()
-            weights_NK = rule.weights(logits_NE, ids_NK, spec, adapter.selection_bias(module))
+            weights_NK = rule.weights(logits_NE, ids_NK, spec, adapter.selection_bias(module), expert_scale_of(adapter, module))
             return adapter.repack(output, logits_NE, weights_NK, ids_NK)
 
         return hook
