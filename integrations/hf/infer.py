@@ -16,9 +16,13 @@ verified per PrecisionKey (input dtype, weight dtype, device type, autocast dtyp
 model's dtype and the attach's autocast state, and again by `adapter_in_context` on the first
 forward of every other context, with the probe in that forward's dtype under its autocast, and
 against that forward's own router output. Replayed weights take the dtype of HF's own weights in the
-same call. A router that no candidate reproduces in a context, whose output is not (logits [T, E],
-weights [T, K], ids [T, K]) in some order, or whose logits are degenerate on the probe
-(uninitialised weights cannot tell rules apart) is refused by name with what did not match.
+same call. Routers whose output is not (logits [T, E], weights [T, K], ids [T, K]) in some order
+follow an output convention registered for their class (outputs.py: Llama 4's dense scores, DBRX's
+routing in its parent block, JetMoE's expert-sorted slots, ZAYA1's skip class); the rule is verified
+through it: repacking HF's own ids with the rule's weights must give HF's whole output bit for bit.
+A router that no candidate reproduces in a context, whose output fits no convention, or whose logits
+are degenerate on the probe (uninitialised weights cannot tell rules apart) is refused by name with
+what did not match.
 
 FSDP2-sharded routers (`fully_shard`, as verl's and TRL's FSDP2 actors shard) are probed on the
 parameters their forward sees: attach gathers them with the owning FSDP2 module's own
@@ -44,6 +48,7 @@ from moe_replay.replay.errors import UnsupportedRouterError
 from moe_replay.replay.gates import GATE_RULES, GateSpec
 
 from .fsdp import unsharded
+from .outputs import Refusal, Triple, call_forward, differs, layout_for, locate_triple, seen_ids
 
 PROBE_TOKENS = 4096
 """Probe rows. A wrong renormalisation, scale or epsilon shows in some bit of most rows, but some selection
@@ -57,7 +62,6 @@ _EXPERT_SCALE_NAMES = ("per_expert_scale",)
 """Tensors [E] on the router that multiply each expert's weight (Gemma 4): read live, so they get their gradient."""
 _JITTER_NAMES = ("router_jitter_noise",)
 """Sparsemixer's relative mask gap / 2 (Phi-3.5-MoE); its rule is a candidate only where the router or config names it."""
-
 
 
 def looks_like_router(module: nn.Module) -> bool:
@@ -75,10 +79,8 @@ class InferredAdapter:
     family: str
     class_name: str
     gate_spec: GateSpec
-    logits_at: int
-    weights_at: int
-    ids_at: int
-    n_outputs: int
+    layout: Any
+    """Where the router's output holds logits, weights and ids, and where replay hooks it (outputs.py)."""
     experts: int
     bias_at: tuple[Any, str] | None = None
     """(weakref to the module holding it, attribute path) of the selection-only bias the verified
@@ -113,14 +115,15 @@ class InferredAdapter:
         return None if owner is None else _get_path(owner, self.scale_at[1])
 
     def unpack(self, output) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return output[self.logits_at], output[self.weights_at], output[self.ids_at]
+        return self.layout.unpack(output)
 
     def repack(self, output, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
         """The router's output with replayed weights, in the dtype of HF's own weights in this call, and ids."""
-        weights = weights.to(output[self.weights_at].dtype)
-        items = list(output)
-        items[self.logits_at], items[self.weights_at], items[self.ids_at] = logits, weights, ids
-        return type(output)(items) if isinstance(output, tuple) else items
+        return self.layout.repack(output, logits, weights, ids)
+
+    def register_hook(self, router: nn.Module, hook):
+        """A removable hook seeing (router, args, output) where this router hands its experts their routes."""
+        return self.layout.register_hook(router, hook)
 
     def describe(self) -> str:
         s = self.gate_spec
@@ -131,6 +134,8 @@ class InferredAdapter:
             parts.append("renorm" if s.renormalize else "no-renorm")
         if s.renorm_eps is not None:
             parts.append(f"eps={s.renorm_eps:g}")
+        if s.renorm_p is not None and s.renormalize:
+            parts.append(f"p-norm={s.renorm_p:g}")
         if s.routed_scaling_factor != 1.0:
             parts.append(f"scale={s.routed_scaling_factor:g}")
         if s.rule == "sigmoid_bias_group" and s.scoring != "sigmoid":
@@ -143,11 +148,10 @@ class InferredAdapter:
             parts.append(f"groups={s.num_groups}/{s.topk_group}({s.group_score}{'' if s.group_fill is None else f', fill {s.group_fill:g}'})")
         if not s.upcast:
             parts.append("logits-dtype")
-        return " ".join(parts)
+        return " ".join(parts) if type(self.layout) is Triple else " ".join(parts) + f" [{self.layout.describe()}]"
 
 
-class _Refuse(Exception):
-    pass
+_Refuse = Refusal
 
 
 class _Indistinct(_Refuse):
@@ -206,48 +210,19 @@ def _extra_args(router: nn.Module, parent: nn.Module | None) -> list[Any]:
     return args
 
 
-def _call(router: nn.Module, hidden_TH: torch.Tensor, extra: list[Any]):
-    """The router's own forward, bypassing hooks (a replay or capture hook on it never sees a probe)."""
-    try:
-        return router.forward(hidden_TH, *extra)
-    except Exception as first:  # some routers take [B, S, H] only
-        try:
-            return router.forward(hidden_TH.unsqueeze(0), *extra)
-        except Exception:
-            raise _Refuse(f"forward on probe hidden states [{hidden_TH.shape[0]}, {hidden_TH.shape[1]}] raised {type(first).__name__}: {first}") from None
-
-
-def _layout(output, t: int) -> tuple[int, int, int, int]:
-    """Positions of (logits, weights, ids) in the router's output and E."""
-    if not isinstance(output, (tuple, list)) or not all(isinstance(o, torch.Tensor) for o in output):
-        kind = type(output).__name__ if not isinstance(output, (tuple, list)) else f"{len(output)} items incl. non-tensors"
-        raise _Refuse(f"returns {kind}; replay needs (router logits [T, E], weights [T, K], ids [T, K])")
-    shapes = [tuple(o.shape) for o in output]
-    if len(output) != 3:
-        raise _Refuse(f"returns {len(output)} tensors {shapes}; replay needs exactly (logits [T, E], weights [T, K], ids [T, K])")
-    ids = [i for i, o in enumerate(output) if not o.is_floating_point() and o.dim() == 2 and o.shape[0] == t]
-    floats = [i for i, o in enumerate(output) if o.is_floating_point() and o.dim() == 2 and o.shape[0] == t]
-    if len(ids) != 1 or len(floats) != 2:
-        raise _Refuse(f"returns shapes {shapes} dtypes {[str(o.dtype) for o in output]}; expected one integer [T={t}, K] and two float [T, *] tensors")
-    k = output[ids[0]].shape[1]
-    w = [i for i in floats if output[i].shape[1] == k]
-    lg = [i for i in floats if output[i].shape[1] != k]
-    if len(w) != 1 or len(lg) != 1:
-        raise _Refuse(f"returns shapes {shapes}; cannot tell logits [T, E] from weights [T, K={k}] (E == K?)")
-    return lg[0], w[0], ids[0], int(output[lg[0]].shape[1])
-
-
 def _ordered(hint: Any, options: list) -> list:
     """`options` with the hinted value first: hints order the candidates, verification decides."""
     return [hint] + [o for o in options if o != hint] if hint in options else options
 
 
 def _candidates(router: nn.Module, config: Any, top_k: int, experts: int, bias: Any, upcasts: list[bool],
-                per_expert: Any = None) -> list[tuple[GateSpec, bool]]:
+                per_expert: Any = None, hints: dict | None = None) -> list[tuple[GateSpec, bool]]:
     """Rule-table candidates, the ones the hints name first: (spec, use the bias in selection). `per_expert`: the
-    router's per-expert scale tensor, if it has one (candidates weigh by it first, then without)."""
+    router's per-expert scale tensor, if it has one (candidates weigh by it first, then without). `hints`: its
+    output convention's (outputs.py): a rule to try first, a p-norm renormalisation, whether it renormalises."""
+    hints = hints or {}
     objs = [router, config]
-    norm = _first_attr(objs, ("norm_topk_prob",))
+    norm = hints["renormalize"] if "renormalize" in hints else _first_attr(objs, ("norm_topk_prob",))
     renorms = _ordered(None if norm is None else bool(norm), [True, False])
     scale = float(_first_attr(objs, _SCALE_NAMES) or 1.0)
     scales = _ordered(scale, [scale, 1.0]) if scale != 1.0 else [1.0]
@@ -274,6 +249,8 @@ def _candidates(router: nn.Module, config: Any, top_k: int, experts: int, bias: 
         # in the logits' dtype first, as HF's runs: on bf16 logits fp32 scores round its 2% window otherwise in
         # 1 of ~8000 rows (97 of 800000 measured), which the 4096 probe rows may not show
         rules.append(("sparsemixer", {"jitter_eps": float(jitter)}))
+    if hints.get("rule") is not None:  # Llama 4's topk_sigmoid, which only its convention names
+        rules = [(hints["rule"], {})] + [r for r in rules if r[0] != hints["rule"]]
     out: list[tuple[GateSpec, bool]] = []
     for rule, extra in rules:
         for renorm in renorms if rule not in ("topk_softmax", "sparsemixer") else [False]:
@@ -288,6 +265,8 @@ def _candidates(router: nn.Module, config: Any, top_k: int, experts: int, bias: 
                                                         renorm_eps=eps, upcast=upcast, bias_on=bias_on, expert_scale=by_scale,
                                                         **extra, **g)
                                         out.append((spec, use_bias))
+    if hints.get("renorm_p") is not None:  # DBRX divides by the p-norm: those forms first
+        out = [(replace(c, renorm_p=hints["renorm_p"]), b) for c, b in out if c.renormalize and c.renorm_eps is None] + out
     return out
 
 
@@ -421,23 +400,26 @@ def _verified(router: nn.Module, key: PrecisionKey) -> Any:
 def _check_output(router: nn.Module, adapter: Any, output: Any, key: PrecisionKey) -> None:
     """The rule, on this forward's own logits at HF's own ids, gives HF's weights bit for bit and selects HF's ids."""
     ctx = _PROBES[router]
-    logits_TE, weights_TK, ids_TK = adapter.unpack(output)
+    with torch.no_grad():  # inside a checkpointed forward, no tensor may be saved that the recompute (no check) does not save
+        logits_TE, weights_TK, ids_TK = adapter.unpack(output)
     spec, bias = adapter.spec(router), adapter.selection_bias(router)
     rule = GATE_RULES.get(spec.rule)
     if router.training and getattr(rule, "random_in_training", False):
         return  # HF's own output is a random draw there; the rule was verified in eval mode (_probe)
     with torch.no_grad():
         ids_TK = ids_TK.long()
-        mine_TK = rule.weights(logits_TE.detach(), ids_TK, spec, bias, expert_scale_of(adapter, router)).to(weights_TK.dtype)
-        wrong = int((mine_TK != weights_TK).any(-1).sum())
-        picked = rule.select(logits_TE.detach(), spec, bias).sort(-1).values
+        mine_TK = rule.weights(logits_TE.detach(), ids_TK, spec, bias, expert_scale_of(adapter, router))
+        mine = adapter.repack(output, logits_TE, mine_TK, ids_TK)
+        wrong = int((adapter.unpack(mine)[1] != weights_TK).any(-1).sum())
+        item = differs(adapter, output, mine)
+        picked = _picked(rule, adapter, logits_TE, spec, bias, expert_scale_of(adapter, router), weights_TK.dtype).sort(-1).values
         moved = int((picked != ids_TK.sort(-1).values).any(-1).sum())
-    if wrong or moved:
+    if wrong or moved or item is not None:
         _VERIFIED.get(router, {}).pop(key, None)
         raise UnsupportedRouterError(
             f"{ctx.family}: router {ctx.where!r} ({type(router).__name__}) cannot be replayed in {_describe_key(key)}: "
             f"its verified rule ({adapter.describe()}) gives other weights than HF in {wrong} and other experts in {moved} "
-            f"of this forward's {logits_TE.shape[0]} tokens"
+            f"of this forward's {logits_TE.shape[0]} tokens" + ("" if item is None else f" ({item})")
         )
 
 
@@ -457,30 +439,36 @@ def _eval_mode(router: nn.Module):
             m.training = training
 
 
-def _probe(router: nn.Module, key: PrecisionKey, parent: nn.Module | None, hidden_size: int):
-    """Router output on probe hidden states of the key's dtype, logits scaled to O(2), under the ambient autocast."""
+def _probe(router: nn.Module, key: PrecisionKey, parent: nn.Module | None, hidden_size: int, registered: bool = False):
+    """(router output on probe hidden states of the key's dtype, logits scaled to O(2), under the ambient autocast;
+    its layout: the output convention registered for the router's class, else the plain tuple's, which a
+    `registered` RouterAdapter always reads)."""
     param = _weight_of(router)
     if param is None:
         raise _Refuse("has no floating-point parameters")
     if param.device.type == "meta":
         raise _Indistinct("its parameters are on the meta device; load weights before attaching replay")
     extra = _extra_args(router, parent)
+    layout = None if registered else layout_for(router, parent)
+    run = call_forward if layout is None else layout.call
     gen = torch.Generator().manual_seed(_PROBE_SEED)
     tokens = PROBE_TOKENS
     hidden_TH = torch.randn(tokens, hidden_size, generator=gen).to(param.device, key[0])
     with torch.no_grad(), _eval_mode(router):
-        out = _call(router, hidden_TH, extra)
-        logits_at, weights_at, ids_at, experts = _layout(out, tokens)
-        spread = out[logits_at].float().std()
+        out = run(router, hidden_TH, extra)
+        if layout is None:
+            layout = locate_triple(out, tokens)
+        layout.check(out, tokens)
+        spread = layout.unpack(out)[0].float().std()
         if not torch.isfinite(spread) or spread == 0:
             raise _Indistinct(f"probe logits have spread {float(spread)}: router weights look uninitialised, no rule can be told apart")
-        out = _call(router, hidden_TH * (2.0 / spread).to(hidden_TH.dtype), extra)  # logits O(2): every rule's output differs
-    logits_TE = out[logits_at]
-    top = logits_TE.float().topk(min(out[ids_at].shape[1] + 1, experts), dim=-1).values  # ties below the top k+1 choose nothing
+        out = run(router, hidden_TH * (2.0 / spread).to(hidden_TH.dtype), extra)  # logits O(2): every rule's output differs
+        logits_TE, _, ids_TK = layout.unpack(out)
+    top = logits_TE.float().topk(min(ids_TK.shape[1] + 1, layout.experts), dim=-1).values  # ties below the top k+1 choose nothing
     distinct = (top.diff(dim=-1) != 0).all(-1).float().mean()
     if distinct < 0.5:
         raise _Indistinct(f"probe logits tie within the top k+1 in {1 - float(distinct):.0%} of rows; cannot verify a rule")
-    return out, (logits_at, weights_at, ids_at, experts)
+    return out, layout
 
 
 def expert_scale_of(adapter: Any, router: nn.Module) -> torch.Tensor | None:
@@ -490,19 +478,31 @@ def expert_scale_of(adapter: Any, router: nn.Module) -> torch.Tensor | None:
     return None if read is None else read(router)
 
 
-def _matches(spec: GateSpec, bias: Any, logits_TE, weights_TK, ids_TK, scale: Any = None) -> str | None:
-    """None when `spec` reproduces the weights and the id sets bit for bit; else what differs. `scale`: the
-    router's per-expert scale, used where `spec.expert_scale`."""
+def _matches(spec: GateSpec, bias: Any, layout: Any, out: Any, scale: Any = None) -> str | None:
+    """None when `spec`'s weights at the router's own ids, repacked in its output `out` (`layout`: its output
+    convention, or a registered adapter), give `out` bit for bit and its selection the id sets; else what differs.
+    `scale`: the router's per-expert scale, used where `spec.expert_scale`."""
     rule = GATE_RULES.get(spec.rule)
-    mine_TK = rule.weights(logits_TE.detach(), ids_TK, spec, bias, scale if spec.expert_scale else None).to(weights_TK.dtype)
+    logits_TE, weights_TK, ids_TK = layout.unpack(out)
+    ids_TK = ids_TK.long()
+    mine = layout.repack(out, logits_TE, rule.weights(logits_TE.detach(), ids_TK, spec, bias, scale if spec.expert_scale else None), ids_TK)
+    mine_TK = layout.unpack(mine)[1]
     if not torch.equal(mine_TK, weights_TK):
         err = (mine_TK.float() - weights_TK.float()).abs().max().item()
         return f"weights differ in {int((mine_TK != weights_TK).any(-1).sum())}/{len(ids_TK)} probe rows (max abs error {err:.3g})"
-    picked = rule.select(logits_TE.detach(), spec, bias).sort(-1).values
+    if (item := differs(layout, out, mine)) is not None:
+        return f"the weights match but {item}"
+    picked = _picked(rule, layout, logits_TE, spec, bias, scale if spec.expert_scale else None, weights_TK.dtype).sort(-1).values
     ids_sorted = ids_TK.sort(-1).values
     if not torch.equal(picked, ids_sorted):
         return f"{spec.rule} reproduces the weights but selects other experts in {int((picked != ids_sorted).any(-1).sum())}/{len(ids_TK)} rows"
     return None
+
+
+def _picked(rule: Any, layout: Any, logits_TE: torch.Tensor, spec: GateSpec, bias: Any, scale: Any, dtype: torch.dtype) -> torch.Tensor:
+    """The rule's free selection [T, K], read as the router's output convention reads HF's ids (outputs.seen_ids)."""
+    picked_TK = rule.select(logits_TE.detach(), spec, bias)
+    return seen_ids(layout, picked_TK, lambda: rule.weights(logits_TE.detach(), picked_TK, spec, bias, scale).to(dtype))
 
 
 def _check_registered(router: nn.Module, adapter: Any, key: PrecisionKey, *, parent: nn.Module | None,
@@ -512,13 +512,11 @@ def _check_registered(router: nn.Module, adapter: Any, key: PrecisionKey, *, par
     context, and checked there against that forward's own router output either way. Any other probe
     failure (the router's forward raising on the probe, another output layout) refuses it."""
     try:
-        out, _ = _probe(router, key, parent, hidden_size)
+        out, _ = _probe(router, key, parent, hidden_size, registered=True)
     except _Indistinct:
         return adapter, False
     with torch.no_grad():
-        logits_TE, weights_TK, ids_TK = adapter.unpack(out)
-        why = _matches(adapter.spec(router), adapter.selection_bias(router), logits_TE, weights_TK, ids_TK.long(),
-                       expert_scale_of(adapter, router))
+        why = _matches(adapter.spec(router), adapter.selection_bias(router), adapter, out, expert_scale_of(adapter, router))
     if why is not None:
         raise _Refuse(f"its registered rule ({adapter.describe()}) does not reproduce it: {why}")
     return adapter, True
@@ -555,14 +553,14 @@ even where the loaded bias is positive (and a bias that drifts negative in train
 
 
 def _ids_with_bias_shift(router: nn.Module, key: PrecisionKey, parent: nn.Module | None, hidden_size: int,
-                         bias: torch.Tensor, ids_at: int) -> torch.Tensor:
+                         bias: torch.Tensor) -> torch.Tensor:
     """The router's own ids on the probe with its selection bias lowered by _BIAS_SHIFT (restored after)."""
     saved = bias.detach().clone()
     try:
         with torch.no_grad():
             bias.sub_(_BIAS_SHIFT)
-        out, _ = _probe(router, key, parent, hidden_size)
-        return out[ids_at].long()
+        out, layout = _probe(router, key, parent, hidden_size)
+        return layout.unpack(out)[2].long()
     finally:
         with torch.no_grad():
             bias.copy_(saved)
@@ -585,38 +583,41 @@ def _probe_with_scale_shift(router: nn.Module, key: PrecisionKey, parent: nn.Mod
 
 
 def _infer(router: nn.Module, *, family: str, config: Any, parent: nn.Module | None, hidden_size: int, key: PrecisionKey) -> InferredAdapter:
-    out, (logits_at, weights_at, ids_at, experts) = _probe(router, key, parent, hidden_size)
-    logits_TE, weights_TK, ids_TK = out[logits_at], out[weights_at], out[ids_at].long()
+    out, layout = _probe(router, key, parent, hidden_size)
+    experts = layout.experts
+    logits_TE, weights_TK, ids_TK = layout.unpack(out)
+    ids_TK = ids_TK.long()
     bias_at = _find_bias(router, parent, experts)
     bias = None if bias_at is None else _get_path(*bias_at)
     scale_at = _find_scale(router, experts)
     scale = None if scale_at is None else _get_path(router, scale_at)
     top_k = int(ids_TK.shape[1])
     upcasts = [True] if logits_TE.dtype == torch.float32 else [True, False]  # on fp32 logits both are the same arithmetic
-    candidates = _candidates(router, config, top_k, experts, bias, upcasts, scale)
+    candidates = _candidates(router, config, top_k, experts, bias, upcasts, scale, layout.hints)
     form = _fp32_form(router, family=family, config=config, parent=parent, hidden_size=hidden_size, key=key)
     if form is not None:  # the fp32 form first: where bf16 cannot tell two forms apart, the one fp32 verified wins
         candidates.sort(key=lambda c: (replace(c[0], upcast=True), c[1]) != form)
-    shifted = None if bias is None else _ids_with_bias_shift(router, key, parent, hidden_size, bias, ids_at)
+    shifted = None if bias is None else _ids_with_bias_shift(router, key, parent, hidden_size, bias)
     rescaled = None if scale is None else _probe_with_scale_shift(router, key, parent, hidden_size, scale)
     near: list[str] = []
     with torch.no_grad():
         for spec, use_bias in candidates:
             b = bias if use_bias else None
-            why = _matches(spec, b, logits_TE, weights_TK, ids_TK, scale)
+            why = _matches(spec, b, layout, out, scale)
             if why is None and rescaled is not None:
                 (r_out, r_scale) = rescaled
-                why = _matches(spec, b, r_out[logits_at], r_out[weights_at], r_out[ids_at].long(), r_scale)
+                why = _matches(spec, b, layout, r_out, r_scale)
                 why = None if why is None else f"with its per-expert scale {scale_at!r} changed, {why}"
             if why is None and shifted is not None:
-                picked = GATE_RULES.get(spec.rule).select(logits_TE.detach(), spec, None if b is None else b - _BIAS_SHIFT)
+                picked = _picked(GATE_RULES.get(spec.rule), layout, logits_TE, spec, None if b is None else b - _BIAS_SHIFT,
+                                 scale if spec.expert_scale else None, weights_TK.dtype)
                 moved = int((picked.sort(-1).values != shifted.sort(-1).values).any(-1).sum())
                 why = None if moved == 0 else (f"{spec.rule} reproduces the weights but, with the selection bias lowered by "
                                                f"{_BIAS_SHIFT:g}, selects other experts in {moved}/{len(ids_TK)} rows")
             if why is None:
                 where = None if b is None else (weakref.ref(bias_at[0]), bias_at[1])
                 scaled = (weakref.ref(router), scale_at) if spec.expert_scale else None
-                return InferredAdapter(family, type(router).__name__, spec, logits_at, weights_at, ids_at, len(out), experts, where,
+                return InferredAdapter(family, type(router).__name__, spec, layout, experts, where,
                                        scale_at=scaled)
             if "selects other experts" in why:
                 near.append(why)

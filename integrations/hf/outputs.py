@@ -195,7 +195,7 @@ class DenseScores:
 
     def unpack(self, output):
         logits_TE, scores_TE = output[self.logits_at], output[self.scores_at]
-        ids_TK = torch.topk(logits_TE, self.top_k, dim=1).indices
+        ids_TK = torch.topk(logits_TE.detach(), self.top_k, dim=1).indices
         return logits_TE, scores_TE.gather(1, ids_TK), ids_TK
 
     def repack(self, output, logits_TE, weights_TK, ids_TK):

@@ -1,9 +1,12 @@
 """Force an HF transformers MoE model to route with recorded expert ids, reversibly.
 
-`with replay(model, plan) as session:` puts a forward hook on every router (PyTorch's own,
-removable extension point; no class is patched). The hook keeps HF's router logits, swaps the ids
+`with replay(model, plan) as session:` hooks every router where it hands its experts their routes:
+a forward hook on the router (PyTorch's own, removable extension point), or, where the parent block
+routes the router's logits itself (DBRX), that block's routing method patched on the instance (never
+the class) and undone on exit (outputs.py). The hook keeps HF's router logits, swaps the ids
 for the plan's ids of that router's layer, and recomputes the weights with the family's gate rule
-from those logits, so gradients reach the router at the replayed experts. On exit the hooks are
+from those logits, so gradients reach the router at the replayed experts; unpack and repack read
+and write them in the router's own output convention. On exit the hooks are
 removed and the ledger checks that every layer's routes were used exactly once (plus once per
 activation recompute, which runs inside backward and gets the same ids: routes are keyed by the
 layer id bound to each hook, not by call order).
@@ -165,7 +168,7 @@ class ReplaySession:
             )
         try:
             for site in self.sites.values():
-                self._handles.append(site.module.register_forward_hook(self._hook(site)))
+                self._handles.append(site.adapter.register_hook(site.module, self._hook(site)))
         except BaseException:
             self._restore()
             raise
@@ -232,7 +235,7 @@ class capture_routes:
                 if not in_backward():
                     self.ids[lid] = unpack(output)[2].detach().clone()
 
-            self._handles.append(site.module.register_forward_hook(hook))
+            self._handles.append(site.adapter.register_hook(site.module, hook))
         return self.ids
 
     def __exit__(self, *exc) -> None:

@@ -61,6 +61,9 @@ class GateSpec:
     expert_scale: bool = False
     """Multiply each weight by the router's per-expert scale at its id, last (Gemma 4's `per_expert_scale`): the
     tensor is passed to `weights` as `scale_E` at each call."""
+    renorm_p: float | None = None
+    """Renormalise by the K weights' p-norm (`torch.norm(w, p)`) instead of their sum: DBRX's
+    moe_normalize_expert_weights (1.0 in its configs). Used where `renormalize` is; None: the sum."""
     jitter_eps: float | None = None
     """Sparsemixer's `router_jitter_noise` (Phi-3.5-MoE: 0.01): each stage's softmax keeps only the experts whose
     logit is within a relative gap of 2 * jitter_eps of that stage's maximum. Required by that rule, unused by others."""
@@ -74,6 +77,8 @@ class GateSpec:
             )
         if not self.routed_scaling_factor > 0:
             raise ValueError(f"GateSpec.routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+        if self.renorm_p is not None and (not self.renorm_p > 0 or self.renorm_eps is not None):
+            raise ValueError(f"GateSpec.renorm_p must be None or > 0, without renorm_eps; got {self.renorm_p}, {self.renorm_eps}")
         if self.renorm_eps is not None and not self.renorm_eps >= 0:
             raise ValueError(f"GateSpec.renorm_eps must be None or >= 0, got {self.renorm_eps}")
         if self.group_score not in _GROUP_SCORES:
@@ -103,6 +108,8 @@ def _scores_in(logits_TE: torch.Tensor, spec: GateSpec) -> torch.Tensor:
 
 
 def _renorm(w_TK: torch.Tensor, spec: GateSpec, default_eps: float) -> torch.Tensor:
+    if spec.renorm_p is not None:  # DBRX: `w / torch.norm(w, p=..., dim=-1, keepdim=True)`
+        return w_TK / torch.norm(w_TK, p=spec.renorm_p, dim=-1, keepdim=True)
     eps = default_eps if spec.renorm_eps is None else spec.renorm_eps
     total_T1 = w_TK.sum(dim=-1, keepdim=True)
     return w_TK / (total_T1 + eps) if eps else w_TK / total_T1
@@ -152,8 +159,10 @@ class SoftmaxTopK:
     """Softmax over all E experts (fp32, or the logits' dtype), gather at the ids; renormalise over K when asked; scale.
 
     Qwen3-MoE / OLMoE (norm_topk_prob), Mixtral (always), Qwen2-MoE (norm_topk_prob=False),
-    DeepSeek-V2 and LongCat (no renormalisation, scaled), Mistral4 (groups), ERNIE-4.5 (a
-    selection-only bias added to the probabilities). Bias and groups choose, never weigh.
+    DeepSeek-V2 and LongCat (no renormalisation, scaled), Mistral4 (groups), ERNIE-4.5 and ZAYA1 (a
+    selection-only bias added to the probabilities in fp32: ZAYA1's `probs.to(float32) + balancing_biases`,
+    whose bias loads in bf16 with bf16 weights, where a bf16 sum moves 13 of 4096 probe rows' experts).
+    Bias and groups choose, never weigh.
     """
 
     def __init__(self, force_renormalize: bool | None = None) -> None:
@@ -162,7 +171,7 @@ class SoftmaxTopK:
     def select(self, logits_TE, spec, bias_E=None):
         choice_TE = torch.softmax(_scores_in(logits_TE, spec), dim=-1)
         if bias_E is not None:
-            choice_TE = choice_TE + bias_E.reshape(-1)
+            choice_TE = choice_TE.float() + bias_E.reshape(-1)
         return torch.topk(_group_limited(choice_TE, spec, 0.0), spec.top_k, dim=-1).indices
 
     def weights(self, logits_TE, ids_TK, spec, bias_E=None, scale_E=None):
@@ -183,6 +192,24 @@ class TopKSoftmax:
 
     def weights(self, logits_TE, ids_TK, spec, bias_E=None, scale_E=None):
         w_TK = torch.softmax(_scores_in(logits_TE, spec).gather(1, ids_TK), dim=-1)
+        w_TK = w_TK * spec.routed_scaling_factor if spec.routed_scaling_factor != 1.0 else w_TK
+        return _per_expert(w_TK, ids_TK, spec, scale_E)
+
+
+class TopKSigmoid:
+    """Top-k of the raw logits, weighed by their sigmoid (fp32, or the logits' dtype), renormalised over K where
+    asked, scaled. Llama 4 (no renormalisation): it selects on the logits, where a sigmoid-score top-k
+    (sigmoid_bias_group) ties once fp32 sigmoids round to 1.0 (logits above ~17)."""
+
+    def select(self, logits_TE, spec, bias_E=None):
+        return torch.topk(logits_TE, spec.top_k, dim=-1).indices
+
+    def weights(self, logits_TE, ids_TK, spec, bias_E=None, scale_E=None):
+        # sigmoid over [T, E] then gather, as HF's dense sigmoid: CPU sigmoid rounds its vector body and scalar tail
+        # differently (124 of ~1000 elements moved by the tensor's size alone), so [T, K] would differ in some bits
+        w_TK = _scores_in(logits_TE, spec).sigmoid().gather(1, ids_TK)
+        if spec.renormalize:
+            w_TK = _renorm(w_TK, spec, 0.0)
         w_TK = w_TK * spec.routed_scaling_factor if spec.routed_scaling_factor != 1.0 else w_TK
         return _per_expert(w_TK, ids_TK, spec, scale_E)
 
@@ -302,6 +329,8 @@ GATE_RULES.add("softmax_topk_renorm", SoftmaxTopK(force_renormalize=True))
 """Softmax before top-k, always renormalised (Mixtral)."""
 GATE_RULES.add("topk_softmax", TopKSoftmax())
 GATE_RULES.add("sigmoid_bias_group", SigmoidBiasGroup())
+GATE_RULES.add("topk_sigmoid", TopKSigmoid())
+"""Top-k of the logits, sigmoid of those (Llama 4)."""
 GATE_RULES.add("probs_topk", ProbsTopK())
 """The router returns probabilities, not logits (Gemma 4)."""
 GATE_RULES.add("sparsemixer", SparseMixer())
