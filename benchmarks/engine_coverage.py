@@ -15,7 +15,7 @@ engine's routes vs the engine), hf_vs_engine_mean_abs_logprob, free_vs_engine_ma
 freely), engine_drift (above drift_floor: the engine's port, not replay), rule, geometry, engine_start_s,
 seconds}}), engine_drift and with_flips (family lists), not_served ({family: HF architecture}), wall_seconds.
 Target: no family `capture_fails` (moe_replay failing not by name) and none replays with flips at fp32.
-Statuses and the logic: moe_replay/integrations/vllm/coverage.py.
+Statuses and the logic: integrations/vllm/coverage.py; the table: coverage_report.py.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     from moe_replay.integrations.hf.coverage import moe_families
     from moe_replay.integrations.vllm import coverage as cov
+    from moe_replay.integrations.vllm import coverage_report as report
 
     families = moe_families()
     served, not_served = cov.candidates(families)
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"not candidate families (an HF MoE family vLLM serves): {unknown}; candidates: {sorted(served)}")
     if args.write and (chosen or args.update):
         parser.error("--write regenerates the whole table (every candidate); --update re-runs some rows of it")
-    previous = {r.family: r for r in cov.read_table(DOC)} if args.update and os.path.exists(DOC) else {}
+    previous = {r.family: r for r in report.read_table(DOC)} if args.update and os.path.exists(DOC) else {}
     if args.update and not chosen:
         chosen = [f for f, r in previous.items() if r.status in ("not_run", "timeout")] + sorted(set(served) - set(previous))
     names = chosen or list(served)
@@ -78,17 +79,17 @@ def main(argv: list[str] | None = None) -> int:
         done.append(r)
         if args.write or args.update:  # the table so far: a run stopped early still leaves its finished rows
             with open(DOC, "w") as f:
-                f.write(cov.markdown(table(done), not_served, len(families)))
+                f.write(report.markdown(table(done), not_served, len(families)))
 
     done: list = []
     with tempfile.TemporaryDirectory(prefix="engine_coverage-") as tmp:
         results = cov.run_all(names, args.work_dir or tmp, compiled=not args.eager, timeout_s=timeout_s,
                               budget_s=args.budget_s, on_result=on_result, families=families)
-    out = cov.summary(table(results) if (args.write or args.update) else results, not_served, len(families))
+    out = report.summary(table(results) if (args.write or args.update) else results, not_served, len(families))
     out["wall_seconds"] = round(time.perf_counter() - t0, 1)
     if args.write or args.update:
         with open(DOC, "w") as f:
-            f.write(cov.markdown(table(results), not_served, len(families)))
+            f.write(report.markdown(table(results), not_served, len(families)))
     print(json.dumps(out, indent=1))
     return 0
 

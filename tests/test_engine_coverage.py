@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 from moe_replay.integrations.vllm import coverage as cov  # noqa: E402
+from moe_replay.integrations.vllm import coverage_report as report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILY = "qwen3_moe"
@@ -108,21 +109,21 @@ def test_table_reads_back_as_written(tmp_path):
         cov.EngineResult("c_moe", "not_run", architecture="CMoeForCausalLM"),
     ]
     path = tmp_path / "t.md"
-    path.write_text(cov.markdown(rows, {"d_moe": "DMoeModel"}, 4))
-    back = cov.read_table(path)
+    path.write_text(report.markdown(rows, {"d_moe": "DMoeModel"}, 4))
+    back = report.read_table(path)
     assert [(r.family, r.status, r.flips, r.positions, r.engine_drift) for r in back] == [
         ("a_moe", "works", 2, 60, True), ("b_moe", "engine_fails", None, None, None), ("c_moe", "not_run", None, None, None)]
     assert back[0].hf_vs_engine_max_abs_logprob == 0.15 and back[1].reason.endswith("/ 'x'")
-    assert cov.markdown(back, {"d_moe": "DMoeModel"}, 4) == path.read_text()
+    assert report.markdown(back, {"d_moe": "DMoeModel"}, 4) == path.read_text()
 
 
 def test_generated_doc_covers_every_candidate(families):
     """docs/engine_coverage.md names every candidate family of the installed vLLM and transformers exactly once."""
     doc = ROOT / "docs" / "engine_coverage.md"
-    rows = cov.read_table(doc)
+    rows = report.read_table(doc)
     head = doc.read_text().split("\n", 3)[2]
     served, _ = cov.candidates(families)
-    if f"vLLM {cov.versions()['vllm']} " not in head or f"transformers {cov.versions()['transformers']}," not in head:
+    if f"vLLM {report.versions()['vllm']} " not in head or f"transformers {report.versions()['transformers']}," not in head:
         pytest.skip(f"table generated on other versions: {head}")
     assert sorted(r.family for r in rows) == sorted(served)
     assert all(r.status in cov.STATUSES for r in rows)

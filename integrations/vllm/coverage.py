@@ -17,8 +17,8 @@ replay: above DRIFT_FLOOR it is reported as the engine's drift, with its size.
 
 Statuses (STATUSES): a failure is placed where it happened, and a failure of the engine with capture
 is re-tried without capture, so the engine's failures and moe_replay's are told apart by experiment.
-`run_family` runs one family in a spawned child with a timeout (an engine that crashes or hangs costs
-that family only); `run_all` runs families one after another.
+`run_family` runs one family in child processes with a time limit (an engine that crashes or hangs costs
+that family only); `run_all` runs families one after another. The table they make: coverage_report.py.
 
 Legend: G generated (scored) tokens, N positions of the padded batch, L MoE layers, K top-k.
 """
@@ -69,15 +69,24 @@ rotary part only (shared notes vllm-cpu.md); qk_head_dim = nope + rope."""
 ENGINE_FAMILY_TINY: dict[str, dict[str, Any]] = {
     "dbrx": dict(d_model=128, ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2, hidden_size=128)),
     "gemma4_text": dict(global_head_dim=32, vocab_size_per_layer_input=512),
-    # The keys the family's published checkpoints carry, which vLLM reads and HF's config class does not define or
-    # defaults otherwise (DeepSeek-V3's config.json: noaux_tc, sigmoid; without them vLLM builds no correction bias
-    # and fails to load it). DeepSeek-V2 groups experts (n_group, topk_group) only under group_limited_greedy in HF,
-    # always in vLLM: with HF's default "greedy" and 2 groups, 103 of 166 routed positions flipped (a config no
-    # published checkpoint has: V2-Lite's "greedy" comes with n_group 1).
+}
+"""Per family, on top of ENGINE_TINY, where its width lives under another key."""
+CHECKPOINT_KEYS: dict[str, dict[str, Any]] = {
+    # DeepSeek-V3's config.json: noaux_tc, sigmoid; without them vLLM builds no correction bias and fails to load it.
+    # DeepSeek-V2 groups experts (n_group, topk_group) only under group_limited_greedy in HF, always in vLLM: with
+    # HF's default "greedy" and 2 groups, 103 of 166 routed positions flipped (a config no published checkpoint has:
+    # V2-Lite's "greedy" comes with n_group 1).
     "deepseek_v3": dict(topk_method="noaux_tc", scoring_func="sigmoid"),
     "deepseek_v2": dict(topk_method="group_limited_greedy"),
+    "afmoe": dict(score_func="sigmoid", route_norm=True, n_group=1, topk_group=1),  # HF: sigmoid, renormalised, no groups
+    "glm4_moe": dict(head_dim=32),  # HF derives it: hidden 128 / 4 heads
+    "glm4_moe_lite": dict(first_k_dense_replace=0),  # HF's mlp_layer_types: every layer sparse
+    "axk1": dict(first_k_dense_replace=0),  # likewise
 }
-"""Per family, on top of ENGINE_TINY: where its width lives under another key, and keys its checkpoints carry."""
+"""config.json keys the family's published checkpoints carry and vLLM's port reads, where transformers' config class
+does not define them (a checkpoint HF saves lacks them: vLLM stops with an AttributeError, or silently routes by its
+default) or defaults them otherwise; written after save with the values HF's modeling code implies for the tiny model
+(HF reads them back on load), so the row measures the port rather than the missing key."""
 ARCH_ALIASES: dict[str, str] = {"phimoe": "PhiMoEForCausalLM"}
 """HF model type -> the architecture its hub checkpoints' config.json names, where that is not HF's class name
 (Phi-3.5-MoE's checkpoints predate HF's PhimoeForCausalLM); vLLM serves the checkpoint by that name."""
@@ -197,6 +206,9 @@ def build_checkpoint(family: str, out_dir: str | os.PathLike, families: dict[str
     arch = ARCH_ALIASES.get(family, type(model).__name__)
     model.config.architectures = [arch]
     model.save_pretrained(str(out_dir))
+    if family in CHECKPOINT_KEYS:
+        path = Path(out_dir) / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **CHECKPOINT_KEYS[family]}, indent=2))
     save_tokenizer(out_dir, TokenizerSpec(vocab_size=int(config.get_text_config().vocab_size)))
     return arch
 
@@ -558,121 +570,4 @@ def run_all(names: list[str], work_root: str | os.PathLike, *, compiled: bool = 
         else:
             out.append(run_family(family, Path(work_root) / family, compiled=compiled, timeout_s=timeout_s, families=families))
         on_result(out[-1])
-    return out
-
-
-# ---------------------------------------------------------------------------------------------- report
-def versions() -> dict[str, str]:
-    import torch
-    import transformers
-    import vllm
-
-    return {"vllm": vllm.__version__, "transformers": transformers.__version__, "torch": torch.__version__}
-
-
-def summary(results: list[EngineResult], not_served: dict[str, str], hf_families: int) -> dict[str, Any]:
-    """The JSON the benchmark prints: versions, counts per status, one row per candidate family, the rest named."""
-    counts = {s: sum(r.status == s for r in results) for s in STATUSES}
-    return {
-        **versions(),
-        "mode": "compiled" if all(r.compiled for r in results) else "eager",
-        "dtype": ENGINE_ARGS["dtype"],
-        "hf_moe_families": hf_families,
-        "candidates": len(results),
-        "counts": {s: n for s, n in counts.items() if n},
-        "drift_floor": DRIFT_FLOOR,
-        "engine_drift": sorted(r.family for r in results if r.engine_drift),
-        "with_flips": sorted(r.family for r in results if r.flips),
-        "families": {r.family: r.row() for r in results},
-        "not_served": dict(sorted(not_served.items())),
-    }
-
-
-TABLE_HEAD = ("| family | architecture | status | flips | routed positions | max \\|Δ logprob\\| replayed | mean \\|Δ\\| replayed "
-              "| max \\|Δ\\| free routing | engine drift | HF rule | engine start s | seconds | reason |")
-_COLUMNS = 13
-
-
-def _num(x: float | int | None, fmt: str = ".2e") -> str:
-    return "" if x is None else format(x, fmt)
-
-
-def markdown(results: list[EngineResult], not_served: dict[str, str], hf_families: int) -> str:
-    """docs/engine_coverage.md: counts per status, one row per candidate family (the rows `read_table` reads back),
-    then the HF MoE families vLLM does not serve."""
-    s = summary(results, not_served, hf_families)
-    counts = {st: sum(r.status == st for r in results) for st in STATUSES}
-    lines = [
-        "# vLLM engine MoE coverage (generated)",
-        "",
-        f"Generated by `python benchmarks/engine_coverage.py --write` on vLLM {s['vllm']} (vllm-cpu), transformers "
-        f"{s['transformers']}, torch {s['torch']}; engine {s['mode']}, {s['dtype']}. Do not edit by hand.",
-        "",
-        f"Of the {hf_families} MoE families of transformers {s['transformers']} ([hf_coverage.md](hf_coverage.md)), "
-        f"{len(results)} name an architecture vLLM serves natively (its ModelRegistry); each is measured end to end:",
-        "",
-        "| status | families | meaning |",
-        "|---|---|---|",
-        *[f"| {st} | {n} | {STATUSES[st]} |" for st, n in counts.items() if n],
-        "",
-        "Per family: its tiny random model (hf coverage's tiny config with vLLM-CPU's sizes: width 128, head_dim 32, "
-        "vocab 512; MLA with kv_lora_rank 512 and a 64-wide rotary part; 3 layers, 8 experts, top-2; seeded) is saved "
-        "with the tiny BPE tokenizer; a vLLM-CPU engine in the project's default mode (compiled, fp32, one process, "
-        f"`capture_engine_kwargs`) captures {len(PROMPTS)} sampled rollouts of {MAX_TOKENS} tokens (temperatures 0.8-1.2, "
-        "two full-vocabulary supports and one top-k 20 / top-p 0.9); the traces go through a `DirectoryStore`; HF "
-        "loads the same directory in fp32 and replays the stored traces on one padded batch, scoring the sampled "
-        "tokens over the recorded supports. Each family runs in its own process with a time limit.",
-        "",
-        "*flips*: routed positions (token x MoE layer) where HF's own top-k set differs from the engine's, counted "
-        "under replay. *max / mean |Δ logprob| replayed*: HF's logprob of each sampled token under the engine's "
-        "routes minus the engine's own. Both sides then run the same experts with HF's gate rule (verified bit for "
-        "bit against HF's router at attach), so a difference is the engine's port of the model (attention, rotary, "
-        f"norms, kernels), not replay's: above {DRIFT_FLOOR:g} nats (an fp32 engine that agrees with HF: <= 2e-5) "
-        "the *engine drift* column says so. *free routing*: the same with HF choosing its own experts (what flips "
-        "add). A failure is placed where it happened; an engine that fails with capture is started again without "
-        "it, so *engine_fails* (vLLM-CPU's) and *capture_fails* (moe_replay's) are told apart by experiment.",
-        "",
-        TABLE_HEAD,
-        "|" + "---|" * _COLUMNS,
-    ]
-    for r in sorted(results, key=lambda r: r.family):
-        drift = "" if r.engine_drift is None else "yes" if r.engine_drift else "no"
-        reason = r.reason.replace("|", "/").replace("\n", " ")
-        lines.append(f"| {r.family} | {r.architecture} | {r.status} | {_num(r.flips, 'd')} | {_num(r.positions, 'd')} "
-                     f"| {_num(r.hf_vs_engine_max_abs_logprob)} | {_num(r.hf_vs_engine_mean_abs_logprob)} "
-                     f"| {_num(r.free_vs_engine_max_abs_logprob)} | {drift} | {r.rule} | {_num(r.engine_start_s, '.0f')} "
-                     f"| {_num(r.seconds, '.0f')} | {reason} |")
-    lines += [
-        "",
-        f"## MoE families vLLM does not serve natively ({len(not_served)})",
-        "",
-        "Their HF causal-LM architecture is not in vLLM's ModelRegistry (a multimodal wrapper or another name may be): "
-        "no engine to capture from.",
-        "",
-        "| family | HF architecture |",
-        "|---|---|",
-        *[f"| {f} | {a} |" for f, a in sorted(not_served.items())],
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def read_table(path: str | os.PathLike) -> list[EngineResult]:
-    """The family rows of a generated docs/engine_coverage.md as EngineResults (numbers as printed), so `markdown`
-    renders the same table: what `benchmarks/engine_coverage.py --update` re-runs some rows of."""
-
-    def num(cell: str, cast: Callable[[str], Any] = float) -> Any:
-        return cast(cell) if cell else None
-
-    out = []
-    for line in Path(path).read_text().splitlines():
-        line = line.strip()
-        cells = [c.strip() for c in line[1:-1].split("|")] if line.startswith("|") and line.endswith("|") else []
-        if len(cells) != _COLUMNS or cells[0] in ("family",) or cells[2] not in STATUSES:
-            continue
-        family, arch, status, flips, positions, mx, mean, free, drift, rule, start, seconds, reason = cells
-        out.append(EngineResult(family, status, reason, architecture=arch, flips=num(flips, int),
-                                positions=num(positions, int), hf_vs_engine_max_abs_logprob=num(mx),
-                                hf_vs_engine_mean_abs_logprob=num(mean), free_vs_engine_max_abs_logprob=num(free),
-                                engine_drift={"yes": True, "no": False}.get(drift), rule=rule,
-                                engine_start_s=num(start), seconds=num(seconds) or 0.0))
     return out
