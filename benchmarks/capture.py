@@ -28,10 +28,12 @@ step.* run in every engine step (finish: finished requests and room checks; arm:
 sentinel; layout: the step's request ids, query starts, positions; route_copy: step buffer -> arena;
 slots: KV slots; batch: records of the batch, the step's snapshot; support_stage: the truncated
 logit rows' copy; commit: the sampled ids), flush.* once per flush (window: steps laid end to end;
-route_read: the arena read to the host, sentinel check; slot_cache; route_records; kept_sets: kept
-ids, sizes, logprob gathers; sample_records), take.assemble per collected record, client.rpc (the
-take call less the worker's own time in it), client.build (decoding records, building traces),
-forward.route_hold (eager CPU engines: the route functions inside the forward).
+route_read: the arena read to the host, sentinel check; slot_cache; route_records: the window's
+routes to the row log, one block; kept_sets: kept ids, sizes, logprob gathers; sample_records: the
+sampler rows to the row log), take.assemble once per take (every taken record laid out from the
+row log together), client.rpc (the take call less the worker's own time in it), client.build
+(decoding records, building and validating traces), forward.route_hold (eager CPU engines: the
+route functions inside the forward).
 
 `compiled` (bench model, vLLM's default `enforce_eager=False`: torch.compile on vLLM-CPU): two
 engines live side by side, one built plainly and one with `capture_engine_kwargs()` (its routers

@@ -227,6 +227,36 @@ def test_prefix_cache_hit_gets_full_routes(engine):
     check_against_hf(t4, model_dir, SAMPLING[0])
 
 
+def test_take_lays_records_out_as_the_per_token_reference(engine):
+    """The row log lays a real engine's records out (all taken together, array ops) exactly as the
+    per-token reference does from the rows the flushes handed it (tests/capture_reference.py):
+    chunked prefill, n = 2, a prefix-cache hit, one flush per step (mixtral), every few (olmoe),
+    one per collect (qwen3_moe); every array bit for bit, no problem, no row left behind."""
+    from moe_replay.integrations.vllm.capture import records
+    from tests.capture_reference import RowLogSpy, assert_record_equals, reference_record
+
+    family, llm, cap, model_dir = engine
+    wc = llm.llm_engine.model_executor.driver_worker.worker.model_runner._moe_replay.capture
+    first_uid = next(records._UIDS) + 1
+    spy = RowLogSpy(wc.book.log)
+    try:
+        prompts = [prompt_text(n, seed=300 + n) for n in (90, 12, 40)]
+        llm.generate(prompts, sampling_params(*SAMPLING[0], max_tokens=10, n=2), use_tqdm=False)
+        (hit,) = llm.generate(prompts[:1], sampling_params(*SAMPLING[1], max_tokens=10), use_tqdm=False)
+        assert hit.num_cached_tokens >= BLOCK
+        mine = {rid: r for rid, r in (*wc.book.finished.items(), *wc.book.live.items()) if r.uid >= first_uid}
+        assert len(mine) == 7
+        got = wc.take(list(mine))  # flushes first: the spy has every row after it
+        for (rid, rec), payload in zip(mine.items(), got):
+            want = reference_record(spy.history, rec.uid, rec.route_start, rec.L, rec.K, rec.route_dtype)
+            assert payload.status == "ok" and payload.problems == want["problems"] == []
+            assert_record_equals(payload, want, rid)
+            assert len(payload.tokens_G) == 10 and payload.routes_filled_T.all()
+        assert not any((b.cols["uid"] >= first_uid).any() for b in wc.book.log.route_blocks + wc.book.log.sample_blocks)
+    finally:
+        spy.undo()
+
+
 def test_n_samples_each_get_a_trace(engine):
     """n > 1: one trace per sample, keyed '<id>#<i>', each consistent with HF."""
     family, llm, cap, model_dir = engine

@@ -1,7 +1,8 @@
-"""Pure logic of the batched capture path: record assembly from pieces and the support stage.
+"""Pure logic of the batched capture path: record assembly from the row log and the support stage.
 
 The real-engine behaviour is proven in test_vllm_capture.py; these pin the array bookkeeping
-(newest write wins, gaps are reported, CSR rows are gathered exactly) on hand-made inputs.
+(newest write wins, gaps are reported, CSR rows are gathered exactly) on hand-made inputs, and the
+row log's vectorised layout against the per-token reference (tests/capture_reference.py).
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from moe_replay.integrations.vllm.capture.records import RequestRecord, last_occurrence
+from moe_replay.integrations.vllm.capture.row_log import RowLog, last_occurrence
 from moe_replay.integrations.vllm.capture.sampler_hook import StagedSamples, SupportStage
+
+from tests.capture_reference import RowLogSpy, assert_record_equals, reference_record
 
 
 def test_last_occurrence_keeps_the_newest_write():
@@ -23,20 +26,25 @@ def test_last_occurrence_keeps_the_newest_write():
     assert last_occurrence(np.zeros(0, dtype=np.int64)).tolist() == []
 
 
-def _record() -> RequestRecord:
-    return RequestRecord("r-1", prompt_len=3, route_start=0, L=2, K=2, route_dtype=np.uint8)
+def _log() -> RowLog:
+    return RowLog(L=2, K=2, route_dtype=np.uint8)
 
 
-def test_routes_from_pieces_newest_wins_and_prefix_reads_count():
-    rec = _record()
+def _take_one(log: RowLog, uid: int = 7, route_start: int = 0):
+    return log.take(np.array([uid]), np.array([route_start]))[0]
+
+
+def test_routes_from_blocks_newest_wins_and_prefix_reads_count():
+    log = _log()
     rows = lambda v, n: np.full((n, 2, 2), v, dtype=np.uint8)  # noqa: E731
-    rec.write_routes(0, rows(1, 2), np.array([True, False]))  # prefix read: position 1 invalid
-    rec.write_routes_at(np.array([2, 3, 3]), rows(2, 3) + np.arange(3, dtype=np.uint8)[:, None, None])
-    rec.write_routes_at(np.array([1]), rows(9, 1))  # recomputed later (preemption): newest wins
-    p = rec.payload()
-    routes, filled = p.routes_TLK, p.routes_filled_T
-    assert filled.tolist() == [True, True, True, True]
-    assert routes[:, 0, 0].tolist() == [1, 9, 2, 4]  # position 3 written twice in one piece: last kept
+    uid = lambda n: np.full(n, 7)  # noqa: E731
+    log.add_routes(uid(2), np.arange(2), rows(1, 2), np.array([True, False]))  # prefix read: position 1 invalid
+    log.add_routes(uid(3), np.array([2, 3, 3]), rows(2, 3) + np.arange(3, dtype=np.uint8)[:, None, None])
+    log.add_routes(uid(1), np.array([1]), rows(9, 1))  # recomputed later (preemption): newest wins
+    p = _take_one(log)
+    assert p.routes_filled_T.tolist() == [True, True, True, True]
+    assert p.routes_TLK[:, 0, 0].tolist() == [1, 9, 2, 4]  # position 3 written twice in one block: last kept
+    assert log.rows == 0  # taken rows leave the log
 
 
 def _staged(tokens, sizes, rows_ids, lps) -> StagedSamples:
@@ -48,27 +56,125 @@ def _staged(tokens, sizes, rows_ids, lps) -> StagedSamples:
 
 
 def test_samples_gathered_across_flushes_in_g_order():
-    rec = _record()
+    log = _log()
     a = _staged([10, 11, 12], [2, 1, 3], [[10, 40], [11], [5, 12, 30]], [-0.5, 0.0, -1.0])
     b = _staged([20, 21], [1, 2], [[20], [1, 21]], [-0.1, -0.2])
-    rec.write_samples(np.array([1, 0]), np.array([2, 0]), a)  # g=1 from row 2, g=0 from row 0
-    rec.write_samples(np.array([2, 1]), np.array([0, 1]), b)  # g=1 drawn again: newest wins
-    p = rec.payload()
+    log.add_samples(np.array([7, -1, 7]), np.array([0, 5, 1]), a)  # row 1: a row nobody keeps
+    log.add_samples(np.array([7, 7]), np.array([2, 1]), b)  # g=1 drawn again: newest wins
+    p = _take_one(log)
     assert p.tokens_G.tolist() == [10, 21, 20]
-    assert p.support_sizes_G.tolist() == [2, 2, 1]
-    off, ids = p.support_offsets_G1, p.support_ids_N
+    assert p.sizes_G.tolist() == [2, 2, 1]
+    off, ids = p.offsets_G1, p.ids_N
     assert [ids[off[g]:off[g + 1]].tolist() for g in range(3)] == [[10, 40], [1, 21], [20]]
     assert np.allclose(p.logprobs_G, [-0.5, -0.2, -0.1])
     assert p.problems == []
 
 
 def test_a_missing_sample_is_reported_not_skipped():
-    rec = _record()
+    log = _log()
     s = _staged([1, 2], [1, 1], [[1], [2]], [0.0, 0.0])
-    rec.write_samples(np.array([0, 2]), np.array([0, 1]), s)
-    p = rec.payload()
+    log.add_samples(np.array([7, 7]), np.array([0, 2]), s)
+    p = _take_one(log)
     assert p.tokens_G.tolist() == [1]
-    assert "generated token 1 never arrived" in p.problems[0]
+    assert "generated token 1 never arrived (2 of 3)" in p.problems[0]
+
+
+def _random_history(rng, uids, flushes: int):
+    """Flush blocks as a busy engine hands them over: records interleaved, positions recomputed
+    (preemption), prefix reads with invalid rows, rows of no record (-1), a missing sample, a
+    sample outside its set, rows before a record's route_start."""
+    L, K = 3, 2
+    pos_next = {u: 0 for u in uids}
+    g_next = {u: 0 for u in uids}
+    out = []
+    for f in range(flushes):
+        if f == 1:
+            u = uids[0]
+            n = int(rng.integers(1, 6))
+            out.append(("routes", np.full(n, u), np.arange(n), rng.integers(0, 8, (n, L, K)).astype(np.uint8),
+                        rng.random(n) < 0.7))
+        uid_T, pos_T, uid_X, g_X = [], [], [], []
+        for u in rng.permutation(uids + [-1]):
+            u = int(u)
+            if u < 0:
+                uid_T += [-1] * 3
+                pos_T += [0, 1, 2]
+                uid_X += [-1]
+                g_X += [0]
+                continue
+            n = max(int(rng.integers(0, 4)), int(u == uids[1] and f == 2))
+            back = int(rng.integers(0, 3)) if rng.random() < 0.3 else 0  # recomputed positions
+            start = max(pos_next[u] - back, 0)
+            uid_T += [u] * n
+            pos_T += list(range(start, start + n))
+            pos_next[u] = max(pos_next[u], start + n)
+            if n:
+                gb = 1 if rng.random() < 0.2 and g_next[u] else 0  # drawn again (preemption)
+                g = g_next[u] - gb
+                if u == uids[1] and f == 2:
+                    g = g_next[u] + 1  # a sample that never arrives: its record is cut there
+                uid_X.append(u)
+                g_X.append(g)
+                g_next[u] = max(g_next[u], g + 1)
+        T, X = len(uid_T), len(uid_X)
+        out.append(("routes", np.array(uid_T, dtype=np.int64), np.array(pos_T, dtype=np.int64),
+                    rng.integers(0, 8, (T, L, K)).astype(np.uint8), None))
+        sizes = rng.integers(1, 6, X)
+        ids = [np.sort(rng.choice(50, int(k), replace=False)) for k in sizes]
+        staged = _staged([int(r[0]) for r in ids], sizes, ids, rng.normal(size=X))
+        if f == flushes - 1:  # the last draws fell outside their sets
+            staged.outside_R = (np.array(uid_X) >= 0) & (np.array(uid_X) != uids[1])
+        out.append(("samples", np.array(uid_X, dtype=np.int64), np.array(g_X, dtype=np.int64), staged))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_row_log_layout_equals_the_per_token_reference(seed):
+    """The vectorised layout (all taken records at once, newest wins by sort) against the per-token
+    reference over random flush histories; records taken in two takes with more flushes between,
+    one discarded: every array bit for bit, the same problems, and no rows left behind."""
+    rng = np.random.default_rng(seed)
+    uids = [3, 11, 12, 40, 41, 57]
+    starts = {u: int(rng.integers(0, 3)) if u % 2 else 0 for u in uids}
+    log = RowLog(L=3, K=2, route_dtype=np.uint8)
+    spy = RowLogSpy(log)
+
+    def replay(history):
+        for kind, *cols in history:
+            (log.add_routes if kind == "routes" else log.add_samples)(*cols)
+
+    replay(_random_history(rng, uids, 5))
+    first = [11, 3, 57]
+    want = {u: reference_record(spy.history, u, starts[u], 3, 2, np.uint8) for u in uids}
+    got = log.take(np.array(first), np.array([starts[u] for u in first]))
+    for u, rec in zip(first, got):
+        assert_record_equals(rec.__dict__ | {"support_sizes_G": rec.sizes_G, "support_offsets_G1": rec.offsets_G1,
+                                             "support_ids_N": rec.ids_N}, want[u], f"record {u}")
+        assert rec.problems == want[u]["problems"]
+    assert any("never arrived" in p for u in uids for p in want[u]["problems"])  # the cases ran
+    assert any("outside its recorded" in p for u in uids for p in want[u]["problems"])
+    replay(_random_history(rng, [12, 40, 41], 4))  # more flushes of the records not yet taken
+    log.drop([41])
+    rest = [40, 12]
+    got = log.take(np.array(rest), np.array([starts[u] for u in rest]))
+    for u, rec in zip(rest, got):
+        want_u = reference_record(spy.history, u, starts[u], 3, 2, np.uint8)
+        assert_record_equals(rec.__dict__ | {"support_sizes_G": rec.sizes_G, "support_offsets_G1": rec.offsets_G1,
+                                             "support_ids_N": rec.ids_N}, want_u, f"record {u}")
+    assert log.rows == 0 and not log.route_blocks and not log.sample_blocks
+
+
+def test_row_log_compacts_blocks_half_dead():
+    """Rows of taken records are dead; a block half dead is compacted, so a long-lived record does
+    not hold every other record's rows."""
+    log = _log()
+    uid_A = np.repeat(np.arange(10), 4)
+    log.add_routes(uid_A, np.tile(np.arange(4), 10), np.zeros((40, 2, 2), np.uint8))
+    log.take(np.arange(4), np.zeros(4, np.int64))
+    assert log.rows == 40  # 16 of 40 dead: kept as it is
+    log.take(np.array([4, 5]), np.zeros(2, np.int64))
+    assert log.rows == 16  # 24 of 40 dead: compacted to the live rows
+    assert _take_one(log, uid=9).routes_TLK.shape == (4, 2, 2)
 
 
 def _meta(temperature=None, all_random=True):
@@ -139,9 +245,9 @@ def test_a_sample_outside_its_recorded_support_is_counted_and_fails_the_trace():
     stage.commit(torch.tensor([[1], [1]]), _meta())  # row 1 drew token 1, whose logit is -inf
     out = stage.compute()
     assert out.outside_R.tolist() == [False, True]
-    rec = _record()
-    rec.write_samples(np.array([0, 1]), np.array([0, 1]), out)
-    p = rec.payload()
+    log = _log()
+    log.add_samples(np.array([7, 7]), np.array([0, 1]), out)
+    p = _take_one(log)
     assert "sampled token 1 of generated token 1 is outside its recorded sampling support (2 tokens" in p.problems[0]
 
 
@@ -240,7 +346,7 @@ def test_host_stage_in_numpy_equals_the_device_path(monkeypatch, dtype):
         return stage.compute()
 
     host = run()
-    monkeypatch.setattr(sampler_hook, "_host_array", lambda t: None)
+    monkeypatch.setattr(sampler_hook, "_host_array", lambda *a: None)
     dev = run()
     for name in ("tokens_R", "sizes_R", "offsets_R1", "ids_N", "outside_R"):
         assert np.array_equal(getattr(host, name), getattr(dev, name)), name

@@ -94,9 +94,21 @@ def check_record(record: CaptureRecord, key: str) -> None:
     )
 
 
+_WIDTHS = (("routes_filled_T", np.dtype(bool)), ("tokens_G", np.dtype(np.int64)), ("logprobs_G", np.dtype(np.float32)),
+           ("support_sizes_G", np.dtype(np.int64)), ("support_offsets_G1", np.dtype(np.int64)),
+           ("support_ids_N", np.dtype(np.int32)))
+"""The 1-D arrays of a CaptureRecord and their dtypes (routes_TLK: the geometry's route dtype)."""
+
+
 def normalise(record: CaptureRecord, geometry: ModelGeometry) -> CaptureRecord:
-    """Arrays in their dtypes and shapes (an RPC serialiser may hand back lists or other widths)."""
+    """Arrays in their dtypes and shapes (an RPC serialiser may hand back lists or other widths);
+    a record that already has them is returned as it is (the worker's arrays, packed as they were)."""
     L, K = geometry.num_moe_layers, geometry.top_k
+    r = record.routes_TLK
+    if (isinstance(r, np.ndarray) and r.dtype == geometry.route_dtype and r.shape[1:] == (L, K)
+            and all(isinstance(a, np.ndarray) and a.dtype == dt and a.ndim == 1
+                    for a, dt in ((getattr(record, name), dt) for name, dt in _WIDTHS))):
+        return record
     flat = lambda a, dtype: np.asarray(a).astype(dtype, copy=False).reshape(-1)  # noqa: E731
     return dataclasses.replace(
         record,

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import CaptureHookError
 from ..step import kv_slots
-from .records import last_occurrence
+from .row_log import last_occurrence
 
 
 def _spec_types(spec) -> list[type]:

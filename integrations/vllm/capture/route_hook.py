@@ -308,8 +308,8 @@ class RouteCapture:
     def chunk(self, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Rows [0, stop) of every landed step as one narrow array [stop, L, K], and a bool [stop, L]
         of rows a layer never wrote (step buffer; None when all were written). Starts a new window."""
-        if not self.hold:  # one device-to-host copy per flush
-            out = self.arena_TLK[:stop].cpu().numpy()
+        if not self.hold:  # one device-to-host copy per flush (a host arena: its numpy view, no tensor op)
+            out = self._arena_np[:stop] if self._arena_np is not None else self.arena_TLK[:stop].cpu().numpy()
             unwritten_TL = (out == self.step.sentinel).any(axis=2)
             return out.astype(self.geometry.route_dtype), unwritten_TL if unwritten_TL.any() else None
         landed, self._landed = self._landed, []

@@ -8,7 +8,11 @@ runs once). The kept set is therefore exactly the finite entries the sample was 
 whatever produced the -inf (top-k, top-p, min-p, allowed/bad words, logits processors).
 
 Why staged: at small batch sizes each tensor op costs a fixed ~10-70 us inside a busy engine, far
-more than the work itself. A step only does one row copy; `compute()` turns every staged row of
+more than the work itself. A step only copies its rows: on a host stage with one memmove of the
+truncated logits and one of the sampled ids (no tensor op: a torch copy_ is 3 dispatcher ops and
+an OpenMP region, 16 us against 7 us on the loaded 2-core machine, and `.numpy()` 5 ops); on a
+device stage with one copy_ (the sampled ids stay on the device until the flush, so a step never
+waits on a device-to-host copy). `compute()` turns every staged row of
 many steps into sparse data with one op each (isfinite, logsumexp, gather, nonzero), in numpy for a
 host stage (a torch op on vLLM-CPU is an OpenMP region over the engine's threads: 25-52 ms for one
 isfinite of [128, 512] on a loaded 2-core machine, numpy 0.02 ms), in torch on a device. The stage
@@ -36,6 +40,7 @@ Shape legend: B rows sampled in one step, R staged rows (many steps), V vocabula
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import time
 from dataclasses import dataclass
@@ -44,7 +49,7 @@ import numpy as np
 import torch
 
 from ..timings import PartTimes
-from .records import ranks_within
+from .row_log import ranks_within
 
 _SAMPLING_EPS = 1e-5  # vllm.v1.sample.sampler._SAMPLING_EPS: below it a row is greedy
 
@@ -55,6 +60,17 @@ def _apply_top_k_top_p():
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
     return apply_top_k_top_p
+
+
+def copy_host_rows(dst_ptr: int, src: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Copy all of `src` to the host address `dst_ptr` with one memmove, when `src` is a contiguous
+    host tensor of `dtype`; False (nothing copied) otherwise. No dispatcher op, so no OpenMP region
+    inside the engine's step (see the module docstring for the numbers). The caller owns the
+    destination's bounds."""
+    if not src.is_cpu or src.dtype != dtype or not src.is_contiguous():
+        return False
+    ctypes.memmove(dst_ptr, src.data_ptr(), src.numel() * src.element_size())
+    return True
 
 
 @dataclass
@@ -89,8 +105,15 @@ class SupportStage:
         self.rows = 0
         """Rows committed so far (since the last reset)."""
         self.logits_RV: torch.Tensor | None = None
-        self._sampled: list[torch.Tensor] = []
-        """Each committed step's sampled token ids [B, 1], as the sampler returned them."""
+        self._stage_ptr: int | None = None
+        """Host address of logits_RV's first row (a host stage: steps memmove their rows in)."""
+        self._raw_np: np.ndarray | None = None
+        """A numpy view of a host stage, made once (bf16: its int16 bits; widened at compute())."""
+        self._tokens_R = np.zeros(min_rows, dtype=np.int64)
+        """Sampled ids of the committed rows, memmoved in by each step (host samplers)."""
+        self._tokens_ptr = self._tokens_R.ctypes.data
+        self._deferred: list[tuple[int, torch.Tensor]] = []
+        """(first row, sampled ids [B, 1]) of steps whose ids are not on the host: read at compute()."""
         self._commits: list[tuple[int, bool, float | np.ndarray]] = []
         """Per committed step: (rows, staged by the truncation?, temperature: scalar or per row)."""
         self._pending: int | None = None
@@ -104,6 +127,16 @@ class SupportStage:
         row_bytes = V * logits_BV.element_size()
         self.capacity = max(self.min_rows, self.budget_bytes // max(row_bytes, 1))
         self.logits_RV = torch.empty((self.capacity, V), dtype=logits_BV.dtype, device=logits_BV.device)
+        self._row_bytes = row_bytes
+        if self.logits_RV.is_cpu:
+            self._stage_ptr = self.logits_RV.data_ptr()
+            self._raw_np = _raw_view(self.logits_RV)
+        self._grow_tokens(self.capacity)
+
+    def _grow_tokens(self, rows: int) -> None:
+        if rows > len(self._tokens_R):
+            self._tokens_R = np.concatenate([self._tokens_R, np.zeros(rows - len(self._tokens_R), np.int64)])
+            self._tokens_ptr = self._tokens_R.ctypes.data
 
     def room_for(self, rows: int) -> bool:
         return self.rows + rows <= self.capacity
@@ -120,10 +153,11 @@ class SupportStage:
             raise RuntimeError(f"sampler vocabulary changed from {self.logits_RV.shape[1]} to {logits_BV.shape[1]}")
         if r0 + B > self.capacity:
             raise RuntimeError(f"support stage overflow: {r0} + {B} rows > {self.capacity} (flush missed)")
-        # Copy before sampling: the sampler may work in place. (A torch copy_: measured in the engine,
-        # half the time of a numpy slice assignment.)
+        # Copy before sampling: the sampler may work in place.
         t0 = time.perf_counter()
-        self.logits_RV[r0 : r0 + B].copy_(logits_BV)
+        if self._stage_ptr is None or not copy_host_rows(self._stage_ptr + r0 * self._row_bytes, logits_BV,
+                                                         self.logits_RV.dtype):
+            self.logits_RV[r0 : r0 + B].copy_(logits_BV)
         self._pending = B
         t1 = time.perf_counter()
         self.times.add("step.support_stage", t1 - t0)
@@ -136,10 +170,13 @@ class SupportStage:
     def commit(self, sampled_B1: torch.Tensor, sampling_metadata) -> int:
         """Record this step's sampled tokens; returns the first stage row of the step.
 
-        Per step only a reference and a tuple are kept (the arrays are built at compute()).
+        Per step: the ids' memmove on a host sampler (a reference on a device), and a tuple.
         """
         B = sampled_B1.shape[0]
         r0 = self.rows
+        self._grow_tokens(r0 + B)
+        if sampled_B1.numel() != B or not copy_host_rows(self._tokens_ptr + 8 * r0, sampled_B1, torch.int64):
+            self._deferred.append((r0, sampled_B1))  # the sampler's fresh output; read at compute()
         staged, self._pending = self._pending is not None, None
         if not staged:  # all greedy: top-k/top-p never ran
             temps = 0.0
@@ -147,7 +184,6 @@ class SupportStage:
             temps = 1.0
         else:  # mixed batch: greedy rows are the ones below vLLM's epsilon (a persistent buffer: copy)
             temps = sampling_metadata.temperature.cpu().numpy().copy()
-        self._sampled.append(sampled_B1)  # the sampler's fresh output; read at compute()
         self._commits.append((B, staged, temps))
         self.rows = r0 + B
         return r0
@@ -160,9 +196,12 @@ class SupportStage:
         """Sparse support and logprobs of every committed row; the stage is empty afterwards."""
         t_start = time.perf_counter()
         R = self.rows
-        sampled, self._sampled = self._sampled, []
+        deferred, self._deferred = self._deferred, []
         commits, self._commits = self._commits, []
-        tokens_R = _tokens(sampled)
+        tokens_R = self._tokens_R[:R].copy()
+        if deferred:
+            tokens_R[np.concatenate([np.arange(r0, r0 + t.shape[0]) for r0, t in deferred])] = _tokens(
+                [t for _, t in deferred])
         greedy_R = _greedy_rows(commits, R)
         sizes_R = np.ones(R, dtype=np.int64)
         logprobs_R = np.zeros(R, dtype=np.float32)
@@ -172,7 +211,7 @@ class SupportStage:
         outside_R = None
         sparse = None
         if self.logits_RV is not None and len(live):
-            host_RV = _host_array(self.logits_RV[:R])
+            host_RV = _host_array(self._raw_np[:R], self.logits_RV.dtype) if self._raw_np is not None else None
             if host_RV is not None:
                 sparse = _kept_numpy(host_RV if len(live) == R else host_RV[live], tokens_R[live],
                                      self.want_logprobs, self.want_support, self.max_support)
@@ -189,10 +228,13 @@ class SupportStage:
         if self.want_support:
             counts_R = np.where(greedy_R, 1, np.where(sizes_R > self.max_support, 0, sizes_R))
             np.cumsum(counts_R, out=offsets_R1[1:])
-            ids_N = np.empty(int(offsets_R1[-1]), dtype=np.int32)
-            g = np.flatnonzero(greedy_R)
-            ids_N[offsets_R1[g]] = tokens_R[g]
-            if sparse is not None and sparse[3] is not None:
+            if sparse is not None and sparse[3] is not None and len(sparse[3]) == offsets_R1[-1]:
+                ids_N = sparse[3]  # every row sampled at random and within max_support: the ids as they are
+            else:
+                ids_N = np.empty(int(offsets_R1[-1]), dtype=np.int32)
+                g = np.flatnonzero(greedy_R)
+                ids_N[offsets_R1[g]] = tokens_R[g]
+            if sparse is not None and sparse[3] is not None and ids_N is not sparse[3]:
                 rows_ok = live[sizes_R[live] <= self.max_support]
                 c = counts_R[rows_ok]
                 ids_N[np.repeat(offsets_R1[rows_ok], c) + ranks_within(c)] = sparse[3]
@@ -202,8 +244,9 @@ class SupportStage:
 
 
 def _tokens(sampled: list[torch.Tensor]) -> np.ndarray:
-    """int64 [R]: every committed step's sampled ids, in order (numpy on the host: a torch.cat of
-    16 [8, 1] tensors took ~6 ms inside the loaded vLLM-CPU engine, see _kept_numpy)."""
+    """int64: the deferred steps' sampled ids, in order (one device-to-host copy; numpy for host
+    tensors of another dtype: a torch.cat of 16 [8, 1] tensors took ~6 ms inside the loaded
+    vLLM-CPU engine, see _kept_numpy)."""
     if not sampled:
         return np.zeros(0, np.int64)
     if all(t.device.type == "cpu" for t in sampled):
@@ -215,15 +258,22 @@ _Sparse = tuple[np.ndarray, np.ndarray, "np.ndarray | None", "np.ndarray | None"
 """(sizes_X, outside_X, logprobs_X or None, kept ids of the rows within max_support, row by row)."""
 
 
-def _host_array(logits_RV: torch.Tensor) -> np.ndarray | None:
-    """A float numpy view (bf16: widened exactly) of a host stage; None for a device stage."""
-    if logits_RV.device.type != "cpu":
-        return None
-    if logits_RV.dtype == torch.bfloat16:  # bf16 is the top half of a float32: exact
-        return (logits_RV.view(torch.int16).numpy().astype(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    if logits_RV.dtype == torch.float16:
-        return logits_RV.numpy().astype(np.float32)
-    return logits_RV.numpy() if logits_RV.dtype in (torch.float32, torch.float64) else None
+def _raw_view(logits_RV: torch.Tensor) -> np.ndarray | None:
+    """A numpy view of a host stage's memory, made once at allocation (a `.numpy()` is 5
+    dispatcher ops: per flush they counted in capture's ops per step); bf16 as its int16 bits."""
+    if logits_RV.dtype == torch.bfloat16:
+        return logits_RV.view(torch.int16).numpy()
+    return logits_RV.numpy() if logits_RV.dtype in (torch.float16, torch.float32, torch.float64) else None
+
+
+def _host_array(raw_RV: np.ndarray, dtype: torch.dtype) -> np.ndarray | None:
+    """The float rows of a host stage's raw view (bf16: widened exactly); None sends compute() to
+    the torch path."""
+    if dtype == torch.bfloat16:  # bf16 is the top half of a float32: exact
+        return (raw_RV.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if dtype == torch.float16:
+        return raw_RV.astype(np.float32)
+    return raw_RV
 
 
 def _kept_numpy(logits_XV: np.ndarray, tok_X: np.ndarray, want_logprobs: bool, want_support: bool,
@@ -242,13 +292,15 @@ def _kept_numpy(logits_XV: np.ndarray, tok_X: np.ndarray, want_logprobs: bool, w
         # the scorer (scoring/force.py) evaluates the same expression in torch: they agree to ~1 ulp
         m_X = logits_XV.max(axis=1)
         m_X = np.where(np.isfinite(m_X), m_X, 0).astype(logits_XV.dtype)
+        shifted_XV = np.subtract(logits_XV, m_X[:, None])
         with np.errstate(divide="ignore"):
-            lse_X = np.log(np.exp(logits_XV - m_X[:, None]).sum(axis=1)) + m_X
+            lse_X = np.log(np.exp(shifted_XV, out=shifted_XV).sum(axis=1)) + m_X
         lp_X = (logits_XV[ar_X, tok_X] - lse_X).astype(np.float32)
     cols_M = None
-    if want_support:
+    if want_support:  # rows in order, ids sorted; a boolean gather of the column ids: 3x np.nonzero's speed
         ok_X = sizes_X <= max_support
-        cols_M = np.nonzero(kept_XV if ok_X.all() else kept_XV[ok_X])[1].astype(np.int32)  # rows in order, ids sorted
+        kept_MV = kept_XV if ok_X.all() else kept_XV[ok_X]
+        cols_M = np.broadcast_to(np.arange(kept_MV.shape[1], dtype=np.int32), kept_MV.shape)[kept_MV]
     return sizes_X, out_X, lp_X, cols_M
 
 

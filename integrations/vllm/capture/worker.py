@@ -13,9 +13,10 @@ Per engine step (see patch.py for the wrappers) only cheap snapshots happen:
   after_sample  the step's sampled tokens are committed to the support stage (sampler_hook.py).
 
 `flush()` then maps every pending step's rows to records with a handful of array ops: slot-cache
-writes and prefix reads in step order (block_cache.py), routes grouped by record, sampler rows
-grouped by record (rows the runner discards, a chunked prefill not yet at the end of its prompt,
-are skipped). Records receive pieces and assemble them when taken (records.py). A flush runs when a
+writes and prefix reads in step order (block_cache.py), then the window's routes and sampler rows
+go to the row log whole, each row tagged with its record (rows the runner discards, a chunked
+prefill not yet at the end of its prompt, are tagged with none). Taken records are laid out from
+the log together (row_log.py), so no flush or take does array work per record. A flush runs when a
 buffer is about to fill, and before every take/discard/stats, so the client never sees a partial
 record. Why: per step, each small tensor or Python operation inside a busy engine costs ~10-70 us;
 batching many steps into one pass is what keeps capture near free (benchmarks/capture.py).
@@ -46,6 +47,7 @@ from ..wire import CaptureRecord, InstallReply
 from .block_cache import SlotRouteCache, route_kv_group
 from .records import RecordBook, RequestRecord
 from .route_hook import RouteCapture
+from .row_log import RowLog
 from .sampler_hook import SupportStage
 
 
@@ -118,7 +120,8 @@ class WorkerCapture:
         self.runner, self.config = runner, config
         _check_runner(runner)
         self.geometry = geometry_from_runner(runner)
-        self.book = RecordBook(config.max_unclaimed)
+        self.book = RecordBook(config.max_unclaimed, RowLog(self.geometry.num_moe_layers, self.geometry.top_k,
+                                                            self.geometry.route_dtype))
         self.routes: RouteCapture | None = (
             RouteCapture(runner, self.geometry, config.flush_bytes) if config.routes else None)
         self.slot_cache: SlotRouteCache | None = None
@@ -272,6 +275,10 @@ class WorkerCapture:
         self.flushes += 1
         win = _Window.of(steps)
         records = _records_of(steps)
+        gone = [uid for uid, rec in records.items() if not self.book.holds(rec)]
+        if gone:  # evicted since its step ran: its rows are tagged with no record
+            win.uid_T = np.where(np.isin(win.uid_T, gone), -1, win.uid_T)
+            win.uid_B = np.where(np.isin(win.uid_B, gone), -1, win.uid_B)
         t1 = clock()
         times.add("flush.window", t1 - t0)
         if self.routes is not None:
@@ -295,12 +302,11 @@ class WorkerCapture:
                 times.add("flush.slot_cache", t1 - t0)
             # routed steps hold consecutive route rows 0, 1, ... in step order (route_hook.RouteCapture)
             routed_T = routed_S[win.step_T]
-            for rec, sel in _group(win.uid_T[routed_T], records):
-                rec.write_routes_at(win.pos_T[routed_T][sel], chunk_TLK[sel])
+            self.book.log.add_routes(win.uid_T[routed_T], win.pos_T[routed_T], chunk_TLK)
             times.add("flush.route_records", clock() - t1)
         sampled_S = np.array([st.sample_row is not None for st in steps])
         if sampled_S.any():
-            self._distribute_samples(steps, win, sampled_S, records)
+            self._distribute_samples(steps, win, sampled_S)
 
     def _report_unwritten(self, steps: list[_Step], unwritten_TL: np.ndarray) -> None:
         """Name, per routed step, the layers that left some of its rows unwritten."""
@@ -315,8 +321,7 @@ class WorkerCapture:
                 bad = [(ids[j], n - int(counts[j])) for j in np.flatnonzero(counts)]
                 st.problem = f"layers (id, rows) {bad} routed fewer than the {n} scheduled tokens"
 
-    def _distribute_samples(self, steps: list[_Step], win: "_Window", sampled_S: np.ndarray,
-                            records: dict[int, RequestRecord]) -> None:
+    def _distribute_samples(self, steps: list[_Step], win: "_Window", sampled_S: np.ndarray) -> None:
         """Sampler rows of the sampled steps occupy stage rows 0, 1, ... in step order (one commit per
         step, sampler_hook.SupportStage), so row x of the window's sampled rows is stage row x."""
         first_S = np.array([st.sample_row for st in steps if st.sample_row is not None])
@@ -331,8 +336,7 @@ class WorkerCapture:
         if staged.outside_R is not None:
             self.support_misses += int(staged.outside_R.sum())
         t1 = time.perf_counter()
-        for rec, sel in _group(uid_X, records):
-            rec.write_samples(g_X[sel], sel, staged)
+        self.book.log.add_samples(uid_X, g_X, staged)
         self.times.add("flush.sample_records", time.perf_counter() - t1)
 
     def _flush_between_steps(self) -> None:
@@ -354,6 +358,8 @@ class WorkerCapture:
                 self._write_slots(seg, chunk_TLK, written_T)
                 seg = []
                 for rec, block_ids, start, stop in st.reads:
+                    if not self.book.holds(rec):
+                        continue
                     rows, valid = self.slot_cache.read(block_ids, start, stop)
                     if not valid.all():
                         bad = int(np.flatnonzero(~valid)[0]) + start
@@ -361,7 +367,8 @@ class WorkerCapture:
                             f"prefix-cache hit: routes of cached position {bad} were computed while capture was "
                             "off; reset the prefix cache (llm.reset_prefix_cache()) after installing capture"
                         )
-                    rec.write_routes(start, rows, valid)
+                    self.book.log.add_routes(np.full(len(rows), rec.uid, dtype=np.int64), np.arange(start, stop),
+                                             rows, valid)
         self._write_slots(seg, chunk_TLK, written_T)
 
     def _write_slots(self, seg: list[_Step], chunk_TLK: np.ndarray, written_T: np.ndarray | None) -> None:
@@ -378,7 +385,7 @@ class WorkerCapture:
         self.flush()
         self._batch = None  # a taken live request gets no record on its next step
         t1 = time.perf_counter()
-        out = [self.book.take(k) for k in keys]
+        out = self.book.take(keys)
         t2 = time.perf_counter()
         self.times.add("take.assemble", t2 - t1)
         self.take_s += t2 - t0
@@ -400,6 +407,7 @@ class WorkerCapture:
             "flushes": self.flushes,
             "preemptions": self.preemptions,
             "support_misses": self.support_misses,
+            "log_rows": self.book.log.rows,
             "hook_s": self.hook_s,
             "route_copy_s": self.routes.copy_s if self.routes is not None else 0.0,
             "route_mode": self.routes.mode if self.routes is not None else None,
@@ -434,17 +442,6 @@ def _records_of(steps: list[_Step]) -> dict[int, RequestRecord]:
     for batch in {id(st.batch): st.batch for st in steps}.values():
         out.update((rec.uid, rec) for rec in batch.records if rec is not None)
     return out
-
-
-def _group(uid_X: np.ndarray, records: dict[int, RequestRecord]):
-    """(record, indices of its entries in arrival order) for every uid >= 0 in uid_X."""
-    live = np.flatnonzero(uid_X >= 0)
-    if not len(live):
-        return
-    order = live[np.argsort(uid_X[live], kind="stable")]
-    cuts = np.flatnonzero(np.diff(uid_X[order])) + 1
-    for sel in np.split(order, cuts):
-        yield records[int(uid_X[sel[0]])], sel
 
 
 def _check_runner(runner: Any) -> None:
