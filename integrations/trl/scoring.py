@@ -81,12 +81,14 @@ class _RoutesRan:
 
     def __init__(self, sites: dict) -> None:
         self.ids: dict[int, torch.Tensor] = {}
-        self._handles = [s.module.register_forward_hook(self._hook(lid)) for lid, s in sites.items()]
+        # through the adapter: a router's output is not always (logits, weights, ids) (DBRX routes in its parent block)
+        self._handles = [s.adapter.register_hook(s.module, self._hook(lid, s.adapter.unpack)) for lid, s in sites.items()]
 
-    def _hook(self, lid: int):
+    def _hook(self, lid: int, unpack):
         def hook(module, args, output):
             if not in_backward():
-                self.ids[lid] = output[2].detach().reshape(-1, output[2].shape[-1]).clone()
+                ids = unpack(output)[2]
+                self.ids[lid] = ids.detach().reshape(-1, ids.shape[-1]).clone()
 
         return hook
 
