@@ -82,6 +82,7 @@ CHECKPOINT_KEYS: dict[str, dict[str, Any]] = {
     "glm4_moe": dict(head_dim=32),  # HF derives it: hidden 128 / 4 heads
     "glm4_moe_lite": dict(first_k_dense_replace=0),  # HF's mlp_layer_types: every layer sparse
     "axk1": dict(first_k_dense_replace=0),  # likewise
+    "hy_v3": dict(first_k_dense_replace=0),  # likewise
 }
 """config.json keys the family's published checkpoints carry and vLLM's port reads, where transformers' config class
 does not define them (a checkpoint HF saves lacks them: vLLM stops with an AttributeError, or silently routes by its
