@@ -201,7 +201,10 @@ def tiny_config(family: str, config_cls: type) -> Any:
 
 
 def _spread_routers(model: nn.Module) -> None:
-    """Router matrices N(0, 0.5) and selection biases N(0, 0.3): no ties, and the bias changes choices."""
+    """Router matrices N(0, 0.5) and selection biases N(0, 0.3): no ties, and the bias changes choices. A router
+    that is a stack of matrices (ZAYA1's MLP router: four) gets N(0, 1.5 / sqrt(fan_in)) in each instead: four
+    N(0, 0.5) layers give logits of spread ~180, a saturated softmax whose bf16 backward leaves the router no
+    gradient even in HF's own forward."""
     from .infer import looks_like_router
     from .routers import adapter_for
 
@@ -210,9 +213,11 @@ def _spread_routers(model: nn.Module) -> None:
         for module in model.modules():
             if adapter_for(module) is None and not looks_like_router(module):
                 continue
-            for name, p in list(module.named_parameters()) + list(module.named_buffers()):
+            tensors = list(module.named_parameters()) + list(module.named_buffers())
+            stacked = sum(p.is_floating_point() and p.dim() == 2 for _, p in tensors) > 1
+            for name, p in tensors:
                 if p.is_floating_point() and p.dim() == 2:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+                    p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / p.shape[1] ** 0.5 if stacked else 0.5))
                 elif p.is_floating_point() and "bias" in name:
                     p.copy_(torch.randn(p.shape, generator=gen).view_as(p) * 0.3)
 
