@@ -214,7 +214,7 @@ def _spread_routers(model: nn.Module) -> None:
             if adapter_for(module) is None and not looks_like_router(module):
                 continue
             tensors = list(module.named_parameters()) + list(module.named_buffers())
-            stacked = sum(p.is_floating_point() and p.dim() == 2 for _, p in tensors) > 1
+            stacked = sum(p.is_floating_point() and p.dim() == 2 and min(p.shape) > 1 for _, p in tensors) > 1  # not a [1, E] bias
             for name, p in tensors:
                 if p.is_floating_point() and p.dim() == 2:
                     p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / p.shape[1] ** 0.5 if stacked else 0.5))
