@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def table(results: list) -> list:
         """Every candidate's row: this run's where it ran, the table's (or not_run) elsewhere."""
-        fresh = {r.family: r for r in results}
+        fresh = {r.family: r for r in results if r.status != "not_run"}  # a row this run did not reach keeps the table's
         return [fresh.get(f) or previous.get(f) or cov.EngineResult(f, "not_run", architecture=served[f]) for f in served]
 
     def on_result(r) -> None:
