@@ -83,6 +83,16 @@ def test_wrong_routes_in_the_store_are_caught(qwen3_run):
     assert np.isclose(wrong["free_vs_engine_max_abs_logprob"], right["free_vs_engine_max_abs_logprob"])
 
 
+@pytest.mark.slow
+def test_a_refusal_naming_a_setting_is_measured_again_with_it(tmp_path, families):
+    """The tiny Mixtral slides a window on every layer (hf coverage's sliding_window 8), so capture refuses prefix-cache
+    routes by name at attach and names the setting; the row says so and measures the family with that setting."""
+    r = cov.run_family("mixtral", tmp_path / "mixtral", families=families)
+    assert r.status == "works", r.reason
+    assert r.reason.startswith("refused by name under the default CaptureConfig (CaptureHookError: ")
+    assert cov.NO_PREFIX_ROUTES in r.reason and r.flips == 0 and r.positions > 0
+
+
 def test_a_family_past_its_time_limit_is_killed_and_named(tmp_path, families):
     """The child gets the time limit, not the run: it is killed with its session and reported with its phase."""
     t0 = time.perf_counter()

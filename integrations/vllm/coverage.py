@@ -239,17 +239,27 @@ def _shutdown(llm: Any) -> None:
     gc.collect()
 
 
-def capture_traces(model_dir: str | os.PathLike, compiled: bool = True) -> tuple[list[Any], float]:
-    """(traces of PROMPTS under SAMPLING, engine start seconds) from a capture-enabled vLLM engine on `model_dir`."""
+NO_PREFIX_ROUTES = "prefix_cache_routes=False"
+"""In a capture refusal: the setting it names for a model whose every KV-cache group is a sliding window (then the
+engine's blocks keep no routes for prefix-cache hits); check_family measures such a family again with it."""
+
+
+def capture_traces(model_dir: str | os.PathLike, compiled: bool = True,
+                   prefix_cache_routes: bool = True) -> tuple[list[Any], float]:
+    """(traces of PROMPTS under SAMPLING, engine start seconds) from a capture-enabled vLLM engine on `model_dir`;
+    `prefix_cache_routes=False` also turns the engine's prefix caching off (the two go together)."""
     from vllm import LLM
 
     from . import CaptureConfig, VllmCapture, capture_engine_kwargs
 
+    kwargs = engine_kwargs(model_dir, compiled)
+    if not prefix_cache_routes:
+        kwargs["enable_prefix_caching"] = False
     t0 = time.perf_counter()
-    llm = LLM(**capture_engine_kwargs(**engine_kwargs(model_dir, compiled)))
+    llm = LLM(**capture_engine_kwargs(**kwargs))
     started = time.perf_counter() - t0
     try:
-        with VllmCapture(llm, CaptureConfig()) as cap:
+        with VllmCapture(llm, CaptureConfig(prefix_cache_routes=prefix_cache_routes)) as cap:
             _, traces = cap.generate(list(PROMPTS), sampling_params())
     finally:
         _shutdown(llm)
@@ -366,6 +376,12 @@ def check_family(family: str, work_dir: str | os.PathLike, *, compiled: bool = T
         result.seconds = round(result.seconds + time.perf_counter() - t0, 1)
 
 
+def _stop(result: EngineResult, status: str, why: str, note: str = "") -> None:
+    """The status where a family stopped; its reason after what the result already says (a retry's note)."""
+    result.status = status
+    result.reason = "; ".join(x for x in (result.reason, note, why) if x)
+
+
 def _engine_part(result: EngineResult, work: Path, families: dict[str, tuple[str, str]],
                  phase: Callable[[str], None]) -> bool:
     """Build, capture, store; False where it stopped (result says why), True with phase "stored"."""
@@ -377,20 +393,32 @@ def _engine_part(result: EngineResult, work: Path, families: dict[str, tuple[str
     try:
         result.architecture = build_checkpoint(family, model_dir, families)
     except Exception as e:
-        result.reason = f"tiny checkpoint does not build: {_why(e)}"
+        _stop(result, "build_fails", f"tiny checkpoint does not build: {_why(e)}")
         return False
     phase("engine")
+    note = ""
     try:
-        traces, result.engine_start_s = capture_traces(model_dir, result.compiled)
+        try:
+            traces, result.engine_start_s = capture_traces(model_dir, result.compiled)
+        except MoeReplayError as e:
+            if NO_PREFIX_ROUTES not in str(e):
+                raise
+            note = (f"refused by name under the default CaptureConfig ({_why(e)}); measured with CaptureConfig("
+                    f"{NO_PREFIX_ROUTES}) and enable_prefix_caching=False, as the refusal says")
+            phase("engine, no prefix-cache routes")
+            traces, result.engine_start_s = capture_traces(model_dir, result.compiled, prefix_cache_routes=False)
     except MoeReplayError as e:
-        result.status, result.reason = "refused", _why(e)
+        _stop(result, "refused", _why(e), note)
         return False
     except Exception as e:
         phase("engine without capture")
         plain = plain_engine_error(model_dir, result.compiled)
-        result.status, result.reason = ("engine_fails", plain + _config_hint(plain)) if plain else (
-            "capture_fails", f"{_why(e)} (the engine runs without capture)")
+        if plain:
+            _stop(result, "engine_fails", plain + _config_hint(plain), note)
+        else:
+            _stop(result, "capture_fails", f"{_why(e)} (the engine runs without capture)", note)
         return False
+    result.reason = note
     result.traces = len(traces)
     g = traces[0].geometry
     result.geometry = dict(layers=g.num_layers, moe_layer_ids=list(g.moe_layer_ids), experts=g.num_experts,
@@ -400,7 +428,7 @@ def _engine_part(result: EngineResult, work: Path, families: dict[str, tuple[str
         with DirectoryStore(work / "store") as store:
             store.put_many(traces)
     except MoeReplayError as e:
-        result.status, result.reason = "refused", _why(e)
+        _stop(result, "refused", _why(e))
         return False
     phase("stored")
     return True
@@ -423,41 +451,41 @@ def _hf_part(result: EngineResult, work: Path, families: dict[str, tuple[str, st
         with DirectoryStore(work / "store", readonly=True) as store:
             stored = store.get_many(store.keys())
     except MoeReplayError as e:
-        result.status, result.reason = "refused", _why(e)
+        _stop(result, "refused", _why(e))
         return
     phase("hf_load")
-    result.status = "build_fails"
     try:
         config = AutoConfig.from_pretrained(str(model_dir))
         model = _model_class(type(config), families[result.family][1]).from_pretrained(str(model_dir), dtype=torch.float32)
         model.eval()
     except Exception as e:
-        result.reason = f"HF cannot load the checkpoint it saved: {_why(e)}"
+        _stop(result, "build_fails", f"HF cannot load the checkpoint it saved: {_why(e)}")
         return
     phase("hf_forward")
     try:
         with torch.no_grad():
             model(input_ids=torch.as_tensor(stored[0].token_ids_S, dtype=torch.long)[None])
     except Exception as e:
-        result.reason = f"HF's own forward of the checkpoint fails (no replay attached): {_why(e)}"
+        _stop(result, "build_fails", f"HF's own forward of the checkpoint fails (no replay attached): {_why(e)}")
         return
     phase("replay")
     try:
         measured = replay_measure(model, stored)
     except UnsupportedRouterError as e:
-        result.status, result.reason = "hf_refused", _why(e)
+        _stop(result, "hf_refused", _why(e))
         return
     except MoeReplayError as e:
-        result.status, result.reason = "refused", _why(e)
+        _stop(result, "refused", _why(e))
         return
     except Exception as e:
         tb = "".join(traceback.format_tb(e.__traceback__)[-1:]).strip().replace("\n", " ")
-        result.status, result.reason = "capture_fails", f"replay of the engine's traces failed: {_why(e)} at {tb}"
+        _stop(result, "capture_fails", f"replay of the engine's traces failed: {_why(e)} at {tb}")
         return
     for k, v in measured.items():
         setattr(result, k, v)
     result.engine_drift = result.hf_vs_engine_max_abs_logprob > DRIFT_FLOOR
-    result.status, result.reason = "works", _attribution(result)
+    result.status = "works"
+    result.reason = "; ".join(x for x in (result.reason, _attribution(result)) if x)
     phase("done")
 
 
