@@ -83,6 +83,7 @@ CHECKPOINT_KEYS: dict[str, dict[str, Any]] = {
     "glm4_moe_lite": dict(first_k_dense_replace=0),  # HF's mlp_layer_types: every layer sparse
     "axk1": dict(first_k_dense_replace=0),  # likewise
     "hy_v3": dict(first_k_dense_replace=0),  # likewise
+    "minimax_m2": dict(rotary_dim=32),  # released checkpoints' legacy field; HF reads it as partial_rotary_factor 32/32
 }
 """config.json keys the family's published checkpoints carry and vLLM's port reads, where transformers' config class
 does not define them (a checkpoint HF saves lacks them: vLLM stops with an AttributeError, or silently routes by its
