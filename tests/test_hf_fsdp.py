@@ -17,7 +17,7 @@ import torch
 
 from moe_replay.integrations.hf import coverage
 
-from .test_hf_coverage import PRECISION_SENSITIVE, TABLE, mode_dependent
+from .test_hf_coverage import PRECISION_SENSITIVE, mode_dependent, table_row
 
 pytestmark = [pytest.mark.hf, pytest.mark.slow]  # each spawns 2 ranks: 1-5 min on 2 shared cores
 
@@ -27,23 +27,17 @@ QUICK = ("glm4_moe_lite", "mellum", "solar_open", "deepseek_v3")
 rule: the first fsdp2 rows re-run."""
 
 
-def _claimed(families, mode):
-    claimed = coverage.claimed(TABLE, mode)
-    missing = sorted(set(families) - set(claimed))
-    assert not missing, f"{missing} not marked replayed in {mode} in docs/hf_coverage.md"
-    return {f: claimed[f] for f in families}
-
-
 def _check(families):
-    """Every family replayed in every FSDP2 mode, with the rule the table names for it there."""
-    table = {m: _claimed(families, m) for m in FSDP_MODES}
-    results = coverage.run_fsdp2(table[FSDP_MODES[0]], FSDP_MODES)
-    failed = {(m, r.family): r.reason for m, rs in results.items() for r in rs if r.status != "replayed"}
-    assert not failed, failed
-    rules = {(m, r.family): r.rule for m, rs in results.items() for r in rs}
-    written = {(m, line.split("|")[1].strip()): line.split("|")[6].strip() for line in open(TABLE)
-               for m in FSDP_MODES if line.count("|") == 9 and line.split("|")[3].strip() == m}
-    assert all(rules[k] == written[k] for k in rules), {k: (rules[k], written[k]) for k in rules if rules[k] != written[k]}
+    """Every family in every FSDP2 mode gets the status the table gives it there (replayed, or HF's own forward
+    failing in that mode), and a replayed one the rule the table names for it there."""
+    rows = {(m, f): table_row(f, m) for m in FSDP_MODES for f in families}
+    results = coverage.run_fsdp2({f: rows[(FSDP_MODES[0], f)].config for f in families}, FSDP_MODES)
+    got = {(m, r.family): r for m, rs in results.items() for r in rs}
+    assert set(got) == set(rows), sorted(set(rows) ^ set(got))
+    differ = {k: (r.status, r.reason, rows[k].status) for k, r in got.items() if r.status != rows[k].status}
+    assert not differ, differ
+    rules = {k: (r.rule, rows[k].rule) for k, r in got.items() if r.status == "replayed" and r.rule != rows[k].rule}
+    assert not rules, rules
 
 
 def test_inferred_and_registered_rules_replay_on_fsdp2_world_size_2():
