@@ -318,12 +318,14 @@ def test_stitch_keeps_the_typed_fields_and_refuses_mixed_weights():
         stitch(first, dataclasses.replace(tail, sampling=Sampling(temperature=1.0, top_p=0.9)))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_host_stage_in_numpy_equals_the_device_path(monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,id_dtype", [(torch.float32, torch.int32), (torch.bfloat16, torch.int64)])
+def test_host_stage_in_numpy_equals_the_device_path(monkeypatch, dtype, id_dtype):
     """compute() on a host stage runs in numpy (sampler_hook._kept_numpy), on a device stage in
     torch (_kept_torch): over random truncated rows of several steps (a mixed greedy step, rows
     above max_support, a token outside its row) the two give the same tokens, sizes, ids and
-    outside flags, and logprobs within 1e-6 of torch's x[token] - logsumexp(x) in fp32."""
+    outside flags, and logprobs within 1e-6 of torch's x[token] - logsumexp(x) in fp32. A host
+    step memmoves its logit rows and sampled ids (int32 as vLLM 0.32 returns them, or int64) into
+    the stage: the stage equals what torch copies and deferred ids give, bit for bit."""
     from moe_replay.integrations.vllm.capture import sampler_hook
 
     gen = torch.Generator().manual_seed(0)
@@ -342,10 +344,16 @@ def test_host_stage_in_numpy_equals_the_device_path(monkeypatch, dtype):
         for i, (logits, tokens) in enumerate(steps):
             stage.truncate_and_observe(lambda x, g, k, p: (None, None), logits.clone(), {}, None, None)
             meta = _meta(torch.tensor([1.0, 0.0, 1.0]), all_random=False) if i == 1 else _meta()
-            stage.commit(torch.tensor(tokens).view(-1, 1), meta)
+            stage.commit(torch.tensor(tokens, dtype=id_dtype).view(-1, 1), meta)
         return stage.compute()
 
     host = run()
+    with monkeypatch.context() as m:
+        m.setattr(sampler_hook, "copy_host_rows", lambda *a: False)  # torch copy_ and ids read at compute()
+        copied = run()
+    for name in ("tokens_R", "sizes_R", "offsets_R1", "ids_N", "outside_R", "logprobs_R"):
+        assert np.array_equal(getattr(host, name), getattr(copied, name), equal_nan=True), name
+    assert host.tokens_R.dtype == np.int64
     monkeypatch.setattr(sampler_hook, "_host_array", lambda *a: None)
     dev = run()
     for name in ("tokens_R", "sizes_R", "offsets_R1", "ids_N", "outside_R"):

@@ -52,6 +52,9 @@ from ..timings import PartTimes
 from .row_log import ranks_within
 
 _SAMPLING_EPS = 1e-5  # vllm.v1.sample.sampler._SAMPLING_EPS: below it a row is greedy
+_ID_DTYPES = {torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64)}
+"""Sampled-id dtypes a host stage keeps as they come (memmove), widened to int64 at compute()."""
+_TORCH_IDS = {v: k for k, v in _ID_DTYPES.items()}
 
 
 @functools.cache
@@ -109,9 +112,10 @@ class SupportStage:
         """Host address of logits_RV's first row (a host stage: steps memmove their rows in)."""
         self._raw_np: np.ndarray | None = None
         """A numpy view of a host stage, made once (bf16: its int16 bits; widened at compute())."""
-        self._tokens_R = np.zeros(min_rows, dtype=np.int64)
-        """Sampled ids of the committed rows, memmoved in by each step (host samplers)."""
-        self._tokens_ptr = self._tokens_R.ctypes.data
+        self._tokens_R: np.ndarray | None = None
+        """Sampled ids of the committed rows, memmoved in by each step (host samplers), in the
+        sampler's id dtype (vLLM 0.32 returns int32); allocated at the first commit."""
+        self._tokens_ptr = 0
         self._deferred: list[tuple[int, torch.Tensor]] = []
         """(first row, sampled ids [B, 1]) of steps whose ids are not on the host: read at compute()."""
         self._commits: list[tuple[int, bool, float | np.ndarray]] = []
@@ -134,8 +138,8 @@ class SupportStage:
         self._grow_tokens(self.capacity)
 
     def _grow_tokens(self, rows: int) -> None:
-        if rows > len(self._tokens_R):
-            self._tokens_R = np.concatenate([self._tokens_R, np.zeros(rows - len(self._tokens_R), np.int64)])
+        if self._tokens_R is not None and rows > len(self._tokens_R):
+            self._tokens_R = np.concatenate([self._tokens_R, np.zeros(rows - len(self._tokens_R), self._tokens_R.dtype)])
             self._tokens_ptr = self._tokens_R.ctypes.data
 
     def room_for(self, rows: int) -> bool:
@@ -174,8 +178,12 @@ class SupportStage:
         """
         B = sampled_B1.shape[0]
         r0 = self.rows
+        if self._tokens_R is None and sampled_B1.is_cpu and sampled_B1.dtype in _ID_DTYPES:
+            self._tokens_R = np.zeros(max(self.capacity, r0 + B), dtype=_ID_DTYPES[sampled_B1.dtype])
+            self._tokens_ptr = self._tokens_R.ctypes.data
         self._grow_tokens(r0 + B)
-        if sampled_B1.numel() != B or not copy_host_rows(self._tokens_ptr + 8 * r0, sampled_B1, torch.int64):
+        if (self._tokens_R is None or sampled_B1.numel() != B or not copy_host_rows(
+                self._tokens_ptr + self._tokens_R.itemsize * r0, sampled_B1, _TORCH_IDS[self._tokens_R.dtype])):
             self._deferred.append((r0, sampled_B1))  # the sampler's fresh output; read at compute()
         staged, self._pending = self._pending is not None, None
         if not staged:  # all greedy: top-k/top-p never ran
@@ -198,7 +206,7 @@ class SupportStage:
         R = self.rows
         deferred, self._deferred = self._deferred, []
         commits, self._commits = self._commits, []
-        tokens_R = self._tokens_R[:R].copy()
+        tokens_R = np.zeros(R, np.int64) if self._tokens_R is None else self._tokens_R[:R].astype(np.int64)
         if deferred:
             tokens_R[np.concatenate([np.arange(r0, r0 + t.shape[0]) for r0, t in deferred])] = _tokens(
                 [t for _, t in deferred])
