@@ -82,7 +82,8 @@ CHECKPOINT_KEYS: dict[str, dict[str, Any]] = {
     "glm4_moe": dict(head_dim=32),  # HF derives it: hidden 128 / 4 heads
     "glm4_moe_lite": dict(first_k_dense_replace=0),  # HF's mlp_layer_types: every layer sparse
     "axk1": dict(first_k_dense_replace=0),  # likewise
-    "hy_v3": dict(first_k_dense_replace=0),  # likewise
+    "hy_v3": dict(first_k_dense_replace=0, expert_hidden_dim=32, route_norm=True, qk_norm=True),  # HF: every layer sparse,
+    # experts of moe_intermediate_size, weights renormalised, q/k RMS-normed
     "minimax_m2": dict(rotary_dim=32),  # released checkpoints' legacy field; HF reads it as partial_rotary_factor 32/32
 }
 """config.json keys the family's published checkpoints carry and vLLM's port reads, where transformers' config class
