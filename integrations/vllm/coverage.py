@@ -16,7 +16,9 @@ attach), so what is left between them is the engine's port (attention, rotary, n
 replay: above DRIFT_FLOOR it is reported as the engine's drift, with its size.
 
 Statuses (STATUSES): a failure is placed where it happened, and a failure of the engine with capture
-is re-tried without capture, so the engine's failures and moe_replay's are told apart by experiment.
+is re-tried without capture, so the engine's failures and moe_replay's are told apart by experiment. A
+capture refusal that names its setting is measured again with that setting, and a compiled engine that fails
+with and without capture is tried eager and measured eager where that runs; the row's reason says so.
 `run_family` runs one family in child processes with a time limit (an engine that crashes or hangs costs
 that family only); `run_all` runs families one after another. The table they make: coverage_report.py.
 
@@ -84,6 +86,7 @@ CHECKPOINT_KEYS: dict[str, dict[str, Any]] = {
     "axk1": dict(first_k_dense_replace=0),  # likewise
     "hy_v3": dict(first_k_dense_replace=0, expert_hidden_dim=32, route_norm=True, qk_norm=True),  # HF: every layer sparse,
     # experts of moe_intermediate_size, weights renormalised, q/k RMS-normed
+    "kimi_linear": dict(model_max_length=512),  # vLLM caps max_model_len by it; HF has no such limit
     "minimax_m2": dict(rotary_dim=32),  # released checkpoints' legacy field; HF reads it as partial_rotary_factor 32/32
 }
 """config.json keys the family's published checkpoints carry and vLLM's port reads, where transformers' config class
@@ -415,11 +418,25 @@ def _engine_part(result: EngineResult, work: Path, families: dict[str, tuple[str
     except Exception as e:
         phase("engine without capture")
         plain = plain_engine_error(model_dir, result.compiled)
-        if plain:
-            _stop(result, "engine_fails", plain + _config_hint(plain), note)
-        else:
+        if not plain:
             _stop(result, "capture_fails", f"{_why(e)} (the engine runs without capture)", note)
-        return False
+            return False
+        if not result.compiled or plain_engine_error(model_dir, compiled=False) is not None:
+            _stop(result, "engine_fails", plain + _config_hint(plain), note)
+            return False
+        note = "; ".join(x for x in (note, f"the compiled engine fails, with or without capture ({plain}); measured with "
+                                     "enforce_eager=True, which runs") if x)
+        result.compiled = False
+        phase("engine, eager")
+        try:
+            traces, result.engine_start_s = capture_traces(model_dir, compiled=False,
+                                                           prefix_cache_routes=NO_PREFIX_ROUTES not in note)
+        except MoeReplayError as e:
+            _stop(result, "refused", _why(e), note)
+            return False
+        except Exception as e:
+            _stop(result, "capture_fails", f"{_why(e)} (the eager engine runs without capture)", note)
+            return False
     result.reason = note
     result.traces = len(traces)
     g = traces[0].geometry
