@@ -87,7 +87,9 @@ CHECKPOINT_KEYS: dict[str, dict[str, Any]] = {
     "hy_v3": dict(first_k_dense_replace=0, expert_hidden_dim=32, route_norm=True, qk_norm=True),  # HF: every layer sparse,
     # experts of moe_intermediate_size, weights renormalised, q/k RMS-normed
     "kimi_linear": dict(model_max_length=512),  # vLLM caps max_model_len by it; HF has no such limit
-    "minimax_m2": dict(rotary_dim=32),  # released checkpoints' legacy field; HF reads it as partial_rotary_factor 32/32
+    "minimax_m2": dict(rotary_dim=32, scoring_func="sigmoid", use_routing_bias=True),  # rotary_dim: the released
+    # checkpoints' legacy field, HF reads it as partial_rotary_factor 32/32; HF's router: sigmoid + correction bias
+    # (vLLM's default: no bias, silently)
 }
 """config.json keys the family's published checkpoints carry and vLLM's port reads, where transformers' config class
 does not define them (a checkpoint HF saves lacks them: vLLM stops with an AttributeError, or silently routes by its
