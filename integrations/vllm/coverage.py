@@ -423,8 +423,10 @@ def _engine_part(result: EngineResult, work: Path, families: dict[str, tuple[str
         if not plain:
             _stop(result, "capture_fails", f"{_why(e)} (the engine runs without capture)", note)
             return False
-        if not result.compiled or plain_engine_error(model_dir, compiled=False) is not None:
-            _stop(result, "engine_fails", plain + _config_hint(plain), note)
+        eager = plain_engine_error(model_dir, compiled=False) if result.compiled else None
+        if not result.compiled or eager is not None:
+            also = f"; with enforce_eager=True: {eager}" if eager and eager != plain else ""
+            _stop(result, "engine_fails", plain + _config_hint(plain) + also, note)
             return False
         note = "; ".join(x for x in (note, f"the compiled engine fails, with or without capture ({plain}); measured with "
                                      "enforce_eager=True, which runs") if x)
