@@ -71,8 +71,9 @@ rotary part only (shared notes vllm-cpu.md); qk_head_dim = nope + rope."""
 ENGINE_FAMILY_TINY: dict[str, dict[str, Any]] = {
     "dbrx": dict(d_model=128, ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2, hidden_size=128)),
     "gemma4_text": dict(global_head_dim=32, vocab_size_per_layer_input=512),
+    "llama4_text": dict(num_experts_per_tok=1),  # Llama 4 routes top-1; vLLM's port implements nothing else
 }
-"""Per family, on top of ENGINE_TINY, where its width lives under another key."""
+"""Per family, on top of ENGINE_TINY: where its width lives under another key, or its routing is fixed."""
 CHECKPOINT_KEYS: dict[str, dict[str, Any]] = {
     # DeepSeek-V3's config.json: noaux_tc, sigmoid; without them vLLM builds no correction bias and fails to load it.
     # DeepSeek-V2 groups experts (n_group, topk_group) only under group_limited_greedy in HF, always in vLLM: with
