@@ -14,7 +14,8 @@ families ({family: {status, reason, phase, flips, positions, hf_vs_engine_max_ab
 engine's routes vs the engine), hf_vs_engine_mean_abs_logprob, free_vs_engine_max_abs_logprob (HF routing
 freely), engine_drift (above drift_floor: the engine's port, not replay), rule, geometry, engine_start_s,
 seconds}}), engine_drift and with_flips (family lists), not_served ({family: HF architecture}), wall_seconds.
-Target: no family `capture_fails` (moe_replay failing not by name) and none replays with flips at fp32.
+Target: no family `capture_fails` (moe_replay failing not by name), and flips only where the engine's port
+disagrees with HF (its routing rule, or drift under the same experts).
 Statuses and the logic: integrations/vllm/coverage.py; the table: coverage_report.py.
 """
 
