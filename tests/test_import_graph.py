@@ -25,7 +25,6 @@ are left out: they never execute.
 from __future__ import annotations
 
 import ast
-import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,13 +251,10 @@ def describe(comps: list[list[str]], edges: list[Edge]) -> str:
 
 
 def test_no_import_cycles():
-    t0 = time.perf_counter()
     modules = source_modules()
     edges = import_edges(modules)
     comps = strongly_connected(sorted(modules), edges)
-    elapsed = time.perf_counter() - t0
     assert not comps, "import cycles (break them by giving the shared part one home below both):\n" + describe(comps, edges)
-    assert elapsed < 2.0, f"the graph took {elapsed:.2f} s to build"
 
 
 def test_cycle_finder_reports_a_two_module_cycle(tmp_path):
