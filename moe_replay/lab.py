@@ -144,8 +144,8 @@ def run_arm(model_dir: str, preset, traces: Sequence[RolloutTrace], adv_R: np.nd
     `reference=True` ignores π_old and corrections: the on-policy gradient Σ A ∇ log π_trainer."""
     from transformers import AutoModelForCausalLM
 
-    from .demo.trainer import ExpertsUsed
     from .enablement import enable
+    from .experts_used import ExpertsUsed
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..corrections import aggregate_loss
+from ..experts_used import ExpertsUsed
 from ..metrics import LOG_CLAMP, k3_terms, mismatch_metrics
 from ..presets import Preset
 from ..trace import RolloutTrace
@@ -25,29 +26,6 @@ HIST_EDGES = [0.0] + [float(x) for x in np.logspace(-8, 1, 28)]
 class StepResult:
     loss: float
     metrics: dict[str, Any]
-
-
-class ExpertsUsed:
-    """Records the expert ids each MoE layer's experts module actually receives (after replay).
-
-    Why not the router's output: that is what replay rewrites; the experts' input is the ground
-    truth of which experts ran.
-    """
-
-    def __init__(self, model: torch.nn.Module, layer_ids: Sequence[int]) -> None:
-        self.ids: dict[int, torch.Tensor] = {}
-        self._handles = []
-        for lid in layer_ids:
-            experts = model.model.layers[lid].mlp.experts
-
-            def pre_hook(module, args, lid=lid):
-                self.ids[lid] = args[1].detach().reshape(-1, args[1].shape[-1]).clone()
-
-            self._handles.append(experts.register_forward_pre_hook(pre_hook))
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
 
 
 class Policy:
