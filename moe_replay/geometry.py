@@ -29,14 +29,19 @@ def token_dtype(vocab_size: int) -> np.dtype:
 class ModelGeometry:
     """Shape of the MoE model a trace was recorded on.
 
-    Layer ids are global decoder-layer indices (invariant 2): a model whose first layers are dense
+    Layer ids are global route-layer indices (invariant 2): a model whose first layers are dense
     has `moe_layer_ids` starting above 0, and routes column L=j belongs to layer moe_layer_ids[j].
+    A route layer is a decoder layer where each decoder layer routes its tokens once (every engine-served
+    family); a family that routes R > 1 times in each decoder layer (JetMoE: attention heads and MLP
+    experts, R = 2) has R route layers per decoder layer, decoder_layer * R + slot
+    (integrations/hf/routers.py route_layer; docs/trace.md).
     """
 
     num_layers: int
-    """Decoder layers in the model, dense and MoE."""
+    """Route layers of the model, dense and MoE: its decoder layers times the routers each MoE layer holds (R,
+    1 for most families)."""
     moe_layer_ids: tuple[int, ...]
-    """Global indices of the MoE layers, strictly increasing."""
+    """Global indices of the MoE route layers, strictly increasing."""
     num_experts: int
     """Routed experts per MoE layer (shared experts are not routed and not counted)."""
     top_k: int
@@ -102,7 +107,10 @@ class ModelGeometry:
         for name in ("num_layers", "moe_layer_ids", "num_experts", "top_k", "vocab_size"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
-                raise GeometryMismatchError(where.with_(field=f"geometry.{name}"), mine, theirs, what)
+                detail = what if name != "num_layers" else (f"{what}: " if what else "") + (
+                    "num_layers counts route layers, decoder layers times the routers each holds: a model routing R "
+                    "times per decoder layer (JetMoE, R = 2) takes traces of R route layers per decoder layer")
+                raise GeometryMismatchError(where.with_(field=f"geometry.{name}"), mine, theirs, detail)
         if self.family and other.family and self.family != other.family:
             raise GeometryMismatchError(
                 where.with_(field="geometry.family"), repr(self.family), repr(other.family),

@@ -3,14 +3,17 @@
 Llama 4 (a dense score matrix), DBRX (routing in its parent block's method, patched on the instance and undone)
 and ZAYA1 (a skip class, its router state passed through) replay: HF's own routes give HF's output bit for bit,
 other routes reach the experts in the router's own convention and change the output, and the router trains
-(coverage.check_family). JetMoE's expert-sorted slots are checked on its real MoE block, and the family is refused
-by name (two routers per layer); Inkling v1 is refused by name (weights from shared logits it does not return).
+(coverage.check_family). JetMoE routes every token twice per decoder layer (its attention's mixture of heads and its
+MLP, each a router with expert-sorted slots): two route layers per decoder layer, both replayed and both really forced;
+its slots are checked on its real MoE block. Inkling v1 is refused by name (weights from shared logits it does not
+return).
 
 Legend: T tokens, E experts (router classes), K top-k, N flattened positions, H hidden size.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -18,7 +21,7 @@ import torch
 
 from moe_replay.integrations.hf import capture_routes, coverage, find_routers, model_geometry, replay
 from moe_replay.integrations.hf.outputs import differs, layout_for
-from moe_replay.integrations.hf.replay import output_tensor, self_replay_gap
+from moe_replay.integrations.hf.replay import output_tensor, self_replay_gap, with_own_routes
 from moe_replay.replay import UnsupportedRouterError, build_plan
 from moe_replay.replay.gates import GATE_RULES, GateSpec, gate_weights, select_experts
 
@@ -48,6 +51,9 @@ def one_thread():
     ("dbrx", "bf16", "route_tokens_to_experts"),
     ("zaya", "fp32", "skip class"),
     ("zaya", "autocast_bf16", "skip class"),
+    ("jetmoe", "fp32", "expert-sorted slots"),
+    ("jetmoe", "bf16", "expert-sorted slots"),
+    ("jetmoe", "autocast_bf16", "expert-sorted slots"),
 ])
 def test_convention_replays(family, precision, convention):
     """Verified at attach and on the first forward in the mode; self-replay bit-identical; shifted routes change the
@@ -219,13 +225,10 @@ def _jetmoe_reference(moe, x_TH: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch
     return out_TH + moe.bias
 
 
-def test_jetmoe_sorted_slots_carry_the_replayed_ids_and_the_family_is_refused_by_name():
+def test_jetmoe_sorted_slots_carry_the_replayed_ids():
     """JetMoE's router hands its experts slots sorted by expert: unpack then repack of HF's own output is HF's output bit
-    for bit; ids it would not pick, repacked, drive its MoE block as the per-token reference does. Its layers route
-    twice (attention experts and MLP experts), which a trace cannot record: refused by name."""
+    for bit; ids it would not pick, repacked, drive its MoE block as the per-token reference does."""
     model = coverage.build_tiny("jetmoe", _FAMILY)
-    with pytest.raises(UnsupportedRouterError, match=r"jetmoe: two routers in layer 0.*routes its tokens twice"):
-        find_routers(model)
     moe = model.model.layers[0].mlp
     layout = layout_for(moe.router, moe)
     x_BSH = torch.randn(1, 12, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -244,6 +247,77 @@ def test_jetmoe_sorted_slots_carry_the_replayed_ids_and_the_family_is_refused_by
     want_TH = _jetmoe_reference(moe, x_BSH.view(-1, x_BSH.shape[-1]), other_TK, other_w_TK)
     torch.testing.assert_close(got_BSH.view(-1, x_BSH.shape[-1]), want_TH, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(own_BSH, got_BSH)
+
+
+def test_jetmoe_numbers_its_two_routers_per_layer_as_route_layers():
+    """Each decoder layer i holds two routers, each routing every token: route layers 2i + slot, slots in named_modules()
+    order (JetMoE registers its MLP before its attention: MLP 0, attention's mixture of heads 1), 2L route layers."""
+    model = coverage.build_tiny("jetmoe", _FAMILY)
+    sites = find_routers(model)
+    n = model.config.num_hidden_layers
+    assert list(sites) == list(range(2 * n))
+    for i, layer in enumerate(model.model.layers):
+        mlp, attention = sites[2 * i], sites[2 * i + 1]
+        assert mlp.module is layer.mlp.router and attention.module is layer.self_attention.experts.router
+        assert (mlp.decoder_layer, mlp.slot, attention.decoder_layer, attention.slot) == (i, 0, i, 1)
+    geometry = model_geometry(model, sites)
+    assert (geometry.num_layers, geometry.moe_layer_ids) == (2 * n, tuple(range(2 * n)))
+
+
+def _outputs_of(modules: dict, run) -> dict:
+    """{name: first output tensor} of each module in one call of `run`."""
+    seen: dict = {}
+    handles = [m.register_forward_hook(lambda mod, a, out, k=k: seen.__setitem__(k, (out[0] if isinstance(out, tuple)
+                                                                                       else out).detach().clone()))
+               for k, m in modules.items()]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def test_jetmoe_attention_site_is_forced_not_only_the_mlp():
+    """Routes that differ from HF's own in layer 0's attention route layer only reach its mixture of heads (its output
+    changes; its experts receive the plan's ids) while the MLP route layer of the same layer, shifted alone, leaves the
+    attention's output bit for bit as under HF's own routes: each route layer forces its own router."""
+    model = coverage.build_tiny("jetmoe", _FAMILY)
+    geometry = model_geometry(model)
+    layer0 = model.model.layers[0]
+    watched = {"attention": layer0.self_attention, "mlp": layer0.mlp}
+    plan = build_plan(coverage._traces(model, geometry), geometry)
+    with torch.no_grad(), capture_routes(model) as own:
+        model(**plan.model_inputs())
+    plan = with_own_routes(plan, own)
+    routed = plan.routed_N
+
+    def shifted(route_layer: int):
+        ids_LNK = plan.ids_LNK.clone()
+        ids_LNK[route_layer] = torch.where(routed.unsqueeze(-1), (ids_LNK[route_layer] + 1) % geometry.num_experts,
+                                           ids_LNK[route_layer])
+        return dataclasses.replace(plan, ids_LNK=ids_LNK)
+
+    def forward(p, seen=None):
+        with torch.no_grad(), replay(model, p, record_routes=True) as session:
+            handle = None if seen is None else _after_replay(session.sites[1].module, seen)
+            outs = _outputs_of(watched, lambda: model(**session.model_inputs()))
+            if handle is not None:
+                handle.remove()
+        return outs, session.routes
+
+    base, _ = forward(plan)
+    seen: list = []
+    attention_moved, routes = forward(shifted(1), seen)  # route layer 1: layer 0's attention
+    want_NK = shifted(1).layer_ids(1)[routed]
+    assert torch.equal(routes.used_ids[1][routed], want_NK)
+    layout = layout_for(layer0.self_attention.experts.router, layer0.self_attention.experts)
+    assert torch.equal(layout.unpack(seen[0])[2][routed], want_NK)  # what the mixture of heads received
+    attention_changed_BS = (attention_moved["attention"] != base["attention"]).any(-1).flatten()
+    assert attention_changed_BS[routed].all()  # every forced position's attention output moves, only the routes did
+    mlp_moved, _ = forward(shifted(0))  # route layer 0: layer 0's MLP
+    assert torch.equal(mlp_moved["attention"], base["attention"])
+    assert not torch.equal(mlp_moved["mlp"], base["mlp"])
 
 
 def test_inkling_is_refused_by_name_before_any_forward():

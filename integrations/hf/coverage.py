@@ -239,6 +239,12 @@ def check_family(family: str, families: dict[str, tuple[str, str]] | None = None
         result.status, result.reason = "refused", str(e)
         if result.reason.startswith("no MoE router"):  # the registry listing says nothing about this family
             result.reason = "no router module: the MoE block computes its routing inline, so there is no router output to replace"
+        elif (mode is not PRECISIONS["fp32"] and (why := _own_forward_fails(model, mode)) is not None
+              and _own_forward_fails(build_tiny(family, families), PRECISIONS["fp32"]) is None):
+            # attach probes the router as HF's forward runs it: where HF's own forward fails in this mode only (a
+            # router casting its input to fp32 against bf16 parameters), the refusal is HF's failure, not replay's
+            result.status, result.router, result.rule = "error", "", ""
+            result.reason = f"HF's own forward fails in this mode, no replay attached (it runs in fp32): {why}"
     except Exception as e:
         result.reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     finally:
@@ -480,7 +486,7 @@ def markdown(results: dict[str, list[FamilyResult]], families: dict[str, tuple[s
         "other experts changes them, and a backward under replay is finite with a non-zero gradient on every router. "
         "*refused* is replay refusing the model by name before any replayed output (at attach or on the first "
         "forward of a mode), for a reason of the family's own structure (an encoder-decoder model, an MoE block that "
-        "routes inline, two routers in one layer) or of its router (no rule reproduces its weights, an output replay "
+        "routes inline, expert sets a token takes one of by its token type) or of its router (no rule reproduces its weights, an output replay "
         "cannot read); *builder* is the tiny model failing to build, or HF's own fp32 forward of it failing with no "
         "replay attached: the builder's failure, not the family's; *error* is anything else failing (HF's own forward "
         "in one mode only, a replay step). "

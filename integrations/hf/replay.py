@@ -4,7 +4,7 @@
 a forward hook on the router (PyTorch's own, removable extension point), or, where the parent block
 routes the router's logits itself (DBRX), that block's routing method patched on the instance (never
 the class) and undone on exit (outputs.py). The hook keeps HF's router logits, swaps the ids
-for the plan's ids of that router's layer, and recomputes the weights with the family's gate rule
+for the plan's ids of that router's route layer (routers.route_layer), and recomputes the weights with the family's gate rule
 from those logits, so gradients reach the router at the replayed experts; unpack and repack read
 and write them in the router's own output convention. On exit the hooks are
 removed and the ledger checks that every layer's routes were used exactly once (plus once per
@@ -34,7 +34,7 @@ from moe_replay.replay.plan import RoutePlan
 from moe_replay.trace import RolloutTrace
 
 from .infer import adapter_in_context, expert_scale_of
-from .routers import RouterSite, find_routers
+from .routers import RouterSite, find_routers, num_route_layers
 
 _ACTIVE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 """Router modules currently under a replay or capture hook (nesting is refused)."""
@@ -42,14 +42,15 @@ _ACTIVE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 def model_geometry(model: nn.Module, sites: dict[int, RouterSite] | None = None) -> ModelGeometry:
     """The ModelGeometry of an HF MoE causal LM, read from its routers (`sites`: find_routers's
-    answer when the caller has it already) and config."""
+    answer when the caller has it already) and config. Its layers are route layers (routers.route_layer):
+    the decoder layers, or R per decoder layer for a family that routes R times in each (JetMoE: 2)."""
     sites = find_routers(model) if sites is None else sites
     first = next(iter(sites.values()))
     config = model.config
     out = model.get_output_embeddings()
     vocab = int(out.weight.shape[0]) if out is not None else int(config.vocab_size)
     return ModelGeometry(
-        num_layers=int(config.num_hidden_layers),
+        num_layers=num_route_layers(int(config.num_hidden_layers), sites),
         moe_layer_ids=tuple(sites),
         num_experts=first.adapter.num_experts(first.module),
         top_k=first.adapter.top_k(first.module),

@@ -10,10 +10,17 @@ dtype) lives only here, in infer.py's hint lists and in outputs.py's output conv
 adapters work on HF's router modules that return (router_logits [T, E], weights [T, K], ids [T, K])
 from hidden states [T, H]; inferred ones locate those three in whatever order the router returns
 them, or read them through the output convention registered for the router's class (outputs.py).
-A decoder layer holds one router: a trace records one expert choice per token per layer, so a family
-that routes twice in a layer (JetMoE: attention experts and MLP experts) is refused by name.
+Route layers (`route_layer`, the one place this numbering lives): a trace records one expert choice per
+token per route layer. Where every decoder layer holding routers holds one, route layer = decoder layer.
+A family that routes its tokens R > 1 times in each decoder layer (JetMoE: its attention's mixture of
+heads JetMoeMoA and its MLP JetMoeMoE, each a JetMoeTopKGating) numbers its routers
+`decoder_layer * R + slot`, slot = the router's order within its layer in `named_modules()` order (JetMoE
+registers its MLP first: MLP router slot 0, attention router slot 1), and its geometry counts R route layers
+per decoder layer (`num_route_layers`). Decoder layers holding different numbers of routers are refused by
+name, and so is a block whose routers are alternatives a token takes one of (structure.py
+ALTERNATIVE_EXPERT_SETS: ERNIE-4.5-VL's text and vision experts, chosen by token type).
 
-Layer ids come from the decoder stack's `layers.<i>` index. A router outside the decoder's layer
+Decoder-layer ids come from the decoder stack's `layers.<i>` index. A router outside the decoder's layer
 list (a multi-token-prediction or draft layer, e.g. transformers' MtpModel, whose own `layers.0`
 would collide with decoder layer 0) is refused by name: no trace records routes for it.
 """
@@ -145,13 +152,18 @@ _DRAFT_RE = re.compile(r"(?:^|\.)(mtp\w*|nextn\w*|draft\w*)(?:\.|$)", re.IGNOREC
 
 @dataclass(frozen=True)
 class RouterSite:
-    """One router module of a model, with its global decoder-layer id."""
+    """One router module of a model, with the route layer a trace records its routes under."""
 
     name: str
     layer_id: int
+    """Route layer (`route_layer`): the global decoder-layer id where each decoder layer holds one router."""
     module: nn.Module
     adapter: Any
     """A registered RouterAdapter, or an InferredAdapter verified on this module."""
+    decoder_layer: int
+    """The decoder layer holding the router (`layers.<i>`)."""
+    slot: int
+    """The router's order among its decoder layer's routers (named_modules() order), 0 where it is alone."""
 
     @property
     def spec(self) -> GateSpec:
@@ -198,11 +210,54 @@ def _layer_id(model: nn.Module, name: str, module: nn.Module, stack: str | None)
     return int(match.group(1))
 
 
+def route_layer(decoder_layer: int, slot: int, per_layer: int) -> int:
+    """The layer index a trace records a router's routes under: `decoder_layer * per_layer + slot` (module
+    docstring); the decoder layer itself where each layer holds one router (per_layer 1, slot 0)."""
+    if not 0 <= slot < per_layer:
+        raise ValueError(f"route_layer: slot must be in [0, {per_layer}), got {slot}")
+    return decoder_layer * per_layer + slot
+
+
+def routers_per_layer(sites: dict[int, RouterSite]) -> int:
+    """R: the routers each router-holding decoder layer holds (find_routers refuses layers that differ)."""
+    return 1 + max((s.slot for s in sites.values()), default=0)
+
+
+def num_route_layers(num_decoder_layers: int, sites: dict[int, RouterSite]) -> int:
+    """The route layers of a model of `num_decoder_layers` decoder layers: R per decoder layer
+    (ModelGeometry.num_layers; a trace of another count is refused by name at every entry)."""
+    return int(num_decoder_layers) * routers_per_layer(sites)
+
+
+def _by_layer(model: nn.Module, modules: dict[str, nn.Module], found: list[tuple[str, nn.Module, Any, int]]) -> int:
+    """R, the routers per router-holding decoder layer, after refusing layers that hold different numbers and
+    blocks whose routers a token takes one of; `found`: (name, module, registered adapter, decoder layer)."""
+    from .structure import refuse_alternatives
+
+    names: dict[int, list[str]] = {}
+    for name, _, _, layer in found:
+        names.setdefault(layer, []).append(name)
+    counts = {layer: len(n) for layer, n in names.items()}
+    if len(set(counts.values())) > 1:
+        few, many = min(counts, key=lambda i: (counts[i], i)), max(counts, key=lambda i: (counts[i], -i))
+        raise UnsupportedRouterError(
+            f"{_family(model)}: decoder layers hold different numbers of routers, layer {few} {counts[few]} "
+            f"({', '.join(names[few])}) and layer {many} {counts[many]} ({', '.join(names[many])}); route layers are "
+            "numbered decoder_layer * R + slot for the same R routers in every MoE layer, so no route-layer numbering "
+            "a trace could name covers both")
+    per_layer = next(iter(counts.values()), 1)
+    if per_layer > 1:
+        refuse_alternatives(modules, _family(model), [n for ns in names.values() for n in ns])
+    return per_layer
+
+
 def find_routers(model: nn.Module) -> dict[int, RouterSite]:
-    """Every router in `model`, keyed by global decoder-layer id, each with a registered or verified adapter.
+    """Every router in `model`, keyed by route layer (`route_layer`: the global decoder-layer id where each
+    layer holds one router), each with a registered or verified adapter.
 
     Raises UnsupportedRouterError (family, router, layer, reason) when a router cannot be verified,
-    sits outside the decoder stack, or the model holds no router at all; all before any forward.
+    sits outside the decoder stack, decoder layers hold different numbers of routers, or the model
+    holds no router at all; all before any forward.
     """
     from .fsdp import fsdp_owner
     from .infer import attach_adapter, looks_like_router
@@ -214,24 +269,26 @@ def find_routers(model: nn.Module) -> dict[int, RouterSite]:
     config = getattr(model, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden_dtype = _hidden_dtype(model, modules)
-    sites: dict[int, RouterSite] = {}
+    found: list[tuple[str, nn.Module, Any, int]] = []
     for name, module in modules.items():
         adapter = adapter_for(module)
         if adapter is None and not looks_like_router(module):
             continue
-        layer_id = _layer_id(model, name, module, stack)
+        found.append((name, module, adapter, _layer_id(model, name, module, stack)))
+    per_layer = _by_layer(model, modules, found)
+    sites: dict[int, RouterSite] = {}
+    slots: dict[int, int] = {}
+    for name, module, adapter, layer in found:
+        slot = slots[layer] = slots.get(layer, -1) + 1
+        layer_id = route_layer(layer, slot, per_layer)
         parent = modules.get(name.rsplit(".", 1)[0]) if "." in name else model
+        where = f"{name} (layer {layer})" if per_layer == 1 else f"{name} (layer {layer}, route layer {layer_id})"
         adapter = attach_adapter(
-            module, adapter, family=_family(model), where=f"{name} (layer {layer_id})",
+            module, adapter, family=_family(model), where=where,
             config=getattr(module, "config", None) or text_config, parent=parent, hidden_size=_hidden_size(module),
             hidden_dtype=hidden_dtype, fsdp_owner=fsdp_owner(modules, name),
         )
-        if layer_id in sites:
-            raise UnsupportedRouterError(
-                f"{_family(model)}: two routers in layer {layer_id}, {sites[layer_id].name!r} ({type(sites[layer_id].module).__name__}) "
-                f"and {name!r} ({type(module).__name__}): the layer routes its tokens twice, and a trace records one expert "
-                "choice per token per decoder layer (engines capture one; none captures a second router)")
-        sites[layer_id] = RouterSite(name, layer_id, module, adapter)
+        sites[layer_id] = RouterSite(name, layer_id, module, adapter, layer, slot)
     if not sites:
         supported = ", ".join(f"{a.family} ({a.class_name})" for a in _DISPATCH_ORDER)
         raise UnsupportedRouterError(

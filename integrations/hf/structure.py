@@ -8,9 +8,15 @@ module can force the routes a trace records, for a reason of the family's own st
 - MoE blocks that compute their routing inline (INLINE_ROUTING, per block class): no router module returns
   (weights, ids) for replay's hook to replace. Each entry says why the family's block cannot be forced at the
   block either (Doge's product-key routing mixes tokens; Jamba's older block has no router module).
+- MoE blocks holding alternative expert sets (ALTERNATIVE_EXPERT_SETS, per block class), each with its own router,
+  of which a token takes one (ERNIE-4.5-VL: text experts or vision experts, by token type). Each token routes
+  once per layer, but through a router its token type picks, and a trace records ids with no token type; routers
+  that each route every token (JetMoE's attention and MLP routers) are route sites of their own instead
+  (routers.py). Checked by `refuse_alternatives`, which find_routers calls where a decoder layer holds several
+  routers.
 
-Checked by `refuse_structure`, which routers.find_routers calls before it looks for routers. A block class
-is looked up only in modeling modules already imported (a model of that family exists only once its module is),
+The first two are checked by `refuse_structure`, which routers.find_routers calls before it looks for routers. A
+block class is looked up only in modeling modules already imported (a model of that family exists only once its module is),
 so the check imports nothing and costs one isinstance per module.
 """
 
@@ -66,7 +72,36 @@ register_inline(InlineRouting(
 ))
 
 
-def _loaded_class(entry: InlineRouting) -> type | None:
+@dataclass(frozen=True)
+class AlternativeExpertSets:
+    """An MoE block class holding expert sets of which each token takes one, each set with its own router."""
+
+    family: str
+    module: str
+    """Modeling module that defines the block class."""
+    class_name: str
+    reason: str
+    """How the block picks a token's set, and why its routers are not route sites of their own."""
+
+
+ALTERNATIVE_EXPERT_SETS: Registry[AlternativeExpertSets] = Registry("MoE block of alternative expert sets")
+
+
+def register_alternatives(entry: AlternativeExpertSets) -> AlternativeExpertSets:
+    ALTERNATIVE_EXPERT_SETS.add(entry.family, entry)
+    return entry
+
+
+register_alternatives(AlternativeExpertSets(
+    "ernie4_5_vl_moe", f"{_M}.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe", "Ernie4_5_VLMoeMoeBlock",
+    "text_moe and vision_moe, each with its own router, and a token's type (moe_mm_token_type_ids) picks its set: "
+    "text tokens the text experts, image and video tokens the vision experts. A token routes once per layer, "
+    "through the router its type picks, so numbering both routers as route layers would give every token a route "
+    "in a set it never visits, and a trace records a token's ids without the token type that says which set they index",
+))
+
+
+def _loaded_class(entry: InlineRouting | AlternativeExpertSets) -> type | None:
     return getattr(sys.modules.get(entry.module), entry.class_name, None)
 
 
@@ -90,3 +125,19 @@ def refuse_structure(model: nn.Module, modules: dict[str, nn.Module], family: st
         for entry, cls in entries:
             if isinstance(module, cls) and entry.applies(module):
                 raise UnsupportedRouterError(f"{family}: MoE block {name!r} ({cls.__name__}) routes inline: {entry.reason}")
+
+
+def refuse_alternatives(modules: dict[str, nn.Module], family: str, router_names: list[str]) -> None:
+    """Raise UnsupportedRouterError naming the family, the block and the reason where one of `router_names` (the
+    model's routers, several to a decoder layer) sits inside a block of ALTERNATIVE_EXPERT_SETS; else return."""
+    entries = [(e, cls) for e in (ALTERNATIVE_EXPERT_SETS.get(n) for n in ALTERNATIVE_EXPERT_SETS)
+               if (cls := _loaded_class(e)) is not None]
+    for router in router_names if entries else ():
+        parts = router.split(".")
+        for name in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)):
+            for entry, cls in entries:
+                if isinstance(modules.get(name), cls):
+                    inside = sorted(r for r in router_names if r.startswith(f"{name}."))
+                    raise UnsupportedRouterError(f"{family}: MoE block {name!r} ({cls.__name__}) holds expert sets a token "
+                                                 f"takes one of (routers "
+                                                 f"{', '.join(repr(r) for r in inside)}): {entry.reason}")
