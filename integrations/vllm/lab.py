@@ -19,10 +19,12 @@ other traffic: the request count, hence the numerics variant, changes between re
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -69,6 +71,9 @@ class LabConfig:
         unknown = [a for a in self.arms if a not in ARMS]
         if unknown:
             raise ValueError(f"LabConfig.arms: unknown {unknown}; expected among {sorted(ARMS)}")
+        if not self.arms or len(set(self.arms)) != len(self.arms):
+            raise ValueError(f"LabConfig.arms: expected one or more distinct arms among {sorted(ARMS)}, got {list(self.arms)}")
+        EngineNoise(seed=self.seed, scale=self.scale)  # its own checks: seed >= 0, finite scale >= 0
 
 
 def _engine(model_dir: str, max_seqs: int, seed: int):
@@ -125,8 +130,15 @@ def placing_scorer(scorer: Any, pool: Sequence[RolloutTrace], buckets: Sequence[
     return score
 
 
+def quick_lab_stages(cfg: LabConfig) -> int:
+    """How many times run_quick_lab calls `progress`: engine start, rollouts, the multi-sample arm's
+    π_old, each (n, repeat) estimate of the variance study, the reference gradient, each arm."""
+    return 4 + len(cfg.variance_ns) * cfg.variance_repeats + len(cfg.arms)
+
+
 def run_quick_lab(cfg: LabConfig, model_dir: str, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Every number of the quick lab (see the module docstrings); a JSON-ready dict."""
+    """Every number of the quick lab (see the module docstrings); a JSON-ready dict. `progress`
+    gets one line per finished stage (quick_lab_stages(cfg) calls)."""
     from ...estimator import EstimatorConfig, estimate
     from .noise import VllmEngineNoise
     from .scoring.scorer import VllmScorer, VllmScorerConfig
@@ -135,6 +147,7 @@ def run_quick_lab(cfg: LabConfig, model_dir: str, progress: Callable[[str], None
     noise = EngineNoise(seed=cfg.seed, scale=cfg.scale)
     score_noise = dataclasses.replace(noise, route_flip_fraction=0.0)
     llm = _engine(model_dir, cfg.rollouts, cfg.seed)
+    progress(f"engine started ({time.perf_counter() - t0:.0f} s)")
     timings: dict[str, float] = {}
     try:
         traces = rollouts(llm, cfg, noise)
@@ -151,13 +164,17 @@ def run_quick_lab(cfg: LabConfig, model_dir: str, progress: Callable[[str], None
 
                 t1 = time.perf_counter()
                 pi_old_G = pi_old(traces, cfg.estimator_n, cfg.seed)
+                progress(f"π_old of the multi-sample arm: n = {cfg.estimator_n} over {len(traces)} rollouts")
                 sub = traces[: cfg.variance_rollouts]
-                by_n = {n: [pi_old(sub, n, 1000 * k + n) for k in range(cfg.variance_repeats)] for n in cfg.variance_ns}
+                by_n: dict[int, list[np.ndarray]] = {}
+                for n in cfg.variance_ns:
+                    for k in range(cfg.variance_repeats):
+                        by_n.setdefault(n, []).append(pi_old(sub, n, 1000 * k + n))
+                        progress(f"variance study: n = {n}, estimate {k + 1}/{cfg.variance_repeats}")
                 timings["rescoring_s"] = time.perf_counter() - t1
                 score_stats = nz.stats()
             finally:
                 scorer.uninstall()
-        progress("re-scoring done")
     finally:
         llm.llm_engine.engine_core.shutdown()
 
@@ -168,6 +185,7 @@ def run_quick_lab(cfg: LabConfig, model_dir: str, progress: Callable[[str], None
     _, ref_RP = run_arm(model_dir, dataclasses.replace(load_preset("none"), corrections=()), traces, adv_R,
                         clip_eps=cfg.clip_eps, reference=True, groups=cfg.grad_groups)
     hh = gram(ref_RP, ref_RP)
+    progress("reference gradient (on-policy, free routing, fp32)")
     arms: dict[str, Any] = {}
     for arm in cfg.arms:
         preset = arm_preset(arm)
@@ -199,3 +217,79 @@ def run_quick_lab(cfg: LabConfig, model_dir: str, progress: Callable[[str], None
     out["targets"] = targets_report(arms, var)
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     return finite_or_none(out)
+
+
+CALIBRATION_RESULT = "noise-calibration-cpu-2026-11-27.json"
+"""The calibrated setting's statistics, measured by benchmarks/noise_calibration.py, in benchmarks/results/."""
+
+
+def calibration_file() -> Path:
+    """benchmarks/results/CALIBRATION_RESULT of the source checkout (absent from a wheel install)."""
+    from ...report.bench import default_benchmarks_dir
+
+    return default_benchmarks_dir() / "results" / CALIBRATION_RESULT
+
+
+def lab_stages(cfg: LabConfig) -> int:
+    """How many times run_lab calls `progress`: the model build, then run_quick_lab's stages."""
+    return 1 + quick_lab_stages(cfg)
+
+
+def run_lab(cfg: LabConfig, progress: Callable[[int, int, str], None] = lambda done, total, what: None, *,
+            calibration: Path | None = None) -> dict[str, Any]:
+    """The quick lab end to end, as `python benchmarks/lab.py` and `moe-replay lab` run it: the tiny
+    qwen3_moe built from seed 0 in a temporary folder, run_quick_lab on it, and the calibration
+    statistics of `calibration` (default calibration_file(), skipped where it does not exist)
+    attached as noise.calibration.measured next to the GPU's figures.
+
+    `progress(done, total, what)` after each stage (lab_stages(cfg) in all; `what` just finished)."""
+    import json
+    import tempfile
+
+    from ...models import build_tiny_model
+
+    total, done = lab_stages(cfg), 0
+
+    def step(what: str) -> None:
+        nonlocal done
+        done += 1
+        progress(done, total, what)
+
+    with tempfile.TemporaryDirectory(prefix="moe-replay-lab-") as tmp:
+        model_dir = str(build_tiny_model("qwen3_moe", tmp, seed=0))
+        step("tiny qwen3_moe built (seed 0)")
+        result = run_quick_lab(cfg, model_dir, progress=step)
+    cal_path = calibration if calibration is not None else calibration_file()
+    if cal_path.exists():
+        cal = json.loads(cal_path.read_text())
+        root = calibration_file().parent.parent.parent  # the checkout: shown paths relative to it
+        shown = cal_path.resolve().relative_to(root) if cal_path.resolve().is_relative_to(root) else cal_path
+        result["noise"]["calibration"]["measured"] = {"instrument": cal.get("calibrated"), "gpu": cal.get("gpu"),
+                                                      "file": str(shown)}
+    return result
+
+
+def add_lab_arguments(p: argparse.ArgumentParser) -> None:
+    """The quick lab's knobs, shared by benchmarks/lab.py and `moe-replay lab` (defaults: LabConfig's)."""
+    d = LabConfig()
+    p.add_argument("--seed", type=int, default=d.seed, help="rollout prompts, sampling, noise draws, advantages")
+    p.add_argument("--rollouts", type=int, default=d.rollouts, help="rollouts of the step, every arm scores them all")
+    p.add_argument("--tokens", type=int, default=d.tokens, help="sampled tokens per rollout")
+    p.add_argument("--scale", type=float, default=d.scale, help="engine-noise scale (1.0: the calibrated setting)")
+    p.add_argument("--arms", default=",".join(d.arms), help="comma-separated, among " + ",".join(ARMS))
+    p.add_argument("--variance-repeats", type=int, default=d.variance_repeats,
+                   help="independent π_old estimates per n in the variance study (>= 2)")
+    p.add_argument("--variance-rollouts", type=int, default=d.variance_rollouts,
+                   help="rollouts the variance study re-scores (the first ones)")
+    p.add_argument("--boot", type=int, default=d.boot, help="bootstrap resamples of the gradient interval")
+
+
+def lab_config(args: argparse.Namespace) -> LabConfig:
+    """LabConfig from add_lab_arguments' flags (ValueError naming the flag or field on a bad value)."""
+    arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        found = f"unknown arm(s) {', '.join(map(repr, unknown))}" if unknown else f"{args.arms!r}"
+        raise ValueError(f"--arms: expected comma-separated arms among {', '.join(ARMS)}; found {found}")
+    return LabConfig(seed=args.seed, rollouts=args.rollouts, tokens=args.tokens, scale=args.scale, arms=arms,
+                     variance_repeats=args.variance_repeats, variance_rollouts=args.variance_rollouts, boot=args.boot)

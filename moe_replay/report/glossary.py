@@ -4,6 +4,7 @@ The HTML page's headers and the terminal table's titles come from here (`title`)
 glossary section prints every entry with its raw key, its unit and its range, so a reader never
 has to guess from a key like `chi2_token`. `undocumented` lists the columns of a report that have
 no entry; the tests run it on a real demo report, so a new column without an entry fails them.
+LAB_GLOSSARY does the same for `moe-replay lab`'s report (lab.json's keys; docs/lab.md).
 """
 
 from __future__ import annotations
@@ -135,6 +136,79 @@ PLOT_GLOSSARY: dict[str, str] = {
 }
 """Plot name (plots.PLOTS) -> how to read it."""
 
+LAB_GLOSSARY: dict[str, Term] = {
+    "arm": Term("arm", "name", "One remedy, scored on the same rollouts with the same fixed per-rollout advantages as "
+                "every other arm: the preset's replay switches (and π_old estimator) plus the remedy's own correction, "
+                "every other correction stripped (moe_replay.lab.ARMS)."),
+    "pi_old": Term("π_old", "source", "What the PPO ratio divides by: the engine's logprobs of the rollout, or the "
+                   "estimator's average of n re-scorings (the multi-sample arm)."),
+    "corrections": Term("corrections", "names", "The off-policy corrections the arm applies (TIS, MIS, IcePop); "
+                        "none for replay-only arms."),
+    "phantom_clip_fraction": Term(
+        "phantom clip", "fraction of kept tokens, 0 to 1",
+        "Kept tokens whose PPO ratio π_trainer / π_old leaves [1 - ε, 1 + ε] (ε = 0.2) at the first minibatch, where "
+        "the weights are identical: every such clip is phantom, caused by the engine-trainer mismatch alone."),
+    "k3_kl": Term(
+        "k3-KL (train vs rollout)", "nats per token, >= 0",
+        "Token mean of ρ - 1 - log ρ, ρ = π_trainer / π_rollout of the sampled token (rollout_corr/k3_kl): the "
+        "mismatch between the engine that sampled and the trainer."),
+    "flip_rate": Term(
+        "route flips", "fraction of (token, MoE layer) pairs, 0 to 1",
+        "Pairs where the experts the trainer ran differ from the trace's (moe_replay/route_flip_rate); 0 under replay."),
+    "is_ess_token": Term(
+        "IS ESS (token)", "fraction, 0 to 1",
+        "Normalised effective sample size (Σρ)² / (n Σρ²) of the raw ratio over tokens: 1 when every weight is equal."),
+    "max_ratio": Term("max ratio", "ratio, > 0", "Largest raw ratio π_trainer / π_old over the tokens."),
+    "max_is_weight": Term("max IS weight", "weight, >= 0",
+                          "Largest weight the arm's corrections put on a kept token (1 for arms without corrections)."),
+    "masked_fraction": Term("masked", "fraction of tokens, 0 to 1", "Tokens the arm's corrections mask out of the loss."),
+    "k3_kl_vs_pi_old": Term(
+        "k3-KL (train vs π_old)", "nats per token, >= 0",
+        "k3-KL between the trainer and the estimator's π_old; only arms whose π_old is estimated measure it."),
+    "grad_cos_to_reference": Term(
+        "gradient cosine", "cosine, -1 to 1, 1 = same direction",
+        "Cosine between the arm's gradient of Σ w min(ρA, clip(ρ)A) and the reference, the on-policy gradient "
+        "Σ A ∇ log π_trainer (free routing, fp32, ratio 1)."),
+    "grad_cos_ci95": Term(
+        "cosine 95% interval", "cosine interval",
+        "95% percentile bootstrap interval of the cosine over groups of rollouts (coarse with few groups)."),
+    "rel_err": Term("gradient rel. error", "ratio, >= 0", "|g_arm - g_ref| / |g_ref| of the summed gradients."),
+    "rel_err_ci95": Term("rel. error 95% interval", "ratio interval", "Bootstrap interval of the relative error."),
+    "tokens": Term("generated tokens", "count", "Generated tokens of the rollouts every arm scores (rollouts x tokens)."),
+    "n": Term("n", "replicas", "Re-scorings the estimator averages into one π_old."),
+    "var": Term("variance of π_old", "probability², >= 0",
+                "Mean over tokens of the variance of π_old (a probability) across independent estimates, each under "
+                "other placements (estimate()'s shuffle placement, batches filled to a noise bucket size)."),
+    "variance_ratio": Term("variance ratio", "ratio to n = 1, >= 0",
+                           "Variance at n over the variance at n = 1; 1/n for independent replicas."),
+    "one_over_n": Term("1/n", "ratio", "What averaging n independent replicas would give."),
+    "target": Term("target", "name", "A target of the issue (moe_replay.lab.targets_report)."),
+    "rule": Term("rule", "text", "What must hold."),
+    "measured": Term("measured", "numbers", "The numbers the rule compares, from this run."),
+    "met": Term("met", "yes / no / n/a", "Whether the rule holds on this run; n/a where its condition does not apply."),
+}
+"""Key of a `moe-replay lab` JSON (lab.json) or its report's tables -> its entry (docs/lab.md's meanings)."""
+
+LAB_PLOT_GLOSSARY: dict[str, str] = {
+    "lab_phantom_clip": (
+        "One bar per arm: the fraction of kept tokens PPO-clipped at the first minibatch, before any update. Every "
+        "such clip is caused by the engine-trainer mismatch alone."),
+    "lab_grad_cos": (
+        "Cosine of each arm's gradient to the reference (on-policy, free routing, fp32) with its 95% bootstrap "
+        "interval as error bars; the axis starts just below the lowest interval so differences show."),
+    "lab_variance": (
+        "Variance of π_old across independent estimates vs the replicas n averaged, both axes logarithmic; the dashed "
+        "line is the n = 1 variance times 1/n, what independent replicas would give."),
+}
+"""Lab plot name (lab_plots.LAB_PLOTS) -> how to read it."""
+
+
+def lab_title(key: str) -> str:
+    """The lab report's column header for `key` (LAB_GLOSSARY), or the key itself when unknown."""
+    term = LAB_GLOSSARY.get(key)
+    return term.title if term is not None else key
+
+
 PATTERNS: tuple[tuple[re.Pattern[str], Term], ...] = (
     (re.compile(r"moe_replay/corr/(?P<name>[^/]+)/token_masked_fraction"),
      Term("{name}: tokens masked", "fraction of response tokens, 0 to 1",
@@ -177,4 +251,5 @@ def undocumented(keys) -> list[str]:
     return [k for k in dict.fromkeys(keys) if lookup(k) is None]
 
 
-__all__ = ["GLOSSARY", "NOT_MEASURED", "PATTERNS", "PLOT_GLOSSARY", "Term", "lookup", "title", "undocumented"]
+__all__ = ["GLOSSARY", "LAB_GLOSSARY", "LAB_PLOT_GLOSSARY", "NOT_MEASURED", "PATTERNS", "PLOT_GLOSSARY", "Term", "lab_title",
+           "lookup", "title", "undocumented"]

@@ -9,7 +9,7 @@ import json
 import math
 import numbers
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .glossary import NOT_MEASURED, PLOT_GLOSSARY, lookup, title
 from .plots import PLOTS, arm_colors, coincide_note, coinciding, summed_histogram
@@ -50,9 +50,9 @@ def _na() -> str:
     return f'<td class="na" title="not measured in this arm">{NOT_MEASURED}</td>'
 
 
-def _table(keys: list[str], rows: list[list[str]]) -> str:
+def _table(keys: list[str], rows: list[list[str]], title_of: Callable[[str], str] = title) -> str:
     """A table headed by the glossary titles of `keys` (the raw key as each header's tooltip)."""
-    head = "".join(f'<th title="{_e(k)}">{_e(title(k))}</th>' for k in keys)
+    head = "".join(f'<th title="{_e(k)}">{_e(title_of(k))}</th>' for k in keys)
     body = "".join("<tr>" + "".join(r) + "</tr>" for r in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
