@@ -112,6 +112,35 @@ GLOSSARY: dict[str, Term] = {
         "wall time per step (s)", "seconds per step",
         "Wall-clock seconds of one step of this arm: rollouts, π_old re-scoring (multi-sample arms), the update and "
         "the weight sync into the engine. It moves with the machine's load: compare arms of one run, on a quiet machine."),
+    # the engine-noise section (report.json: engine_noise; moe_replay/demo/noisy.py)
+    "n": Term("replicas n", "count, >= 1",
+              "Re-scorings of each rollout the estimator averages (in probability) into one π_old, engine-noise section."),
+    "pi_old_abs_diff": Term(
+        "mean |log π_old - rollout logprob|", "nats per token, >= 0",
+        "Engine-noise section: mean over tokens and estimates of |log π_old - log π_rollout|, π_old the n-replica estimate "
+        "and π_rollout the logprob the engine recorded while sampling. Without the instrument the CPU engine's "
+        "re-scores equal the rollout's to <= 1e-6 nats (bf16 prefill vs decode); under it the rollout ran one numerics "
+        "variant and the replicas a mix of them, so it is > 0 at every n: π_old visibly differs from the rollout's."),
+    "pi_old_max_abs_diff": Term(
+        "max |log π_old - rollout logprob|", "nats, >= 0", "Engine-noise section: the largest such difference over tokens and estimates."),
+    "pi_old_var": Term(
+        "variance of π_old", "probability², >= 0",
+        "Engine-noise section: mean over tokens of the variance (ddof 1) of π_old, as a probability, across independent "
+        "n-replica estimates, each under its own placements (moe_replay.lab.variance_ratio). 0 would mean "
+        "every replica agreed: no noise to average."),
+    "pi_old_variance_ratio": Term(
+        "variance ratio to n = 1", "ratio, >= 0",
+        "Engine-noise section: variance of π_old at n over the variance at n = 1 (engine_noise.estimator.variance_ratio). "
+        "Averaging n independent replicas gives 1/n; with few estimates (4 at n = 8) the measured ratio scatters around it."),
+    "inverse_n": Term("1/n", "ratio", "What averaging n independent replicas gives: the variance ratio to compare with."),
+    "pi_old_source": Term(
+        "π_old", "source", "Engine-noise section: what the PPO ratio divides by, the rollout's recorded logprobs or the "
+        "estimator's n-replica average."),
+    "phantom_clip_fraction": Term(
+        "phantom clip", "fraction of tokens, 0 to 1",
+        "Engine-noise section: tokens whose PPO ratio π_train / π_old leaves [1 - ε, 1 + ε] at the first minibatch, "
+        "where trainer and engine hold the same weights: every such clip is caused by the mismatch, not by an update. "
+        "The trainer replays routes and support, so what is left is bf16 precision and the engine's noise."),
 }
 """Metric key (as in report.json) -> its entry."""
 
@@ -133,8 +162,12 @@ PLOT_GLOSSARY: dict[str, str] = {
     "reward": (
         "Mean reward per step. Each arm has its own line style and marker; where two arms sampled the same "
         "completions their lines coincide, and the title names them."),
+    "pi_old_variance": (
+        "Engine-noise section (an instrument, not a GPU result): the variance of π_old across independent estimates "
+        "vs the replicas n each averages, both axes logarithmic; the dashed line is n = 1's variance times 1/n, what "
+        "independent replicas give. Drawn only when the demo ran the section."),
 }
-"""Plot name (plots.PLOTS) -> how to read it."""
+"""Plot name (plots.PLOTS, noise_section.NOISE_PLOT) -> how to read it."""
 
 LAB_GLOSSARY: dict[str, Term] = {
     "arm": Term("arm", "name", "One remedy, scored on the same rollouts with the same fixed per-rollout advantages as "
@@ -180,12 +213,14 @@ LAB_GLOSSARY: dict[str, Term] = {
                 "Mean over tokens of the variance of π_old (a probability) across independent estimates, each under "
                 "other placements (estimate()'s shuffle placement, batches filled to a noise bucket size)."),
     "variance_ratio": Term("variance ratio", "ratio to n = 1, >= 0",
-                           "Variance at n over the variance at n = 1; 1/n for independent replicas."),
+                           "Variance at n over the variance at n = 1; 1/n for independent replicas; n/a (null in "
+                           "lab.json) where n = 1's variance is 0: no noise to reduce."),
     "one_over_n": Term("1/n", "ratio", "What averaging n independent replicas would give."),
     "target": Term("target", "name", "A target of the issue (moe_replay.lab.targets_report)."),
     "rule": Term("rule", "text", "What must hold."),
     "measured": Term("measured", "numbers", "The numbers the rule compares, from this run."),
-    "met": Term("met", "yes / no / n/a", "Whether the rule holds on this run; n/a where its condition does not apply."),
+    "met": Term("met", "yes / no / n/a", "Whether the rule holds on this run; n/a where its condition does not apply or a "
+                 "number it compares could not be computed (null in lab.json)."),
 }
 """Key of a `moe-replay lab` JSON (lab.json) or its report's tables -> its entry (docs/lab.md's meanings)."""
 

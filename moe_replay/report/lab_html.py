@@ -42,6 +42,8 @@ _ARM_PATHS = {"grad_cos_to_reference": ("grad_cos_to_reference", "value"), "grad
 
 
 def _shown(value: Any) -> str:
+    if value is None:  # lab.json's null: not computable (e.g. a variance ratio over a zero n = 1 variance)
+        return NOT_MEASURED
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(fmt(v) for v in value) + "]"
     return fmt(value)
@@ -95,7 +97,7 @@ def target_rows(lab: dict) -> list[list[str]]:
         nums = [(k, v) for k, v in t.items() if k not in ("rule", "met", "applies")]
         measured = " · ".join(f"{_e(k)} " + _value(("targets", key, k), v, tag="span") for k, v in nums)
         met = t.get("met")
-        word = "n/a (does not apply)" if met is None else ("yes" if met else "NO")
+        word = NOT_MEASURED if met is None else ("yes" if met else "NO")
         rows.append([_text(key), _text(t.get("rule", "")), f"<td>{measured}</td>",
                      f'<td data-key="targets.{_e(key)}.met" data-value="{_e(json.dumps(met))}"><b>{word}</b></td>'])
     return rows

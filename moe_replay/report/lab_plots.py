@@ -91,10 +91,17 @@ def plot_variance(lab: dict, path: Path) -> Path:
     if len(base) and np.isfinite(base[0]) and base[0] > 0:
         grid = np.geomspace(max(1, int(n.min())), max(2, int(n.max())), 50)
         ax.plot(grid, base[0] / grid, "--", color="0.4", lw=1.2, label="n = 1's variance x 1/n")
-    if ok.any():
+    if len(n):
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
         ax.set_xticks(n, [str(int(v)) for v in n])
+        ax.set_xlim(n.min() / 1.3, n.max() * 1.3)
+    if ok.any():
+        ax.set_yscale("log")
+        ax.legend(fontsize=9, frameon=False)
+    else:  # nothing to draw on a log axis: say why instead of an empty frame
+        ax.text(0.5, 0.5, "no positive variance at any n:\nthe re-scorings of these tokens agreed exactly",
+                transform=ax.transAxes, ha="center", va="center", fontsize=10, color="0.3")
+        ax.set_yticks([])
     zero = int((~ok).sum())
     title = "Variance of π_old vs replicas n"
     if zero:
@@ -103,7 +110,6 @@ def plot_variance(lab: dict, path: Path) -> Path:
     ax.set_xlabel("replicas n averaged by the estimator")
     ax.set_ylabel("variance of π_old (probability²)")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=9, frameon=False)
     return _save(fig, path)
 
 
