@@ -65,11 +65,12 @@ class RolloutEngine:
         self.capture = VllmCapture(self.llm, CaptureConfig(routes=True, support=True, logprobs=True))
         self.tokenizer = self.llm.get_tokenizer()
 
-    def rollout(self, problems: Sequence[ArithmeticProblem], step: int) -> tuple[list[RolloutTrace], list[list[str]]]:
-        """n samples per problem; traces and completions in (problem, sample) order."""
+    def rollout(self, problems: Sequence[ArithmeticProblem], step: int,
+                samples: int | None = None) -> tuple[list[RolloutTrace], list[list[str]]]:
+        """n samples per problem (`samples`, else the config's); traces and completions in (problem, sample) order."""
         from vllm import SamplingParams
 
-        sp = SamplingParams(n=self.cfg.samples_per_prompt, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+        sp = SamplingParams(n=samples or self.cfg.samples_per_prompt, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
                             max_tokens=self.cfg.max_tokens, seed=self.cfg.seed * 7919 + step)
         outputs, traces = self.capture.generate([p.prompt for p in problems], sp, use_tqdm=False)
         completions = [[c.text for c in out.outputs] for out in outputs]

@@ -32,3 +32,8 @@ class PiOldEstimator:
         """Flat [G] log π_old over the traces' generated tokens, in trace order."""
         estimates = estimate(traces, self.scorer, self.config, batch_size=self.batch_size)
         return np.concatenate([e.logprob_G for e in estimates])
+
+    def close(self) -> None:
+        """Take the scorer off the engine (forced-route scoring and the noise section's route flips
+        wrap the same router attribute, so they never share it)."""
+        self.scorer.uninstall()

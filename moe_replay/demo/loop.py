@@ -4,7 +4,8 @@ Every arm starts from the same checkpoint and sees the same prompts and sampling
 differ only by the fix switched on. Per step: rollouts on the bf16 vLLM engine (captured), rewards,
 GRPO advantages, optionally π_old re-scored n times on the engine, one fp32 HF update under the
 preset, weight sync into the engine. Metrics compare what the trainer computed with what the
-engine did on the same tokens.
+engine did on the same tokens. Then, unless `DemoConfig.noise` is None, the engine-noise section
+(noisy.py) on the same engine, reset to the starting weights.
 """
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ def run_demo(cfg: DemoConfig, out_dir: Path, progress: Callable[[str, int, int],
     import json
 
     from ..models import build_tiny_model
+    from ..report.schema import NOISE_SECTION
     from .engine import RolloutEngine
     from .estimate import PiOldEstimator
+    from .noisy import run_noise_section
     from .trainer import Policy
 
     t0 = time.perf_counter()
@@ -65,34 +68,28 @@ def run_demo(cfg: DemoConfig, out_dir: Path, progress: Callable[[str, int, int],
     out_dir.mkdir(parents=True, exist_ok=True)
     presets = check_presets(cfg)
     model_dir = build_tiny_model(cfg.family, out_dir / "model", seed=cfg.seed)
-    rollouts_per_step = cfg.prompts_per_step * cfg.samples_per_prompt
-    engine = RolloutEngine(model_dir, cfg, max_batch_seqs=rollouts_per_step)
+    rollouts_per_step = cfg.rollouts_per_step
+    engine = RolloutEngine(model_dir, cfg, max_batch_seqs=max(rollouts_per_step, cfg.noise.rollouts if cfg.noise else 0))
     arms: dict[str, Any] = {}
+    noise_section = None
     try:
         for arm, preset in presets.items():
             engine.load_weights(model_dir)  # every arm starts from the same weights
             policy = Policy(str(model_dir), preset, lr=cfg.lr, dtype=cfg.trainer_dtype, seed=cfg.seed)
             estimator = PiOldEstimator(engine, preset, cfg) if preset.estimator.enabled else None
-            steps = []
-            for step in range(cfg.steps):
-                ts = time.perf_counter()
-                problems = problems_for_step(step, cfg.prompts_per_step, cfg.seed, cfg.max_operand)
-                traces, completions = engine.rollout(problems, step)
-                rewards_PN = np.array([[reward(p, c) for c in comps] for p, comps in zip(problems, completions)])
-                adv_R = group_advantages(rewards_PN).reshape(-1)
-                pi_old_G = estimator.pi_old_G(traces) if estimator is not None else None
-                result = policy.step(traces, adv_R, temperature=cfg.temperature, clip_eps=cfg.clip_eps, pi_old_G=pi_old_G)
-                engine.sync_from(policy.model, out_dir / "sync")
-                row = {"step": step, **result.metrics, "reward": float(rewards_PN.mean()), "wall_s": time.perf_counter() - ts}
-                steps.append(row)
-                if progress:
-                    progress(arm, step + 1, cfg.steps)
+            try:
+                steps = _run_arm(arm, engine, policy, estimator, cfg, out_dir, progress)
+            finally:
+                if estimator is not None:
+                    estimator.close()
             arms[arm] = {
                 "preset": preset.name,
                 "description": preset.description,
                 "mean": {k: float(np.mean([s[k] for s in steps])) for k in MEAN_KEYS if all(k in s for s in steps)},
                 "steps": steps,
             }
+        if cfg.noise is not None:
+            noise_section = run_noise_section(engine, model_dir, cfg, progress)
     finally:
         engine.shutdown()
     report = {
@@ -100,8 +97,31 @@ def run_demo(cfg: DemoConfig, out_dir: Path, progress: Callable[[str, int, int],
         "wall_s": time.perf_counter() - t0,
         "setup": {**cfg.to_dict(), "model_dir": str(model_dir), "rollouts_per_step": rollouts_per_step,
                   "note": ("CPU engine: scoring is deterministic and batch-invariant, so the multi-sample "
-                           "arm's n replicas agree exactly; it shows the pipeline and its cost, not noise reduction.")},
+                           "arm's n replicas agree exactly; it shows the pipeline and its cost, not noise reduction"
+                           + (f" (the {NOISE_SECTION} section shows it under the engine-noise instrument)."
+                              if noise_section is not None else "."))},
         "arms": arms,
     }
+    if noise_section is not None:
+        report[NOISE_SECTION] = noise_section
     (out_dir / "report.json").write_text(json.dumps(report, indent=1))
     return report
+
+
+def _run_arm(arm: str, engine: Any, policy: Any, estimator: Any, cfg: DemoConfig, out_dir: Path,
+             progress: Callable[[str, int, int], None] | None) -> list[dict[str, Any]]:
+    """Every GRPO step of one arm; its per-step records."""
+    steps = []
+    for step in range(cfg.steps):
+        ts = time.perf_counter()
+        problems = problems_for_step(step, cfg.prompts_per_step, cfg.seed, cfg.max_operand)
+        traces, completions = engine.rollout(problems, step)
+        rewards_PN = np.array([[reward(p, c) for c in comps] for p, comps in zip(problems, completions)])
+        adv_R = group_advantages(rewards_PN).reshape(-1)
+        pi_old_G = estimator.pi_old_G(traces) if estimator is not None else None
+        result = policy.step(traces, adv_R, temperature=cfg.temperature, clip_eps=cfg.clip_eps, pi_old_G=pi_old_G)
+        engine.sync_from(policy.model, out_dir / "sync")
+        steps.append({"step": step, **result.metrics, "reward": float(rewards_PN.mean()), "wall_s": time.perf_counter() - ts})
+        if progress:
+            progress(arm, step + 1, cfg.steps)
+    return steps

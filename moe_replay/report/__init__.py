@@ -26,12 +26,15 @@ def render_report(report: dict, out_dir: str | os.PathLike) -> dict[str, Path]:
     """Validate `report` (see `schema`), draw every plot of PLOTS as out_dir/<name>.png and write
     out_dir/report.html with the PNGs embedded. Returns plot name -> PNG path, plus "html"."""
     from .html import build_html
+    from .noise_section import NOISE_PLOT, has_section, plot_pi_old_variance
     from .plots import render_plots
 
     validate_report(report)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = render_plots(report, out)
+    if has_section(report):  # the engine-noise section's plot (noise_section.py)
+        paths[NOISE_PLOT] = plot_pi_old_variance(report, out / f"{NOISE_PLOT}.png")
     html_path = out / HTML_NAME
     tmp = html_path.with_suffix(".html.tmp")
     tmp.write_text(build_html(report, paths), encoding="utf-8")

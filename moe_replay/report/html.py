@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .glossary import NOT_MEASURED, PLOT_GLOSSARY, lookup, title
+from .noise_section import NOISE_PLOT, has_section, section_columns, section_html
 from .plots import PLOTS, arm_colors, coincide_note, coinciding, summed_histogram
 from .schema import MEAN_KEYS
 from .tables import ARM_COLUMNS, fmt
@@ -78,6 +79,7 @@ def table_columns(report: dict) -> list[str]:
     keys = [*ARMS_COLUMNS, *mean_keys(report), *SETUP_COLUMNS, "arm", "preset", *(k for k, _ in ARM_COLUMNS)]
     for arm in report["arms"].values():
         keys += step_columns(arm)
+    keys += section_columns(report)
     return list(dict.fromkeys(keys))
 
 
@@ -182,6 +184,8 @@ def build_html(report: dict, pngs: dict[str, Path]) -> str:
     parts.append("<h2>Plots</h2>")
     notes = plot_notes(report)
     for name, path in pngs.items():
+        if name == NOISE_PLOT:  # drawn inside its own section below
+            continue
         data = base64.b64encode(Path(path).read_bytes()).decode("ascii")
         caption = PLOTS.get(name, name)
         how = PLOT_GLOSSARY.get(name, "")
@@ -190,6 +194,9 @@ def build_html(report: dict, pngs: dict[str, Path]) -> str:
             f'<figure><img alt="{_e(caption)}" src="data:image/png;base64,{data}">'
             f"<figcaption><b>{_e(caption)}.</b> {_e(how)}{extra}</figcaption></figure>"
         )
+
+    if has_section(report):
+        parts.append(section_html(report, pngs.get(NOISE_PLOT)))
 
     parts.append("<h2>Setup</h2>")
     parts.append(_table(list(SETUP_COLUMNS), [[f"<td>{_e(k)}</td>", _cell(v)] for k, v in report["setup"].items()]))

@@ -12,7 +12,8 @@ A report (written by `moe-replay demo`, read by `moe-replay report`)::
                                "abs_logprob_diff_hist": {"edges": [f] * (n + 1), "counts": [int] * n},
                                ...}]}}}
 
-Extra keys anywhere are kept and ignored; a missing or mistyped required key raises
+An optional "engine_noise" section (moe_replay/demo/noisy.py; shown by noise_section.py) is checked
+by `validate_noise_section` when present. Extra keys anywhere are kept and ignored; a missing or mistyped required key raises
 ReportSchemaError naming its full path, e.g. `report["arms"]["none"]["steps"][3]["k3_kl"]`.
 """
 
@@ -28,6 +29,10 @@ MEAN_KEYS = ("route_flip_rate", "k3_kl", "max_abs_logprob_diff", "reward")
 """Per-arm means every report carries (the arm table's columns)."""
 STEP_KEYS = ("route_flip_rate", "k3_kl", "max_abs_logprob_diff", "mean_abs_logprob_diff", "reward", "wall_s")
 """Per-step floats every step record carries."""
+
+
+NOISE_SECTION = "engine_noise"
+"""The optional engine-noise section's key (moe_replay/demo/noisy.py writes it, noise_section.py shows it)."""
 
 
 class ReportSchemaError(MoeReplayError, ValueError):
@@ -125,4 +130,34 @@ def validate_report(report: Any) -> dict:
                     f"{_path(hp + ('edges',))}: every step of an arm must use the same bin edges; "
                     f"step 0 has {_short(edges0)}, this step {_short(edges)}"
                 )
+    validate_noise_section(report)
     return report
+
+
+def validate_noise_section(report: dict) -> None:
+    """Check report["engine_noise"] when present (ReportSchemaError naming the key path)."""
+    if NOISE_SECTION not in report:
+        return
+    at = (NOISE_SECTION,)
+    sec = _get(report, NOISE_SECTION, dict, "the engine-noise section (a dict)", ())
+    _get(sec, "label", str, "the instrument's label", at)
+    est = _get(sec, "estimator", dict, "the estimator's statistics per n", at)
+    var = _get(est, "var", dict, "a dict of n -> variance of π_old", at + ("estimator",))
+    if "1" not in var:
+        raise ReportSchemaError(f"{_path(at + ('estimator', 'var'))}: expected n = '1' (the ratio's base), found {sorted(var)}")
+    for key in ("var", "pi_old_abs_diff"):
+        d = _get(est, key, dict, f"a dict of n -> {key}", at + ("estimator",))
+        for n in d:
+            if not str(n).isdigit():
+                raise ReportSchemaError(f"{_path(at + ('estimator', key))}: keys must be replica counts like '4', found {n!r}")
+            _get(d, n, NUMBER, "a number", at + ("estimator", key))
+    ratio = _get(est, "variance_ratio", dict, "a dict of n -> variance ratio to n = 1 (None where n = 1's is 0)", at + ("estimator",))
+    for n, v in ratio.items():
+        if v is not None:
+            _get(ratio, n, NUMBER, "a number or null", at + ("estimator", "variance_ratio"))
+    clip = sec.get("phantom_clip")
+    if clip is not None:
+        _get(sec, "phantom_clip", dict, "the phantom-clip comparison (a dict)", at)
+        for key in ("rollout_logprobs", "estimate", "clip_eps"):
+            _get(clip, key, NUMBER, "a number", at + ("phantom_clip",))
+        _get(clip, "n", INTEGER, "the n of the estimate (an int)", at + ("phantom_clip",))
