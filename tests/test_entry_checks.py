@@ -129,3 +129,47 @@ def test_adjusted_sampling_refused_through_plan_and_score_tokens(deepseek):
     with torch.no_grad(), replay(model, plan):
         logits = model(**plan.model_inputs()).logits
     assert torch.isfinite(score_tokens(logits, plan).logprobs_G).all()
+
+
+@pytest.fixture(scope="module")
+def jetmoe(tmp_path_factory):
+    """The tiny JetMoE (two routers per decoder layer: 2L route layers), saved as a checkpoint for the scorer."""
+    from moe_replay.integrations.hf import coverage
+
+    model = coverage.build_tiny("jetmoe")
+    path = tmp_path_factory.mktemp("jetmoe")
+    model.save_pretrained(path)
+    return path, model
+
+
+def test_a_trace_of_decoder_layers_not_route_layers_is_refused_at_every_hf_entry(jetmoe):
+    """JetMoE's traces hold 2L route layers (each decoder layer routes twice); a trace of L layers (one router per
+    decoder layer, as an engine capturing one would record) is refused by name at build_plan, at the replay entry and
+    by the HF scorer, naming expected and found, before any forward; its own 2L-layer traces pass everywhere."""
+    from moe_replay.integrations.hf.scorer import HFScorer, HFScorerConfig
+
+    path, model = jetmoe
+    geom = model_geometry(model)
+    n = model.config.num_hidden_layers
+    assert (geom.num_layers, geom.moe_layer_ids) == (2 * n, tuple(range(2 * n)))
+    own = _traces(model)
+    one_per_layer = [dataclasses.replace(t, geometry=dataclasses.replace(geom, num_layers=n, moe_layer_ids=tuple(range(n))),
+                                         routes_TLK=t.routes_TLK[:, 0::2]) for t in own]
+    want = rf"field 'geometry.num_layers': expected {2 * n}, found {n} \(model vs %s: num_layers counts route layers"
+    scorer = HFScorer(HFScorerConfig(str(path), force_routes=True))
+    assert scorer.geometry == geom
+    with _Forwards(model) as fwd, _Forwards(scorer.model) as scored:
+        with pytest.raises(GeometryMismatchError, match=r"record 'req-0', " + want % "trace"):
+            build_plan(one_per_layer, geom)
+        with pytest.raises(GeometryMismatchError, match=want % "plan"):
+            replay(model, build_plan(one_per_layer, one_per_layer[0].geometry))
+        with pytest.raises(GeometryMismatchError, match=want % "trace"):
+            scorer.score_batch(one_per_layer)
+        assert fwd.n == scored.n == 0
+    plan = build_plan(own, geom)
+    with torch.no_grad():
+        free = model(**plan.model_inputs()).logits
+        with replay(model, plan):
+            forced = model(**plan.model_inputs()).logits
+    assert torch.equal(free, forced)
+    assert all(np.isfinite(lp).all() for lp in scorer.score_batch(own))

@@ -491,7 +491,10 @@ def markdown(results: dict[str, list[FamilyResult]], families: dict[str, tuple[s
         "replay attached: the builder's failure, not the family's; *error* is anything else failing (HF's own forward "
         "in one mode only, a replay step). "
         "Where HF's own forward fails with the tensors "
-        "from_pretrained keeps in fp32, the bf16 row is measured with every tensor in bf16 and says so.",
+        "from_pretrained keeps in fp32, the bf16 row is measured with every tensor in bf16 and says so. "
+        "A family whose decoder layers each route every token through R > 1 routers (JetMoE: its attention's mixture "
+        "of heads and its MLP, R = 2) is replayed at every router, each its own route layer (decoder layer * R + slot, "
+        "docs/trace.md), and every step above covers each of them.",
         "",
         f"The `fsdp2_*` modes are the layout FSDP2 trainers (verl's FSDP2 actor) run: the same tiny model sharded with "
         f"`fully_shard` on each decoder layer and the root over {FSDP_WORLD} gloo ranks (each rank holds a shard of each "

@@ -34,7 +34,7 @@ from moe_replay.replay.plan import RoutePlan
 from moe_replay.trace import RolloutTrace
 
 from .infer import adapter_in_context, expert_scale_of
-from .routers import RouterSite, find_routers, num_route_layers
+from .routers import RouterSite, find_routers, num_route_layers, routers_per_layer
 
 _ACTIVE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 """Router modules currently under a replay or capture hook (nesting is refused)."""
@@ -60,10 +60,14 @@ def model_geometry(model: nn.Module, sites: dict[int, RouterSite] | None = None)
 
 
 def _check_model(model: nn.Module, sites: dict[int, RouterSite], geometry: ModelGeometry) -> None:
-    """The model against a plan's geometry, every field (family included: the model's is its
-    config.model_type), and every router layer by layer; before any forward."""
+    """The model against a plan's geometry, every router layer by layer, then every field (family included:
+    the model's is its config.model_type); before any forward. A model routing R > 1 times per decoder layer
+    names a route-layer count that differs first: a trace of its decoder layers (one router each) gets that wrong."""
+    mine = model_geometry(model, sites)
+    if routers_per_layer(sites) > 1 and mine.num_layers != geometry.num_layers:
+        mine.check_matches(geometry, Where(), "model vs plan")
     check_layers({lid: (s.adapter.num_experts(s.module), s.adapter.top_k(s.module)) for lid, s in sites.items()}, geometry)
-    model_geometry(model, sites).check_matches(geometry, Where(), "model vs plan")
+    mine.check_matches(geometry, Where(), "model vs plan")
 
 
 def _claim(sites: dict[int, RouterSite]) -> None:
