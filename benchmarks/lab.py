@@ -8,6 +8,8 @@ which also writes an HTML report) and moe_replay/lab.py (arms, trainer pass, sta
 
 Usage: python benchmarks/lab.py [--json] [--seed 0] [--rollouts 32] [--tokens 16] [--scale 1.0]
                                 [--arms none,tis,...] [--variance-repeats 4] [--variance-rollouts 16]
+       python benchmarks/lab.py --full --json [--steps 300] [--seeds 0,1,2] [--arms none,...,gspo]
+                                [--levels off,1,2,4,8] [--out FILE] [--plot PNG]   (long runs, item 5)
 Prints one JSON object last on stdout.
 """
 
@@ -22,7 +24,43 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+def full_main(argv: list[str]) -> None:
+    """--full: the long GRPO runs and the collapse boundary (issue 32 item 5). Logic:
+    integrations/vllm/lab_runs.py (loop), moe_replay/lab_runs.py (arms, warm start, GRPO step),
+    moe_replay/lab_collapse.py (the pre-registered collapse rule). Defaults are the issue's grid
+    (300 steps x 3 seeds x 8 arms x levels off, 1, 2, 4, 8); --steps/--seeds/--arms/--levels run less."""
+    from pathlib import Path
+
+    from moe_replay.integrations.vllm.lab_runs import add_full_arguments, full_config, run_long_lab
+
+    ap = argparse.ArgumentParser(description=full_main.__doc__)
+    ap.add_argument("--full", action="store_true", required=True)
+    ap.add_argument("--json", action="store_true", help="(kept for symmetry: one JSON object is always printed last)")
+    add_full_arguments(ap)
+    args = ap.parse_args(argv)
+    try:
+        cfg = full_config(args)
+    except ValueError as err:
+        ap.error(str(err))
+
+    def save(partial: dict) -> None:
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(partial))
+
+    result = run_long_lab(cfg, args.run_dir, progress=lambda s: print(f"[lab --full] {s}", file=sys.stderr, flush=True),
+                          on_run=save)
+    save(result)
+    if args.plot:
+        from moe_replay.report.lab_runs_plots import plot_long_runs
+
+        result["plot"] = str(plot_long_runs(result, args.plot))
+    print(json.dumps(result))
+
+
 def main() -> None:
+    if "--full" in sys.argv[1:]:  # item 5's long runs take their own flags
+        return full_main(sys.argv[1:])
     from moe_replay.integrations.vllm.lab import add_lab_arguments, lab_config, run_lab
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
