@@ -303,3 +303,25 @@ def test_a_registered_rule_on_weights_that_tell_rules_apart_only_later_is_verifi
     with torch.no_grad(), replay(fresh, plan) as session:
         fresh(**session.model_inputs())
     assert all(infer._VERIFIED.get(s.module) for s in sites.values())  # probed on the loaded weights
+
+
+def test_readme_quotes_the_tables_counts_and_refusals():
+    """The README's HF row says what docs/hf_coverage.md measured: replayed per mode, and the families refused by name
+    in fp32 (each named once, the count matching)."""
+    import re
+
+    table = coverage.read_table(TABLE)
+    replayed = {m: sum(r.status == "replayed" for r in rs) for m, rs in table.items()}
+    refused = sorted(r.family for r in table["fp32"] if r.status == "refused")
+    readme = open(os.path.join(os.path.dirname(TABLE), os.pardir, "README.md")).read()
+    row = next(line for line in readme.splitlines() if line.startswith("| HF transformers |"))
+    m = re.search(r"\*\*(\d+) of (\d+)\*\* MoE families replay bit for bit in fp32 and in bf16 weights, (\d+) under bf16 "
+                  r"autocast, (\d+) and (\d+) on FSDP2-sharded models.*?; (\d+) are refused by name for their own "
+                  r"structure \((.*?)\); the other cells", row)
+    assert m, f"README's HF row changed its wording: {row[:300]}"
+    quoted = dict(zip(("fp32", "total", "bf16", "autocast_bf16", "fsdp2_bf16", "fsdp2_autocast_bf16"),
+                      (m.group(1), m.group(2), m.group(1), m.group(3), m.group(4), m.group(5))))
+    assert int(quoted.pop("total")) == len(table["fp32"])
+    assert {k: int(v) for k, v in quoted.items()} == replayed
+    named = sorted(n.strip() for part in m.group(7).split(";") for n in part.split(":", 1)[1].split(","))
+    assert (int(m.group(6)), named) == (len(refused), refused)
