@@ -31,6 +31,7 @@ _FAMILY = {
     "zaya": ("ZayaConfig", "transformers.models.zaya.configuration_zaya"),
     "jetmoe": ("JetMoeConfig", "transformers.models.jetmoe.configuration_jetmoe"),
     "inkling_text": ("InklingTextConfig", "transformers.models.inkling.configuration_inkling"),
+    "ernie4_5_vl_moe_text": ("Ernie4_5_VLMoeTextConfig", "transformers.models.ernie4_5_vl_moe.configuration_ernie4_5_vl_moe"),
 }
 
 
@@ -318,6 +319,29 @@ def test_jetmoe_attention_site_is_forced_not_only_the_mlp():
     mlp_moved, _ = forward(shifted(0))  # route layer 0: layer 0's MLP
     assert torch.equal(mlp_moved["attention"], base["attention"])
     assert not torch.equal(mlp_moved["mlp"], base["mlp"])
+
+
+def test_decoder_layers_holding_different_numbers_of_routers_are_refused_by_name():
+    """Route layers are decoder_layer * R + slot for one R: a JetMoE whose layer 1 lost its attention router (1 router
+    there, 2 elsewhere) has no such numbering, and is refused naming both layers, before any forward."""
+    model = coverage.build_tiny("jetmoe", _FAMILY)
+    model.model.layers[1].self_attention.experts.router = torch.nn.Identity()
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(UnsupportedRouterError, match=r"jetmoe: decoder layers hold different numbers of routers, layer 1 holds 1 "
+                                                     r"\('model.layers.1.mlp.router'\) and layer 0 2 .*decoder_layer \* R \+ slot"):
+        find_routers(model)
+    assert not calls
+
+
+def test_ernie_vl_expert_sets_chosen_by_token_type_are_refused_in_their_own_words():
+    """ERNIE-4.5-VL's two routers per layer are alternatives (text or vision experts, by token type), not two routes of
+    every token: refused naming the block, both routers and the token type, not numbered as two route layers."""
+    model = coverage.build_tiny("ernie4_5_vl_moe_text", _FAMILY)
+    with pytest.raises(UnsupportedRouterError, match=r"^ernie4_5_vl_moe_text: MoE block 'layers.0.mlp' \(Ernie4_5_VLMoeMoeBlock\) "
+                                                     r"holds expert sets a token takes one of \(routers 'layers.0.mlp.text_moe.gate', "
+                                                     r"'layers.0.mlp.vision_moe.gate'\).*moe_mm_token_type_ids"):
+        find_routers(model)
 
 
 def test_inkling_is_refused_by_name_before_any_forward():

@@ -241,8 +241,9 @@ def _by_layer(model: nn.Module, modules: dict[str, nn.Module], found: list[tuple
     if len(set(counts.values())) > 1:
         few, many = min(counts, key=lambda i: (counts[i], i)), max(counts, key=lambda i: (counts[i], -i))
         raise UnsupportedRouterError(
-            f"{_family(model)}: decoder layers hold different numbers of routers, layer {few} {counts[few]} "
-            f"({', '.join(names[few])}) and layer {many} {counts[many]} ({', '.join(names[many])}); route layers are "
+            f"{_family(model)}: decoder layers hold different numbers of routers, layer {few} holds {counts[few]} "
+            f"({', '.join(map(repr, names[few]))}) and layer {many} {counts[many]} "
+            f"({', '.join(map(repr, names[many]))}); route layers are "
             "numbered decoder_layer * R + slot for the same R routers in every MoE layer, so no route-layer numbering "
             "a trace could name covers both")
     per_layer = next(iter(counts.values()), 1)
