@@ -170,7 +170,7 @@ def test_bad_numbers_are_refused_before_anything_starts(tmp_path, capsys):
 
 
 @pytest.mark.vllm
-@pytest.mark.slow  # 114 s on 2 cores under a load of 5-9 (57 s CPU); the lab itself 60 s of it (engine start 20 s)
+@pytest.mark.slow  # 60 s on 2 cores at a load of 2, 114 s at a load of 5-9 (engine start and 3 trainer passes)
 def test_cli_lab_tiny_run_writes_json_and_a_page_of_its_numbers(tmp_path, capsys, monkeypatch):
     pytest.importorskip("vllm")
     pytest.importorskip("matplotlib")
