@@ -103,7 +103,10 @@ class LongRunConfig:
     temperature: float = 1.0
     top_p: float = 0.9
     """< 1: the sampler's kept set is smaller than the vocabulary (support replay has work to do)."""
-    lr: float = 1e-3
+    lr: float = 2e-4
+    """A pilot at level off (none arm, seed 0): 1e-3 sharpened the policy to one answer a prompt in
+    5 steps (entropy 0.8 -> 0.2, reward fell to 0.2); 5e-4 reached entropy ~0.02 by step 40, after
+    which every group is flat and learning stops; 2e-4 raised the reward 0.42 -> ~0.6 over 100 steps."""
     clip_eps: float = 0.2
     minibatches: int = 2
     estimator_n: int = 4
