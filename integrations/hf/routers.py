@@ -10,12 +10,14 @@ dtype) lives only here, in infer.py's hint lists and in outputs.py's output conv
 adapters work on HF's router modules that return (router_logits [T, E], weights [T, K], ids [T, K])
 from hidden states [T, H]; inferred ones locate those three in whatever order the router returns
 them, or read them through the output convention registered for the router's class (outputs.py).
+
 Route layers (`route_layer`, the one place this numbering lives): a trace records one expert choice per
 token per route layer. Where every decoder layer holding routers holds one, route layer = decoder layer.
 A family that routes its tokens R > 1 times in each decoder layer (JetMoE: its attention's mixture of
 heads JetMoeMoA and its MLP JetMoeMoE, each a JetMoeTopKGating) numbers its routers
-`decoder_layer * R + slot`, slot = the router's order within its layer in `named_modules()` order (JetMoE
-registers its MLP first: MLP router slot 0, attention router slot 1), and its geometry counts R route layers
+`decoder_layer * R + slot`, slot = the router's order within its layer in `named_modules()` order (known
+before any forward, unlike call order; JetMoE registers its MLP before its attention: MLP router slot 0,
+attention router slot 1, though the attention runs first), and its geometry counts R route layers
 per decoder layer (`num_route_layers`). Decoder layers holding different numbers of routers are refused by
 name, and so is a block whose routers are alternatives a token takes one of (structure.py
 ALTERNATIVE_EXPERT_SETS: ERNIE-4.5-VL's text and vision experts, chosen by token type).
