@@ -113,23 +113,23 @@ GLOSSARY: dict[str, Term] = {
         "Wall-clock seconds of one step of this arm: rollouts, π_old re-scoring (multi-sample arms), the update and "
         "the weight sync into the engine. It moves with the machine's load: compare arms of one run, on a quiet machine."),
     # the engine-noise section (report.json: engine_noise; moe_replay/demo/noisy.py)
-    "n": Term("replicas n", "count, >= 1",
+    "n": Term("n", "replicas, >= 1",
               "Re-scorings of each rollout the estimator averages (in probability) into one π_old, engine-noise section."),
     "pi_old_abs_diff": Term(
-        "mean |log π_old - rollout logprob|", "nats per token, >= 0",
+        "mean |π_old - rollout| (log)", "nats per token, >= 0",
         "Engine-noise section: mean over tokens and estimates of |log π_old - log π_rollout|, π_old the n-replica estimate "
         "and π_rollout the logprob the engine recorded while sampling. Without the instrument the CPU engine's "
         "re-scores equal the rollout's to <= 1e-6 nats (bf16 prefill vs decode); under it the rollout ran one numerics "
         "variant and the replicas a mix of them, so it is > 0 at every n: π_old visibly differs from the rollout's."),
     "pi_old_max_abs_diff": Term(
-        "max |log π_old - rollout logprob|", "nats, >= 0", "Engine-noise section: the largest such difference over tokens and estimates."),
+        "max |π_old - rollout| (log)", "nats, >= 0", "Engine-noise section: the largest such difference over tokens and estimates."),
     "pi_old_var": Term(
-        "variance of π_old", "probability², >= 0",
+        "var π_old", "probability², >= 0",
         "Engine-noise section: mean over tokens of the variance (ddof 1) of π_old, as a probability, across independent "
         "n-replica estimates, each under its own placements (moe_replay.lab.variance_ratio). 0 would mean "
         "every replica agreed: no noise to average."),
     "pi_old_variance_ratio": Term(
-        "variance ratio to n = 1", "ratio, >= 0",
+        "var ratio to n = 1", "ratio, >= 0",
         "Engine-noise section: variance of π_old at n over the variance at n = 1 (engine_noise.estimator.variance_ratio). "
         "Averaging n independent replicas gives 1/n; with few estimates (4 at n = 8) the measured ratio scatters around it."),
     "inverse_n": Term("1/n", "ratio", "What averaging n independent replicas gives: the variance ratio to compare with."),

@@ -166,5 +166,6 @@ def print_noise_table(report: dict, *, file: TextIO | None = None) -> None:
     from .tables import print_table
 
     rows = [[r[c] if r[c] is not None else math.nan for c in BY_N_COLUMNS] for r in by_n_rows(report)]
-    print_table(f"engine noise ({report[NOISE_SECTION]['label']})", [title(c) for c in BY_N_COLUMNS], rows,
+    print_table("engine noise: the multi-sample π_old vs n (an instrument, not a GPU result; report.html says more)",
+                [title(c) for c in BY_N_COLUMNS], rows,
                 file=file, numeric=[isinstance(v, numbers.Real) for v in rows[0]] if rows else None)
