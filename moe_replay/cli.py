@@ -523,7 +523,7 @@ def report(args: argparse.Namespace) -> int:
     from .report import ReportSchemaError, load_report, print_arm_table, render_report
 
     from .report import HTML_NAME, PLOTS
-    from .report.noise_section import NOISE_PLOT
+    from .report.noise_section import NOISE_PLOT, print_noise_table
 
     src = Path(args.report_json)
     problem = _input_problem("the report JSON a `moe-replay demo` run wrote", src, directory=False)
@@ -545,6 +545,7 @@ def report(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     paths = render_report(data, out)
     print_arm_table(data, file=sys.stderr)
+    print_noise_table(data, file=sys.stderr)
     _log(f"rendered {len(paths) - 1} plots and {paths['html']} in {time.perf_counter() - t0:.1f} s")
     print(json.dumps({name: str(p) for name, p in paths.items()}))
     return 0
