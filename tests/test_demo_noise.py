@@ -61,6 +61,14 @@ def test_default_section_is_sized_and_counted():
         DemoConfig(arms={"engine_noise": "none"})
 
 
+def test_noise_section_refused_up_front_for_a_family_the_demo_cannot_replay():
+    from moe_replay.demo import check_presets
+
+    with pytest.raises(ValueError, match="engine-noise section .* not 'deepseek_v3'; use one of those, or --no-noise"):
+        check_presets(DemoConfig(family="deepseek_v3", arms={"none": "none"}))
+    assert set(check_presets(DemoConfig(family="deepseek_v3", arms={"none": "none"}, noise=None))) == {"none"}
+
+
 @pytest.mark.parametrize("mutate, needle", [
     (lambda s: s.pop("label"), "report['engine_noise']['label']: missing key"),
     (lambda s: s["estimator"]["var"].pop("1"), "expected n = '1'"),

@@ -49,6 +49,11 @@ def check_presets(cfg: DemoConfig) -> dict[str, Any]:
                 f"arm {arm!r}: preset {name!r} replays routes, which the demo supports for {sorted(REPLAY_FAMILIES)} "
                 f"(HF and vLLM-CPU agree on them); use --family with one of those, or an arm with preset 'none'"
             )
+    if cfg.noise is not None and cfg.family not in REPLAY_FAMILIES:
+        raise ValueError(
+            f"the engine-noise section re-scores under forced routes and replays them in the trainer, which the demo "
+            f"supports for {sorted(REPLAY_FAMILIES)}, not {cfg.family!r}; use one of those, or --no-noise"
+        )
     return presets
 
 
