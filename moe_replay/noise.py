@@ -13,9 +13,17 @@ token-layers. Two mechanisms, both seeded and deterministic for a given seed and
     a fixed seeded direction d_V(v) to the logits of the rows its row key selects (a fraction
     `row_fraction` of rows), with a row amplitude `logit_sigma * scale * Exp(1)` (heavy-tailed, as
     the GPU's max spread is 33x its mean).
-  * **route flips** (routers): a fraction `route_flip_fraction * scale` of token-layer rows, chosen
-    by a row key, get their k-th and (k+1)-th router logits swapped, so the top-k set changes by
-    exactly one expert on exactly those rows.
+  * **route flips** (routers): a fraction `route_flip_fraction * scale` of token-layer rows get their
+    k-th and (k+1)-th router logits swapped, so the top-k set changes by exactly one expert on exactly
+    those rows. The rows are the ones nearest a tie, as a bf16 router's flips are (its rounding moves a
+    logit by ~2^-8 of its size, so only a near-tied k-th / (k+1)-th pair can trade places): a row is a
+    candidate when its gap l_(k) - l_(k+1), over the row's logit standard deviation, is below the gap
+    that 2f of rows of i.i.d. normal logits fall under (`tie_gap`), and half the candidates, by a row
+    key, flip. The engine's gate weights then move by at most that small gap, so a trainer that replays
+    the engine's experts and recomputes weights from its own router sees what a GPU's would: the other
+    expert's output, not a weight the swap made up. (Swapping on rows drawn at random, whatever their
+    gap, gives the flipped expert the k-th's weight: on the tiny qwen3_moe that left 2.7% of tokens
+    phantom-clipped under replay, `docs/lab.md`.)
 
 A row key is a pseudo-uniform number in [0, 1) hashed from the row's own hidden state (a seeded
 projection), so the same token in the same context gets the same key in any batch on an engine
@@ -67,7 +75,9 @@ class EngineNoise:
     amplitude); calibrated by benchmarks/noise_calibration.py."""
     route_flip_fraction: float = 0.015
     """Fraction of token-layer top-k sets changed at scale 1 (GPU bf16 engine vs fp32 trainer:
-    1.3-1.7%, ../shared/notes/gpu.md)."""
+    1.3-1.7%, ../shared/notes/gpu.md), on the rows nearest a tie: exact for i.i.d. normal router
+    logits; a trained router's own gap distribution moves it (benchmarks/noise_calibration.py prints
+    the measured rate)."""
     label: str = "instrument: calibrated to GPU figures, not a GPU result"
     """Carried into every trace so the figure's origin travels with it."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -144,6 +154,27 @@ def row_keys(x_TH: torch.Tensor, *seed: int) -> torch.Tensor:
     return proj_T - proj_T.floor()
 
 
+_TIE_ROWS = 200_000
+"""Rows of the Monte Carlo behind `tie_gap`: its quantile's standard error at q = 0.03 is ~4e-4 in
+probability (binomial), well under the calibration's own spread."""
+_tie_gaps: dict[tuple[float, int, int], float] = {}
+
+
+def tie_gap(q: float, num_experts: int, top_k: int) -> float:
+    """The normalised gap (l_(k) - l_(k+1)) / std(l) that a fraction `q` of rows of i.i.d. standard
+    normal router logits ([E]) fall under: a seeded Monte Carlo, computed once per (q, E, k) (~0.1 s
+    at E = 64), the same on every worker."""
+    import torch
+
+    key = (float(q), int(num_experts), int(top_k))
+    if key not in _tie_gaps:
+        x_NE = torch.randn(_TIE_ROWS, num_experts, generator=_gen(5, num_experts, top_k), dtype=torch.float64)
+        v_NK1 = x_NE.topk(top_k + 1, dim=-1, sorted=True).values
+        g_N = (v_NK1[:, top_k - 1] - v_NK1[:, top_k]) / x_NE.std(dim=-1, unbiased=False)
+        _tie_gaps[key] = float(torch.quantile(g_N, q)) if q < 1.0 else math.inf
+    return _tie_gaps[key]
+
+
 class NoiseState:
     """The perturbations of one EngineNoise on one model: directions cached per (variant, vocab)."""
 
@@ -187,8 +218,9 @@ class NoiseState:
 
     def flip_router_logits(self, layer_id: int, router_logits_TE: torch.Tensor, hidden_TH: torch.Tensor,
                            top_k: int) -> torch.Tensor:
-        """Router logits with the k-th and (k+1)-th largest swapped on the rows the key selects
-        (`flip_fraction` of them): the top-k set changes by one expert on exactly those rows."""
+        """Router logits with the k-th and (k+1)-th largest swapped on the near-tied rows selected
+        (module docstring; `flip_fraction` of rows for i.i.d. normal logits): the top-k set changes by
+        one expert on exactly those rows, and no logit moves by more than the row's gap."""
         import torch
 
         cfg = self.config
@@ -197,16 +229,18 @@ class NoiseState:
         f = cfg.flip_fraction
         if f == 0.0 or T == 0 or top_k >= E:
             return router_logits_TE
-        flip_T = row_keys(hidden_TH, cfg.seed, 4, layer_id) < f
+        top_TK1 = router_logits_TE.float().topk(top_k + 1, dim=-1, sorted=True)
+        gap_T = (top_TK1.values[:, top_k - 1] - top_TK1.values[:, top_k]) / router_logits_TE.float().std(
+            dim=-1, unbiased=False).clamp_min(1e-30)
+        q = min(1.0, 2.0 * f)
+        flip_T = (gap_T < tie_gap(q, E, top_k)) & (row_keys(hidden_TH, cfg.seed, 4, layer_id) < f / q)
         n = int(flip_T.sum())
         if n == 0:
             return router_logits_TE
         self.counts["route_rows_flipped"] += n
-        order_TE = router_logits_TE.argsort(dim=-1, descending=True, stable=True)
-        kth_T, next_T = order_TE[:, top_k - 1], order_TE[:, top_k]
-        out_TE = router_logits_TE.clone()
         rows = torch.nonzero(flip_T).squeeze(-1)
-        a, b = kth_T[rows], next_T[rows]
+        a, b = top_TK1.indices[rows, top_k - 1], top_TK1.indices[rows, top_k]
+        out_TE = router_logits_TE.clone()
         out_TE[rows, a] = router_logits_TE[rows, b]
         out_TE[rows, b] = router_logits_TE[rows, a]
         return out_TE

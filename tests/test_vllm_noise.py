@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from moe_replay.geometry import EngineInfo
-from moe_replay.noise import NOISE_LEVELS, EngineNoise, NoiseState, row_keys
+from moe_replay.noise import NOISE_LEVELS, EngineNoise, NoiseState, row_keys, tie_gap
 
 
 @pytest.mark.parametrize("bad", [dict(seed=-1), dict(scale=-0.5), dict(scale=float("nan")), dict(variants=0),
@@ -39,9 +39,11 @@ def test_levels_buckets_and_engine_info_roundtrip():
     assert EngineInfo.from_dict(EngineInfo(name="vllm").to_dict()).noise is None
 
 
-def test_flips_change_exactly_the_keyed_rows():
-    """Each selected row's top-k set changes by exactly one expert; no other row changes; the
-    selected fraction is the configured one (5,000 rows: binomial sd 0.003 at 5%)."""
+def test_flips_change_exactly_the_near_tied_keyed_rows():
+    """Each selected row's top-k set changes by exactly one expert; no other row changes; the selected rows are
+    the keyed half of the rows whose normalised k / k+1 gap is below the tie gap of 2f, so the fraction is the
+    configured one on i.i.d. normal logits (5,000 rows: binomial sd 0.003 at 5%), and no logit moves by more than
+    its row's gap: a flip never hands the new expert a weight far from its own."""
     g = torch.Generator().manual_seed(0)
     x_TH, logits_TE = torch.randn(5000, 64, generator=g), torch.randn(5000, 8, generator=g)
     cfg = EngineNoise(seed=3, route_flip_fraction=0.025, scale=2.0)
@@ -49,10 +51,25 @@ def test_flips_change_exactly_the_keyed_rows():
     before = logits_TE.topk(2).indices.sort().values
     after = out_TE.topk(2).indices.sort().values
     changed_T = (before != after).any(-1)
-    keyed_T = row_keys(x_TH, 3, 4, 7) < 0.05
-    assert torch.equal(changed_T, keyed_T)
+    top_T3 = logits_TE.topk(3).values
+    gap_T = top_T3[:, 1] - top_T3[:, 2]
+    near_T = gap_T / logits_TE.std(-1, unbiased=False) < tie_gap(0.1, 8, 2)
+    assert torch.equal(changed_T, near_T & (row_keys(x_TH, 3, 4, 7) < 0.5))
     assert abs(float(changed_T.float().mean()) - 0.05) < 0.01
     assert all(len(set(b.tolist()) & set(a.tolist())) == 1 for b, a in zip(before[changed_T], after[changed_T]))
+    moved_T = (out_TE - logits_TE).abs().amax(-1)
+    assert torch.equal(moved_T > 0, changed_T) and bool((moved_T[changed_T] <= gap_T[changed_T] + 1e-6).all())
+    assert float(gap_T[changed_T].max()) < float(gap_T.median())  # near ties, not rows drawn whatever their gap
+
+
+def test_tie_gap_is_the_quantile_of_iid_normal_rows():
+    g = torch.Generator().manual_seed(1)
+    x_NE = torch.randn(20000, 16, generator=g)
+    v_NK = x_NE.topk(5, dim=-1).values
+    gap_N = (v_NK[:, 3] - v_NK[:, 4]) / x_NE.std(-1, unbiased=False)
+    for q in (0.03, 0.2):
+        assert abs(float((gap_N < tie_gap(q, 16, 4)).float().mean()) - q) < 0.01
+    assert tie_gap(0.03, 16, 4) < tie_gap(0.2, 16, 4) and tie_gap(1.0, 16, 4) == float("inf")
 
 
 def test_logit_variants_only_on_non_clean_buckets():
