@@ -21,9 +21,9 @@ token-layers. Two mechanisms, both seeded and deterministic for a given seed and
     that 2f of rows of i.i.d. normal logits fall under (`tie_gap`), and half the candidates, by a row
     key, flip. The engine's gate weights then move by at most that small gap, so a trainer that replays
     the engine's experts and recomputes weights from its own router sees what a GPU's would: the other
-    expert's output, not a weight the swap made up. (Swapping on rows drawn at random, whatever their
-    gap, gives the flipped expert the k-th's weight: on the tiny qwen3_moe that left 2.7% of tokens
-    phantom-clipped under replay, `docs/lab.md`.)
+    expert's output, not a weight the swap made up. (Swapping on rows drawn whatever their gap would
+    give the flipped expert the k-th's weight: on the tiny qwen3_moe that left 2.7% of tokens
+    phantom-clipped under replay.)
 
 A row key is a pseudo-uniform number in [0, 1) hashed from the row's own hidden state (a seeded
 projection), so the same token in the same context gets the same key in any batch on an engine
