@@ -110,8 +110,12 @@ class LongRunConfig:
     clip_eps: float = 0.2
     minibatches: int = 2
     estimator_n: int = 4
-    score_batch: int = 8
-    """Rollouts per estimator batch before the placing scorer's fillers (integrations/vllm/lab.py)."""
+    score_batch: int = 4
+    """Rollouts per estimator batch before the placing scorer's fillers (integrations/vllm/lab.py),
+    the quick lab's 4: batches then fill to 4 or 16 requests, buckets that run different numerics
+    variants, so the n replicas see both. With 8 every batch fills to 16, one bucket: at an even
+    noise seed every replica runs the clean variant and π_old is the trainer's own logprobs (k3 to
+    it ~2e-13 in the first grid's runs, which used 8: docs/lab.md)."""
     warm: WarmStart = field(default_factory=WarmStart)
 
     def __post_init__(self) -> None:
