@@ -70,7 +70,7 @@ class EngineNoise:
     above the last edge form one more bucket. Bucket b gets variant (b + seed) % variants."""
     row_fraction: float = 0.34
     """Fraction of rows a non-clean variant perturbs (the H100: 34% of tokens vary)."""
-    logit_sigma: float = 0.035
+    logit_sigma: float = 0.046
     """Logit perturbation scale at scale 1 (nats, times a unit-normal direction and an Exp(1) row
     amplitude); calibrated by benchmarks/noise_calibration.py."""
     route_flip_fraction: float = 0.015
