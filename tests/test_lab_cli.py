@@ -89,11 +89,17 @@ def test_saved_lab_result_renders_a_page_whose_numbers_are_the_jsons(tmp_path):
     assert LAB_LABEL.lower() in html.lower()[: html.find("<h2>")]  # at the top, before any section
     assert html.count("data:image/png;base64,") == 3 and "<script" not in html and "http" not in html
     assert check_page_against_json(html, lab) > 7 * 6
-    # the saved run met two targets and missed one (docs/lab.md): the page says which
+    # the saved run met all three targets (docs/lab.md): the page says so, target by target
     mets = {k: v for k, v, _ in tagged(html) if k.endswith(".met")}
-    assert mets == {"targets.phantom_clip_r3_support_le_tenth_of_none.met": "false",
+    assert mets == {"targets.phantom_clip_r3_support_le_tenth_of_none.met": "true",
                     "targets.grad_cos_r3_support_ge_none.met": "true", "targets.variance_ratio_n4_le_half.met": "true"}
-    assert "<b>NO</b>" in html and "<b>yes</b>" in html
+    assert "<b>NO</b>" not in html and "<b>yes</b>" in html
+    # a missed target reads NO: the same run with r3_support's clipping at none's
+    missed = json.loads(SAVED.read_text())
+    missed["targets"]["phantom_clip_r3_support_le_tenth_of_none"]["met"] = False
+    page = render_lab_report(missed, tmp_path / "missed")["html"].read_text()
+    assert {k: v for k, v, _ in tagged(page) if k.endswith(".met")}["targets.phantom_clip_r3_support_le_tenth_of_none.met"] == "false"
+    assert "<b>NO</b>" in page
     # every column of the per-arm table has a glossary row
     from moe_replay.report.glossary import LAB_GLOSSARY
     from moe_replay.report.lab_html import LAB_ARM_COLUMNS
