@@ -25,7 +25,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def full_main(argv: list[str]) -> None:
-    """--full: the long GRPO runs and the collapse boundary (issue 32 item 5). Logic:
+    """--full: the long GRPO runs and the collapse boundary (the long-run item). Logic:
     integrations/vllm/lab_runs.py (loop), moe_replay/lab_runs.py (arms, warm start, GRPO step),
     moe_replay/lab_collapse.py (the pre-registered collapse rule). Defaults are the issue's grid
     (300 steps x 3 seeds x 8 arms x levels off, 1, 2, 4, 8); --steps/--seeds/--arms/--levels run less."""

@@ -1,5 +1,6 @@
-"""The long runs' collapse rule and collapse boundary (issue 32 item 5), pre-registered: written here
-and in docs/lab.md ("Long runs") before any long run was made, and never tuned to a result.
+"""The long runs' collapse rule and collapse boundary, pre-registered: written here before any
+run was made (the tuning pilots included), in docs/lab.md ("Long runs") before the grid ran, and
+not changed after.
 
 A run (one arm, one noise level, one seed) **collapses** when any of these holds:
 

@@ -1,4 +1,4 @@
-"""The remedy lab's long runs (issue 32 item 5), trainer side: GRPO from a warm start, per arm, under
+"""The remedy lab's long runs, trainer side: GRPO from a warm start, per arm, under
 the engine-noise instrument (moe_replay/noise.py: calibrated to GPU figures, never a GPU result).
 
 What is here (engine-agnostic; HF transformers imported lazily): the long-run arms (the quick lab's

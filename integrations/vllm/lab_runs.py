@@ -1,4 +1,4 @@
-"""The remedy lab's long runs on vLLM (issue 32 item 5): GRPO from a warm start, per arm x noise level
+"""The remedy lab's long runs on vLLM: GRPO from a warm start, per arm x noise level
 x seed, on the real vLLM-CPU engine under the engine-noise instrument (never a GPU result).
 
 One engine (fp32, eager: route flips need the eager router) serves every run: each run reloads the
