@@ -26,6 +26,8 @@ import dataclasses
 import hashlib
 import json
 import math
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -186,10 +188,11 @@ def build_warm_start(spec: WarmStart, cache_dir: str | Path) -> Path:
 
     tag = json.dumps(dataclasses.asdict(spec), sort_keys=True)
     out = Path(cache_dir) / f"warm-{spec.family}-s{spec.model_seed}-{hashlib.sha256(tag.encode()).hexdigest()[:10]}"
-    stamp = out / "warm_start.json"
-    if stamp.exists() and json.loads(stamp.read_text()).get("spec") == tag:
+    if _stamped(out, tag):
         return out
-    base = build_tiny_model(spec.family, out / "base", seed=spec.model_seed)
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=cache_dir))  # built aside, then renamed into place
+    base = build_tiny_model(spec.family, tmp / "base", seed=spec.model_seed)
     tok = AutoTokenizer.from_pretrained(str(base))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.model_seed)
@@ -205,10 +208,23 @@ def build_warm_start(spec: WarmStart, cache_dir: str | Path) -> Path:
             loss.backward()
             opt.step()
             losses.append(float(loss.detach()))
-    model.save_pretrained(str(out))
-    tok.save_pretrained(str(out))
-    stamp.write_text(json.dumps({"spec": tag, "sft_loss_first_last": [losses[0], losses[-1]]}))
+    model.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    (tmp / "warm_start.json").write_text(json.dumps({"spec": tag, "sft_loss_first_last": [losses[0], losses[-1]]}))
+    if out.exists() and not _stamped(out, tag):  # a build that died before its stamp
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process put the same build in place first
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not _stamped(out, tag):
+        raise RuntimeError(f"build_warm_start: {out} holds no finished build of {tag} after building it")
     return out
+
+
+def _stamped(out: Path, tag: str) -> bool:
+    stamp = out / "warm_start.json"
+    return stamp.exists() and json.loads(stamp.read_text()).get("spec") == tag
 
 
 # ---------------------------------------------------------------------------------------- GRPO update

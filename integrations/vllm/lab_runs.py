@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -173,6 +175,7 @@ def run_long_lab(cfg: LongRunConfig, run_dir: str | Path, progress: Callable[[st
     run_dir.mkdir(parents=True, exist_ok=True)
     warm_dir = build_warm_start(cfg.warm, run_dir)
     progress(f"warm start: {warm_dir}")
+    sync_dir = Path(tempfile.mkdtemp(prefix="sync-", dir=run_dir))  # one per process: two grids may share a run dir
     engine = _engine(warm_dir, cfg)
     runs: dict[str, dict[str, dict[str, Any]]] = {arm: {} for arm in cfg.arms}
     out: dict[str, Any] = {
@@ -188,7 +191,7 @@ def run_long_lab(cfg: LongRunConfig, run_dir: str | Path, progress: Callable[[st
         for scale in cfg.levels:
             for seed in cfg.seeds:
                 for arm in cfg.arms:
-                    run = run_one(engine, warm_dir, cfg, arm, scale, seed, run_dir / "sync", progress)
+                    run = run_one(engine, warm_dir, cfg, arm, scale, seed, sync_dir, progress)
                     runs[arm].setdefault(level_key(scale), {})[str(seed)] = run
                     progress(f"{arm} level {level_key(scale)} seed {seed}: collapsed {run['collapsed']} "
                              f"({run['verdict']['reason']}) in {run['wall_s']:.0f} s")
@@ -196,6 +199,7 @@ def run_long_lab(cfg: LongRunConfig, run_dir: str | Path, progress: Callable[[st
                         on_run(finite_or_none(_finish(out, t0)))
     finally:
         engine.shutdown()
+        shutil.rmtree(sync_dir, ignore_errors=True)
     return finite_or_none(_finish(out, t0))
 
 
