@@ -243,6 +243,20 @@ def test_any_bit_flip_is_detected(pos, bit):
         decode_trace(bytes(data))
 
 
+def test_every_bit_of_the_envelope_is_checked():
+    """Every bit of the bytes before the checksummed body (format, version, crc32 and the body's length),
+    exhaustively: the version byte is outside the crc, and 3 -> 2 (bit 0) or 3 -> 1 (bit 1) names another
+    readable version, so a body holding fields of a later version is refused."""
+    data = encode_trace(make_trace(7))
+    head = len(data) - len(msgpack.unpackb(data, raw=False)["body"])
+    for pos in range(head):
+        for bit in range(8):
+            bad = bytearray(data)
+            bad[pos] ^= 1 << bit
+            with pytest.raises(TraceFormatError):
+                decode_trace(bytes(bad))
+
+
 @FAST
 @given(cut=st.integers(0, 10**6))
 def test_any_truncation_is_detected(cut):
@@ -392,14 +406,14 @@ def _edit_body(data: bytes, edit, version: int | None = None) -> bytes:
 
 def test_v1_record_without_sampling_gets_the_engine_defaults():
     def as_v1(body):
-        del body["sampling"], body["weights_version"]
+        del body["sampling"], body["weights_version"], body["spans"]  # a v1 writer wrote neither v2 nor v3 fields
     back = decode_trace(_edit_body(encode_trace(make_trace(6)), as_v1, version=1))
     assert back.sampling == Sampling() and back.weights_version is None
 
 
 def test_bad_sampling_fields_are_refused_by_name():
     def v1_bad(body):
-        del body["sampling"], body["weights_version"]
+        del body["sampling"], body["weights_version"], body["spans"]
         body["extra"]["sampling"] = {"temperature": -1.0}
     with pytest.raises(TraceFormatError, match=r"record 'req-7', field 'extra.sampling'.*temperature.*-1.0"):
         decode_trace(_edit_body(encode_trace(make_trace(7)), v1_bad, version=1))

@@ -65,6 +65,12 @@ def encode_trace(trace: RolloutTrace, route_codec: str = DEFAULT_ROUTE_CODEC, va
     return msgpack.packb({"format": FORMAT, "v": SCHEMA_VERSION, "crc32": zlib.crc32(packed), "body": packed}, use_bin_type=True)
 
 
+FIELDS_SINCE: dict[int, tuple[str, ...]] = {2: ("sampling", "weights_version"), 3: ("spans",)}
+"""Body fields each schema version introduced (every writer of that version writes them, nil when unset): a body
+claiming an older version must not hold them. The checksum covers the body only, so this is what catches a
+version byte flipped to another readable version (3 -> 2 or 1)."""
+
+
 def _unpack(data: bytes, where: Where, what: str) -> Any:
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True)
@@ -112,6 +118,10 @@ def _check_envelope(data: bytes, where: Where) -> tuple[int, dict]:
     body_d = _unpack(body, where, "record body")
     if not isinstance(body_d, dict):
         raise TraceFormatError(where.with_(field="body"), "a map", type(body_d).__name__)
+    later = sorted(f for v, fields in FIELDS_SINCE.items() if v > version for f in fields if f in body_d)
+    if later:  # the version byte sits outside the checksum: one flipped bit turns a v3 record into a readable v2 or v1
+        raise TraceFormatError(where.with_(field="v"), f"a version-{version} body (no {later} field: those came later)",
+                               f"a body with {later}", "the version byte is corrupt")
     return version, body_d
 
 
