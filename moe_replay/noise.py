@@ -229,9 +229,9 @@ class NoiseState:
         f = cfg.flip_fraction
         if f == 0.0 or T == 0 or top_k >= E:
             return router_logits_TE
-        top_TK1 = router_logits_TE.float().topk(top_k + 1, dim=-1, sorted=True)
-        gap_T = (top_TK1.values[:, top_k - 1] - top_TK1.values[:, top_k]) / router_logits_TE.float().std(
-            dim=-1, unbiased=False).clamp_min(1e-30)
+        l_TE = router_logits_TE.float()
+        top_TK1 = l_TE.topk(top_k + 1, dim=-1, sorted=True)
+        gap_T = (top_TK1.values[:, top_k - 1] - top_TK1.values[:, top_k]) / l_TE.std(dim=-1, unbiased=False).clamp_min(1e-30)
         q = min(1.0, 2.0 * f)
         flip_T = (gap_T < tie_gap(q, E, top_k)) & (row_keys(hidden_TH, cfg.seed, 4, layer_id) < f / q)
         n = int(flip_T.sum())
