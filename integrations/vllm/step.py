@@ -7,7 +7,8 @@ short of its prompt end). KV slots (capture's prefix-cache route cache) are read
 group on demand (`kv_slots`).
 
 Where they come from: on HOST_MIRROR_DEVICES runners (CPU) `positions` and the slot mapping are
-host tensors, read as they are. Other runners (GPU) fill those on the device; positions and slots
+host tensors, copied as they are into host rings with one memmove each (HostRing: no numpy call
+inside the step). Other runners (GPU) fill those on the device; positions and slots
 are derived from host mirrors (num_computed_tokens_cpu, query_start_loc, the block table), the
 same way vLLM computes them, so nothing waits on a device copy.
 
@@ -18,7 +19,7 @@ Legend: B requests of the step, T tokens forwarded in it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
 from typing import Any
 
 import numpy as np
@@ -28,22 +29,84 @@ HOST_MIRROR_DEVICES = {"cpu"}
 """Runner device types whose `positions` and slot mapping are host tensors, read as they are."""
 
 
-@dataclass(frozen=True)
-class StepLayout:
-    """The rows of one engine step (copies: valid after the runner reuses its buffers)."""
+class RingRows:
+    """Rows [start, stop) of a host ring (`HostRing`): array-like, viewed only when read, so taking
+    a step's rows inside the engine's step runs no numpy (see HostRing for why)."""
 
-    req_ids: list[str]
-    """Engine request id of each of the B rows, in batch order."""
-    qsl_B1: np.ndarray
-    """Row b owns tokens [qsl_B1[b], qsl_B1[b + 1]) of the step."""
-    pos_T: np.ndarray
-    """Sequence position of each forwarded token."""
-    discard_B: np.ndarray
-    """True where the runner throws the row's sample away (a chunked prefill short of its prompt end)."""
+    __slots__ = ("ring", "start", "stop")
+
+    def __init__(self, ring: np.ndarray, start: int, stop: int) -> None:
+        self.ring, self.start, self.stop = ring, start, stop
+
+    def get(self) -> np.ndarray:
+        return self.ring[self.start : self.stop]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        rows = self.get()
+        return rows if dtype is None else rows.astype(dtype)
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+def _rows(x: "np.ndarray | RingRows") -> np.ndarray:
+    return x.get() if isinstance(x, RingRows) else x
+
+
+class StepLayout:
+    """The rows of one engine step (copies: valid after the runner reuses its buffers; on host
+    runners views of the StepViews ring, valid until its next `rewind`)."""
+
+    __slots__ = ("req_ids", "num_tokens", "_qsl", "_pos", "_discard")
+
+    def __init__(self, req_ids: list[str], qsl_B1: "np.ndarray | RingRows", pos_T: "np.ndarray | RingRows",
+                 discard_B: "np.ndarray | RingRows") -> None:
+        self.req_ids = req_ids
+        """Engine request id of each of the B rows, in batch order."""
+        self.num_tokens = len(pos_T)
+        self._qsl, self._pos, self._discard = qsl_B1, pos_T, discard_B
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.pos_T)
+    def qsl_B1(self) -> np.ndarray:
+        """Row b owns tokens [qsl_B1[b], qsl_B1[b + 1]) of the step."""
+        return _rows(self._qsl)
+
+    @property
+    def pos_T(self) -> np.ndarray:
+        """Sequence position of each forwarded token."""
+        return _rows(self._pos)
+
+    @property
+    def discard_B(self) -> np.ndarray:
+        """True where the runner throws the row's sample away (a chunked prefill short of its prompt end)."""
+        return _rows(self._discard)
+
+
+class HostRing:
+    """Host copies of one runner buffer's per-step rows, laid end to end (dtype of the source).
+
+    Why: right after a 30 ms forward the core's caches hold the model, not our code; the first
+    numpy call of a hook then costs ~25 us, a memmove ~3 us once another memmove ran (the bench
+    model on the 2-core machine, benchmarks/capture.py), so a step copies with memmove only and
+    the views are made when the rows are read (at a flush). `take` hands out RingRows; `rewind`
+    starts over (the holder of earlier rows has read them: capture rewinds after its flush)."""
+
+    def __init__(self, dtype: np.dtype, capacity: int) -> None:
+        self.array = np.empty(capacity, dtype=dtype)
+        self._ptr, self._itemsize, self.capacity = self.array.ctypes.data, self.array.itemsize, capacity
+        self.used = 0
+
+    def room(self, n: int) -> bool:
+        return self.used + n <= self.capacity
+
+    def take(self, src_ptr: int, n: int) -> RingRows:
+        """Copy n items from `src_ptr` to the next rows; a ring without room starts over first."""
+        a = self.used if self.used + n <= self.capacity else 0
+        if n > self.capacity:
+            raise RuntimeError(f"a step of {n} items exceeds the host ring ({self.capacity})")
+        ctypes.memmove(self._ptr + a * self._itemsize, src_ptr, n * self._itemsize)
+        self.used = a + n
+        return RingRows(self.array, a, a + n)
 
 
 def external_id(internal_id: str) -> str:
@@ -59,14 +122,26 @@ def kv_slots(block_ids_T: np.ndarray, pos_T: np.ndarray, block_size: int) -> np.
 
 
 class StepViews:
-    """The runner's per-step host buffers, viewed once per input batch; one layout per step."""
+    """The runner's per-step host buffers, viewed once per input batch; one layout per step.
+
+    Host runners copy each step's rows into HostRings (memmove, no numpy inside the step): the
+    layouts stay valid until `rewind`, which the capture listener calls after each flush; a ring
+    without room starts over by itself, so a listener that keeps layouts checks `room_for_step`
+    before each step and flushes first."""
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self._ib: Any = None
         self._host = False
         self._layout: StepLayout | None = None
-        self._slots_np: dict[int, np.ndarray] = {}
+        self._rings: dict[str, HostRing] = {}
+        """Host runners: "qsl", "pos", "discard" and "slots<group>" rings (allocated at first bind)."""
+        self._slot_ptrs: dict[int, int] = {}
+        tokens = int(getattr(runner, "max_num_tokens", 0) or 0)
+        self._step_tokens = tokens
+        self._step_rows = int(getattr(getattr(runner, "input_batch", None), "max_num_reqs", 0) or 0) + 1
+        self.ring_tokens = max(1 << 16, 4 * tokens)
+        """Tokens the host rings hold: 64 Ki (512 KiB of int64 positions) or four full steps."""
 
     def new_step(self) -> None:
         """Forget the previous step's layout (called before each engine step)."""
@@ -77,10 +152,31 @@ class StepViews:
         self._ib = r.input_batch
         self._qsl, self._discard = r.query_start_loc.np, r.discard_request_mask.np
         self._host = torch.device(r.device).type in HOST_MIRROR_DEVICES
-        self._positions = r.positions.numpy() if self._host else None
-        self._slots_np: dict[int, np.ndarray] = {}
-        """Host runners: a numpy view of each KV group's slot mapping, made once per input batch
-        (a `.numpy()` per step is ~4 dispatcher ops inside the engine's step, benchmarks/capture.py)."""
+        self._slot_ptrs = {}
+        if not self._host:
+            return
+        # the runner's host buffers, by address: a `.numpy()` per step is ~4 dispatcher ops
+        pos = r.positions
+        if not (pos.is_contiguous() and self._qsl.flags.c_contiguous and self._discard.flags.c_contiguous):
+            raise RuntimeError("vLLM runner step buffers are not contiguous host arrays")
+        self._src = {"qsl": self._qsl.ctypes.data, "pos": pos.data_ptr(), "discard": self._discard.ctypes.data}
+        dtypes = {"qsl": self._qsl.dtype, "pos": np.dtype(str(pos.dtype).removeprefix("torch.")),
+                  "discard": self._discard.dtype}
+        sizes = {"qsl": 2 * self.ring_tokens, "pos": self.ring_tokens, "discard": 2 * self.ring_tokens}
+        for name, dt in dtypes.items():
+            ring = self._rings.get(name)
+            if ring is None or ring.array.dtype != dt:
+                self._rings[name] = HostRing(dt, sizes[name])
+
+    def room_for_step(self) -> bool:
+        """Whether every host ring holds one more step of the largest size (always, off host)."""
+        return all(ring.room(self._step_rows if name in ("qsl", "discard") else self._step_tokens)
+                   for name, ring in self._rings.items())
+
+    def rewind(self) -> None:
+        """Start every host ring over: layouts and slots taken before are no longer valid."""
+        for ring in self._rings.values():
+            ring.used = 0
 
     def layout(self, n: int) -> StepLayout:
         """The current step's layout for its n scheduled tokens (taken once, then shared)."""
@@ -89,26 +185,35 @@ class StepViews:
         if self._ib is not self.runner.input_batch:  # re-bound if the input batch is rebuilt
             self._bind()
         num_reqs = self._ib.num_reqs
+        req_ids = list(self._ib.req_ids[:num_reqs])
+        if self._host:
+            rings, src = self._rings, self._src
+            self._layout = StepLayout(req_ids, rings["qsl"].take(src["qsl"], num_reqs + 1),
+                                      rings["pos"].take(src["pos"], n), rings["discard"].take(src["discard"], num_reqs))
+            return self._layout
         qsl_B1 = self._qsl[: num_reqs + 1].copy()
-        if self._positions is not None:
-            pos_T = self._positions[:n].copy()
-        else:
-            row_T = np.repeat(np.arange(num_reqs), np.diff(qsl_B1))
-            pos_T = self._ib.num_computed_tokens_cpu[row_T].astype(np.int64) + np.arange(n) - qsl_B1[row_T]
-        self._layout = StepLayout(list(self._ib.req_ids[:num_reqs]), qsl_B1, pos_T, self._discard[:num_reqs].copy())
+        row_T = np.repeat(np.arange(num_reqs), np.diff(qsl_B1))
+        pos_T = self._ib.num_computed_tokens_cpu[row_T].astype(np.int64) + np.arange(n) - qsl_B1[row_T]
+        self._layout = StepLayout(req_ids, qsl_B1, pos_T, self._discard[:num_reqs].copy())
         return self._layout
 
-    def slots(self, layout: StepLayout, kv_group: int) -> np.ndarray:
-        """KV slot of each forwarded token in `kv_group`'s block table."""
+    def slots(self, layout: StepLayout, kv_group: int) -> "np.ndarray | RingRows":
+        """KV slot of each forwarded token in `kv_group`'s block table (array-like: np.asarray it)."""
         bt = self._ib.block_table.block_tables[kv_group]
         n = layout.num_tokens
         if self._host:
             # the tensor vLLM's kernel writes: on CPU runners `.gpu` is a host tensor, and it is not
             # always `.cpu` (an input batch rebuilt for a hybrid KV layout gets separate buffers)
-            view = self._slots_np.get(kv_group)
-            if view is None:
-                view = self._slots_np[kv_group] = bt.slot_mapping.gpu.numpy()
-            return view[:n].copy()
+            ptr = self._slot_ptrs.get(kv_group)
+            name = f"slots{kv_group}"
+            if ptr is None:
+                mapping = bt.slot_mapping.gpu
+                if not mapping.is_contiguous() or mapping.dtype != torch.int64:
+                    raise RuntimeError(f"vLLM slot mapping of KV group {kv_group} is {mapping.dtype}, not contiguous int64")
+                ptr = self._slot_ptrs[kv_group] = mapping.data_ptr()
+                if name not in self._rings:
+                    self._rings[name] = HostRing(np.dtype(np.int64), self.ring_tokens)
+            return self._rings[name].take(ptr, n)
         row_T = np.repeat(np.arange(len(layout.req_ids)), np.diff(layout.qsl_B1))
         size = int(bt.block_size)
         return kv_slots(bt.block_table.np[row_T, layout.pos_T // size], layout.pos_T, size)

@@ -6,7 +6,8 @@ Per engine step (see patch.py for the wrappers) only cheap snapshots happen:
   forward       routers hand their ids to the route capture (held on eager CPU engines, else
                 written into the step buffer bound at model load: route_hook.py);
   after_forward the step's layout (step.py, shared with scoring: request ids, query_start_loc,
-                positions, the discard mask) and its KV slots are taken; which records own the
+                positions, the discard mask) and its KV slots are taken (on CPU runners one memmove
+                each into host rings, read at the flush); which records own the
                 input batch's rows is looked up only when the batch changes; a request seen for the first time whose first
                 position is past its route_start hit the prefix cache: a slot-cache read is
                 queued for the flush;
@@ -40,7 +41,7 @@ from ..errors import CaptureHookError
 from ..model import geometry_from_runner
 from ..patch import patch_runner
 from ..runner import OPS, RunnerState, installed, register_part_ops, runner_state
-from ..step import StepLayout
+from ..step import RingRows, StepLayout
 from ..timings import PartTimes
 from ..versions import check_vllm_version
 from ..wire import CaptureRecord, InstallReply
@@ -70,7 +71,7 @@ class _Step:
     layout: StepLayout
     """The step's rows (step.py; the same arrays scoring saw)."""
     arena_row: int
-    slots_T: np.ndarray | None
+    slots_T: "np.ndarray | RingRows | None"
     problem: str | None
     reads: list[tuple[RequestRecord, np.ndarray, int, int]] = field(default_factory=list)
     """Prefix-cache hits: (record, block table row, route_start, first forwarded position)."""
@@ -172,8 +173,8 @@ class WorkerCapture:
             self.book.finish(rid)
         self.preemptions += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
         self._step = None
-        full = (self.routes is not None and not self.routes.room_for_step(self._arena_row)) or not self.support.room_for(
-            self.max_rows)
+        full = ((self.routes is not None and not self.routes.room_for_step(self._arena_row))
+                or not self.support.room_for(self.max_rows) or not self.views.room_for_step())
         times.add("step.finish", clock() - t0)
         if full:
             self.flush()  # timed as flush.*
@@ -270,6 +271,12 @@ class WorkerCapture:
         steps, self.pending = self.pending, []
         if not steps:
             return
+        try:
+            self._flush(steps)
+        finally:
+            self.views.rewind()  # the steps' layouts and slots have been read (step.HostRing)
+
+    def _flush(self, steps: list[_Step]) -> None:
         clock, times = time.perf_counter, self.times
         t0 = clock()
         self.flushes += 1
@@ -376,7 +383,7 @@ class WorkerCapture:
         if not seg:
             return
         rows = slice(seg[0].arena_row, seg[-1].arena_row + seg[-1].layout.num_tokens)
-        self.slot_cache.write(np.concatenate([st.slots_T for st in seg]), chunk_TLK[rows],
+        self.slot_cache.write(np.concatenate([np.asarray(st.slots_T) for st in seg]), chunk_TLK[rows],
                               None if written_T is None else written_T[rows])
 
     # -- control ------------------------------------------------------------------------------
