@@ -16,8 +16,9 @@ produced the logits for token route_start + p + 1.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -63,7 +64,7 @@ class Sampling:
 
     def __post_init__(self) -> None:
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float, np.floating, np.integer)) or not np.isfinite(t) or t < 0:
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.floating, np.integer)) or not math.isfinite(t) or t < 0:
             raise ValueError(f"Sampling.temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < -1:
             raise ValueError(f"Sampling.top_k must be an int >= -1 (-1 or 0 = off), got {self.top_k!r}")
@@ -95,6 +96,11 @@ class Sampling:
     def from_dict(cls, d: dict[str, Any]) -> "Sampling":
         """From a dict of these keys (unknown keys are ignored: v1's extra["sampling"] is free-form)."""
         return cls(**{k: d[k] for k in ("temperature", "top_k", "top_p", "min_p", "seed", "adjusted") if k in d})
+
+
+_DEFAULT_SAMPLING = Sampling()
+"""Every trace built without sampling parameters shares this one (frozen; building one runs its
+checks, ~10 us, and capture builds a trace per sample)."""
 
 
 @dataclass
@@ -178,7 +184,7 @@ class RolloutTrace:
     engine: EngineInfo = field(default_factory=EngineInfo)
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form msgpack-able metadata (step, turns, ...)."""
-    sampling: Sampling = field(default_factory=Sampling)
+    sampling: Sampling = field(default_factory=lambda: _DEFAULT_SAMPLING)
     """The sampling parameters of the request (schema v2; v1 records migrate extra["sampling"])."""
     weights_version: str | int | None = None
     """Which weights sampled this rollout: a step or checkpoint fingerprint the user or trainer sets
@@ -246,13 +252,17 @@ class RolloutTrace:
     # -- checks --------------------------------------------------------------------------------
     def validate(self, where: Where | None = None) -> "RolloutTrace":
         """Check every invariant a reader relies on; raise a typed error naming the field."""
-        w = (where or Where()).with_(record=self.key)
+        return self._check((where or Where()).with_(record=self.key), arrays=True)
+
+    def _check(self, w: Where, arrays: bool) -> "RolloutTrace":
+        """validate(); `arrays` False leaves out the checks of array contents (token and expert id
+        ranges, distinct expert ids, the kept sets), which `validate_traces` ran over a batch."""
         g = self.geometry
         if not isinstance(self.key, str) or not self.key:
             raise TraceFormatError(w.with_(field="key"), "a non-empty str", repr(self.key))
         if self.token_ids_S.ndim != 1 or self.num_tokens < 1:
             raise TraceFormatError(w.with_(field="token_ids_S"), "a 1-D array with >= 1 token", list(self.token_ids_S.shape))
-        if self.num_tokens and (self.token_ids_S.min() < 0 or self.token_ids_S.max() >= g.vocab_size):
+        if arrays and self.num_tokens and (self.token_ids_S.min() < 0 or self.token_ids_S.max() >= g.vocab_size):
             raise TraceFormatError(
                 w.with_(field="token_ids_S"),
                 f"token ids in [0, {g.vocab_size})",
@@ -266,11 +276,12 @@ class RolloutTrace:
             want = (self.num_route_rows, g.num_moe_layers, g.top_k)
             if self.routes_TLK.shape != want:
                 raise TraceFormatError(w.with_(field="routes_TLK"), f"shape {list(want)} [S-1-route_start, L, K]", list(self.routes_TLK.shape))
-            rw = w.with_(field="routes_TLK")
-            check_expert_range(self.routes_TLK, g.num_experts, rw)
-            check_distinct_rows(self.routes_TLK, rw)
+            if arrays:
+                rw = w.with_(field="routes_TLK")
+                check_expert_range(self.routes_TLK, g.num_experts, rw)
+                check_distinct_rows(self.routes_TLK, rw)
         self.validate_spans(w)
-        if self.support is not None:
+        if arrays and self.support is not None:
             self.support.validate(g.vocab_size, self.num_generated, w)
         if not isinstance(self.sampling, Sampling):
             raise TraceFormatError(w.with_(field="sampling"), "a moe_replay.trace.Sampling", type(self.sampling).__name__)
@@ -325,6 +336,65 @@ class RolloutTrace:
     @property
     def token_dtype(self) -> np.dtype:
         return token_dtype(self.geometry.vocab_size)
+
+
+def validate_traces(traces: Sequence[RolloutTrace]) -> dict[int, Exception]:
+    """`trace.validate()` of every trace, as {index: the error it raises} for those that fail.
+
+    The array checks (token and expert id ranges, distinct expert ids, kept sets) run once over
+    all the traces' arrays laid end to end, then each trace runs validate's other checks; only when
+    a batch check fails does every trace run its own validate(), which names the first bad place
+    as always. Why: these checks are ~25 numpy calls per trace whatever its length, and capture
+    validates every collected trace (8 traces of ~230 tokens: ~0.8 ms per trace alone, ~0.15 ms
+    together). A trace refused here is refused by validate() with the same error, and one
+    validate() accepts is accepted here."""
+    errors: dict[int, Exception] = {}
+    if len(traces) > 1 and _arrays_ok(traces):
+        for i, t in enumerate(traces):
+            try:
+                t._check(Where(record=t.key), arrays=False)
+            except Exception as e:
+                errors[i] = e
+        return errors
+    for i, t in enumerate(traces):
+        try:
+            t.validate()
+        except Exception as e:
+            errors[i] = e
+    return errors
+
+
+def _arrays_ok(traces: Sequence[RolloutTrace]) -> bool:
+    """Whether every array check of validate() passes on the traces laid end to end (False also
+    where they cannot be laid end to end: other geometries, shapes or dtypes)."""
+    g = traces[0].geometry
+    if any(t.geometry is not g and t.geometry != g for t in traces):
+        return False
+    try:
+        tokens = [t.token_ids_S for t in traces]
+        if any(a.ndim != 1 for a in tokens):
+            return False
+        tok_X = np.concatenate(tokens)
+        if len(tok_X) and (tok_X.min() < 0 or tok_X.max() >= g.vocab_size):
+            return False
+        routes = [t.routes_TLK for t in traces if t.routes_TLK is not None]
+        if routes:
+            w = Where(field="routes_TLK")
+            routes_XLK = np.concatenate(routes)
+            check_expert_range(routes_XLK, g.num_experts, w)
+            check_distinct_rows(routes_XLK, w)
+        sup = [(t.support, t.num_generated) for t in traces if t.support is not None]
+        if sup:
+            for s, G in sup:  # each its own CSR (then end to end, every trace's last offset is the next one's first)
+                off = s.offsets_G1
+                if off.ndim != 1 or len(off) != G + 1 or off[0] != 0 or off[-1] != len(s.ids_N):
+                    return False
+            base = np.cumsum([0] + [len(s.ids_N) for s, _ in sup[:-1]])
+            off_X1 = np.concatenate([s.offsets_G1 for s, _ in sup]) + np.repeat(base, [G + 1 for _, G in sup])
+            SamplingSupport(off_X1, np.concatenate([s.ids_N for s, _ in sup])).validate(g.vocab_size, len(off_X1) - 1, Where())
+    except Exception:  # noqa: BLE001 - any refusal, or arrays that do not lay end to end: each trace checks itself
+        return False
+    return True
 
 
 def _as_routes(routes: Any, geometry: ModelGeometry, where: Where) -> np.ndarray:

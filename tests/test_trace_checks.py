@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from moe_replay.errors import ExpertIdOutOfRangeError, TraceFormatError, Where
-from moe_replay.trace import SamplingSupport, check_distinct_rows, check_expert_range
+from moe_replay.trace import SamplingSupport, check_distinct_rows, check_expert_range, validate_traces
+from tests.trace_factory import random_trace
 
 W = Where(record="r", field="routes_TLK")
 
@@ -100,3 +101,71 @@ def test_support_refuses_bad_offsets_and_ids():
         SamplingSupport(np.array([0, 1, 2, 2]), np.array([1, 4, 0], dtype=np.int32)).validate(5, 3, Where())
     with pytest.raises(TraceFormatError, match=r"range \[0, 5\]"):
         SamplingSupport(np.array([0, 2, 2, 3]), np.array([1, 5, 0], dtype=np.int32)).validate(5, 3, Where())
+
+
+# -- validate_traces: the batch says what each trace's validate() says ---------------------------
+def _plant(trace, kind: str, rng: np.random.Generator) -> None:
+    """One defect of `kind` at a random place (after construction, as a later writer would)."""
+    if kind == "repeat" and trace.routes_TLK is not None and len(trace.routes_TLK):
+        t, l = int(rng.integers(len(trace.routes_TLK))), int(rng.integers(trace.routes_TLK.shape[1]))
+        trace.routes_TLK[t, l, 1] = trace.routes_TLK[t, l, 0]
+    elif kind == "expert" and trace.routes_TLK is not None and len(trace.routes_TLK):
+        trace.routes_TLK[int(rng.integers(len(trace.routes_TLK))), 0, 0] = trace.geometry.num_experts
+    elif kind == "token":
+        trace.token_ids_S[int(rng.integers(trace.num_tokens))] = trace.geometry.vocab_size + 3
+    elif kind == "unsorted" and trace.support is not None and len(trace.support.ids_N) > 1:
+        sizes = trace.support.sizes_G()
+        g = int(np.flatnonzero(sizes > 1)[0]) if (sizes > 1).any() else None
+        if g is not None:
+            a = int(trace.support.offsets_G1[g])
+            trace.support.ids_N[a + 1] = trace.support.ids_N[a]
+    elif kind == "offsets" and trace.support is not None:
+        trace.support.offsets_G1[-1] += 1
+    elif kind == "support_id" and trace.support is not None and len(trace.support.ids_N):
+        trace.support.ids_N[-1] = -1
+    elif kind == "prompt_len":
+        trace.prompt_len = trace.num_tokens + 1
+    elif kind == "routes_shape" and trace.routes_TLK is not None:
+        trace.routes_TLK = trace.routes_TLK[:-1]
+    elif kind == "weights_version":
+        trace.weights_version = 1.5
+    elif kind == "logprobs" and trace.logprobs_G is not None:
+        trace.logprobs_G = trace.logprobs_G[:-1]
+
+
+KINDS = ("repeat", "expert", "token", "unsorted", "offsets", "support_id", "prompt_len", "routes_shape",
+         "weights_version", "logprobs")
+
+
+def _validate_each(traces) -> dict[int, tuple[type, str]]:
+    out = {}
+    for i, t in enumerate(traces):
+        try:
+            t.validate()
+        except Exception as e:
+            out[i] = (type(e), str(e))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_validate_traces_refuses_as_each_validate_does(seed):
+    rng = np.random.default_rng(500 + seed)
+    traces = [random_trace(f"r{i}", rng, num_tokens=int(rng.integers(2, 40)), with_support=bool(rng.random() < 0.9),
+                           with_routes=bool(rng.random() < 0.9)) for i in range(int(rng.integers(1, 7)))]
+    for _ in range(int(rng.integers(0, 3))):  # none, one or two defects, of any kind, anywhere
+        _plant(traces[int(rng.integers(len(traces)))], KINDS[int(rng.integers(len(KINDS)))], rng)
+    want = _validate_each(traces)
+    got = {i: (type(e), str(e)) for i, e in validate_traces(traces).items()}
+    assert got == want
+
+
+def test_validate_traces_names_each_bad_trace():
+    rng = np.random.default_rng(7)
+    traces = [random_trace(f"r{i}", rng) for i in range(5)]
+    assert validate_traces(traces) == {}
+    _plant(traces[1], "repeat", rng)
+    _plant(traces[3], "unsorted", rng)
+    got = validate_traces(traces)
+    assert sorted(got) == [1, 3]
+    assert "record 'r1'" in str(got[1]) and "distinct expert ids" in str(got[1])
+    assert "record 'r3'" in str(got[3]) and "strictly increasing" in str(got[3])

@@ -79,10 +79,11 @@ def test_a_missing_sample_is_reported_not_skipped():
     assert "generated token 1 never arrived (2 of 3)" in p.problems[0]
 
 
-def _random_history(rng, uids, flushes: int):
+def _random_history(rng, uids, flushes: int, idle: bool = True):
     """Flush blocks as a busy engine hands them over: records interleaved, positions recomputed
-    (preemption), prefix reads with invalid rows, rows of no record (-1), a missing sample, a
-    sample outside its set, rows before a record's route_start."""
+    (preemption), prefix reads with invalid rows, rows of no record (-1; none if not `idle`, so a
+    take can hold every row of a block), a missing sample, a sample outside its set, rows before a
+    record's route_start."""
     L, K = 3, 2
     pos_next = {u: 0 for u in uids}
     g_next = {u: 0 for u in uids}
@@ -94,7 +95,7 @@ def _random_history(rng, uids, flushes: int):
             out.append(("routes", np.full(n, u), np.arange(n), rng.integers(0, 8, (n, L, K)).astype(np.uint8),
                         rng.random(n) < 0.7))
         uid_T, pos_T, uid_X, g_X = [], [], [], []
-        for u in rng.permutation(uids + [-1]):
+        for u in rng.permutation(uids + [-1] * idle):
             u = int(u)
             if u < 0:
                 uid_T += [-1] * 3
@@ -129,13 +130,16 @@ def _random_history(rng, uids, flushes: int):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_row_log_layout_equals_the_per_token_reference(seed):
+@pytest.mark.parametrize("idle", [True, False])
+def test_row_log_layout_equals_the_per_token_reference(seed, idle):
     """The vectorised layout (all taken records at once, newest wins by sort) against the per-token
     reference over random flush histories; records taken in two takes with more flushes between,
-    one discarded: every array bit for bit, the same problems, and no rows left behind."""
+    one discarded: every array bit for bit, the same problems, and no rows left behind. Without
+    idle rows, blocks whose every row is taken are handed over whole (row_log._pick)."""
     rng = np.random.default_rng(seed)
     uids = [3, 11, 12, 40, 41, 57]
-    starts = {u: int(rng.integers(0, 3)) if u % 2 else 0 for u in uids}
+    later = [12, 40, 41] if idle else [112, 140, 141]  # without idle rows the first take holds every record
+    starts = {u: int(rng.integers(0, 3)) if u % 2 else 0 for u in uids + later[idle * 3:]}
     log = RowLog(L=3, K=2, route_dtype=np.uint8)
     spy = RowLogSpy(log)
 
@@ -143,8 +147,8 @@ def test_row_log_layout_equals_the_per_token_reference(seed):
         for kind, *cols in history:
             (log.add_routes if kind == "routes" else log.add_samples)(*cols)
 
-    replay(_random_history(rng, uids, 5))
-    first = [11, 3, 57]
+    replay(_random_history(rng, uids, 5, idle))
+    first = [11, 3, 57] if idle else uids
     want = {u: reference_record(spy.history, u, starts[u], 3, 2, np.uint8) for u in uids}
     got = log.take(np.array(first), np.array([starts[u] for u in first]))
     for u, rec in zip(first, got):
@@ -153,9 +157,9 @@ def test_row_log_layout_equals_the_per_token_reference(seed):
         assert rec.problems == want[u]["problems"]
     assert any("never arrived" in p for u in uids for p in want[u]["problems"])  # the cases ran
     assert any("outside its recorded" in p for u in uids for p in want[u]["problems"])
-    replay(_random_history(rng, [12, 40, 41], 4))  # more flushes of the records not yet taken
-    log.drop([41])
-    rest = [40, 12]
+    replay(_random_history(rng, later, 4, idle))  # more flushes of the records not yet taken
+    log.drop([later[2]])
+    rest = [later[1], later[0]]
     got = log.take(np.array(rest), np.array([starts[u] for u in rest]))
     for u, rec in zip(rest, got):
         want_u = reference_record(spy.history, u, starts[u], 3, 2, np.uint8)

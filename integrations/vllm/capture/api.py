@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence
 
 from ....capture_config import CaptureConfig
 from ....geometry import EngineInfo, ModelGeometry
-from ....trace import RolloutTrace, Sampling
+from ....trace import RolloutTrace, Sampling, validate_traces
 from ..errors import CaptureHookError, CollectError, UnknownRequestError
 from ..link import AsyncLink, SyncLink
 from ..model import refuse_pipeline_parallel
@@ -159,15 +159,27 @@ class _CaptureBase:
         t0 = time.perf_counter()
         traces, failures = [], dict(failures or {})
         payloads = [None] * len(items) if payloads is None else payloads
+        staged: list[Any] = []  # per item: its hooks trace (None: no part from hooks), or the error refusing it
         for (key, _, comp, out), payload in zip(items, payloads):
             try:
                 if getattr(comp, "finish_reason", None) is None:  # a streamed child ends before its parent
                     raise UnknownRequestError(f"request {key!r} has not finished; collect final outputs only")
                 trace = None
-                if payload is not None:
+                if payload is not None:  # validated below, all together
                     record = CaptureRecord.from_dict(payload)
                     trace = build_trace(key, out.prompt_token_ids, comp, record, self.geometry, self._hooks_config,
-                                        self.engine_info)
+                                        self.engine_info, validate=False)
+                staged.append(trace)
+            except Exception as e:  # one bad request never costs the others their traces
+                staged.append(e)
+        built = [i for i, t in enumerate(staged) if isinstance(t, RolloutTrace)]
+        for j, e in validate_traces([staged[i] for i in built]).items():
+            staged[built[j]] = e
+        for (key, _, comp, out), trace in zip(items, staged):
+            if isinstance(trace, Exception):
+                failures[key] = trace
+                continue
+            try:
                 if self.plan.native:
                     trace = native_trace(key, out.prompt_token_ids, comp, self.plan, self.geometry, self.config,
                                          self.engine_info, base=trace,

@@ -66,10 +66,9 @@ def merge_stream(outputs: list[Any], n_of: dict[str, int]) -> tuple[list[tuple[s
 def support_overflow(key: str, sizes_G: np.ndarray, config: CaptureConfig, prompt_len: int | None = None) -> dict[str, int] | None:
     """Apply `config.on_support_overflow` to a request's support row sizes (hooks and native sources
     alike): None when every row fits, the `extra["support_omitted"]` entry under 'omit'; 'error' raises."""
-    over = np.flatnonzero(sizes_G > config.max_support)
-    if not len(over):
+    if not len(sizes_G) or int(sizes_G.max()) <= config.max_support:  # one reduction when every row fits
         return None
-    g = int(over[0])
+    g = int(np.flatnonzero(sizes_G > config.max_support)[0])
     at = "" if prompt_len is None else f" (position {prompt_len + g})"
     msg = (f"request {key!r}: sampling support of generated token {g}{at} has {int(sizes_G[g])} tokens, "
            f"above CaptureConfig.max_support={config.max_support}")
@@ -127,18 +126,21 @@ def build_trace(
     geometry: ModelGeometry,
     config: CaptureConfig,
     engine: EngineInfo,
+    validate: bool = True,
 ) -> RolloutTrace:
-    """One RolloutTrace from one completion and its worker record; raises a typed error on any gap."""
+    """One RolloutTrace from one completion and its worker record; raises a typed error on any gap.
+    `validate` False leaves `trace.validate()` to the caller (collect validates its traces
+    together: moe_replay.trace.validate_traces)."""
     if getattr(completion, "finish_reason", None) == "abort":
         raise RequestAbortedError(f"request {key!r} was aborted after {len(completion.token_ids)} tokens: no trace")
     check_record(record, key)
     rec = normalise(record, geometry)
     if rec.problems:
         raise CaptureAlignmentError(f"request {key!r}: {rec.problems[0]}")
-    prompt = np.asarray(prompt_token_ids, dtype=np.int64)
-    gen = np.asarray(completion.token_ids, dtype=np.int64)
-    tokens_S = np.concatenate([prompt, gen])
-    P, G, S = len(prompt), len(gen), len(prompt) + len(gen)
+    tokens_S = np.array([*prompt_token_ids, *completion.token_ids], dtype=np.int64)  # one conversion, not two and a concat
+    P = len(prompt_token_ids)
+    gen = tokens_S[P:]
+    G, S = len(gen), len(tokens_S)
     if rec.prompt_len != P:
         raise CaptureAlignmentError(f"request {key!r}: worker saw a prompt of {rec.prompt_len} tokens, output has {P}")
     route_start = int(rec.route_start)
@@ -159,7 +161,7 @@ def build_trace(
     support = logprobs = None
     if config.support or config.logprobs:
         got = rec.tokens_G
-        if len(got) < G or not np.array_equal(got[:G], gen):
+        if len(got) < G or not (got[:G] == gen).all():
             bad = next((g for g in range(min(len(got), G)) if got[g] != gen[g]), min(len(got), G))
             raise CaptureAlignmentError(
                 f"request {key!r}: sampler rows disagree with the output at generated token {bad} "
@@ -186,4 +188,4 @@ def build_trace(
         engine=engine,
         extra=extra,
     )
-    return trace.validate(Where(record=key))
+    return trace.validate(Where(record=key)) if validate else trace

@@ -80,12 +80,24 @@ class RecordBook:
     def _match(self, key: str) -> list[str]:
         return [rid for rid in (*self.finished, *self.live) if rid == key or external_id(rid) == key]
 
+    def _by_key(self) -> dict[str, list[str]]:
+        """Every key `_match` answers, to the ids it answers with (in its order): one pass over the
+        held records per take, not one per key taken."""
+        out: dict[str, list[str]] = {}
+        for rid in (*self.finished, *self.live):
+            out.setdefault(rid, []).append(rid)
+            ext = external_id(rid)
+            if ext != rid:
+                out.setdefault(ext, []).append(rid)
+        return out
+
     def take(self, keys: list[str]) -> list[CaptureRecord]:
         """Remove and return the records of `keys` (internal ids, or external ids as vLLM outputs
         them), their arrays laid out together (row_log.RowLog.take)."""
         out: list[CaptureRecord | RequestRecord] = []
+        held = self._by_key()
         for key in keys:
-            matches = self._match(key)
+            matches = [rid for rid in held.get(key, ()) if rid in self.finished or rid in self.live]  # not taken just now
             if not matches:
                 status = "evicted" if any(r == key or external_id(r) == key for r in self.evicted) else "unknown"
                 out.append(CaptureRecord(status, key=key, known=len(self.finished) + len(self.live)))

@@ -163,14 +163,18 @@ class RowLog:
             idx = np.flatnonzero((sorted_U[j] == uid) & ~blk.dead)
             if not len(idx):
                 continue
+            whole = len(idx) == len(uid)  # every row is taken (a prefix read, a window of these records only)
             blk.dead[idx] = True
             blk.ndead += len(idx)
-            if gather:
-                recs.append(order[j[idx]])
-                cols.append({k: v[idx] for k, v in blk.cols.items()})
+            if gather:  # a whole block's columns are handed over as they are: it is dropped below
+                recs.append(order[j] if whole else order[j[idx]])
+                cols.append(dict(blk.cols) if whole else {k: v[idx] for k, v in blk.cols.items()})
                 if blk.offsets is not None:
-                    cols[-1]["id0"], cols[-1]["nids"] = blk.segments(idx)
-                    cols[-1]["id0"] += base
+                    if whole:
+                        cols[-1]["id0"], cols[-1]["nids"] = blk.offsets[:-1] + base, blk.offsets[1:] - blk.offsets[:-1]
+                    else:
+                        cols[-1]["id0"], cols[-1]["nids"] = blk.segments(idx)
+                        cols[-1]["id0"] += base
                     ids.append(blk.ids)
                     base += len(blk.ids)
         if gather and recs:  # the ids before compaction moves them
@@ -181,6 +185,8 @@ class RowLog:
                 b.compact()
         if not recs:
             return None
+        if len(cols) == 1:
+            return recs[0], cols[0], ids
         joined = {k: np.concatenate([c[k] for c in cols]) for k in cols[0]}
         return np.concatenate(recs), joined, ids
 
