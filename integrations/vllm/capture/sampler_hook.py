@@ -296,13 +296,20 @@ def _kept_numpy(logits_XV: np.ndarray, tok_X: np.ndarray, want_logprobs: bool, w
     out_X = ~kept_XV[ar_X, tok_X]
     lp_X = None
     if want_logprobs:
-        # x[token] - logsumexp(x), logsumexp as torch computes it (max-shifted, -inf rows stay -inf);
-        # the scorer (scoring/force.py) evaluates the same expression in torch: they agree to ~1 ulp
-        m_X = logits_XV.max(axis=1)
-        m_X = np.where(np.isfinite(m_X), m_X, 0).astype(logits_XV.dtype)
-        shifted_XV = np.subtract(logits_XV, m_X[:, None])
+        # x[token] - logsumexp(x), logsumexp as torch computes it (max-shifted, a row with nothing
+        # kept stays -inf) over the kept entries only: the -inf ones add exp(-inf) = 0, and a
+        # truncated row keeps ~15 of V (top-p 0.9 at V = 512), so exp runs on ~3% of the stage.
+        # The scorer (scoring/force.py) evaluates the dense expression in torch: they agree to ~1 ulp.
+        vals_N = logits_XV[kept_XV]  # row by row
+        some_X = sizes_X > 0
+        starts_Y = (np.cumsum(sizes_X) - sizes_X)[some_X]
+        m_X = np.zeros(X, dtype=logits_XV.dtype)
+        sum_X = np.zeros(X, dtype=logits_XV.dtype)
+        if len(vals_N):
+            m_X[some_X] = np.maximum.reduceat(vals_N, starts_Y)
+            sum_X[some_X] = np.add.reduceat(np.exp(vals_N - np.repeat(m_X, sizes_X)), starts_Y)
         with np.errstate(divide="ignore"):
-            lse_X = np.log(np.exp(shifted_XV, out=shifted_XV).sum(axis=1)) + m_X
+            lse_X = np.log(sum_X) + m_X
         lp_X = (logits_XV[ar_X, tok_X] - lse_X).astype(np.float32)
     cols_M = None
     if want_support:  # rows in order, ids sorted; a boolean gather of the column ids: 3x np.nonzero's speed
