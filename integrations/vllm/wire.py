@@ -27,9 +27,11 @@ def pack_array(arr: np.ndarray) -> dict[str, Any]:
     return {"dtype": arr.dtype.str, "shape": list(arr.shape), "data": arr.tobytes()}  # tobytes: C order, any strides
 
 
-def unpack_array(d: Any) -> np.ndarray:
+def unpack_array(d: Any, copy: bool = True) -> np.ndarray:
+    """The array of pack_array's dict (a copy, writable; copy False: a read-only view of its bytes)."""
     if isinstance(d, dict) and "data" in d:
-        return np.frombuffer(d["data"], dtype=d["dtype"]).reshape(d["shape"]).copy()  # copy: writable
+        arr = np.frombuffer(d["data"], dtype=d["dtype"]).reshape(d["shape"])
+        return arr.copy() if copy else arr
     return np.asarray(d)
 
 
@@ -50,6 +52,8 @@ class _Wire:
     """to_dict / from_dict for a dataclass whose ARRAYS fields are numpy arrays (or None)."""
 
     ARRAYS: ClassVar[tuple[str, ...]] = ()
+    COPY: ClassVar[bool] = True
+    """from_dict copies each array (writable); False: read-only views of the reply's bytes."""
 
     def to_dict(self) -> dict[str, Any]:
         out = {}
@@ -65,8 +69,8 @@ class _Wire:
         names = _fields(cls)[1]
         if not names.issuperset(d):
             raise ValueError(f"{cls.__name__}: unknown wire field(s) {sorted(set(d) - names)}; expected {sorted(names)}")
-        arrays = cls.ARRAYS
-        return cls(**{k: unpack_array(v) if v is not None and k in arrays else v for k, v in d.items()})
+        arrays, copy = cls.ARRAYS, cls.COPY
+        return cls(**{k: unpack_array(v, copy) if v is not None and k in arrays else v for k, v in d.items()})
 
 
 def ok(value: Any = None) -> dict[str, Any]:
@@ -107,6 +111,9 @@ class CaptureRecord(_Wire):
 
     ARRAYS: ClassVar[tuple[str, ...]] = ("routes_TLK", "routes_filled_T", "tokens_G", "logprobs_G",
                                          "support_sizes_G", "support_offsets_G1", "support_ids_N")
+    COPY: ClassVar[bool] = False
+    """Read-only views: the client reads every array once and copies only the cut it keeps
+    (assemble.build_trace), so a copy of each on decoding would be a second one (7 per record)."""
 
     status: Literal["ok", "evicted", "ambiguous", "unknown"]
     key: str = ""

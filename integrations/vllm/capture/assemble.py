@@ -156,7 +156,7 @@ def build_trace(
                 f"request {key!r}: routes cover {gap} of {need} positions from {route_start}; "
                 f"position {route_start + gap} was never captured"
             )
-        routes = rec.routes_TLK[:need]
+        routes = rec.routes_TLK[:need].copy()  # the record's arrays may be read-only views of the reply (wire.py)
 
     support = logprobs = None
     if config.support or config.logprobs:
@@ -168,7 +168,7 @@ def build_trace(
                 f"(captured {len(got)} samples, output has {G} tokens)"
             )
         if config.logprobs:
-            logprobs = rec.logprobs_G[:G]
+            logprobs = rec.logprobs_G[:G].copy()
         if config.support:
             omitted = support_overflow(key, rec.support_sizes_G[:G], config)
             if omitted:

@@ -42,9 +42,13 @@ def last_occurrence(keys: np.ndarray) -> np.ndarray:
 
 
 def newest_by_key(keys: np.ndarray) -> np.ndarray:
-    """Index of the last occurrence of each distinct key, in ascending key order."""
-    _, first_in_reversed = np.unique(keys[::-1], return_index=True)
-    return len(keys) - 1 - first_in_reversed
+    """Index of the last occurrence of each distinct key, in ascending key order: a stable sort
+    keeps equal keys in arrival order, so each run's last element is the newest (np.unique on the
+    reversed keys does the same with twice the numpy calls)."""
+    order = np.argsort(keys, kind="stable")
+    srt = keys[order]
+    ends = np.flatnonzero(srt[1:] != srt[:-1])
+    return order[np.append(ends, len(keys) - 1)] if len(keys) else order
 
 
 def segment_gather(ids_N: np.ndarray, start_X: np.ndarray, count_X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -159,13 +163,21 @@ class RowLog:
         recs, cols, ids, base = [], [], [], 0
         for blk in blocks:
             uid = blk.cols["uid"]
-            j = np.minimum(np.searchsorted(sorted_U, uid), len(sorted_U) - 1)
-            idx = np.flatnonzero((sorted_U[j] == uid) & ~blk.dead)
-            if not len(idx):
+            j = np.searchsorted(sorted_U, uid)
+            np.minimum(j, len(sorted_U) - 1, out=j)
+            hit = sorted_U[j] == uid
+            if blk.ndead:
+                hit &= ~blk.dead
+            n = int(np.count_nonzero(hit))
+            if not n:
                 continue
-            whole = len(idx) == len(uid)  # every row is taken (a prefix read, a window of these records only)
-            blk.dead[idx] = True
-            blk.ndead += len(idx)
+            whole = n == len(uid)  # every row is taken (a prefix read, a window of these records only)
+            idx = None if whole else np.flatnonzero(hit)
+            if whole:
+                blk.dead[:] = True
+            else:
+                blk.dead[idx] = True
+            blk.ndead += n
             if gather:  # a whole block's columns are handed over as they are: it is dropped below
                 recs.append(order[j] if whole else order[j[idx]])
                 cols.append(dict(blk.cols) if whole else {k: v[idx] for k, v in blk.cols.items()})
@@ -220,9 +232,10 @@ class RowLog:
         if keep is None or not len(keep):
             empty = np.zeros((0, self.L, self.K), dtype=self.route_dtype), np.zeros(0, dtype=bool)
             return [empty] * U
-        rec_K, rel_K = rec_A[keep], rel_A[keep]
+        whole = len(keep) == len(rel_A)  # no row before its record's route_start (the usual take)
+        rec_K, rel_K = (rec_A, rel_A) if whole else (rec_A[keep], rel_A[keep])
         k = newest_by_key(rec_K * (int(rel_K.max()) + 1) + rel_K)  # sorted by (record, position)
-        e = keep[k]
+        e = k if whole else keep[k]
         rec_E, rel_E, valid_E = rec_K[k], rel_K[k], c["valid"][e]
         n_U = np.zeros(U, dtype=np.int64)
         v = np.flatnonzero(valid_E)
@@ -231,13 +244,17 @@ class RowLog:
             n_U[rec_E[last]] = rel_E[last] + 1
         off_U1 = np.zeros(U + 1, dtype=np.int64)
         np.cumsum(n_U, out=off_U1[1:])
-        inside = np.flatnonzero(rel_E < n_U[rec_E])
-        dst = off_U1[rec_E[inside]] + rel_E[inside]
-        routes = np.zeros((int(off_U1[-1]), self.L, self.K), dtype=self.route_dtype)
-        filled = np.zeros(int(off_U1[-1]), dtype=bool)
-        routes[dst] = c["rows"][e[inside]]
-        filled[dst] = valid_E[inside]
-        return [(routes[off_U1[u]:off_U1[u + 1]], filled[off_U1[u]:off_U1[u + 1]]) for u in range(U)]
+        inside_E = rel_E < n_U[rec_E]
+        if not inside_E.all():  # rows past a record's last valid one (invalid prefix-read rows) are cut
+            inside = np.flatnonzero(inside_E)
+            rec_E, rel_E, valid_E, e = rec_E[inside], rel_E[inside], valid_E[inside], e[inside]
+        dst = off_U1[rec_E] + rel_E
+        o = off_U1.tolist()
+        routes = np.zeros((o[-1], self.L, self.K), dtype=self.route_dtype)
+        filled = np.zeros(o[-1], dtype=bool)
+        routes[dst] = c["rows"][e]
+        filled[dst] = valid_E
+        return [(routes[o[u]:o[u + 1]], filled[o[u]:o[u + 1]]) for u in range(U)]
 
     def _samples(self, U: int, picked, problems: list[list[str]]) -> list[tuple[np.ndarray, ...]]:
         """Per record, by generated index g from 0: token, logprob, support size and CSR ids, cut
@@ -254,20 +271,22 @@ class RowLog:
                 problems[u].append(f"a sampler row at generated index {int(g_A[(rec_A == u) & (g_A < 0)][0])} < 0")
             if not len(ok):
                 return [none] * U
-        rec_V, g_V = rec_A[ok], g_A[ok]
+        every = len(ok) == len(g_A)  # (the usual take: no row to leave out, no gap; fewer copies)
+        rec_V, g_V = (rec_A, g_A) if every else (rec_A[ok], g_A[ok])
         k = newest_by_key(rec_V * (int(g_V.max()) + 1) + g_V)  # sorted by (record, g)
-        e, rec_E, g_E = ok[k], rec_V[k], g_V[k]
+        e, rec_E, g_E = (k if every else ok[k]), rec_V[k], g_V[k]
         count_U = np.bincount(rec_E, minlength=U)
         start_U = np.cumsum(count_U) - count_U
         whole_E = g_E == np.arange(len(e)) - start_U[rec_E]  # g rises within a record: true up to its first gap
-        if not whole_E.all():
+        gapless = bool(whole_E.all())
+        if not gapless:
             for u in np.unique(rec_E[~whole_E]):
                 have = int(np.count_nonzero(whole_E & (rec_E == u)))
                 top = int(g_E[start_U[u] + count_U[u] - 1])
                 problems[u].append(f"sample for generated token {have} never arrived ({int(count_U[u])} of {top + 1})")
-        x, rec_X = e[whole_E], rec_E[whole_E]
+        x, rec_X = (e, rec_E) if gapless else (e[whole_E], rec_E[whole_E])
         off_U1 = np.zeros(U + 1, dtype=np.int64)
-        np.cumsum(np.bincount(rec_X, minlength=U), out=off_U1[1:])
+        np.cumsum(count_U if gapless else np.bincount(rec_X, minlength=U), out=off_U1[1:])
         tokens, lps, sizes, outside = c["tokens"][x], c["logprobs"][x], c["sizes"][x], c["outside"][x]
         offsets, ids = segment_gather(ids_all, c["id0"][x], c["nids"][x])
         if outside.any():
@@ -278,8 +297,8 @@ class RowLog:
                     f"sampled token {int(tokens[a + g])} of generated token {g} is outside its recorded sampling "
                     f"support ({int(sizes[a + g])} tokens; {int(outside[a:b].sum())} such rows): the sampler drew "
                     "from another set than the one recorded (see sampler_hook.py: exactness)")
-        out = []
+        out, o, n = [], off_U1.tolist(), offsets[off_U1].tolist()  # Python ints: cheap slicing
         for u in range(U):
-            a, b = off_U1[u], off_U1[u + 1]
-            out.append((tokens[a:b], lps[a:b], sizes[a:b], offsets[a:b + 1] - offsets[a], ids[offsets[a]:offsets[b]]))
+            a, b = o[u], o[u + 1]
+            out.append((tokens[a:b], lps[a:b], sizes[a:b], offsets[a:b + 1] - n[u], ids[n[u]:n[u + 1]]))
         return out
