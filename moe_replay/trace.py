@@ -345,9 +345,9 @@ def validate_traces(traces: Sequence[RolloutTrace]) -> dict[int, Exception]:
     all the traces' arrays laid end to end, then each trace runs validate's other checks; only when
     a batch check fails does every trace run its own validate(), which names the first bad place
     as always. Why: these checks are ~25 numpy calls per trace whatever its length, and capture
-    validates every collected trace (8 traces of ~230 tokens: ~0.8 ms per trace alone, ~0.15 ms
-    together). A trace refused here is refused by validate() with the same error, and one
-    validate() accepts is accepted here."""
+    validates every collected trace (8 bench traces of ~230 tokens: ~3x cheaper together than one
+    by one, 0.47 vs 1.5 ms on a loaded 2-core host). A trace refused here is refused by validate()
+    with the same error, and one validate() accepts is accepted here."""
     errors: dict[int, Exception] = {}
     if len(traces) > 1 and _arrays_ok(traces):
         for i, t in enumerate(traces):
