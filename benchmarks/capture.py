@@ -1,9 +1,10 @@
 """Cost of vLLM capture (routes + sampling support + logprobs) on the real CPU engine.
 
 For each model (the `tiny` test model and the `bench` model, where the MoE forward dominates a
-step: 8 MoE layers, hidden 512, 32 experts, top-4), two in-process engines are built alike: a plain
-one (off) and one with capture attached for the whole run (on), as a user runs it. Each pair is one
-lockstep round: the same requests go to both engines, which are stepped alternately (which one
+step: 8 MoE layers, hidden 512, 32 experts, top-4), two in-process engines are built alike, both with
+`capture_engine_kwargs()`; each round capture is attached to one (on) while the other runs plain
+(off), the roles swapping every two rounds (two identical engines differ by ~0.7% here: swapping
+cancels it; see bench_model). Each pair is one lockstep round: the same requests go to both engines, which are stepped alternately (which one
 steps first alternates by round), each with its own copy of the torch RNG seeded alike, so both
 sample the same tokens (`identical_tokens`) and every step of one engine runs next to the same step
 of the other. Why lockstep: on the shared 2-core machine whole runs drift by 10-30% over seconds
@@ -35,9 +36,9 @@ row log together), client.rpc (the take call less the worker's own time in it), 
 route functions inside the forward).
 
 `compiled` (bench model, vLLM's default `enforce_eager=False`: torch.compile on vLLM-CPU): the same,
-both engines compiled, the capture one built with `capture_engine_kwargs()` (its routers write
-into the step buffer bound at load, inside the compiled graph). Target (#35): <= 1.0%, eager too.
-`compiled.ops` (one torch.profiler run per side, each engine alone): op counts per engine step off / on, the ops capture
+both engines compiled (their routers write into the step buffer bound at load, inside the compiled
+graph, attached or not: that write is in both sides). Target (#35): <= 1.0%, eager too.
+`compiled.ops` (one torch.profiler run per side, engine 0 alone, capture detached / attached): op counts per engine step off / on, the ops capture
 adds per step, their self CPU ms per step, and compiled-graph calls (equal off and on: the route
 writes run inside the compiled graph, no split). Counts do not move with the machine's load; on a
 loaded 2-core machine process CPU time does (OpenMP threads spin while waiting for a core).
@@ -118,62 +119,75 @@ def _lockstep_round(sides: dict[bool, Any], prompts: list[str], params: Any, tag
 
 
 def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens: int, *, compiled: bool = False) -> dict:
-    """Two engines side by side, built alike (eager or compiled): a plain one (off) and one with
-    capture attached for the whole run (on), as a user runs it. Each pair is one lockstep round
-    (`_lockstep_round`) plus, on the capture side, collect(): the traces leaving the worker."""
+    """Two engines side by side, both built for capture (eager or compiled); in each pair capture is
+    attached to one of them for the round (on) and the other runs plain (off). Which engine carries
+    capture alternates every two rounds, and which steps first every round: two identical plain
+    engines differ by ~0.7% here (the one built first was slower: an A/A lockstep run of 20
+    rounds), a bias as large as the effect sought, which swapping the roles cancels. Each pair is
+    one lockstep round (`_lockstep_round`) plus, on the capture side, collect()."""
     from vllm import SamplingParams
 
     from moe_replay.codec import encode_trace
     from moe_replay.integrations.vllm import CaptureConfig, VllmCapture
+    from moe_replay.integrations.vllm.timings import merge_part_dicts
     from moe_replay.models import build_tiny_model
 
     model_dir = build_tiny_model("qwen3_moe", root / size, seed=0, size=size)
-    sides = {True: _engine(model_dir, num_prompts, eager=not compiled, capture=True),
-             False: _engine(model_dir, num_prompts, eager=not compiled, capture=False)}
-    cap = VllmCapture(sides[True], CaptureConfig())
+    engines = [_engine(model_dir, num_prompts, eager=not compiled, capture=True) for _ in range(2)]
     prompts = _workload(num_prompts)
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=max_tokens, ignore_eos=True)
+    parts_seen: list[dict] = []
+    info: dict[str, Any] = {"steps": 0}
 
     def round_(i: int) -> tuple[float, float, int, bool, list]:
-        got = _lockstep_round(sides, prompts, params, f"r{i}", first=i % 2 == 0)
-        outs = [got[True]["outputs"][k] for k in sorted(got[True]["outputs"])]
-        t0 = time.perf_counter()
-        traces = cap.collect(outs)
-        collect_s = time.perf_counter() - t0
+        c = (i // 2) % 2  # the engine that carries capture this round
+        sides = {True: engines[c], False: engines[1 - c]}
+        cap = VllmCapture(sides[True], CaptureConfig())
+        try:
+            got = _lockstep_round(sides, prompts, params, f"r{i}", first=i % 2 == 0)
+            outs = [got[True]["outputs"][k] for k in sorted(got[True]["outputs"])]
+            t0 = time.perf_counter()
+            traces = cap.collect(outs)
+            collect_s = time.perf_counter() - t0
+            parts_seen.append(cap.timings())  # after the clock stopped
+            st = cap.stats()
+            info["steps"] += st["steps"]
+            info["route_mode"] = st["route_mode"]
+        finally:
+            cap.uninstall()
         same = all(got[False]["outputs"][o.request_id].outputs[0].token_ids == o.outputs[0].token_ids for o in outs)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         return got[False]["s"], got[True]["s"] + collect_s, tokens, same, traces
 
-    def solo(capture: bool) -> None:  # one engine alone (the op profile)
-        outs = sides[capture].generate(prompts, params, use_tqdm=False)
-        if capture:
+    def solo(capture: bool) -> None:  # engine 0 alone, capture detached or attached (the op profile)
+        cap = VllmCapture(engines[0], CaptureConfig()) if capture else None
+        outs = engines[0].generate(prompts, params, use_tqdm=False)
+        if cap is not None:
             cap.collect(outs)
+            cap.uninstall()
 
-    for i in range(2):  # warm both engines and the capture path
-        round_(-1 - i)
+    for i in range(4):  # warm both engines in both roles
+        round_(-4 + i)
     prof = _op_profile(solo) if compiled else None
-    cap.timings(reset=True)
-    steps0 = cap.stats()["steps"]
+    parts_seen.clear()
+    info["steps"] = 0
     off_s, on_s, same_all, traces, tokens = [], [], True, None, 0
     for i in range(pairs):
         t_off, t_on, tokens, same, traces = round_(i)
         off_s.append(t_off), on_s.append(t_on)
         same_all &= same
-    parts, steps = cap.timings(), cap.stats()["steps"] - steps0
-    mode = cap.stats()["route_mode"]
     ratios = [b / a - 1 for a, b in zip(off_s, on_s)]
     nbytes = sum(len(encode_trace(t)) for t in traces)
     geo = traces[0].geometry
-    breakdown = _breakdown(parts, sum(on_s), steps)
-    cap.uninstall()
-    for engine in sides.values():
+    breakdown = _breakdown(merge_part_dicts(parts_seen), sum(on_s), info["steps"])
+    for engine in engines:
         engine.llm_engine.engine_core.shutdown()
-    del sides, engine
+    del engines, engine
     gc.collect()
     return {
         "model": f"qwen3_moe/{size}",
         "enforce_eager": not compiled,
-        "route_mode": mode,
+        "route_mode": info["route_mode"],
         "geometry": {"moe_layers": geo.num_moe_layers, "experts": geo.num_experts, "top_k": geo.top_k,
                      "vocab": geo.vocab_size},
         "requests": num_prompts,
