@@ -160,7 +160,11 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
         return got[False]["s"], got[True]["s"] + collect_s, tokens, same, traces
 
     def solo(capture: bool) -> None:  # engine 0 alone, capture detached or attached (the op profile)
+        import torch
+
         cap = VllmCapture(engines[0], CaptureConfig()) if capture else None
+        engines[0].reset_prefix_cache()  # both runs forward every prompt token and sample alike
+        torch.manual_seed(1234)
         outs = engines[0].generate(prompts, params, use_tqdm=False)
         if cap is not None:
             cap.collect(outs)
