@@ -101,9 +101,9 @@ class HostRing:
 
     def take(self, src_ptr: int, n: int) -> RingRows:
         """Copy n items from `src_ptr` to the next rows; a ring without room starts over first."""
-        a = self.used if self.used + n <= self.capacity else 0
         if n > self.capacity:
             raise RuntimeError(f"a step of {n} items exceeds the host ring ({self.capacity})")
+        a = self.used if self.used + n <= self.capacity else 0
         ctypes.memmove(self._ptr + a * self._itemsize, src_ptr, n * self._itemsize)
         self.used = a + n
         return RingRows(self.array, a, a + n)
@@ -156,17 +156,15 @@ class StepViews:
         if not self._host:
             return
         # the runner's host buffers, by address: a `.numpy()` per step is ~4 dispatcher ops
-        pos = r.positions
-        if not (pos.is_contiguous() and self._qsl.flags.c_contiguous and self._discard.flags.c_contiguous):
+        src = {"qsl": self._qsl, "pos": r.positions.numpy(), "discard": self._discard}
+        if not all(a.flags.c_contiguous for a in src.values()):
             raise RuntimeError("vLLM runner step buffers are not contiguous host arrays")
-        self._src = {"qsl": self._qsl.ctypes.data, "pos": pos.data_ptr(), "discard": self._discard.ctypes.data}
-        dtypes = {"qsl": self._qsl.dtype, "pos": np.dtype(str(pos.dtype).removeprefix("torch.")),
-                  "discard": self._discard.dtype}
+        self._src = {name: a.ctypes.data for name, a in src.items()}
         sizes = {"qsl": 2 * self.ring_tokens, "pos": self.ring_tokens, "discard": 2 * self.ring_tokens}
-        for name, dt in dtypes.items():
+        for name, a in src.items():
             ring = self._rings.get(name)
-            if ring is None or ring.array.dtype != dt:
-                self._rings[name] = HostRing(dt, sizes[name])
+            if ring is None or ring.array.dtype != a.dtype:
+                self._rings[name] = HostRing(a.dtype, sizes[name])
 
     def room_for_step(self) -> bool:
         """Whether every host ring holds one more step of the largest size (always, off host)."""
