@@ -24,16 +24,18 @@ and hook_time_fraction: seconds in capture code (`breakdown`'s total) over the o
 `breakdown`: the same capture code by part (`VllmCapture.timings()`, summed over the timed rounds):
 `share_of_wall` (each part's seconds over the on side's time), `share_of_capture`,
 `us_per_step` (part seconds per engine step, whatever how often the part runs) and `calls`. Parts:
-step.* run in every engine step (finish: finished requests and room checks; arm: the route rows'
-sentinel; layout: the step's request ids, query starts, positions; route_copy: step buffer -> arena;
-slots: KV slots; batch: records of the batch, the step's snapshot; support_stage: the truncated
-logit rows' copy; commit: the sampled ids), flush.* once per flush (window: steps laid end to end;
+step.* run in every engine step (after_forward: the one hook after the forward: finished
+requests queued, room counters, the step's request ids, query starts, positions and KV slots
+memmoved to host rings, the route rows filed to the arena and re-armed, the batch's records, the
+step's snapshot; support_stage: the truncated logit rows' copy; commit: the sampled ids; arm: the
+route rows' sentinel before the forward, only on device runners and under data parallelism),
+flush.* once per flush (window: steps laid end to end;
 route_read: the arena read to the host, sentinel check; slot_cache; route_records: the window's
 routes to the row log, one block; kept_sets: kept ids, sizes, logprob gathers; sample_records: the
 sampler rows to the row log), take.assemble once per take (every taken record laid out from the
 row log together), client.rpc (the take call less the worker's own time in it), client.build
-(decoding records, building and validating traces), forward.route_hold (eager CPU engines: the
-route functions inside the forward).
+(decoding records, building and validating traces). Not timed: the route functions inside an eager
+forward (two list stores per layer; timing them cost as much as they do) and the wrappers.
 
 `compiled` (bench model, vLLM's default `enforce_eager=False`: torch.compile on vLLM-CPU): the same,
 both engines compiled (their routers write into the step buffer bound at load, inside the compiled

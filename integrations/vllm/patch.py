@@ -134,62 +134,93 @@ class StepBracket:
     vLLM takes one worker_extension_cls and an instance attribute can be wrapped once, so capture
     (capture.worker.WorkerCapture) and scoring (scoring.force.WorkerScoring) do not each wrap execute_model: they
     register here. Per step, listeners' `before_step(scheduler_output)` run before the original
-    (input batch not yet updated), `before_forward()` (listeners that have it) inside it, once the
-    inputs are prepared and before the model runs (outside any compiled graph), and
-    `after_forward(scheduler_output)` after it (batch, positions and the step's hidden states in
-    place). Seconds spent in each listener go to its `hook_s`.
-    Both read the step's rows from one `views.layout(n)` (step.py). The wrapper is removed when
+    (input batch not yet updated), `before_forward()` inside it, once the inputs are prepared and
+    before the model runs (outside any compiled graph), and `after_forward(scheduler_output)` after
+    it (batch, positions and the step's hidden states in place). A listener runs only the hooks it
+    names in `step_hooks` (all three when it has no such attribute): each hook a step enters costs
+    ~10-25 us inside a busy engine whatever it does (the first touch of its code and data after
+    the forward, benchmarks/capture.py), so `_model_forward` is wrapped only once a listener asks
+    for before_forward. Seconds spent in each listener go to its `hook_s`.
+    Both read the step's rows from one `views.layout(n)` (step.py). The wrappers are removed when
     the last listener leaves (`remove`).
     """
+
+    HOOKS = ("before_step", "before_forward", "after_forward")
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.views = StepViews(runner)
         """The one layout of each step (request ids, query starts, positions) the listeners share."""
         self.listeners: list[Any] = []
+        self._on: dict[str, tuple[Any, ...]] = {h: () for h in self.HOOKS}
+        """Hook name -> the listeners that run it, in registration order."""
         self.in_step = False
         """True between before_step and after_forward of a real engine step (never in dummy runs)."""
         self._patches = InstancePatches()
+        self._forward_wrapped = False
+        on, clock = self._on, time.perf_counter
 
         def make_execute(orig):
             def execute_model(scheduler_output, *args, **kwargs):
                 self.views.new_step()
-                for lst in list(self.listeners):
-                    t0 = time.perf_counter()
+                for lst in on["before_step"]:
+                    t0 = clock()
                     lst.before_step(scheduler_output)
-                    lst.hook_s += time.perf_counter() - t0
+                    lst.hook_s += clock() - t0
                 self.in_step = True
                 try:
                     out = orig(scheduler_output, *args, **kwargs)
                 finally:
                     self.in_step = False
-                for lst in list(self.listeners):
-                    t0 = time.perf_counter()
+                for lst in on["after_forward"]:
+                    t0 = clock()
                     lst.after_forward(scheduler_output)
-                    lst.hook_s += time.perf_counter() - t0
+                    lst.hook_s += clock() - t0
                 return out
 
             return execute_model
 
-        def make_forward(orig):
-            def model_forward(*args, **kwargs):
-                if self.in_step:  # never in dummy / warm-up / graph-capture runs
-                    for lst in list(self.listeners):
-                        if hasattr(lst, "before_forward"):
-                            t0 = time.perf_counter()
-                            lst.before_forward()
-                            lst.hook_s += time.perf_counter() - t0
-                return orig(*args, **kwargs)
-
-            return model_forward
-
         self._patches.wrap(runner, "execute_model", make_execute)
-        if hasattr(runner, "_model_forward"):  # absent: forced rows fail as never filled (scoring)
-            self._patches.wrap(runner, "_model_forward", make_forward)
+
+    def _make_forward(self, orig):
+        on, clock = self._on, time.perf_counter
+
+        def model_forward(*args, **kwargs):
+            if self.in_step:  # never in dummy / warm-up / graph-capture runs
+                for lst in on["before_forward"]:
+                    t0 = clock()
+                    lst.before_forward()
+                    lst.hook_s += clock() - t0
+            return orig(*args, **kwargs)
+
+        return model_forward
+
+    def add(self, listener: Any) -> None:
+        if listener in self.listeners:
+            raise CaptureHookError(f"{type(listener).__name__} is already registered on this runner's step bracket")
+        hooks = tuple(getattr(listener, "step_hooks", self.HOOKS))
+        odd = [h for h in hooks if h not in self.HOOKS or not callable(getattr(listener, h, None))]
+        if odd:
+            raise CaptureHookError(f"{type(listener).__name__} names step hooks {odd} it does not have "
+                                   f"(known: {self.HOOKS})")
+        if "before_forward" in hooks and not self._forward_wrapped and hasattr(self.runner, "_model_forward"):
+            self._patches.wrap(self.runner, "_model_forward", self._make_forward)  # absent: forced rows fail as never filled (scoring)
+            self._forward_wrapped = True
+        self.listeners.append(listener)
+        self._sync()
+
+    def resync(self) -> None:
+        """Read the listeners' `step_hooks` again (a listener that changed which hooks it runs)."""
+        self._sync()
+
+    def _sync(self) -> None:
+        for h in self.HOOKS:
+            self._on[h] = tuple(lst for lst in self.listeners if h in getattr(lst, "step_hooks", self.HOOKS))
 
     def remove(self, listener: Any) -> None:
         if listener in self.listeners:
             self.listeners.remove(listener)
+            self._sync()
         if not self.listeners:
             self._patches.undo()
             st = runner_state(self.runner)
@@ -203,16 +234,18 @@ def step_bracket(runner: Any, listener: Any) -> StepBracket:
     bracket = st.bracket
     if bracket is None:
         bracket = st.bracket = StepBracket(runner)
-    if listener in bracket.listeners:
-        raise CaptureHookError(f"{type(listener).__name__} is already registered on this runner's step bracket")
-    bracket.listeners.append(listener)
+    try:
+        bracket.add(listener)
+    except Exception:
+        bracket.remove(listener)  # a bracket left without listeners unwraps the runner
+        raise
     return bracket
 
 
-def patch_runner(runner: Any, capture: Any) -> tuple[InstancePatches, Any]:
+def patch_runner(runner: Any, capture: Any) -> tuple[InstancePatches, StepBracket]:
     """Install capture on one model runner: the step bracket plus the two sampler wrappers.
 
-    Returns the patches (their undo() also leaves the step bracket) and the bracket's StepViews.
+    Returns the patches (their undo() also leaves the step bracket) and the bracket.
     """
     patches = InstancePatches()
     bracket = step_bracket(runner, capture)
@@ -247,7 +280,7 @@ def patch_runner(runner: Any, capture: Any) -> tuple[InstancePatches, Any]:
     except Exception:
         patches.undo()
         raise
-    return patches, bracket.views
+    return patches, bracket
 
 
 def patch_routers(routers: list[Any], make: Callable[[int, Callable], Callable]) -> InstancePatches:

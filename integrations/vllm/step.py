@@ -96,9 +96,6 @@ class HostRing:
         self._ptr, self._itemsize, self.capacity = self.array.ctypes.data, self.array.itemsize, capacity
         self.used = 0
 
-    def room(self, n: int) -> bool:
-        return self.used + n <= self.capacity
-
     def take(self, src_ptr: int, n: int) -> RingRows:
         """Copy n items from `src_ptr` to the next rows; a ring without room starts over first."""
         if n > self.capacity:
@@ -126,8 +123,9 @@ class StepViews:
 
     Host runners copy each step's rows into HostRings (memmove, no numpy inside the step): the
     layouts stay valid until `rewind`, which the capture listener calls after each flush; a ring
-    without room starts over by itself, so a listener that keeps layouts checks `room_for_step`
-    before each step and flushes first."""
+    without room starts over by itself, so a listener that keeps layouts counts the items it took
+    against `free_items` and flushes first (a step of n tokens takes n positions, n slots, <= n
+    discard flags and <= n + 1 query starts)."""
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
@@ -138,8 +136,6 @@ class StepViews:
         """Host runners: "qsl", "pos", "discard" and "slots<group>" rings (allocated at first bind)."""
         self._slot_ptrs: dict[int, int] = {}
         tokens = int(getattr(runner, "max_num_tokens", 0) or 0)
-        self._step_tokens = tokens
-        self._step_rows = int(getattr(getattr(runner, "input_batch", None), "max_num_reqs", 0) or 0) + 1
         self.ring_tokens = max(1 << 16, 4 * tokens)
         """Tokens the host rings hold: 64 Ki (512 KiB of int64 positions) or four full steps."""
 
@@ -166,15 +162,21 @@ class StepViews:
             if ring is None or ring.array.dtype != a.dtype:
                 self._rings[name] = HostRing(a.dtype, sizes[name])
 
-    def room_for_step(self) -> bool:
-        """Whether every host ring holds one more step of the largest size (always, off host)."""
-        return all(ring.room(self._step_rows if name in ("qsl", "discard") else self._step_tokens)
-                   for name, ring in self._rings.items())
+    def free_items(self) -> int:
+        """Items the fullest host ring takes before it starts over (rings not made yet: ring_tokens;
+        off host the layouts are copies and the rings are not used)."""
+        return min((ring.capacity - ring.used for ring in self._rings.values()), default=self.ring_tokens)
 
     def rewind(self) -> None:
-        """Start every host ring over: layouts and slots taken before are no longer valid."""
+        """Start every host ring over: layouts and slots taken before are no longer valid, except
+        the current step's layout (a listener that flushes inside a step keeps what another
+        listener took of it before the forward)."""
+        keep = {}
+        if self._layout is not None and self._host:
+            lay = self._layout
+            keep = {id(r.ring): r.stop for r in (lay._qsl, lay._pos, lay._discard)}
         for ring in self._rings.values():
-            ring.used = 0
+            ring.used = keep.get(id(ring.array), 0)
 
     def layout(self, n: int) -> StepLayout:
         """The current step's layout for its n scheduled tokens (taken once, then shared)."""

@@ -270,8 +270,8 @@ class VllmCapture(_CaptureBase):
         """Host seconds and calls per part of capture's work, worker and client, since attach or the
         last `timings(reset=True)`: {part: {"s": seconds, "calls": count}}, parts disjoint (their sum
         is capture's host time; the route writes inside a compiled graph are not in it). Parts:
-        step.* (every engine step), flush.* (once per flush), take.assemble, forward.route_hold
-        (eager CPU engines), client.rpc / client.build / client.store (collect). Flushes first, so
+        step.* (every engine step), flush.* (once per flush), take.assemble, client.rpc /
+        client.build / client.store (collect). Flushes first, so
         every finished step is counted. See integrations/vllm/timings.py (`shares` turns them into
         fractions of a wall time)."""
         worker = (self._link.call("capture.timings", bool(reset)) if self._link is not None

@@ -8,10 +8,12 @@ of forward:
                into `StepRoutes.step_TLK`, a buffer allocated before compilation (fixed address:
                what a replayed CUDA graph needs, and what vLLM's own routed_experts_capturer.py
                does). It is pure tensor work with no Python state, so torch.compile traces it into
-               the graph. Rows a step should fill are set to a sentinel (the dtype's max, never an
-               expert id) before the forward, so a layer that did not route a row shows up after
-               it: an error, never zeros. After the forward the step's rows go to an arena (one
-               copy on the runner's device); the arena goes to the host once per flush.
+               the graph. Rows a step should fill hold a sentinel (every bit set: never an expert
+               id) when the forward starts, so a layer that did not route a row shows up after it:
+               an error, never zeros. After the forward the step's rows go to an arena (one copy
+               on the runner's device); the arena goes to the host once per flush. On a host
+               buffer the rows just read are set back to the sentinel right then (one memset in
+               the same hook, `RouteCapture.arm_before`), so no hook runs before the step.
   hold         (eager CPU engines) the function keeps a reference to the router's fresh id
                tensor: ~1.3 us per layer, against ~10-20 us for a tensor copy inside a busy CPU
                engine (benchmarks/capture.py), and nothing overwrites those tensors.
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import time
 from typing import Any
 
 import numpy as np
@@ -147,14 +148,13 @@ class StepRoutes:
         num_experts = max(int(r.global_num_experts) for r in routers)
         top_k = max(int(r.top_k) for r in routers)
         self.dtype = torch_route_dtype(num_experts + 1)
-        self.sentinel = int(torch.iinfo(self.dtype).max)
+        self.sentinel = -1 if self.dtype.is_signed else int(torch.iinfo(self.dtype).max)
+        """Every bit set (uint8 255, int16/int32 -1): never an expert id, and one memset writes it."""
         self.rows = int(rows)
         self.step_TLK = torch.full((self.rows, len(routers), top_k), self.sentinel, dtype=self.dtype, device=device)
         self._np = self.step_TLK.numpy() if self.step_TLK.device.type == "cpu" else None
         self.row_bytes = len(routers) * top_k * self.step_TLK.element_size()
         self.ptr = self.step_TLK.data_ptr()
-        self._sentinel_rows = np.full(self._np.shape, self.sentinel, self._np.dtype) if self._np is not None else None
-        """Host buffers: sentinel rows to memmove from (arm runs no numpy inside the step, step.HostRing)."""
         self._routers = routers
         self.dp_rows = dp_rows
         for j, router in enumerate(routers):
@@ -162,11 +162,17 @@ class StepRoutes:
                                   functools.partial(write_local_step_rows, self.step_TLK, j, dp_rows))
 
     def arm(self, num_tokens: int) -> None:
-        """Set the rows the next forward must fill to the sentinel (outside the graph)."""
-        if self._sentinel_rows is not None:  # a memmove: ~3 us; a numpy fill pays ~25 us first-call here
-            ctypes.memmove(self.ptr, self._sentinel_rows.ctypes.data, num_tokens * self.row_bytes)
+        """Set rows [0, num_tokens) to the sentinel (outside the graph)."""
+        if self._np is not None:  # one memset, no numpy: a numpy fill pays ~25 us first-call inside a step
+            ctypes.memset(self.ptr, 0xFF, num_tokens * self.row_bytes)
         else:
             self.step_TLK[:num_tokens].fill_(self.sentinel)
+
+    def dirty_rows(self) -> int:
+        """Host buffer: rows not at the sentinel (0 when every row is; -1 off host: not read)."""
+        if self._np is None:
+            return -1
+        return int(np.count_nonzero((self._np.reshape(self.rows, -1).view(np.uint8) != 0xFF).any(axis=1)))
 
     def unbind(self) -> None:
         for router in self._routers:
@@ -195,9 +201,9 @@ LOAD_STEPS.add(CAPTURE_FLAG, LoadStep(bind_at_load, (__file__,)))
 class RouteCapture:
     """Route rows of recent steps (`capacity` rows at most), filled by one of the two ways above.
 
-    Rows are numbered from 0 since the last flush; `offset` is the current step's first. The
-    window always holds at least one full step (max_num_tokens rows), else what `budget_bytes`
-    allows. Per step: `arm` before the forward, `land` after it, `chunk` at the flush.
+    Rows are numbered from 0 since the last flush. The window always holds at least one full step
+    (max_num_tokens rows), else what `budget_bytes` allows. Per step: `land` after the forward
+    (which also re-arms the rows for the next one, unless `arm_before`), `chunk` at the flush.
     """
 
     def __init__(self, runner: Any, geometry: ModelGeometry, budget_bytes: int = 0) -> None:
@@ -241,36 +247,36 @@ class RouteCapture:
             if self.arena_TLK.device.type == "cpu":
                 self._arena_np = self.arena_TLK.numpy()
                 self._arena_ptr = self._arena_np.ctypes.data
-        self.offset = 0
-        """First row of the current step."""
-        self._copy_s = [0.0]
-        self.hold_s = [0.0, 0]
-        """Hold mode: seconds and calls of the capture functions inside the forward."""
+        self.arm_before = self.dp_rows is not None or (self.step is not None and self._arena_np is None)
+        """Whether `arm` must run before each forward. Not on host runners without data parallelism:
+        there `land` re-arms the rows it read (hold: the per-layer row counts) in the same hook, and
+        the only forwards outside the engine's steps (profile, warm-up, compile) run before capture
+        is installed; with DP, dummy forwards run between steps; device buffers arm with a kernel.
+        A host step buffer found dirty at a flush (`check_armed`) switches to arming before."""
         self._held_L: list[torch.Tensor | None] = [None] * L
         """Each layer's top-k ids of the running forward (hold mode)."""
         self._landed: list[tuple[int, list[torch.Tensor]]] = []
         """Per landed step (hold mode): its token count and its layers' ids, [>= count, K] each."""
-        self.rows_seen_L = [0] * L
-        """Rows written by each layer in the current forward (hold mode; reset per step)."""
         self._unseen_L = [-1] * L
+        self.rows_seen_L = self._unseen_L[:]
+        """Rows written by each layer in the current forward (hold mode; reset per step)."""
         self._hold_routers: list[Any] = []
         if self.hold:
             self._hold_routers = _routers(find_moe_layers(runner.model))
             for j, router in enumerate(self._hold_routers):
                 router.set_capture_fn(self._make_hold_fn(j))
+        elif self.step is not None:
+            self.step.arm(self.step.rows)  # a load-time buffer holds the warm-up forwards' rows
 
     def _make_hold_fn(self, j: int):
-        seen, held, spent, clock = self.rows_seen_L, self._held_L, self.hold_s, time.perf_counter
-        local = self.dp_rows
+        """Untimed: a perf_counter pair and two counters per layer were ~40% of the function."""
+        seen, held, local = self.rows_seen_L, self._held_L, self.dp_rows
 
         def capture(topk_ids_TK: torch.Tensor) -> None:
-            t0 = clock()
             if local is not None:
                 topk_ids_TK = local(topk_ids_TK)
             held[j] = topk_ids_TK
             seen[j] = topk_ids_TK.shape[0]
-            spent[0] += clock() - t0
-            spent[1] += 1
 
         return capture
 
@@ -278,9 +284,8 @@ class RouteCapture:
     def mode(self) -> str:
         return "hold" if self.hold else ("load-time step buffer" if not self._own_step else "step buffer")
 
-    def arm(self, offset: int, num_tokens: int) -> None:
-        """Start a step of num_tokens rows that go to window rows [offset, offset + num_tokens)."""
-        self.offset = offset
+    def arm(self, num_tokens: int) -> None:
+        """Before a forward of num_tokens rows (only where `arm_before`): its rows start unwritten."""
         if self.dp_rows is not None:
             self.dp_rows.odd.clear()
         if self.hold:
@@ -291,10 +296,22 @@ class RouteCapture:
         elif num_tokens <= self.step.rows:
             self.step.arm(num_tokens)
 
-    def land(self, num_tokens: int) -> str | None:
-        """File this step's rows after its forward; None when filed, else what went wrong."""
-        if self.offset + num_tokens > self.capacity:
-            return f"step of {num_tokens} tokens at row {self.offset} exceeds the route window ({self.capacity} rows)"
+    def land(self, offset: int, num_tokens: int) -> str | None:
+        """File this step's rows after its forward at window rows [offset, offset + num_tokens);
+        None when filed, else what went wrong. Re-arms the rows for the next forward (not
+        `arm_before`), filed or not."""
+        try:
+            return self._land(offset, num_tokens)
+        finally:
+            if not self.arm_before:
+                if self.hold:
+                    self.rows_seen_L[:] = self._unseen_L
+                else:
+                    self.step.arm(min(num_tokens, self.step.rows))
+
+    def _land(self, offset: int, num_tokens: int) -> str | None:
+        if offset + num_tokens > self.capacity:
+            return f"step of {num_tokens} tokens at row {offset} exceeds the route window ({self.capacity} rows)"
         if self.dp_rows is not None and self.dp_rows.odd:
             return self.dp_rows.odd[0]
         if self.hold:
@@ -305,15 +322,25 @@ class RouteCapture:
             return None
         if num_tokens > self.step.rows:
             return f"step of {num_tokens} tokens exceeds the route step buffer ({self.step.rows} rows)"
-        t0 = time.perf_counter()
-        a, b = self.offset, self.offset + num_tokens
+        step = self.step
         if self._arena_np is not None:
-            step = self.step
-            ctypes.memmove(self._arena_ptr + a * step.row_bytes, step.ptr, num_tokens * step.row_bytes)
+            ctypes.memmove(self._arena_ptr + offset * step.row_bytes, step.ptr, num_tokens * step.row_bytes)
         else:  # on the runner's device, ordered after the forward on its stream
-            self.arena_TLK[a:b].copy_(self.step.step_TLK[:num_tokens], non_blocking=True)
-        self._copy_s[0] += time.perf_counter() - t0
+            self.arena_TLK[offset : offset + num_tokens].copy_(step.step_TLK[:num_tokens], non_blocking=True)
         return None
+
+    def check_armed(self) -> int:
+        """At a flush, where `land` re-arms a host step buffer: rows some forward outside the
+        engine's steps (a padded or dummy forward) left written. Such rows could hide a layer that
+        failed to route in a later step, so from then on `arm` runs before every forward and the
+        whole buffer is re-armed now. Returns the rows found (0: none)."""
+        if self.arm_before or self.hold:
+            return 0
+        dirty = self.step.dirty_rows()
+        if dirty > 0:
+            self.arm_before = True
+            self.step.arm(self.step.rows)
+        return max(dirty, 0)
 
     def chunk(self, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Rows [0, stop) of every landed step as one narrow array [stop, L, K], and a bool [stop, L]
@@ -340,14 +367,6 @@ class RouteCapture:
         if len(out) != stop:
             raise CaptureHookError(f"route window holds {len(out)} rows, expected {stop}")
         return out, None
-
-    @property
-    def copy_s(self) -> float:
-        """Seconds spent by the capture functions inside eager forwards, plus step-to-arena copies."""
-        return self._copy_s[0] + self.hold_s[0]
-
-    def room_for_step(self, offset: int) -> bool:
-        return offset + self.step_rows <= self.capacity
 
     def uninstall(self) -> None:
         for router in self._hold_routers:

@@ -142,9 +142,6 @@ class SupportStage:
             self._tokens_R = np.concatenate([self._tokens_R, np.zeros(rows - len(self._tokens_R), self._tokens_R.dtype)])
             self._tokens_ptr = self._tokens_R.ctypes.data
 
-    def room_for(self, rows: int) -> bool:
-        return self.rows + rows <= self.capacity
-
     # -- called by the TopKTopPSampler wrapper (random rows exist) -----------------------------
     def truncate_and_observe(self, orig_forward, logits_BV, generators, k, p):
         t0 = time.perf_counter()

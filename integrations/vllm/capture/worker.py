@@ -1,16 +1,21 @@
 """Worker side: ties route arena, sampler stage, slot cache and records to one model runner.
 
-Per engine step (see patch.py for the wrappers) only cheap snapshots happen:
-  before_step   finished requests move to the unclaimed pool; flush first if the route arena or the
-                support stage could not hold another full step; per-layer row counters reset;
+Per engine step (see patch.py for the wrappers) only cheap snapshots happen, in two hooks: each
+hook a step enters costs ~10-25 us inside a busy engine before it does anything (the first touch
+of its code and data after a 30 ms forward, benchmarks/capture.py), so there is no hook before the
+step on host runners (`before_step` runs only where the route rows must be armed before the
+forward: device runners, data parallelism; route_hook.RouteCapture.arm_before).
   forward       routers hand their ids to the route capture (held on eager CPU engines, else
                 written into the step buffer bound at model load: route_hook.py);
-  after_forward the step's layout (step.py, shared with scoring: request ids, query_start_loc,
+  after_forward the step's finished requests are queued (they move to the unclaimed pool at the
+                next flush, before any row is mapped); the pending steps are flushed first if the
+                buffers could not hold this step (two counters, `_tokens_left` and `_rows_left`);
+                the step's layout (step.py, shared with scoring: request ids, query_start_loc,
                 positions, the discard mask) and its KV slots are taken (on CPU runners one memmove
-                each into host rings, read at the flush); which records own the
-                input batch's rows is looked up only when the batch changes; a request seen for the first time whose first
-                position is past its route_start hit the prefix cache: a slot-cache read is
-                queued for the flush;
+                each into host rings, read at the flush); the route rows are filed and re-armed;
+                which records own the input batch's rows is looked up only when the batch changes;
+                a request seen for the first time whose first position is past its route_start
+                hit the prefix cache: a slot-cache read is queued for the flush;
   after_sample  the step's sampled tokens are committed to the support stage (sampler_hook.py).
 
 `flush()` then maps every pending step's rows to records with a handful of array ops: slot-cache
@@ -143,12 +148,17 @@ class WorkerCapture:
         self.support = SupportStage(config.max_support, config.support, config.logprobs,
                                     config.flush_bytes, self.max_rows)
         self.pending: list[_Step] = []
+        self._finished: list[Any] = []
+        """finished_req_ids of the steps since the last flush (sets from the scheduler, not copied)."""
         self._step: _Step | None = None
         self._batch: _Batch | None = None
         self._arena_row = 0
         self.steps = 0
         self.flushes = 0
         self.preemptions = 0
+        self.route_rearms = 0
+        """Flushes that found the host route step buffer written outside the engine's steps (then
+        the rows are armed before each forward from there on: route_hook.RouteCapture.check_armed)."""
         self.support_misses = 0
         """Sampled tokens found outside their recorded support (each fails its trace)."""
         self.hook_s = 0.0
@@ -158,51 +168,54 @@ class WorkerCapture:
         self.take_s = 0.0
         """Seconds inside take() (its flush and take.assemble): the client subtracts it from its call."""
         self.support.times = self.times
+        self.sampled = bool(config.support or config.logprobs)
+        """Whether the sampler is wrapped (patch_runner): each step then commits its rows to the stage."""
+        self._tokens_left = self._rows_left = 0
+        self.step_hooks = ("before_step", "after_forward") if self.routes is not None and self.routes.arm_before \
+            else ("after_forward",)
+        """The StepBracket hooks this listener runs (patch.py)."""
         try:
-            self._patches, self.views = patch_runner(runner, self)
+            self._patches, self._bracket = patch_runner(runner, self)
+            self.views = self._bracket.views
         except Exception:
             if self.routes is not None:
                 self.routes.uninstall()
             raise
+        self._set_room()
 
     # -- step hooks ---------------------------------------------------------------------------
     def before_step(self, scheduler_output: Any) -> None:
-        clock, times = time.perf_counter, self.times
-        t0 = clock()
-        for rid in scheduler_output.finished_req_ids:
-            self.book.finish(rid)
-        self.preemptions += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
-        self._step = None
-        full = ((self.routes is not None and not self.routes.room_for_step(self._arena_row))
-                or not self.support.room_for(self.max_rows) or not self.views.room_for_step())
-        times.add("step.finish", clock() - t0)
-        if full:
-            self.flush()  # timed as flush.*
-        if self.routes is not None:
-            t0 = clock()
-            self.routes.arm(self._arena_row, scheduler_output.total_num_scheduled_tokens)
-            times.add("step.arm", clock() - t0)
+        """Only where the route rows are armed before the forward (step_hooks)."""
+        t0 = time.perf_counter()
+        self.routes.arm(scheduler_output.total_num_scheduled_tokens)
+        self.times.add("step.arm", time.perf_counter() - t0)
 
     def after_forward(self, scheduler_output: Any) -> None:
+        t0 = time.perf_counter()
+        self._step = None
+        if scheduler_output.finished_req_ids:
+            self._finished.append(scheduler_output.finished_req_ids)
+        preempted = getattr(scheduler_output, "preempted_req_ids", None)
+        if preempted:
+            self.preemptions += len(preempted)
         n = scheduler_output.total_num_scheduled_tokens
         if not n:
             return
-        clock, times = time.perf_counter, self.times
-        t0 = clock()
+        flushed = n + 1 > self._tokens_left or self._rows_left < self.max_rows
+        if flushed:
+            t1 = time.perf_counter()
+            self._flush()  # timed as flush.*; every pending step has sampled (the sampler runs after this hook)
+            t0 += time.perf_counter() - t1
+        self._tokens_left -= n + 1  # the step's n tokens, its <= n + 1 query starts
         layout = self.views.layout(n)
-        t1 = clock()
-        times.add("step.layout", t1 - t0)
+        self._rows_left -= len(layout.req_ids)
         routes, problem, row0 = self.routes, None, self._arena_row
         if routes is not None:
-            problem = routes.land(n)
+            problem = routes.land(row0, n)
             if problem is None:
                 self._arena_row += n
-            t0, t1 = t1, clock()
-            times.add("step.route_copy", t1 - t0)
         if problem is None and self.slot_cache is not None:
             slots_T = self.views.slots(layout, self.kv_group)
-            t0, t1 = t1, clock()
-            times.add("step.slots", t1 - t0)
         else:
             slots_T = None
         batch = self._batch
@@ -213,7 +226,28 @@ class WorkerCapture:
         self.pending.append(step)
         self._step = step
         self.steps += 1
-        times.add("step.batch", clock() - t1)
+        if flushed:
+            self._check_route_arming()  # the step's rows are filed and re-armed: the buffer should be clean
+        self.times.add("step.after_forward", time.perf_counter() - t0)
+
+    def _check_route_arming(self) -> None:
+        """Where `land` re-arms the host step buffer (no hook before the step), check, at a flush and
+        between forwards, that nothing else wrote it; if something did, arm before every step from
+        now on (route_hook.RouteCapture.check_armed)."""
+        if self.routes is not None and self.routes.check_armed():
+            self.route_rearms += 1
+            self.step_hooks = ("before_step", "after_forward")
+            self._bracket.resync()
+
+    def _set_room(self) -> None:
+        """After a flush: how many tokens (route arena, host rings) and sampler rows (support stage)
+        the buffers take before the next flush. Sub-parts of a step are not timed one by one: a
+        perf_counter pair and a dict update per part cost ~1-3 us each inside the step."""
+        tokens = self.views.free_items()
+        if self.routes is not None:
+            tokens = min(tokens, self.routes.capacity - self._arena_row)
+        self._tokens_left = tokens
+        self._rows_left = self.support.capacity - self.support.rows if self.sampled else 1 << 62
 
     def after_sample(self, sampled_B1: Any, sampling_metadata: Any) -> None:
         t0 = time.perf_counter()
@@ -265,18 +299,28 @@ class WorkerCapture:
 
     # -- flush --------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Map every pending step's rows to their records (see the module docstring)."""
-        # Flushes run between engine steps (before_step, or an RPC, which the engine serves between
-        # steps), so every pending step has had its sampler call, if it has one.
+        """Map every pending step's rows to their records (see the module docstring), between
+        engine steps (an RPC: the engine serves them between steps)."""
+        self._flush()
+        self._check_route_arming()
+
+    def _flush(self) -> None:
+        # Flushes run between the samplers of two engine steps (in after_forward, before the step is
+        # filed, or in an RPC), so every pending step has had its sampler call, if it has one.
+        finished, self._finished = self._finished, []
+        for ids in finished:  # before any row is mapped, in step order: as if each step had done it
+            for rid in ids:
+                self.book.finish(rid)
         steps, self.pending = self.pending, []
         if not steps:
             return
         try:
-            self._flush(steps)
+            self._map(steps)
         finally:
             self.views.rewind()  # the steps' layouts and slots have been read (step.HostRing)
+            self._set_room()
 
-    def _flush(self, steps: list[_Step]) -> None:
+    def _map(self, steps: list[_Step]) -> None:
         clock, times = time.perf_counter, self.times
         t0 = clock()
         self.flushes += 1
@@ -416,25 +460,21 @@ class WorkerCapture:
             "support_misses": self.support_misses,
             "log_rows": self.book.log.rows,
             "hook_s": self.hook_s,
-            "route_copy_s": self.routes.copy_s if self.routes is not None else 0.0,
             "route_mode": self.routes.mode if self.routes is not None else None,
+            "route_arm_before": self.routes.arm_before if self.routes is not None else None,
+            "route_rearms": self.route_rearms,
             "kv_group": self.kv_group if self.slot_cache is not None else None,
         }
 
     def timings(self, reset: bool = False) -> dict[str, Any]:
         """{"parts": host seconds and calls per part since install (or the last reset), "take_s":
         seconds inside take()}, after a flush (timed as flush.* like any other); see timings.py.
-        Hold mode adds the route functions inside the eager forward as `forward.route_hold`."""
+        The route functions inside an eager forward (hold mode) are not timed (route_hook.py)."""
         self._flush_between_steps()
-        parts = self.times.to_dict()
-        if self.routes is not None and self.routes.hold_s[1]:
-            parts["forward.route_hold"] = {"s": self.routes.hold_s[0], "calls": self.routes.hold_s[1]}
-        out = {"parts": parts, "take_s": self.take_s}
+        out = {"parts": self.times.to_dict(), "take_s": self.take_s}
         if reset:
             self.times.reset()
             self.take_s = 0.0
-            if self.routes is not None:
-                self.routes.hold_s[:] = [0.0, 0]
         return out
 
     def uninstall(self) -> None:
