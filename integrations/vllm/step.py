@@ -7,8 +7,8 @@ short of its prompt end). KV slots (capture's prefix-cache route cache) are read
 group on demand (`kv_slots`).
 
 Where they come from: on HOST_MIRROR_DEVICES runners (CPU) `positions` and the slot mapping are
-host tensors, copied as they are into host rings with one memmove each (HostRing: no numpy call
-inside the step). Other runners (GPU) fill those on the device; positions and slots
+host tensors, copied as they are into host rings with one byte-view copy each (HostRing: no numpy
+or ctypes call inside the step). Other runners (GPU) fill those on the device; positions and slots
 are derived from host mirrors (num_computed_tokens_cpu, query_start_loc, the block table), the
 same way vLLM computes them, so nothing waits on a device copy.
 
@@ -19,7 +19,6 @@ Legend: B requests of the step, T tokens forwarded in it.
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import numpy as np
@@ -85,25 +84,37 @@ class StepLayout:
 class HostRing:
     """Host copies of one runner buffer's per-step rows, laid end to end (dtype of the source).
 
-    Why: right after a 30 ms forward the core's caches hold the model, not our code; the first
-    numpy call of a hook then costs ~25 us, a memmove ~3 us once another memmove ran (the bench
-    model on the 2-core machine, benchmarks/capture.py), so a step copies with memmove only and
-    the views are made when the rows are read (at a flush). `take` hands out RingRows; `rewind`
-    starts over (the holder of earlier rows has read them: capture rewinds after its flush)."""
+    Why: right after a 30 ms forward the core's caches hold the model, not our code: inside the
+    engine's step the first numpy call of a hook costs ~25 us, the first ctypes.memmove ~20-25 us
+    (libffi; moving the rings from memmove to byte views moved that cost to the next ctypes call of
+    the hook: bench model, compiled, 2-core machine). A step therefore copies by slice assignment
+    between byte memoryviews (a memcpy inside CPython) and the views are made when the rows are
+    read (at a flush). `take` hands out RingRows; `rewind` starts over (the holder of earlier rows
+    has read them: capture rewinds after its flush)."""
 
     def __init__(self, dtype: np.dtype, capacity: int) -> None:
         self.array = np.empty(capacity, dtype=dtype)
-        self._ptr, self._itemsize, self.capacity = self.array.ctypes.data, self.array.itemsize, capacity
+        self._bytes = memoryview(self.array).cast("B")
+        self._itemsize, self.capacity = self.array.itemsize, capacity
         self.used = 0
 
-    def take(self, src_ptr: int, n: int) -> RingRows:
-        """Copy n items from `src_ptr` to the next rows; a ring without room starts over first."""
+    def take(self, src: memoryview, n: int) -> RingRows:
+        """Copy the first n items of `src` (a byte view of a host buffer of this ring's dtype:
+        `byte_view`) to the next rows; a ring without room starts over first."""
         if n > self.capacity:
             raise RuntimeError(f"a step of {n} items exceeds the host ring ({self.capacity})")
         a = self.used if self.used + n <= self.capacity else 0
-        ctypes.memmove(self._ptr + a * self._itemsize, src_ptr, n * self._itemsize)
+        size = self._itemsize
+        self._bytes[a * size : (a + n) * size] = src[: n * size]
         self.used = a + n
         return RingRows(self.array, a, a + n)
+
+
+def byte_view(a: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous host array, as a flat memoryview (slice-assignable)."""
+    if not a.flags.c_contiguous:
+        raise RuntimeError(f"expected a contiguous host array, found strides {a.strides} for shape {a.shape}")
+    return memoryview(a).cast("B")
 
 
 def external_id(internal_id: str) -> str:
@@ -121,7 +132,7 @@ def kv_slots(block_ids_T: np.ndarray, pos_T: np.ndarray, block_size: int) -> np.
 class StepViews:
     """The runner's per-step host buffers, viewed once per input batch; one layout per step.
 
-    Host runners copy each step's rows into HostRings (memmove, no numpy inside the step): the
+    Host runners copy each step's rows into HostRings (byte views, no numpy inside the step): the
     layouts stay valid until `rewind`, which the capture listener calls after each flush; a ring
     without room starts over by itself, so a listener that keeps layouts counts the items it took
     against `free_items` and flushes first (a step of n tokens takes n positions, n slots, <= n
@@ -134,7 +145,7 @@ class StepViews:
         self._layout: StepLayout | None = None
         self._rings: dict[str, HostRing] = {}
         """Host runners: "qsl", "pos", "discard" and "slots<group>" rings (allocated at first bind)."""
-        self._slot_ptrs: dict[int, int] = {}
+        self._slot_src: dict[int, memoryview] = {}
         tokens = int(getattr(runner, "max_num_tokens", 0) or 0)
         self.ring_tokens = max(1 << 16, 4 * tokens)
         """Tokens the host rings hold: 64 Ki (512 KiB of int64 positions) or four full steps."""
@@ -148,14 +159,12 @@ class StepViews:
         self._ib = r.input_batch
         self._qsl, self._discard = r.query_start_loc.np, r.discard_request_mask.np
         self._host = torch.device(r.device).type in HOST_MIRROR_DEVICES
-        self._slot_ptrs = {}
+        self._slot_src = {}
         if not self._host:
             return
-        # the runner's host buffers, by address: a `.numpy()` per step is ~4 dispatcher ops
+        # the runner's host buffers, viewed once: a `.numpy()` per step is ~4 dispatcher ops
         src = {"qsl": self._qsl, "pos": r.positions.numpy(), "discard": self._discard}
-        if not all(a.flags.c_contiguous for a in src.values()):
-            raise RuntimeError("vLLM runner step buffers are not contiguous host arrays")
-        self._src = {name: a.ctypes.data for name, a in src.items()}
+        self._src = {name: byte_view(a) for name, a in src.items()}
         sizes = {"qsl": 2 * self.ring_tokens, "pos": self.ring_tokens, "discard": 2 * self.ring_tokens}
         for name, a in src.items():
             ring = self._rings.get(name)
@@ -204,16 +213,16 @@ class StepViews:
         if self._host:
             # the tensor vLLM's kernel writes: on CPU runners `.gpu` is a host tensor, and it is not
             # always `.cpu` (an input batch rebuilt for a hybrid KV layout gets separate buffers)
-            ptr = self._slot_ptrs.get(kv_group)
+            src = self._slot_src.get(kv_group)
             name = f"slots{kv_group}"
-            if ptr is None:
+            if src is None:
                 mapping = bt.slot_mapping.gpu
                 if not mapping.is_contiguous() or mapping.dtype != torch.int64:
                     raise RuntimeError(f"vLLM slot mapping of KV group {kv_group} is {mapping.dtype}, not contiguous int64")
-                ptr = self._slot_ptrs[kv_group] = mapping.data_ptr()
+                src = self._slot_src[kv_group] = byte_view(mapping.numpy())
                 if name not in self._rings:
                     self._rings[name] = HostRing(np.dtype(np.int64), self.ring_tokens)
-            return self._rings[name].take(ptr, n)
+            return self._rings[name].take(src, n)
         row_T = np.repeat(np.arange(len(layout.req_ids)), np.diff(layout.qsl_B1))
         size = int(bt.block_size)
         return kv_slots(bt.block_table.np[row_T, layout.pos_T // size], layout.pos_T, size)

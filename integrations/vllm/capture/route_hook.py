@@ -8,11 +8,11 @@ of forward:
                into `StepRoutes.step_TLK`, a buffer allocated before compilation (fixed address:
                what a replayed CUDA graph needs, and what vLLM's own routed_experts_capturer.py
                does). It is pure tensor work with no Python state, so torch.compile traces it into
-               the graph. Rows a step should fill hold a sentinel (every bit set: never an expert
-               id) when the forward starts, so a layer that did not route a row shows up after it:
+               the graph. Rows a step should fill hold a sentinel (the dtype's max, never an
+               expert id) when the forward starts, so a layer that did not route a row shows up after it:
                an error, never zeros. After the forward the step's rows go to an arena (one copy
                on the runner's device); the arena goes to the host once per flush. On a host
-               buffer the rows just read are set back to the sentinel right then (one memset in
+               buffer the rows just read are set back to the sentinel right then (one byte copy in
                the same hook, `RouteCapture.arm_before`), so no hook runs before the step.
   hold         (eager CPU engines) the function keeps a reference to the router's fresh id
                tensor: ~1.3 us per layer, against ~10-20 us for a tensor copy inside a busy CPU
@@ -26,7 +26,6 @@ Installing capture later finds it on the model.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from typing import Any
 
@@ -37,6 +36,7 @@ from ....geometry import ModelGeometry
 from ..errors import CaptureHookError
 from ..model import find_moe_layers, forward_is_traced
 from ..patch import CAPTURE_FLAG, LOAD_STEPS, LoadStep
+from ..step import byte_view
 
 HOLD_DEVICES = {"cpu"}
 """Runner device types whose eager router ids are held by reference (fresh per call, never
@@ -148,13 +148,15 @@ class StepRoutes:
         num_experts = max(int(r.global_num_experts) for r in routers)
         top_k = max(int(r.top_k) for r in routers)
         self.dtype = torch_route_dtype(num_experts + 1)
-        self.sentinel = -1 if self.dtype.is_signed else int(torch.iinfo(self.dtype).max)
-        """Every bit set (uint8 255, int16/int32 -1): never an expert id, and one memset writes it."""
+        self.sentinel = int(torch.iinfo(self.dtype).max)
         self.rows = int(rows)
         self.step_TLK = torch.full((self.rows, len(routers), top_k), self.sentinel, dtype=self.dtype, device=device)
         self._np = self.step_TLK.numpy() if self.step_TLK.device.type == "cpu" else None
         self.row_bytes = len(routers) * top_k * self.step_TLK.element_size()
-        self.ptr = self.step_TLK.data_ptr()
+        self.bytes = byte_view(self._np) if self._np is not None else None
+        """Host buffer: its bytes, for the copy to the arena and the re-arm (no ctypes inside the step: step.HostRing)."""
+        self._armed = byte_view(np.full(self._np.shape, self.sentinel, self._np.dtype)) if self._np is not None else None
+        """Host buffer: sentinel rows to copy from."""
         self._routers = routers
         self.dp_rows = dp_rows
         for j, router in enumerate(routers):
@@ -163,8 +165,9 @@ class StepRoutes:
 
     def arm(self, num_tokens: int) -> None:
         """Set rows [0, num_tokens) to the sentinel (outside the graph)."""
-        if self._np is not None:  # one memset, no numpy: a numpy fill pays ~25 us first-call inside a step
-            ctypes.memset(self.ptr, 0xFF, num_tokens * self.row_bytes)
+        if self.bytes is not None:  # one byte copy: a numpy fill pays ~25 us first-call inside a step
+            n = num_tokens * self.row_bytes
+            self.bytes[:n] = self._armed[:n]
         else:
             self.step_TLK[:num_tokens].fill_(self.sentinel)
 
@@ -172,7 +175,7 @@ class StepRoutes:
         """Host buffer: rows not at the sentinel (0 when every row is; -1 off host: not read)."""
         if self._np is None:
             return -1
-        return int(np.count_nonzero((self._np.reshape(self.rows, -1).view(np.uint8) != 0xFF).any(axis=1)))
+        return int(np.count_nonzero((self._np != self.sentinel).reshape(self.rows, -1).any(axis=1)))
 
     def unbind(self) -> None:
         for router in self._routers:
@@ -246,7 +249,7 @@ class RouteCapture:
                                        f"(layers, top-k); the model's geometry says {(L, K)}")
             if self.arena_TLK.device.type == "cpu":
                 self._arena_np = self.arena_TLK.numpy()
-                self._arena_ptr = self._arena_np.ctypes.data
+                self._arena_bytes = byte_view(self._arena_np)
         self.arm_before = self.dp_rows is not None or (self.step is not None and self._arena_np is None)
         """Whether `arm` must run before each forward. Not on host runners without data parallelism:
         there `land` re-arms the rows it read (hold: the per-layer row counts) in the same hook, and
@@ -324,7 +327,8 @@ class RouteCapture:
             return f"step of {num_tokens} tokens exceeds the route step buffer ({self.step.rows} rows)"
         step = self.step
         if self._arena_np is not None:
-            ctypes.memmove(self._arena_ptr + offset * step.row_bytes, step.ptr, num_tokens * step.row_bytes)
+            rb = step.row_bytes
+            self._arena_bytes[offset * rb : (offset + num_tokens) * rb] = step.bytes[: num_tokens * rb]
         else:  # on the runner's device, ordered after the forward on its stream
             self.arena_TLK[offset : offset + num_tokens].copy_(step.step_TLK[:num_tokens], non_blocking=True)
         return None

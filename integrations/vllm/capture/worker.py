@@ -9,9 +9,9 @@ forward: device runners, data parallelism; route_hook.RouteCapture.arm_before).
                 written into the step buffer bound at model load: route_hook.py);
   after_forward the step's finished requests are queued (they move to the unclaimed pool at the
                 next flush, before any row is mapped); the pending steps are flushed first if the
-                buffers could not hold this step (two counters, `_tokens_left` and `_rows_left`);
+                buffers could not hold this step (`_tokens_left`, the support stage's rows);
                 the step's layout (step.py, shared with scoring: request ids, query_start_loc,
-                positions, the discard mask) and its KV slots are taken (on CPU runners one memmove
+                positions, the discard mask) and its KV slots are taken (on CPU runners one byte copy
                 each into host rings, read at the flush); the route rows are filed and re-armed;
                 which records own the input batch's rows is looked up only when the batch changes;
                 a request seen for the first time whose first position is past its route_start
@@ -168,9 +168,7 @@ class WorkerCapture:
         self.take_s = 0.0
         """Seconds inside take() (its flush and take.assemble): the client subtracts it from its call."""
         self.support.times = self.times
-        self.sampled = bool(config.support or config.logprobs)
-        """Whether the sampler is wrapped (patch_runner): each step then commits its rows to the stage."""
-        self._tokens_left = self._rows_left = 0
+        self._tokens_left = 0
         self.step_hooks = ("before_step", "after_forward") if self.routes is not None and self.routes.arm_before \
             else ("after_forward",)
         """The StepBracket hooks this listener runs (patch.py)."""
@@ -201,14 +199,14 @@ class WorkerCapture:
         n = scheduler_output.total_num_scheduled_tokens
         if not n:
             return
-        flushed = n + 1 > self._tokens_left or self._rows_left < self.max_rows
+        support = self.support
+        flushed = n + 1 > self._tokens_left or support.rows + self.max_rows > support.capacity
         if flushed:
             t1 = time.perf_counter()
             self._flush()  # timed as flush.*; every pending step has sampled (the sampler runs after this hook)
             t0 += time.perf_counter() - t1
         self._tokens_left -= n + 1  # the step's n tokens, its <= n + 1 query starts
         layout = self.views.layout(n)
-        self._rows_left -= len(layout.req_ids)
         routes, problem, row0 = self.routes, None, self._arena_row
         if routes is not None:
             problem = routes.land(row0, n)
@@ -240,14 +238,13 @@ class WorkerCapture:
             self._bracket.resync()
 
     def _set_room(self) -> None:
-        """After a flush: how many tokens (route arena, host rings) and sampler rows (support stage)
-        the buffers take before the next flush. Sub-parts of a step are not timed one by one: a
+        """After a flush: how many tokens the route arena and the host rings take before the next
+        flush (the support stage counts its own rows; it is allocated at its first step). Sub-parts of a step are not timed one by one: a
         perf_counter pair and a dict update per part cost ~1-3 us each inside the step."""
         tokens = self.views.free_items()
         if self.routes is not None:
             tokens = min(tokens, self.routes.capacity - self._arena_row)
         self._tokens_left = tokens
-        self._rows_left = self.support.capacity - self.support.rows if self.sampled else 1 << 62
 
     def after_sample(self, sampled_B1: Any, sampling_metadata: Any) -> None:
         t0 = time.perf_counter()
