@@ -28,28 +28,15 @@ HOST_MIRROR_DEVICES = {"cpu"}
 """Runner device types whose `positions` and slot mapping are host tensors, read as they are."""
 
 
-class RingRows:
-    """Rows [start, stop) of a host ring (`HostRing`): array-like, viewed only when read, so taking
-    a step's rows inside the engine's step runs no numpy (see HostRing for why)."""
-
-    __slots__ = ("ring", "start", "stop")
-
-    def __init__(self, ring: np.ndarray, start: int, stop: int) -> None:
-        self.ring, self.start, self.stop = ring, start, stop
-
-    def get(self) -> np.ndarray:
-        return self.ring[self.start : self.stop]
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        rows = self.get()
-        return rows if dtype is None else rows.astype(dtype)
-
-    def __len__(self) -> int:
-        return self.stop - self.start
+RingRows = tuple
+"""(ring array, start, stop): rows [start, stop) of a host ring (`HostRing`), viewed only when
+read (`rows_of`), so taking a step's rows inside the engine's step runs no numpy and makes no
+object with a Python __init__ (a tuple: see HostRing for why)."""
 
 
-def _rows(x: "np.ndarray | RingRows") -> np.ndarray:
-    return x.get() if isinstance(x, RingRows) else x
+def rows_of(x: "np.ndarray | RingRows") -> np.ndarray:
+    """The rows a StepLayout field or a slots value stands for (a view of its ring, or the array)."""
+    return x[0][x[1] : x[2]] if type(x) is tuple else x
 
 
 class StepLayout:
@@ -62,23 +49,23 @@ class StepLayout:
                  discard_B: "np.ndarray | RingRows") -> None:
         self.req_ids = req_ids
         """Engine request id of each of the B rows, in batch order."""
-        self.num_tokens = len(pos_T)
+        self.num_tokens = pos_T[2] - pos_T[1] if type(pos_T) is tuple else len(pos_T)
         self._qsl, self._pos, self._discard = qsl_B1, pos_T, discard_B
 
     @property
     def qsl_B1(self) -> np.ndarray:
         """Row b owns tokens [qsl_B1[b], qsl_B1[b + 1]) of the step."""
-        return _rows(self._qsl)
+        return rows_of(self._qsl)
 
     @property
     def pos_T(self) -> np.ndarray:
         """Sequence position of each forwarded token."""
-        return _rows(self._pos)
+        return rows_of(self._pos)
 
     @property
     def discard_B(self) -> np.ndarray:
         """True where the runner throws the row's sample away (a chunked prefill short of its prompt end)."""
-        return _rows(self._discard)
+        return rows_of(self._discard)
 
 
 class HostRing:
@@ -100,14 +87,15 @@ class HostRing:
 
     def take(self, src: memoryview, n: int) -> RingRows:
         """Copy the first n items of `src` (a byte view of a host buffer of this ring's dtype:
-        `byte_view`) to the next rows; a ring without room starts over first."""
+        `byte_view`) to the next rows; a ring without room starts over first. Returns (ring array,
+        start, stop)."""
         if n > self.capacity:
             raise RuntimeError(f"a step of {n} items exceeds the host ring ({self.capacity})")
         a = self.used if self.used + n <= self.capacity else 0
         size = self._itemsize
         self._bytes[a * size : (a + n) * size] = src[: n * size]
         self.used = a + n
-        return RingRows(self.array, a, a + n)
+        return self.array, a, a + n
 
 
 def byte_view(a: np.ndarray) -> memoryview:
@@ -183,7 +171,7 @@ class StepViews:
         keep = {}
         if self._layout is not None and self._host:
             lay = self._layout
-            keep = {id(r.ring): r.stop for r in (lay._qsl, lay._pos, lay._discard)}
+            keep = {id(r[0]): r[2] for r in (lay._qsl, lay._pos, lay._discard)}
         for ring in self._rings.values():
             ring.used = keep.get(id(ring.array), 0)
 
@@ -194,7 +182,7 @@ class StepViews:
         if self._ib is not self.runner.input_batch:  # re-bound if the input batch is rebuilt
             self._bind()
         num_reqs = self._ib.num_reqs
-        req_ids = list(self._ib.req_ids[:num_reqs])
+        req_ids = self._ib.req_ids[:num_reqs]  # a slice: a new list
         if self._host:
             rings, src = self._rings, self._src
             self._layout = StepLayout(req_ids, rings["qsl"].take(src["qsl"], num_reqs + 1),
@@ -207,7 +195,7 @@ class StepViews:
         return self._layout
 
     def slots(self, layout: StepLayout, kv_group: int) -> "np.ndarray | RingRows":
-        """KV slot of each forwarded token in `kv_group`'s block table (array-like: np.asarray it)."""
+        """KV slot of each forwarded token in `kv_group`'s block table (`rows_of` gives the array)."""
         bt = self._ib.block_table.block_tables[kv_group]
         n = layout.num_tokens
         if self._host:

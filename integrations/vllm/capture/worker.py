@@ -46,7 +46,7 @@ from ..errors import CaptureHookError
 from ..model import geometry_from_runner
 from ..patch import patch_runner
 from ..runner import OPS, RunnerState, installed, register_part_ops, runner_state
-from ..step import RingRows, StepLayout
+from ..step import RingRows, StepLayout, rows_of
 from ..timings import PartTimes
 from ..versions import check_vllm_version
 from ..wire import CaptureRecord, InstallReply
@@ -424,7 +424,7 @@ class WorkerCapture:
         if not seg:
             return
         rows = slice(seg[0].arena_row, seg[-1].arena_row + seg[-1].layout.num_tokens)
-        self.slot_cache.write(np.concatenate([np.asarray(st.slots_T) for st in seg]), chunk_TLK[rows],
+        self.slot_cache.write(np.concatenate([rows_of(st.slots_T) for st in seg]), chunk_TLK[rows],
                               None if written_T is None else written_T[rows])
 
     # -- control ------------------------------------------------------------------------------
