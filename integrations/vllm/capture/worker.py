@@ -1,9 +1,9 @@
 """Worker side: ties route arena, sampler stage, slot cache and records to one model runner.
 
-Per engine step (see patch.py for the wrappers) only cheap snapshots happen, in two hooks: each
-hook a step enters costs ~10-25 us inside a busy engine before it does anything (the first touch
-of its code and data after a 30 ms forward, benchmarks/capture.py), so there is no hook before the
-step on host runners (`before_step` runs only where the route rows must be armed before the
+Per engine step (see patch.py for the wrappers) only cheap snapshots happen, after the forward and
+in the sampler: each hook a step enters costs ~10-25 us inside a busy engine before it does much
+(the first touch of its code and data after a 30 ms forward, docs/findings.md), so there is no
+hook before the step on host runners (`before_step` runs only where the route rows must be armed before the
 forward: device runners, data parallelism; route_hook.RouteCapture.arm_before).
   forward       routers hand their ids to the route capture (held on eager CPU engines, else
                 written into the step buffer bound at model load: route_hook.py);
@@ -239,8 +239,9 @@ class WorkerCapture:
 
     def _set_room(self) -> None:
         """After a flush: how many tokens the route arena and the host rings take before the next
-        flush (the support stage counts its own rows; it is allocated at its first step). Sub-parts of a step are not timed one by one: a
-        perf_counter pair and a dict update per part cost ~1-3 us each inside the step."""
+        flush (the support stage counts its own rows; it is sized at its first step). The hook
+        after the forward is timed as one part: a perf_counter pair and a dict update per sub-part
+        cost ~5 us each inside the step."""
         tokens = self.views.free_items()
         if self.routes is not None:
             tokens = min(tokens, self.routes.capacity - self._arena_row)
