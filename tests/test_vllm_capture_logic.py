@@ -481,10 +481,10 @@ def test_part_timings_merge_over_engines_and_name_the_rpc():
     from moe_replay.integrations.vllm.link import merge_engines
     from moe_replay.integrations.vllm.timings import PartTimes, client_view, shares
 
-    w0 = {"parts": {"step.layout": {"s": 0.5, "calls": 10}, "flush.kept_sets": {"s": 0.25, "calls": 1}}, "take_s": 0.125}
-    w1 = {"parts": {"step.layout": {"s": 0.25, "calls": 6}}, "take_s": 0.0625}
+    w0 = {"parts": {"step.after_forward": {"s": 0.5, "calls": 10}, "flush.kept_sets": {"s": 0.25, "calls": 1}}, "take_s": 0.125}
+    w1 = {"parts": {"step.after_forward": {"s": 0.25, "calls": 6}}, "take_s": 0.0625}
     merged = merge_engines("capture.timings", [w0, w1])
-    assert merged["parts"]["step.layout"] == {"s": 0.75, "calls": 16}
+    assert merged["parts"]["step.after_forward"] == {"s": 0.75, "calls": 16}
     assert merged["parts"]["flush.kept_sets"] == {"s": 0.25, "calls": 1} and merged["take_s"] == 0.1875
     client = PartTimes()
     client.add("client.take_call", 0.25)
@@ -493,9 +493,9 @@ def test_part_timings_merge_over_engines_and_name_the_rpc():
     view = client_view(merged, client)
     assert view["client.rpc"] == {"s": 0.0625, "calls": 1}  # 0.25 s call - 0.1875 s inside take()
     assert view["client.build"] == {"s": 0.25, "calls": 2} and "client.take_call" not in view
-    assert view["step.layout"]["s"] == 0.75  # the worker's parts pass through
+    assert view["step.after_forward"]["s"] == 0.75  # the worker's parts pass through
     sh = shares(view, wall_s=10.0)
-    assert list(sh)[:2] == ["total", "step.layout"] and sh["step.layout"] == 0.075
+    assert list(sh)[:2] == ["total", "step.after_forward"] and sh["step.after_forward"] == 0.075
     assert sh["total"] == pytest.approx((0.75 + 0.25 + 0.0625 + 0.25) / 10)
     client.reset()
     assert client.to_dict() == {} and client.total() == 0.0
