@@ -111,8 +111,8 @@ class SupportStage:
         self._held: list[torch.Tensor] | None = None
         """Host samplers: the truncated logits [B, V] of each staged step, in order (not copied)."""
         self._vocab = 0
-        self._deferred: list[tuple[int, torch.Tensor]] = []
-        """(first row, sampled ids [B, 1]) of every committed step (the sampler's fresh output): read at compute()."""
+        self._deferred: list[torch.Tensor] = []
+        """Sampled ids [B, 1] of every committed step, in row order (the sampler's fresh output): read at compute()."""
         self._commits: list[tuple[int, bool, float | np.ndarray]] = []
         """Per committed step: (rows, staged by the truncation?, temperature: scalar or per row)."""
         self._pending: int | None = None
@@ -166,7 +166,7 @@ class SupportStage:
         """
         B = sampled_B1.shape[0]
         r0 = self.rows
-        self._deferred.append((r0, sampled_B1))  # the sampler's fresh output; read at compute()
+        self._deferred.append(sampled_B1)  # the sampler's fresh output; read at compute()
         staged, self._pending = self._pending is not None, None
         if self._pending_BV is not None:
             held, logits_BV, self._pending_BV = self._held, self._pending_BV, None
@@ -199,7 +199,7 @@ class SupportStage:
         held = self._held
         if held is not None:
             self._held = []
-        tokens_R = _tokens([t for _, t in deferred])  # every committed step's ids, rows 0, 1, ... in order
+        tokens_R = _tokens(deferred)  # every committed step's ids, rows 0, 1, ... in order
         if len(tokens_R) != R:
             raise CaptureHookError(f"the sampler handed over {len(tokens_R)} ids for {R} rows (one per row expected)")
         greedy_R = _greedy_rows(commits, R)
@@ -210,7 +210,6 @@ class SupportStage:
         live = np.flatnonzero(~greedy_R)
         outside_R = None
         sparse = None
-        host_RV = None
         if held and len(live):  # live rows are rows of staged steps, which are the held rows in order
             raw_XV = np.concatenate([_host_numpy(t) for t in held])  # a copy: the views die with the tensors
             staged_R = np.repeat([st for _, st, _ in commits], [b for b, _, _ in commits])
