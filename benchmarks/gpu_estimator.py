@@ -15,13 +15,19 @@ forcing step is bound at model load, integrations/vllm/scoring/force_step.py) or
                         Per placement: max |Δ| vs the main engine's batch-of-all score, the
                         fraction of token logprobs that moved, and how many distinct results (bit
                         patterns) the placements gave; free-routing placements are labelled;
-  estimator_s[n]        estimate(traces, VllmScorer, n) for n = 1/2/4/8, full re-scoring, replicas
-                        placed in rotating batch-size buckets; estimator_s_reuse[n] with prompt
+  estimator_s[n]        estimate(traces, VllmScorer, n) for n = 1/2/4/8 as a user calls it: every
+                        replica's requests in flight together (VllmScorer.score_batches), the engine
+                        packs them into its steps; estimator_s_rollout[4]: the same with the rollout's
+                        recorded logprobs as replica 0 (3 re-scorings);
+  estimator_s_bucketed[n]  replicas drained one batch-size bucket at a time (1/4/16/64: the batch-1
+                        bucket is 64 drains of one request); estimator_s_reuse[n] with prompt
                         reuse (fresh cache salt per run, so each run starts cold);
   hf_recompute_s        HFScorer (bf16, this GPU, replay + support) recomputing π_old for the batch;
   variance_ratio[n]     Var(estimate with n) / Var(single score) over `--variance-repeats`
-                        estimates, replicas in rotating batch-size buckets, nothing injected
-                        (null where the replicas agree bit for bit);
+                        estimates, replicas in flight together in a shuffled order (a new seed per
+                        repeat), nothing injected (null where every repeat agrees bit for bit);
+                        variance_ratio_bucketed[n]: replicas in rotating batch-size buckets;
+  profile_est4          the host's cProfile of one n = 4 estimate (top functions by cumulative time);
   rollout_s, pipelined_s(_reuse)  one engine: rollouts alone; rollouts with each finished
                         rollout's n = 4 replicas submitted to the same engine as it finishes
                         (the sidecar on the engine that sampled), to the last score;
@@ -35,8 +41,9 @@ Timings: median of `--repeats` (interleaved, torch.cuda.synchronize around each)
 labelled with the GPU name and the vLLM / torch versions.
 
 `--quick` (what benchmarks/gpu_driver.py runs inside a 15-minute GPU lease): the timed jobs are the
-rollout, the HF recompute, pipelined and the estimator at n = 1/2/4/8 (full re-scoring) and n = 4 with
-prompt reuse; 2 repeats, 4 variance repeats; the second engine (other mode) is skipped. Partial
+rollout, the HF recompute, pipelined, the estimator at n = 1/2/4/8 in flight and bucketed (full
+re-scoring), n = 4 with the rollout as a replica and n = 4 bucketed with prompt reuse; 2 repeats,
+4 variance repeats; the second engine (other mode) is skipped. Partial
 results go to stderr as each section ends, so a run cut short still leaves its figures in the log.
 
 Usage: python benchmarks/gpu_estimator.py --json [--engine graph|eager] [--requests 64] [--tokens 128]
@@ -220,8 +227,12 @@ def main(argv=None) -> None:
     if args.quick:
         jobs = [j for j in jobs if j[0] in ("rollout", "hf", "pipelined")]
     for n in NS:
-        jobs.append((f"est{n}", lambda n=n: estimate(traces, BucketScorer(scorer, len(traces)), EstimatorConfig(n=n),
-                                                     batch_size=len(traces))))
+        jobs.append((f"est{n}", lambda n=n: estimate(traces, scorer, EstimatorConfig(n=n), batch_size=len(traces))))
+        jobs.append((f"est{n}_bucketed", lambda n=n: estimate(traces, BucketScorer(scorer, len(traces)),
+                                                              EstimatorConfig(n=n), batch_size=len(traces))))
+        if n == 4:
+            jobs.append(("est4_rollout", lambda: estimate(traces, scorer, EstimatorConfig(n=4, rollout_replica=True),
+                                                          batch_size=len(traces))))
         if args.quick:
             if n == 4:
                 jobs.append(("est4_reuse", lambda: estimate(traces, BucketScorer(reuse(), len(traces)),
@@ -241,14 +252,29 @@ def main(argv=None) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     progress("timings_s", med)
 
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(lambda: estimate(traces, scorer, EstimatorConfig(n=4), batch_size=len(traces)))
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
+    profile_est4 = [line.strip() for line in buf.getvalue().splitlines() if line.strip()][-32:]
+    progress("profile_est4", profile_est4)
+
     # -- variance under real engine noise -----------------------------------------------------------
-    probs = {n: [] for n in NS}
-    for k in range(args.variance_repeats):
-        for n in NS:
-            est = estimate(traces, BucketScorer(scorer, len(traces), offset=k), EstimatorConfig(n=n), batch_size=len(traces))
-            probs[n].append(np.concatenate([e.prob_G for e in est]))
-    var = {n: float(np.stack(probs[n]).var(axis=0, ddof=1).sum()) for n in NS}
-    progress("variance", var)
+    def variance(make_scorer, make_config) -> dict[int, float]:
+        probs = {n: [] for n in NS}
+        for k in range(args.variance_repeats):
+            for n in NS:
+                est = estimate(traces, make_scorer(k), make_config(n, k), batch_size=len(traces))
+                probs[n].append(np.concatenate([e.prob_G for e in est]))
+        return {n: float(np.stack(probs[n]).var(axis=0, ddof=1).sum()) for n in NS}
+
+    var = variance(lambda k: scorer, lambda n, k: EstimatorConfig(n=n, batch_placement="shuffle", seed=k))
+    var_b = variance(lambda k: BucketScorer(scorer, len(traces), offset=k), lambda n, k: EstimatorConfig(n=n))
+    progress("variance", {"in_flight": var, "bucketed": var_b})
 
     # -- the other mode: a second engine, forced in every bucket, and free for reference ------------
     other = {}
@@ -274,10 +300,14 @@ def main(argv=None) -> None:
         "engine": main_mode, "placements": placements, "other_engine": {"mode": other_mode, **other},
         "distinct_forced_results": len(set(digests.values())), "forced_placements": len(digests),
         "estimator_s": {str(n): med[f"est{n}"] for n in NS},
+        "estimator_s_rollout": {"4": med["est4_rollout"]},
+        "estimator_s_bucketed": {str(n): med[f"est{n}_bucketed"] for n in NS},
         "estimator_s_reuse": {str(n): med[f"est{n}_reuse"] for n in NS if f"est{n}_reuse" in med},
         "hf_recompute_s": med["hf"],
         "n4_over_hf_recompute": med["est4"] / med["hf"], "n4_reuse_over_hf_recompute": med["est4_reuse"] / med["hf"],
         "estimator_n4_vs_recompute": med["est4"] / med["hf"],
+        "estimator_n4_rollout_vs_recompute": med["est4_rollout"] / med["hf"],
+        "estimator_n4_bucketed_vs_recompute": med["est4_bucketed"] / med["hf"],
         "estimator_s_reuse_rollout": {str(n): med[f"est{n}_reuse_rollout"] for n in NS if f"est{n}_reuse_rollout" in med},
         "n4_reuse_rollout_over_hf_recompute": med["est4_reuse_rollout"] / med["hf"] if "est4_reuse_rollout" in med else None,
         "pipelined_s_reuse_rollout": med.get("pipelined_reuse_rollout"),
@@ -287,6 +317,9 @@ def main(argv=None) -> None:
         "pipelined_overhead": med["pipelined"] / med["rollout"] - 1.0,
         "pipelined_overhead_reuse": med["pipelined_reuse"] / med["rollout"] - 1.0 if "pipelined_reuse" in med else None,
         "variance_ratio": {str(n): (var[n] / var[1] if var[1] > 0 else None) for n in NS},
+        "variance_ratio_bucketed": {str(n): (var_b[n] / var_b[1] if var_b[1] > 0 else None) for n in NS},
+        "variance_sum": {"in_flight": {str(n): v for n, v in var.items()}, "bucketed": {str(n): v for n, v in var_b.items()}},
+        "profile_est4": profile_est4,
         "variance_ratio_target": {str(n): 1.1 / n for n in NS},
         "noise": "real engine noise only (batch-size buckets); nothing injected",
         "raw_s": times,

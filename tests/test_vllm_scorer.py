@@ -142,6 +142,42 @@ def test_replicas_agree_and_give_the_single_score(fp32):
         assert np.abs(e.logprob_G - s).max() <= 1e-6
 
 
+class _Drained:
+    """The scorer seen through score_batch alone: the estimator drains one batch at a time."""
+
+    def __init__(self, scorer):
+        self.scorer = scorer
+
+    def score_batch(self, traces):
+        return self.scorer.score_batch(traces)
+
+
+def test_replicas_in_flight_together_score_as_drained_batches(fp32):
+    """The estimator hands a VllmScorer every round's batches at once (score_batches): all n x
+    rollouts requests are queued before the engine steps (while the last batch is submitted, the
+    others' requests wait unfinished in the engine), and each replica equals the same replica scored
+    batch by batch to 1e-6 (the CPU engine has no batch-dependent noise)."""
+    traces, scorer = fp32["traces"], fp32["scorer"]
+    waiting = []
+    submit = scorer.submit
+
+    def counting_submit(batch):
+        waiting.append(scorer.llm.llm_engine.get_num_unfinished_requests())
+        return submit(batch)
+
+    scorer.submit = counting_submit
+    try:
+        together = estimate(traces, scorer, EstimatorConfig(n=3), batch_size=2, keep_replicas=True)
+    finally:
+        del scorer.submit
+    drained = estimate(traces, _Drained(scorer), EstimatorConfig(n=3), batch_size=2, keep_replicas=True)
+    assert len(traces) == 5  # batches of 2, 2, 1 per round: 9 batches, the last one rollout alone
+    assert len(waiting) == 9 and waiting[0] == 0 and waiting[-1] == 3 * 5 - 1
+    for a, b in zip(together, drained):
+        assert a.key == b.key and a.replicas_RG.shape == b.replicas_RG.shape == (3, a.replicas_RG.shape[1])
+        assert np.abs(a.replicas_RG - b.replicas_RG).max() <= 1e-6
+
+
 def _shifted(traces):
     """The traces with their recorded logprobs lowered by 0.05-0.15 nats: CPU scoring reproduces the
     recorded values to ~1e-5, so only shifted ones can tell the rollout's replica from an engine one."""

@@ -222,6 +222,7 @@ def estimate(
     every trace's recorded logprobs are checked before any scoring runs and count as replica 0.
     """
     score = getattr(scorer, "score_batch", scorer)
+    many = getattr(scorer, "score_batches", None)
     keys = [t.key for t in traces]
     if len(set(keys)) != len(keys):
         raise ValueError(f"estimate: rollout keys must be unique, found duplicates {sorted({k for k in keys if keys.count(k) > 1})[:5]}")
@@ -235,20 +236,24 @@ def estimate(
     done_rounds = int(config.rollout_replica)
     while active and done_rounds < limit:
         rounds = placements(len(active), target - done_rounds, batch_size, config.batch_placement, config.seed + done_rounds)
-        for batches in rounds:
-            for batch in batches:
-                idx = [active[i] for i in batch]
-                out = score([traces[i] for i in idx])
-                if len(out) != len(idx):
-                    raise ValueError(f"scorer returned {len(out)} results for a batch of {len(idx)} rollouts")
-                for i, lp in zip(idx, out):
-                    lp = np.asarray(lp, dtype=np.float64)
-                    if lp.shape != (traces[i].num_generated,):
-                        raise ValueError(
-                            f"scorer result for rollout {traces[i].key!r}: expected [{traces[i].num_generated}] "
-                            f"generated-token logprobs, found shape {list(lp.shape)}"
-                        )
-                    replicas[i].append(lp)
+        batches_idx = [[active[i] for i in batch] for batches in rounds for batch in batches]
+        if many is not None:  # every round's batches in flight together
+            outs = many([[traces[i] for i in idx] for idx in batches_idx])
+            if len(outs) != len(batches_idx):
+                raise ValueError(f"scorer returned {len(outs)} batch results for {len(batches_idx)} batches")
+        else:
+            outs = (score([traces[i] for i in idx]) for idx in batches_idx)
+        for idx, out in zip(batches_idx, outs):
+            if len(out) != len(idx):
+                raise ValueError(f"scorer returned {len(out)} results for a batch of {len(idx)} rollouts")
+            for i, lp in zip(idx, out):
+                lp = np.asarray(lp, dtype=np.float64)
+                if lp.shape != (traces[i].num_generated,):
+                    raise ValueError(
+                        f"scorer result for rollout {traces[i].key!r}: expected [{traces[i].num_generated}] "
+                        f"generated-token logprobs, found shape {list(lp.shape)}"
+                    )
+                replicas[i].append(lp)
         done_rounds = target
         if not config.adaptive:
             break
