@@ -59,6 +59,13 @@ MODEL = dict(family="qwen3_moe", size="bench", num_experts=64, num_experts_per_t
              moe_intermediate_size=512, num_hidden_layers=8)
 
 
+KV_CACHE_BYTES = 1 << 30
+"""KV cache of each engine, given rather than profiled: two engines starting together each measure the
+GPU's free memory while the other allocates, and one was left with "No available memory for the cache
+blocks" (H200, vLLM 0.26). The workload needs 128 sequences x 512 tokens x 8 KiB (8 layers, 4 KV heads
+of 64, bf16) = 512 MiB."""
+
+
 def engine_kwargs(setting: str, model_dir: str, gpu_memory_utilization: float, num_prompts: int,
                   compare_eager: bool = False) -> dict:
     """LLM(...) keyword arguments of one setting."""
@@ -66,6 +73,7 @@ def engine_kwargs(setting: str, model_dir: str, gpu_memory_utilization: float, n
         raise ValueError(f"unknown setting {setting!r}; expected one of {SETTINGS + (COMPARE,)}")
     kw = dict(model=model_dir, dtype="bfloat16", max_model_len=512, max_num_seqs=num_prompts, seed=0,
               enable_prefix_caching=setting == COMPARE, gpu_memory_utilization=gpu_memory_utilization,
+              kv_cache_memory_bytes=KV_CACHE_BYTES,
               enforce_eager=setting.startswith("eager") or (setting == COMPARE and compare_eager))
     if setting in ("graphs_native", COMPARE):
         kw["enable_return_routed_experts"] = True

@@ -20,8 +20,10 @@ next one starts:
   native     benchmarks/gpu_capture.py: graphs_native throughput and native_vs_hooks
 
 Seen on an H200 (2026-11-27): a cold torch.compile + CUDA-graph start of the bench model takes
-~140 s; five such starts in parallel did not finish in 245 s, so capture starts three engines and
-the native comparison is a step of its own, last.
+~140 s; five such starts in parallel did not finish in 245 s, and two in parallel not in 220 s (a
+rerun a minute later, on the compile caches the first left, started both in ~150 s); so capture
+starts two engines with a start limit that fits two cold starts, and the native comparison is a step
+of its own, last.
 
 `--steps` picks steps (the transfers that bring vLLM can run env,trainer,scoring while vLLM is
 still on its way); `--budget-s` is the wall time for all of them: each step gets its own limit or
@@ -88,9 +90,9 @@ STEPS = (
     Step("scoring", (PY, str(HERE / "scoring.py"), "--json", "--device", "cuda", "--g", "2048,16384",
                      "--repeats", "3"),
          (PY, str(HERE / "scoring.py"), "--json", "--g", "64", "--repeats", "1"), 120),
-    Step("capture", (PY, str(HERE / "gpu_capture.py"), "--rounds", "5", "--start-timeout-s", "220",
+    Step("capture", (PY, str(HERE / "gpu_capture.py"), "--rounds", "8", "--start-timeout-s", "300",
                      "--settings", "graphs,graphs_capture"),
-         (PY, str(HERE / "gpu_capture.py"), "--dry-run", "--settings", "graphs,graphs_capture"), 270),
+         (PY, str(HERE / "gpu_capture.py"), "--dry-run", "--settings", "graphs,graphs_capture"), 360),
     Step("estimator", (PY, str(HERE / "gpu_estimator.py"), "--json", "--quick"),
          (PY, str(HERE / "gpu_estimator.py"), "--json", "--quick", "--plan"), 330),
     Step("native", (PY, str(HERE / "gpu_capture.py"), "--rounds", "1", "--start-timeout-s", "200",
@@ -106,7 +108,9 @@ def run_step(step: Step, plan: bool, limit_s: float, log) -> dict:
     log.write(f"\n===== {step.name} (limit {limit_s:.0f} s): {' '.join(argv)[:300]}\n")
     log.flush()
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=limit_s, env=os.environ.copy())
+        # cwd: `python -c` puts the working directory first on sys.path, and the checkout's root holds a
+        # moe_replay/ without integrations/ (pyproject maps that in): the env step imported it on an H200
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=limit_s, env=os.environ.copy(), cwd=HERE)
         stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
         timed_out = False
     except subprocess.TimeoutExpired as e:
