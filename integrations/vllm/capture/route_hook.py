@@ -258,8 +258,8 @@ class RouteCapture:
         A host step buffer found dirty at a flush (`check_armed`) switches to arming before."""
         self._held_L: list[torch.Tensor | None] = [None] * L
         """Each layer's top-k ids of the running forward (hold mode)."""
-        self._landed: list[tuple[int, np.ndarray]] = []
-        """Per landed step (hold mode): its token count n and its layers' ids end to end, [L * n, K]."""
+        self._landed: list[tuple[int, list[torch.Tensor]]] = []
+        """Per landed step (hold mode): its token count and its layers' ids, [>= count, K] each."""
         self._unseen_L = [-1] * L
         self.rows_seen_L = self._unseen_L[:]
         """Rows written by each layer in the current forward (hold mode; reset per step)."""
@@ -321,12 +321,7 @@ class RouteCapture:
             if min(self.rows_seen_L) < num_tokens:
                 bad = [(self.geometry.moe_layer_ids[j], n) for j, n in enumerate(self.rows_seen_L) if n < num_tokens]
                 return f"layers (id, rows) {bad} routed fewer than the {num_tokens} scheduled tokens"
-            held = self._held_L
-            if any(h.shape[0] != num_tokens for h in held):  # a padded forward routed extra rows
-                held = [h[:num_tokens] for h in held]
-            # One cat per step while the ids are hot: a flush's one cat of every held tensor (528)
-            # took 2.0 ms inside the engine (0.17 ms outside it); numpy joins the steps at chunk().
-            self._landed.append((num_tokens, torch.cat(held).numpy()))
+            self._landed.append((num_tokens, self._held_L[:]))  # one list copy; trimmed at chunk()
             return None
         if num_tokens > self.step.rows:
             return f"step of {num_tokens} tokens exceeds the route step buffer ({self.step.rows} rows)"
@@ -362,8 +357,18 @@ class RouteCapture:
         L, K = self.geometry.num_moe_layers, self.geometry.top_k
         if not landed:
             return torch.empty((0, L, K), dtype=self.dtype).numpy(), None
-        # each step [L * n_s, K] -> [n_s, L, K] (numpy views), then one join
-        parts = [flat_XK.reshape(L, n, K).transpose(1, 0, 2) for n, flat_XK in landed]
+        if any(held[0].shape[0] != n for n, held in landed):  # a padded forward routed extra rows
+            landed = [(n, [h[:n] for h in held]) for n, held in landed]
+        # One torch op for the whole window (every step's layers end to end, [sum_s L * n_s, K]),
+        # then numpy views: a torch op inside the loaded vLLM-CPU engine is an OpenMP region of
+        # ~10 us to ms, and the per-layer cat + stack + cast took 3 + L of them per flush. Joining
+        # each step's layers in the hook instead cost more than it saved (eager, 40 pairs each:
+        # torch.cat per step +65 us of hook, numpy per step +82 us, against 44-46 us less here).
+        flat_XK = torch.cat([h for _, held in landed for h in held]).numpy()
+        parts, x = [], 0
+        for n, _ in landed:  # step s: [L, n_s, K] -> [n_s, L, K]
+            parts.append(flat_XK[x : x + L * n].reshape(L, n, K).transpose(1, 0, 2))
+            x += L * n
         out = np.concatenate(parts).astype(self.geometry.route_dtype, copy=False)
         if len(out) != stop:
             raise CaptureHookError(f"route window holds {len(out)} rows, expected {stop}")
