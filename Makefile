@@ -15,7 +15,7 @@ install:
 demo: install
 	$(PY) -m moe_replay.cli demo --out $(DEMO_OUT)
 
-# Every test (what CI runs: ~51 min on a 2-core CPU, docs/benchmarks.md). test-fast: the tier without engines and
+# Every test (what CI runs: ~69 min on a 2-core CPU, docs/benchmarks.md). test-fast: the tier without engines and
 # multi-process runs (no vLLM engine, nothing marked slow), for a quick check while editing.
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
