@@ -321,7 +321,7 @@ def main(argv=None) -> None:
         "variance_sum": {"in_flight": {str(n): v for n, v in var.items()}, "bucketed": {str(n): v for n, v in var_b.items()}},
         "profile_est4": profile_est4,
         "variance_ratio_target": {str(n): 1.1 / n for n in NS},
-        "noise": "real engine noise only (batch-size buckets); nothing injected",
+        "noise": "real engine noise only (batch-size buckets; in flight: the submission order); nothing injected",
         "raw_s": times,
     }
     print(json.dumps(result) if args.json else result)

@@ -405,8 +405,7 @@ class VllmScorer(_ScorerBase):
                     if o.finished:
                         pending.discard(o.request_id)
         except BaseException:
-            for ids in submitted:
-                self.cancel(ids)
+            self.cancel([r for ids in submitted for r in ids])  # one abort and one discard for all
             raise
         return [self.finish(traces, ids) for traces, ids in zip(batches, submitted)]
 
