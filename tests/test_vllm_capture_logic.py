@@ -376,6 +376,95 @@ def test_host_stage_in_numpy_equals_the_device_path(monkeypatch, dtype, id_dtype
         assert np.abs(host.logprobs_R[fin] - dev.logprobs_R[fin]).max() <= 1e-6
 
 
+def test_host_stage_copies_by_address_and_falls_back_to_views():
+    """A host stage copies held logit rows and sampled ids at the flush from the addresses taken at
+    commit; ids of another dtype than the first step's, or not contiguous, make it read every step by
+    view instead: all three give the same staged samples. A step whose sampler drew more tokens than
+    it had truncated rows is refused at commit (the flush copies rows by count)."""
+    gen = torch.Generator().manual_seed(1)
+    steps = []
+    for b in (4, 2, 3):
+        logits = torch.randn(b, 32, generator=gen).masked_fill(torch.rand(b, 32, generator=gen) < 0.6, float("-inf"))
+        logits[:, 5] = 1.0
+        steps.append((logits, [5] * b))
+
+    def run(ids_of):
+        stage = SupportStage(max_support=64, want_support=True, want_logprobs=True, budget_bytes=0, min_rows=16)
+        for i, (logits, tokens) in enumerate(steps):
+            stage.truncate_and_observe(lambda x, g, k, p: (None, None), logits.clone(), {}, None, None)
+            stage.commit(ids_of(i, tokens), _meta())
+        return stage, stage.compute()
+
+    plain = run(lambda i, t: torch.tensor(t, dtype=torch.int32).view(-1, 1))
+    assert len(plain[0]._deferred_ptrs) == 0 and plain[0]._id_dtype is torch.int32
+    mixed = run(lambda i, t: torch.tensor(t, dtype=torch.int64 if i == 1 else torch.int32).view(-1, 1))
+    def every_other(i, t):  # [B, 1] with row stride 2: not contiguous; a copy by address would read the 0s
+        return torch.tensor([v for x in t for v in (x, 0)], dtype=torch.int32)[::2].unsqueeze(1)
+
+    assert not every_other(0, [5, 5]).is_contiguous()
+    strided = run(every_other)
+    for other in (mixed[1], strided[1]):
+        for name in ("tokens_R", "sizes_R", "offsets_R1", "ids_N", "logprobs_R"):
+            assert np.array_equal(getattr(plain[1], name), getattr(other, name)), name
+    assert plain[1].tokens_R.tolist() == [5] * 9 and (plain[1].sizes_R > 1).all()
+    stage = SupportStage(max_support=8, want_support=True, want_logprobs=True, budget_bytes=0, min_rows=4)
+    stage.truncate_and_observe(lambda x, g, k, p: (None, None), steps[1][0].clone(), {}, None, None)
+    with pytest.raises(CaptureHookError, match="drew 3 tokens from 2 truncated logit rows"):
+        stage.commit(torch.tensor([[5], [5], [5]]), _meta())
+
+
+def test_held_route_ids_join_by_address_as_by_torch_cat():
+    """Eager route capture holds each layer's router ids and their address (route_hook's capture
+    function); the flush copies the first n_s rows of each by address, which equals torch.cat of
+    the trimmed tensors, padded forwards (more rows than the step scheduled) included. A tensor
+    without an address (not contiguous, another dtype) sends the whole window to torch.cat."""
+    from moe_replay.integrations.vllm.capture.route_hook import _join_held
+
+    gen = torch.Generator().manual_seed(2)
+    K, landed = 4, []
+    for n, rows in ((5, 5), (2, 4), (3, 3)):  # the second step's forward was padded to 4 rows
+        held = [torch.randint(0, 60, (rows, K), generator=gen, dtype=torch.int32) for _ in range(3)]
+        landed.append((n, held, [h.data_ptr() for h in held]))
+    want = torch.cat([h[:n] for n, held, _ in landed for h in held]).numpy()
+    got = _join_held(landed, K, torch.int32)
+    assert got.dtype == np.int32 and got.shape == (3 * 10, K) and np.array_equal(got, want)
+    assert np.array_equal(_join_held(landed, K, None), want)  # no dtype learnt: torch.cat
+    wide = torch.randint(0, 60, (5, 2 * K), generator=gen, dtype=torch.int32)
+    landed[0][1][1] = wide[:, ::2]  # a strided view: its capture function took no address
+    landed[0][2][1] = 0
+    want = torch.cat([h[:n] for n, held, _ in landed for h in held]).numpy()
+    assert np.array_equal(_join_held(landed, K, torch.int32), want)
+
+
+def test_joined_layouts_slice_consecutive_ring_rows_once():
+    """Steps taken one after the other from host rings sit back to back, so a window reads each ring
+    once (step.join_rows); rows not back to back, or plain arrays, are concatenated: both give the
+    same window."""
+    from moe_replay.integrations.vllm.step import HostRing, StepLayout, byte_view, join_rows
+
+    qsl, pos, disc = HostRing(np.dtype(np.int32), 16), HostRing(np.dtype(np.int64), 16), HostRing(np.dtype(bool), 8)
+    steps = [(np.array([0, 3, 5], np.int32), np.array([0, 1, 2, 0, 1]), np.array([False, True])),
+             (np.array([0, 1, 2], np.int32), np.array([3, 2]), np.array([False, False]))]
+
+    def take(q, p, d):
+        return StepLayout(["a", "b"], qsl.take(byte_view(q), len(q)), pos.take(byte_view(p), len(p)),
+                          disc.take(byte_view(d), len(d)))
+
+    ring = [take(*st) for st in steps]
+    assert join_rows([lay._pos for lay in ring]).base is not pos.array  # a copy: the ring is rewound after
+    plain = [StepLayout(["a", "b"], *st) for st in steps]
+    qsl.used += 1  # a gap: the next step's query starts are not right after this one's
+    apart = [ring[0], take(*steps[1])]
+    assert apart[1]._qsl[1] == ring[1]._qsl[2] + 1
+    for lays in (plain, apart):
+        a, b = StepLayout.joined(ring), StepLayout.joined(lays)
+        for name in a._fields:
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    j = StepLayout.joined(ring)
+    assert j.start_B.tolist() == [0, 3, 5, 6] and j.stop_B.tolist() == [3, 5, 6, 7]
+    assert j.pos_T.tolist() == [0, 1, 2, 0, 1, 3, 2] and j.discard_B.tolist() == [False, True, False, False]
+
+
 def test_a_logits_buffer_the_sampler_reuses_is_refused():
     """A host stage holds each step's truncated logits until the flush, which is exact only while
     the sampler hands over a fresh tensor each step: one handed over again at the same address (an

@@ -19,7 +19,7 @@ Legend: B requests of the step, T tokens forwarded in it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +37,19 @@ object with a Python __init__ (a tuple: see HostRing for why)."""
 def rows_of(x: "np.ndarray | RingRows") -> np.ndarray:
     """The rows a StepLayout field or a slots value stands for (a view of its ring, or the array)."""
     return x[0][x[1] : x[2]] if type(x) is tuple else x
+
+
+def join_rows(parts: "list[np.ndarray | RingRows]") -> np.ndarray:
+    """Several steps' rows end to end, as a new array. Steps taken one after the other from one
+    host ring sit back to back in it (a ring starts over only at a rewind or when full, and
+    capture flushes before either), so their rows are one slice: one copy instead of a view and a
+    concatenate per step (66 steps: ~1 ms less per flush, most of it Python per step)."""
+    if parts and all(type(x) is tuple for x in parts):
+        ring = parts[0][0]
+        start = parts[0][1]
+        if all(x[0] is ring for x in parts) and all(a[2] == b[1] for a, b in zip(parts, parts[1:])):
+            return ring[start : parts[-1][2]].copy()
+    return np.concatenate([rows_of(x) for x in parts])
 
 
 class StepLayout:
@@ -66,6 +79,38 @@ class StepLayout:
     def discard_B(self) -> np.ndarray:
         """True where the runner throws the row's sample away (a chunked prefill short of its prompt end)."""
         return rows_of(self._discard)
+
+    @staticmethod
+    def joined(lays: "list[StepLayout]") -> "JoinedLayouts":
+        """S steps' layouts laid end to end (B rows and T tokens in all, `join_rows`)."""
+        n_S = np.fromiter((lay.num_tokens for lay in lays), dtype=np.int64, count=len(lays))
+        qsl_X = join_rows([lay._qsl for lay in lays])  # X = B + S: each step's B_s + 1 query starts
+        b_S = np.fromiter((len(lay.req_ids) for lay in lays), dtype=np.int64, count=len(lays))
+        if len(qsl_X) != int(b_S.sum()) + len(lays):
+            raise RuntimeError(f"{len(lays)} steps of {int(b_S.sum())} rows hold {len(qsl_X)} query starts")
+        last_S = np.cumsum(b_S + 1) - 1  # each step's closing query start
+        first_X = np.zeros(len(qsl_X), dtype=bool)
+        first_X[last_S - b_S] = True
+        last_X = np.zeros(len(qsl_X), dtype=bool)
+        last_X[last_S] = True
+        tok0_B = np.repeat(np.cumsum(n_S) - n_S, b_S)  # first window token of each row's step
+        return JoinedLayouts(n_S, b_S, qsl_X[~last_X] + tok0_B, qsl_X[~first_X] + tok0_B,
+                             join_rows([lay._pos for lay in lays]), join_rows([lay._discard for lay in lays]))
+
+
+class JoinedLayouts(NamedTuple):
+    """Several steps' rows end to end (`StepLayout.joined`): S steps, B rows, T tokens."""
+
+    n_S: np.ndarray
+    """Tokens forwarded per step."""
+    b_S: np.ndarray
+    """Rows per step."""
+    start_B: np.ndarray
+    """First token of each row, counted from the first step's first token."""
+    stop_B: np.ndarray
+    """One past each row's last token, counted alike."""
+    pos_T: np.ndarray
+    discard_B: np.ndarray
 
 
 class HostRing:

@@ -110,9 +110,16 @@ class SupportStage:
         """A numpy view of a host copy stage (hold_host off), made once (bf16: its int16 bits; widened at compute())."""
         self._held: list[torch.Tensor] | None = None
         """Host samplers: the truncated logits [B, V] of each staged step, in order (not copied)."""
+        self._held_ptrs: list[int] = []
+        self._held_dtype: torch.dtype | None = None
+        """Their data addresses, taken while the tensors were fresh (`_gather_host`)."""
         self._vocab = 0
         self._deferred: list[torch.Tensor] = []
         """Sampled ids [B, 1] of every committed step, in row order (the sampler's fresh output): read at compute()."""
+        self._deferred_ptrs: list[int] = []
+        self._id_dtype: torch.dtype | None = None
+        """Dtype of the first sampled ids seen (host stage); ids of another dtype are read by view."""
+        """Host samplers: their data addresses (0: not a contiguous host int64/int32 tensor, read by view)."""
         self._commits: list[tuple[int, bool, float | np.ndarray]] = []
         """Per committed step: (rows, staged by the truncation?, temperature: scalar or per row)."""
         self._pending: int | None = None
@@ -128,6 +135,7 @@ class SupportStage:
         self.capacity = max(self.min_rows, self.budget_bytes // max(V * logits_BV.element_size(), 1))
         if self.hold_host and logits_BV.is_cpu and logits_BV.dtype in _NUMPY_OF:
             self._held = []
+            self._held_dtype = logits_BV.dtype
             return
         self.logits_RV = torch.empty((self.capacity, V), dtype=logits_BV.dtype, device=logits_BV.device)
         if self.logits_RV.is_cpu:
@@ -147,6 +155,8 @@ class SupportStage:
         if r0 + B > self.capacity:
             raise RuntimeError(f"support stage overflow: {r0} + {B} rows > {self.capacity} (flush missed)")
         if self._held is not None:
+            if logits_BV.dtype != self._held_dtype:  # the flush reads every held step's bytes as one dtype
+                raise RuntimeError(f"sampler logits dtype changed from {self._held_dtype} to {logits_BV.dtype}")
             self._pending_BV = logits_BV if logits_BV.is_contiguous() else logits_BV.contiguous()
         else:  # copy before sampling: a device sampler may work in place
             self.logits_RV[r0 : r0 + B].copy_(logits_BV)
@@ -167,15 +177,25 @@ class SupportStage:
         B = sampled_B1.shape[0]
         r0 = self.rows
         self._deferred.append(sampled_B1)  # the sampler's fresh output; read at compute()
+        if self._held is not None:  # a host stage: addresses now, while the tensors are in cache
+            dt = sampled_B1.dtype
+            if self._id_dtype is None and dt in _ID_DTYPES:
+                self._id_dtype = dt
+            ok = dt is self._id_dtype and sampled_B1.is_cpu and sampled_B1.is_contiguous() and sampled_B1.numel() == B
+            self._deferred_ptrs.append(sampled_B1.data_ptr() if ok else 0)
         staged, self._pending = self._pending is not None, None
         if self._pending_BV is not None:
-            held, logits_BV, self._pending_BV = self._held, self._pending_BV, None
-            if held and held[-1].data_ptr() == logits_BV.data_ptr():
+            held, ptrs, logits_BV, self._pending_BV = self._held, self._held_ptrs, self._pending_BV, None
+            if logits_BV.shape[0] != B:  # the flush copies B rows from its address
+                raise CaptureHookError(f"the sampler drew {B} tokens from {logits_BV.shape[0]} truncated logit rows")
+            ptr = logits_BV.data_ptr()
+            if ptrs and ptrs[-1] == ptr:
                 raise CaptureHookError(
                     "the sampler handed over its truncated logits at the address of the previous step's: the engine "
                     "reuses a logits buffer, so rows held for the flush would be overwritten; set "
                     "SupportStage.hold_host = False (copy each step's rows) for this engine")
             held.append(logits_BV)
+            ptrs.append(ptr)
         if not staged:  # all greedy: top-k/top-p never ran
             temps = 0.0
         elif sampling_metadata.all_random or sampling_metadata.temperature is None:
@@ -190,16 +210,24 @@ class SupportStage:
         """A dummy/profile sampler run: forget what its truncation staged."""
         self._pending = self._pending_BV = None
 
+    def _reset_held(self) -> tuple[list[torch.Tensor], list[int], list[int]]:
+        """The held logits, their addresses and the ids' addresses; the stage starts over."""
+        out = self._held, self._held_ptrs, self._deferred_ptrs
+        self._held, self._held_ptrs, self._deferred_ptrs = [], [], []
+        return out
+
     def compute(self) -> StagedSamples:
         """Sparse support and logprobs of every committed row; the stage is empty afterwards."""
         t_start = time.perf_counter()
         R = self.rows
         deferred, self._deferred = self._deferred, []
         commits, self._commits = self._commits, []
-        held = self._held
-        if held is not None:
-            self._held = []
-        tokens_R = _tokens(deferred)  # every committed step's ids, rows 0, 1, ... in order
+        held = None
+        if self._held is not None:
+            held, held_ptrs, id_ptrs = self._reset_held()
+            tokens_R = _tokens(deferred, id_ptrs, [b for b, _, _ in commits])
+        else:
+            tokens_R = _tokens(deferred)  # every committed step's ids, rows 0, 1, ... in order
         if len(tokens_R) != R:
             raise CaptureHookError(f"the sampler handed over {len(tokens_R)} ids for {R} rows (one per row expected)")
         greedy_R = _greedy_rows(commits, R)
@@ -211,10 +239,11 @@ class SupportStage:
         outside_R = None
         sparse = None
         if held and len(live):  # live rows are rows of staged steps, which are the held rows in order
-            raw_XV = np.concatenate([_host_numpy(t) for t in held])  # a copy: the views die with the tensors
             staged_R = np.repeat([st for _, st, _ in commits], [b for b, _, _ in commits])
-            if len(raw_XV) != int(staged_R.sum()):
-                raise CaptureHookError(f"support stage holds {len(raw_XV)} rows for {int(staged_R.sum())} staged ones")
+            rows_H = [b for b, st, _ in commits if st]  # held step h has the rows of the h-th staged commit
+            if len(rows_H) != len(held):
+                raise CaptureHookError(f"support stage holds {len(held)} steps' logits for {len(rows_H)} staged steps")
+            raw_XV = _gather_host(held, held_ptrs, rows_H, self._vocab)
             host_XV = _host_array(raw_XV, held[0].dtype)
             sparse = _kept_numpy(host_XV if len(live) == len(host_XV) else host_XV[(np.cumsum(staged_R) - 1)[live]],
                                  tokens_R[live], self.want_logprobs, self.want_support, self.max_support)
@@ -252,15 +281,39 @@ class SupportStage:
         return StagedSamples(tokens_R, offsets_R1, ids_N, sizes_R, logprobs_R, outside_R)
 
 
-def _tokens(sampled: list[torch.Tensor]) -> np.ndarray:
-    """int64: the deferred steps' sampled ids, in order (one device-to-host copy; numpy for host
-    tensors of another dtype: a torch.cat of 16 [8, 1] tensors took ~6 ms inside the loaded
-    vLLM-CPU engine, see _kept_numpy)."""
+def _tokens(sampled: list[torch.Tensor], ptrs: list[int] | None = None, rows_S: list[int] | None = None) -> np.ndarray:
+    """int64: the deferred steps' sampled ids, in order (one device-to-host copy; on a host stage
+    copied from the addresses taken at commit, `_gather_host`; a torch.cat of 16 [8, 1] tensors took
+    ~6 ms inside the loaded vLLM-CPU engine, see _kept_numpy)."""
     if not sampled:
         return np.zeros(0, np.int64)
+    if ptrs is not None and len(ptrs) == len(sampled) and all(ptrs):
+        return _gather_host(sampled, ptrs, rows_S, 1).reshape(-1).astype(np.int64)
     if all(t.device.type == "cpu" for t in sampled):
         return np.concatenate([_host_numpy(t).reshape(-1) for t in sampled]).astype(np.int64)
     return torch.cat(sampled).view(-1).cpu().numpy().astype(np.int64)
+
+
+_ID_DTYPES = (torch.int64, torch.int32)
+"""Sampled-id dtypes a host stage copies by address."""
+
+
+def _gather_host(tensors: list[torch.Tensor], ptrs: list[int], rows: list[int], width: int) -> np.ndarray:
+    """Contiguous host tensors of one dtype, [rows[i], width] each, stacked into one new array by
+    one memmove per tensor from addresses taken when they were fresh. Why: at a flush, 66 steps'
+    tensors are cold; a numpy view of each (`_host_numpy`) was ~5 us a tensor and touched every
+    tensor's metadata again. The tensors stay referenced (`tensors`) until the copies are done."""
+    first = tensors[0]
+    dtype = _NUMPY_OF[first.dtype]
+    if len(ptrs) != len(tensors) or len(rows) != len(tensors):
+        raise CaptureHookError(f"{len(tensors)} held tensors, {len(ptrs)} addresses, {len(rows)} row counts")
+    out = np.empty((sum(rows), width), dtype=dtype)
+    row_bytes = width * out.itemsize
+    move, at = ctypes.memmove, out.ctypes.data
+    for ptr, n in zip(ptrs, rows):
+        move(at, ptr, n * row_bytes)
+        at += n * row_bytes
+    return out
 
 
 def _host_numpy(t: torch.Tensor) -> np.ndarray:
@@ -300,9 +353,13 @@ def _kept_numpy(logits_XV: np.ndarray, tok_X: np.ndarray, want_logprobs: bool, w
     """The host stage's rows in numpy. Why not torch: on vLLM-CPU every torch op here is an OpenMP
     region over the engine's bound threads; on the shared 2-core machine one isfinite of
     [128, 512] took 25-52 ms (numpy: 0.02 ms), ~48 ms of a 74 ms collect of 8 x 16 tokens."""
-    X = len(tok_X)
+    X, V = logits_XV.shape
     kept_XV = np.isfinite(logits_XV)
-    sizes_X = np.count_nonzero(kept_XV, axis=1).astype(np.int64)
+    # One scan for every kept entry (row-major: rows in order, ids ascending within a row): sizes,
+    # ids and values all come from it (three boolean passes over [X, V] took 2.5x as long).
+    flat_N = np.flatnonzero(kept_XV)
+    row_N = flat_N // V
+    sizes_X = np.bincount(row_N, minlength=X).astype(np.int64)
     ar_X = np.arange(X)
     out_X = ~kept_XV[ar_X, tok_X]
     lp_X = None
@@ -311,7 +368,7 @@ def _kept_numpy(logits_XV: np.ndarray, tok_X: np.ndarray, want_logprobs: bool, w
         # kept stays -inf) over the kept entries only: the -inf ones add exp(-inf) = 0, and a
         # truncated row keeps ~15 of V (top-p 0.9 at V = 512), so exp runs on ~3% of the stage.
         # The scorer (scoring/force.py) evaluates the dense expression in torch: they agree to ~1 ulp.
-        vals_N = logits_XV[kept_XV]  # row by row
+        vals_N = logits_XV.reshape(-1)[flat_N]
         some_X = sizes_X > 0
         starts_Y = (np.cumsum(sizes_X) - sizes_X)[some_X]
         m_X = np.zeros(X, dtype=logits_XV.dtype)
@@ -323,10 +380,10 @@ def _kept_numpy(logits_XV: np.ndarray, tok_X: np.ndarray, want_logprobs: bool, w
             lse_X = np.log(sum_X) + m_X
         lp_X = (logits_XV[ar_X, tok_X] - lse_X).astype(np.float32)
     cols_M = None
-    if want_support:  # rows in order, ids sorted; a boolean gather of the column ids: 3x np.nonzero's speed
+    if want_support:  # rows in order, ids sorted
+        cols_N = (flat_N - row_N * V).astype(np.int32)
         ok_X = sizes_X <= max_support
-        kept_MV = kept_XV if ok_X.all() else kept_XV[ok_X]
-        cols_M = np.broadcast_to(np.arange(kept_MV.shape[1], dtype=np.int32), kept_MV.shape)[kept_MV]
+        cols_M = cols_N if ok_X.all() else cols_N[ok_X[row_N]]
     return sizes_X, out_X, lp_X, cols_M
 
 

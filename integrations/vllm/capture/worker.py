@@ -46,7 +46,7 @@ from ..errors import CaptureHookError
 from ..model import geometry_from_runner
 from ..patch import patch_runner
 from ..runner import OPS, RunnerState, installed, register_part_ops, runner_state
-from ..step import RingRows, StepLayout, rows_of
+from ..step import RingRows, StepLayout, join_rows
 from ..timings import PartTimes
 from ..versions import check_vllm_version
 from ..wire import CaptureRecord, InstallReply
@@ -104,19 +104,13 @@ class _Window:
 
     @classmethod
     def of(cls, steps: list[_Step]) -> "_Window":
-        lays = [st.layout for st in steps]
-        n_S = np.array([lay.num_tokens for lay in lays])
-        b_S = np.array([len(lay.discard_B) for lay in lays])
+        lay = StepLayout.joined([st.layout for st in steps])
+        n_S, b_S = lay.n_S, lay.b_S
         S = np.arange(len(steps))
-        tok0_B = np.repeat(np.cumsum(n_S) - n_S, b_S)  # first window token of each row's step
-        start_B = np.concatenate([lay.qsl_B1[:-1] for lay in lays]) + tok0_B
-        stop_B = np.concatenate([lay.qsl_B1[1:] for lay in lays]) + tok0_B
         uid_B = np.concatenate([st.batch.uid_B for st in steps])
-        pos_T = np.concatenate([lay.pos_T for lay in lays])
         return cls(n_S, b_S, np.repeat(S, b_S), np.repeat(S, n_S), uid_B,
                    np.concatenate([st.batch.prompt_len_B for st in steps]),
-                   np.concatenate([lay.discard_B for lay in lays]),
-                   pos_T[stop_B - 1], np.repeat(uid_B, stop_B - start_B), pos_T)
+                   lay.discard_B, lay.pos_T[lay.stop_B - 1], np.repeat(uid_B, lay.stop_B - lay.start_B), lay.pos_T)
 
 
 class WorkerCapture:
@@ -425,7 +419,7 @@ class WorkerCapture:
         if not seg:
             return
         rows = slice(seg[0].arena_row, seg[-1].arena_row + seg[-1].layout.num_tokens)
-        self.slot_cache.write(np.concatenate([rows_of(st.slots_T) for st in seg]), chunk_TLK[rows],
+        self.slot_cache.write(join_rows([st.slots_T for st in seg]), chunk_TLK[rows],
                               None if written_T is None else written_T[rows])
 
     # -- control ------------------------------------------------------------------------------
