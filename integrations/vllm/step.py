@@ -178,7 +178,8 @@ class StepViews:
         self._layout: StepLayout | None = None
         self._rings: dict[str, HostRing] = {}
         """Host runners: "qsl", "pos", "discard" and "slots<group>" rings (allocated at first bind)."""
-        self._slot_src: dict[int, memoryview] = {}
+        self._slot_src: dict[int, tuple[HostRing, memoryview]] = {}
+        """Host runners: per KV group, its slot ring and a byte view of vLLM's slot mapping."""
         tokens = int(getattr(runner, "max_num_tokens", 0) or 0)
         self.ring_tokens = max(1 << 16, 4 * tokens)
         """Tokens the host rings hold: 64 Ki (512 KiB of int64 positions) or four full steps."""
@@ -241,21 +242,22 @@ class StepViews:
 
     def slots(self, layout: StepLayout, kv_group: int) -> "np.ndarray | RingRows":
         """KV slot of each forwarded token in `kv_group`'s block table (`rows_of` gives the array)."""
-        bt = self._ib.block_table.block_tables[kv_group]
         n = layout.num_tokens
         if self._host:
-            # the tensor vLLM's kernel writes: on CPU runners `.gpu` is a host tensor, and it is not
-            # always `.cpu` (an input batch rebuilt for a hybrid KV layout gets separate buffers)
-            src = self._slot_src.get(kv_group)
-            name = f"slots{kv_group}"
-            if src is None:
-                mapping = bt.slot_mapping.gpu
+            bound = self._slot_src.get(kv_group)  # per step: one lookup (the first time, the buffers)
+            if bound is None:
+                # the tensor vLLM's kernel writes: on CPU runners `.gpu` is a host tensor, and it is not
+                # always `.cpu` (an input batch rebuilt for a hybrid KV layout gets separate buffers)
+                mapping = self._ib.block_table.block_tables[kv_group].slot_mapping.gpu
                 if not mapping.is_contiguous() or mapping.dtype != torch.int64:
                     raise RuntimeError(f"vLLM slot mapping of KV group {kv_group} is {mapping.dtype}, not contiguous int64")
-                src = self._slot_src[kv_group] = byte_view(mapping.numpy())
+                name = f"slots{kv_group}"
                 if name not in self._rings:
                     self._rings[name] = HostRing(np.dtype(np.int64), self.ring_tokens)
-            return self._rings[name].take(src, n)
+                ring = self._rings[name]
+                bound = self._slot_src[kv_group] = (ring, byte_view(mapping.numpy()))
+            return bound[0].take(bound[1], n)
+        bt = self._ib.block_table.block_tables[kv_group]
         row_T = np.repeat(np.arange(len(layout.req_ids)), np.diff(layout.qsl_B1))
         size = int(bt.block_size)
         return kv_slots(bt.block_table.np[row_T, layout.pos_T // size], layout.pos_T, size)
