@@ -174,14 +174,15 @@ class SupportStage:
 
         Per step: references to the ids and (host samplers) the truncated logits, and a tuple.
         """
-        B = sampled_B1.shape[0]
+        shape = sampled_B1.shape
+        B = shape[0]
         r0 = self.rows
         self._deferred.append(sampled_B1)  # the sampler's fresh output; read at compute()
         if self._held is not None:  # a host stage: addresses now, while the tensors are in cache
             dt = sampled_B1.dtype
             if self._id_dtype is None and dt in _ID_DTYPES:
                 self._id_dtype = dt
-            ok = dt is self._id_dtype and sampled_B1.is_cpu and sampled_B1.is_contiguous() and sampled_B1.numel() == B
+            ok = dt is self._id_dtype and shape[1:] == (1,) and sampled_B1.is_cpu and sampled_B1.is_contiguous()
             self._deferred_ptrs.append(sampled_B1.data_ptr() if ok else 0)
         staged, self._pending = self._pending is not None, None
         if self._pending_BV is not None:
