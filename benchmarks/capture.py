@@ -37,6 +37,14 @@ row log together), client.rpc (the take call less the worker's own time in it), 
 (decoding records, building and validating traces). Not timed: the route functions inside an eager
 forward (two list stores per layer; timing them cost as much as they do) and the wrappers.
 
+`phases`: where the overhead lands, each pair's on-minus-off seconds per engine phase over the off
+side's time (median over pairs; medians do not add up to `overhead`): `forward` (the model's
+forward, route functions included), `inputs` (the rest of execute_model: preparing inputs),
+`after_forward` (capture's hook after it), `sample` (sample_tokens: the support stage and the
+commit included), `rest` (scheduler, output processing) and `collect`; `share_off`: each phase's
+share of the off side's step time. Every engine's phases are timed, on and off alike (a
+perf_counter pair per phase per step).
+
 `compiled` (bench model, vLLM's default `enforce_eager=False`: torch.compile on vLLM-CPU): the same,
 both engines compiled (their routers write into the step buffer bound at load, inside the compiled
 graph, attached or not: that write is in both sides). Target (#35): <= 1.0%, eager too.
@@ -141,12 +149,20 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
     parts_seen: list[dict] = []
     info: dict[str, Any] = {"steps": 0}
 
+    for engine in engines:
+        engine.collective_rpc(_time_phases)
+    phase_rows: list[dict[str, float]] = []
+
     def round_(i: int) -> tuple[float, float, int, bool, list]:
         c = (i // 2) % 2  # the engine that carries capture this round
         sides = {True: engines[c], False: engines[1 - c]}
         cap = VllmCapture(sides[True], CaptureConfig())
         try:
+            for llm in sides.values():  # over capture's step bracket: its after_forward hook is inside
+                llm.collective_rpc(_time_outer_execute)
             got = _lockstep_round(sides, prompts, params, f"r{i}", first=i % 2 == 0)
+            for llm in sides.values():
+                llm.collective_rpc(_untime_outer_execute)
             outs = [got[True]["outputs"][k] for k in sorted(got[True]["outputs"])]
             t0 = time.perf_counter()
             traces = cap.collect(outs)
@@ -157,6 +173,8 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
             info["route_mode"] = st["route_mode"]
         finally:
             cap.uninstall()
+        phase_rows.append(_phase_row({flag: llm.collective_rpc(_read_phases)[0] for flag, llm in sides.items()},
+                                     got, collect_s))
         same = all(got[False]["outputs"][o.request_id].outputs[0].token_ids == o.outputs[0].token_ids for o in outs)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         return got[False]["s"], got[True]["s"] + collect_s, tokens, same, traces
@@ -176,6 +194,9 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
         round_(-4 + i)
     prof = _op_profile(solo) if compiled else None
     parts_seen.clear()
+    phase_rows.clear()
+    for engine in engines:  # the op profile's steps are not a pair's
+        engine.collective_rpc(_read_phases)
     info["steps"] = 0
     off_s, on_s, same_all, traces, tokens = [], [], True, None, 0
     for i in range(pairs):
@@ -207,12 +228,77 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
         "overhead_total": round(sum(on_s) / sum(off_s) - 1, 4),
         "overhead_runs": [round(r, 4) for r in ratios],
         "hook_time_fraction": breakdown.get("capture_share_of_wall"),
+        "phases": _phases(phase_rows),
         "breakdown": breakdown,
         "trace_bytes_per_token": round(nbytes / sum(t.num_tokens for t in traces), 2),
         "support_rows_mean": round(sum(int(t.support.sizes_G().sum()) for t in traces)
                                    / sum(t.num_generated for t in traces), 2),
         **({"ops": prof} if prof else {}),
     }
+
+
+PHASES = ("forward", "inputs", "after_forward", "sample", "rest", "collect")
+
+
+def _time_phases(worker: Any) -> None:
+    """Run in an engine's worker (collective_rpc): time its runner's forward, execute_model (the
+    attribute as it is now, under any capture bracket installed later) and sample_tokens."""
+    runner = worker.model_runner
+    acc = runner.__dict__.setdefault("_bench_phase_s", {})
+    for name, tag in (("_model_forward", "forward"), ("execute_model", "execute_in"), ("sample_tokens", "sample")):
+        runner.__dict__[name] = _timed(getattr(runner, name), acc, tag)
+
+
+def _timed(fn: Any, acc: dict[str, float], tag: str) -> Any:
+    clock = time.perf_counter
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[tag] = acc.get(tag, 0.0) + clock() - t0
+
+    timed.__wrapped__ = fn
+    return timed
+
+
+def _time_outer_execute(worker: Any) -> None:
+    runner = worker.model_runner
+    runner.__dict__["execute_model"] = _timed(runner.execute_model, runner._bench_phase_s, "execute_out")
+
+
+def _untime_outer_execute(worker: Any) -> None:
+    runner = worker.model_runner
+    runner.__dict__["execute_model"] = runner.execute_model.__wrapped__
+
+
+def _read_phases(worker: Any) -> dict[str, float]:
+    acc = worker.model_runner._bench_phase_s
+    out = dict(acc)
+    acc.clear()
+    return out
+
+
+def _phase_row(acc: dict[bool, dict[str, float]], got: dict[bool, dict], collect_s: float) -> dict[str, float]:
+    """One pair's seconds per phase and side: {phase: (on, off)} plus the off side's step seconds."""
+    row: dict[str, Any] = {}
+    for flag, a in acc.items():
+        fwd, inner, outer, sample = (a.get(k, 0.0) for k in ("forward", "execute_in", "execute_out", "sample"))
+        steps = got[flag]["s"]
+        row[flag] = {"forward": fwd, "inputs": inner - fwd, "after_forward": outer - inner, "sample": sample,
+                     "rest": steps - outer - sample, "collect": collect_s if flag else 0.0, "step": steps}
+    return row
+
+
+def _phases(rows: list[dict]) -> dict[str, Any]:
+    if not rows:
+        return {}
+    delta = {p: round(statistics.median((r[True][p] - r[False][p]) / r[False]["step"] for r in rows), 5)
+             for p in PHASES}
+    share = {p: round(statistics.median(r[False][p] / r[False]["step"] for r in rows), 4)
+             for p in PHASES if p != "collect"}
+    return {"on_minus_off": delta, "share_off": share}
 
 
 def _op_profile(run) -> dict:

@@ -24,3 +24,23 @@ def test_median_interval_covers_the_median_about_95_percent():
     rng = np.random.default_rng(0)
     hits = sum(lo <= 0.0 <= hi for lo, hi in (bench._ci95(list(rng.standard_cauchy(40))) for _ in range(2000)))
     assert 0.94 <= hits / 2000 <= 0.985  # heavy tails do not matter: it only counts signs
+
+
+def test_phase_split_takes_each_pairs_on_minus_off_over_the_off_step():
+    """`phases`: per pair, (on - off) seconds of each engine phase over the off side's step seconds;
+    after_forward is the outer execute_model less the inner one (capture's hook sits between them),
+    rest what the engine step spends outside execute_model and sample_tokens."""
+    def side(fwd, inner, outer, sample, step):
+        return {"forward": fwd, "execute_in": inner, "execute_out": outer, "sample": sample}, {"s": step}
+
+    rows = []
+    for k in (1.0, 2.0, 3.0):
+        (on, got_on), (off, got_off) = side(8.2, 9.0, 9.4, 0.6, 10.2), side(8.0, 8.8, 8.8, 0.5, 10.0)
+        rows.append(bench._phase_row({True: on, False: off}, {True: got_on, False: got_off}, collect_s=0.05 * k))
+    out = bench._phases(rows)
+    d = out["on_minus_off"]
+    assert math.isclose(d["forward"], 0.02) and math.isclose(d["inputs"], 0.0, abs_tol=1e-9)
+    assert math.isclose(d["after_forward"], 0.04) and math.isclose(d["sample"], 0.01)
+    assert math.isclose(d["rest"], (0.2 - 0.7) / 10.0) and math.isclose(d["collect"], 0.01)  # collect: median k = 2
+    assert math.isclose(out["share_off"]["forward"], 0.8) and math.isclose(out["share_off"]["rest"], 0.07)
+    assert bench._phases([]) == {}
