@@ -111,15 +111,17 @@ class SupportStage:
         self._held: list[torch.Tensor] | None = None
         """Host samplers: the truncated logits [B, V] of each staged step, in order (not copied)."""
         self._held_ptrs: list[int] = []
-        self._held_dtype: torch.dtype | None = None
         """Their data addresses, taken while the tensors were fresh (`_gather_host`)."""
+        self._held_dtype: torch.dtype | None = None
+        """Their dtype (every held step's: the flush reads their bytes as one array)."""
         self._vocab = 0
         self._deferred: list[torch.Tensor] = []
         """Sampled ids [B, 1] of every committed step, in row order (the sampler's fresh output): read at compute()."""
         self._deferred_ptrs: list[int] = []
+        """Host samplers: their data addresses (0: not a contiguous host [B, 1] tensor of `_id_dtype`;
+        then the window's ids are read by view)."""
         self._id_dtype: torch.dtype | None = None
-        """Dtype of the first sampled ids seen (host stage); ids of another dtype are read by view."""
-        """Host samplers: their data addresses (0: not a contiguous host int64/int32 tensor, read by view)."""
+        """Dtype of the first sampled ids seen (host stage)."""
         self._commits: list[tuple[int, bool, float | np.ndarray]] = []
         """Per committed step: (rows, staged by the truncation?, temperature: scalar or per row)."""
         self._pending: int | None = None
