@@ -19,6 +19,7 @@ Legend: B requests of the step, T tokens forwarded in it.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -148,6 +149,21 @@ def byte_view(a: np.ndarray) -> memoryview:
     if not a.flags.c_contiguous:
         raise RuntimeError(f"expected a contiguous host array, found strides {a.strides} for shape {a.shape}")
     return memoryview(a).cast("B")
+
+
+def copy_from_addresses(out: np.ndarray, ptrs: "list[int]", nbytes: "list[int]") -> np.ndarray:
+    """Fill the C-contiguous host array `out` with nbytes[i] bytes from each address ptrs[i], end to
+    end (one memmove each); the caller keeps the memory behind every address alive until it returns.
+    Why: at a capture flush the held tensors of 66 steps are cold, and reading them through their
+    tensor objects (torch.cat, or a numpy view each) touched every tensor's metadata again."""
+    if out.nbytes != sum(nbytes) or not out.flags.c_contiguous:
+        raise RuntimeError(f"copy of {sum(nbytes)} bytes into an array of {out.nbytes} (contiguous: "
+                           f"{out.flags.c_contiguous})")
+    move, at = ctypes.memmove, out.ctypes.data
+    for ptr, n in zip(ptrs, nbytes):
+        move(at, ptr, n)
+        at += n
+    return out
 
 
 def external_id(internal_id: str) -> str:

@@ -26,7 +26,6 @@ Installing capture later finds it on the model.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from typing import Any
 
@@ -37,7 +36,7 @@ from ....geometry import ModelGeometry
 from ..errors import CaptureHookError
 from ..model import find_moe_layers, forward_is_traced
 from ..patch import CAPTURE_FLAG, LOAD_STEPS, LoadStep
-from ..step import byte_view
+from ..step import byte_view, copy_from_addresses
 
 HOLD_DEVICES = {"cpu"}
 """Runner device types whose eager router ids are held by reference (fresh per call, never
@@ -215,13 +214,9 @@ def _join_held(landed: list[tuple[int, list[torch.Tensor], list[int], torch.dtyp
     dtype = landed[0][3]
     if dtype in _ID_NUMPY and all(d is dtype and all(ptrs) for _, _, ptrs, d in landed):
         out = np.empty((sum(n * len(ptrs) for n, _, ptrs, _ in landed), K), dtype=_ID_NUMPY[dtype])
-        move, at, row = ctypes.memmove, out.ctypes.data, K * out.itemsize
-        for n, _, ptrs, _ in landed:  # each tensor holds >= n rows (RouteCapture.land checked)
-            size = n * row
-            for ptr in ptrs:
-                move(at, ptr, size)
-                at += size
-        return out
+        row = K * out.itemsize  # each tensor holds >= n rows (RouteCapture.land checked): its first n
+        return copy_from_addresses(out, [p for _, _, ptrs, _ in landed for p in ptrs],
+                                   [n * row for n, _, ptrs, _ in landed for _ in ptrs])
     return torch.cat([h if h.shape[0] == n else h[:n] for n, held, _, _ in landed for h in held]).numpy()
 
 

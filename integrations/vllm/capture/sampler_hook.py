@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from ..errors import CaptureHookError
+from ..step import copy_from_addresses
 from ..timings import PartTimes
 from .row_log import ranks_within
 
@@ -313,12 +314,7 @@ def _gather_host(tensors: list[torch.Tensor], ptrs: list[int], rows: list[int], 
     if len(ptrs) != len(tensors) or len(rows) != len(tensors):
         raise CaptureHookError(f"{len(tensors)} held tensors, {len(ptrs)} addresses, {len(rows)} row counts")
     out = np.empty((sum(rows), width), dtype=dtype)
-    row_bytes = width * out.itemsize
-    move, at = ctypes.memmove, out.ctypes.data
-    for ptr, n in zip(ptrs, rows):
-        move(at, ptr, n * row_bytes)
-        at += n * row_bytes
-    return out
+    return copy_from_addresses(out, ptrs, [n * width * out.itemsize for n in rows])
 
 
 def _host_numpy(t: torch.Tensor) -> np.ndarray:
