@@ -54,6 +54,7 @@ def _copy_at_land(worker: Any, on: bool) -> None:
     """On: `land` copies the step's held ids (by address) into an array of their own and drops the tensors."""
     import numpy as np
 
+    from moe_replay.integrations.vllm.capture.route_hook import _ID_NUMPY
     from moe_replay.integrations.vllm.runner import runner_state
     from moe_replay.integrations.vllm.step import copy_from_addresses
 
@@ -64,14 +65,16 @@ def _copy_at_land(worker: Any, on: bool) -> None:
 
     def copying_land(offset: int, num_tokens: int) -> str | None:
         problem = land(rc, offset, num_tokens)
-        n, held, ptrs, dtype = rc._landed[-1] if problem is None else (0, [], [0], None)
-        if problem is None and all(ptrs):
-            K, size = held[0].shape[1], held[0].element_size()
-            out = np.empty((len(held) * n, K), dtype={4: np.int32, 8: np.int64}[size])
-            copy_from_addresses(out, ptrs, [n * K * size] * len(ptrs))
+        if problem is not None:
+            return problem
+        n, held, ptrs, dtype = rc._landed[-1]
+        if all(ptrs):
+            K = held[0].shape[1]
+            out = np.empty((len(held) * n, K), dtype=_ID_NUMPY[dtype])
+            copy_from_addresses(out, ptrs, [n * K * out.itemsize] * len(ptrs))
             views = [out[j * n : (j + 1) * n] for j in range(len(held))]
             rc._landed[-1] = (n, views, [v.ctypes.data for v in views], dtype)
-        return problem
+        return None
 
     rc.__dict__["_land"] = copying_land
 
@@ -90,9 +93,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
 """name -> CaptureConfig fields (base, variant), the route modes each side must report, and either
 route_hook.HOLD_DEVICES for each side's install or a worker patch (args: on) run after it."""
 
-PHASES = ("forward", "inputs", "after_forward", "sample", "rest", "collect")
-
-
 def run(variant: str, pairs: int) -> dict[str, Any]:
     import capture as bench
 
@@ -107,7 +107,7 @@ def run(variant: str, pairs: int) -> dict[str, Any]:
         finally:
             for engine in engines:
                 engine.llm_engine.engine_core.shutdown()
-    delta = {p: [(r[True][p] - r[False][p]) / r[False]["step"] for r in rows] for p in (*PHASES, "total")}
+    delta = {p: [(r[True][p] - r[False][p]) / r[False]["step"] for r in rows] for p in (*bench.PHASES, "total")}
     return {
         "diagnostic": "capture_ab", "variant": variant, "pairs": pairs, "identical_tokens": same_all,
         "variant_minus_base": {p: round(statistics.median(v), 5) for p, v in delta.items()},
