@@ -141,6 +141,34 @@ def test_unwritten_route_rows_are_an_error(engines, monkeypatch):
         cap.uninstall()
 
 
+def test_held_routes_of_a_silent_or_short_layer_are_an_error(engines):
+    """Eager (hold) capture keeps each router's ids until the flush. A layer that hands over
+    nothing, or fewer rows than the step scheduled, fails that step's requests with an error naming
+    the layer, never another step's ids or zeros; capture goes on after it."""
+    from moe_replay.integrations.vllm.model import find_moe_layers
+
+    _, eager, _ = engines
+    cap = VllmCapture(eager, CaptureConfig())
+    try:
+        assert cap.stats()["route_mode"] == "hold"
+        router = find_moe_layers(_runner(eager).model)[1][1].router
+        bound = router.capture_fn
+        sp = sampling_params(*SAMPLING[0], max_tokens=3)
+        for fn, match in ((lambda ids: None, r"layers \(id, rows\) \[\(1, 0\)\] routed fewer than"),
+                          (lambda ids: bound(ids[:1]), r"layers \(id, rows\) \[\(1, 1\)\] routed fewer than")):
+            router.set_capture_fn(fn)
+            try:
+                outs = eager.generate([prompt_text(8, seed=1)], sp, use_tqdm=False)
+            finally:
+                router.set_capture_fn(bound)
+            with pytest.raises(CollectError, match=match):
+                cap.collect(outs)
+        _, (t,) = cap.generate([prompt_text(8, seed=2)], sp)
+        assert t.routes_TLK.shape[0] == t.num_tokens - 1
+    finally:
+        cap.uninstall()
+
+
 def test_step_buffer_written_between_steps_switches_to_arming_before(engines, monkeypatch):
     """A host step buffer is re-armed by the hook after each forward; rows a forward outside the
     engine's steps wrote (a dummy or padded forward) would hide a layer that stops routing, so the

@@ -7,8 +7,9 @@ inside the engine's step), per-flush parts (`flush.*`, once per many steps), per
 (`take.*`, when the client collects) and the client's own (`client.*`). A benchmark reads them
 with `VllmCapture.timings()` and divides by its own wall time to get each part's share.
 
-Cost of the accounting itself: one perf_counter pair and one dict update per part, ~0.3 us,
-against steps of milliseconds.
+Cost of the accounting itself: one perf_counter pair and one dict update per part, ~0.3 us
+warm; a per-step part is summed in a `Tally` instead (inside an engine step, after a 30 ms
+forward, the dict updates of PartTimes.add cost ~3 us a part a step).
 """
 
 from __future__ import annotations
@@ -40,6 +41,22 @@ class PartTimes:
     def reset(self) -> None:
         self.seconds.clear()
         self.calls.clear()
+
+
+class Tally:
+    """Seconds and calls of one per-step part, summed in two numbers until `into` adds them to a
+    PartTimes (before the times are read): two attribute updates on one small object per step
+    instead of two dict updates."""
+
+    __slots__ = ("part", "s", "calls")
+
+    def __init__(self, part: str) -> None:
+        self.part, self.s, self.calls = part, 0.0, 0
+
+    def into(self, times: PartTimes) -> None:
+        if self.calls:
+            times.add(self.part, self.s, self.calls)
+            self.s, self.calls = 0.0, 0
 
 
 def merge_part_dicts(dicts: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:

@@ -345,7 +345,7 @@ class RouteCapture:
             return self.dp_rows.odd[0]
         if self.hold:
             if min(self.rows_seen_L) < num_tokens:
-                bad = [(self.geometry.moe_layer_ids[j], n) for j, n in enumerate(self.rows_seen_L) if n < num_tokens]
+                bad = [(self.geometry.moe_layer_ids[j], max(n, 0)) for j, n in enumerate(self.rows_seen_L) if n < num_tokens]
                 return f"layers (id, rows) {bad} routed fewer than the {num_tokens} scheduled tokens"
             held, K = self._held_L[:], self.geometry.top_k
             # addresses now, in one loop (the tensor methods' code warm after the first layer): at

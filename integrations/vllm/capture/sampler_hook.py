@@ -57,7 +57,7 @@ import torch
 
 from ..errors import CaptureHookError
 from ..step import copy_from_addresses
-from ..timings import PartTimes
+from ..timings import PartTimes, Tally
 from .row_log import ranks_within
 
 _SAMPLING_EPS = 1e-5  # vllm.v1.sample.sampler._SAMPLING_EPS: below it a row is greedy
@@ -133,7 +133,9 @@ class SupportStage:
         """Their truncated logits (host samplers: held once committed)."""
         self.orig_s = 0.0
         self.times = PartTimes()
-        """Where the stage's host seconds go (step.support_stage, flush.kept_sets); the worker's."""
+        """Where the stage's host seconds go (flush.kept_sets); the worker's."""
+        self.stage_times = Tally("step.support_stage")
+        """The truncation's own work per step (added to `times` by the worker before they are read)."""
 
     def _allocate(self, logits_BV: torch.Tensor) -> None:
         V = self._vocab = logits_BV.shape[1]
@@ -167,7 +169,9 @@ class SupportStage:
             self.logits_RV[r0 : r0 + B].copy_(logits_BV)
         self._pending = B
         t1 = time.perf_counter()
-        self.times.add("step.support_stage", t1 - t0)
+        tally = self.stage_times
+        tally.s += t1 - t0
+        tally.calls += 1
         t0 = t1
         out = orig_forward(logits_BV, generators, None, None)
         self.orig_s = time.perf_counter() - t0 + truncate_s

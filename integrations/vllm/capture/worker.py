@@ -47,7 +47,7 @@ from ..model import geometry_from_runner
 from ..patch import patch_runner
 from ..runner import OPS, RunnerState, installed, register_part_ops, runner_state
 from ..step import RingRows, StepLayout, join_rows
-from ..timings import PartTimes
+from ..timings import PartTimes, Tally
 from ..versions import check_vllm_version
 from ..wire import CaptureRecord, InstallReply
 from .block_cache import SlotRouteCache, route_kv_group
@@ -159,6 +159,10 @@ class WorkerCapture:
         """Seconds spent in capture code outside the forward (snapshots, flushes, support staging)."""
         self.times = PartTimes()
         """Host seconds per part (timings.py): step.* per engine step, flush.*, take.*."""
+        self._after_forward_s = Tally("step.after_forward")
+        self._commit_s = Tally("step.commit")
+        self._tallies = (self._after_forward_s, self._commit_s, self.support.stage_times)
+        """The per-step parts, added to `times` when they are read (`timings`)."""
         self.take_s = 0.0
         """Seconds inside take() (its flush and take.assemble): the client subtracts it from its call."""
         self.support.times = self.times
@@ -220,7 +224,9 @@ class WorkerCapture:
         self.steps += 1
         if flushed:
             self._check_route_arming()  # the step's rows are filed and re-armed: the buffer should be clean
-        self.times.add("step.after_forward", time.perf_counter() - t0)
+        tally = self._after_forward_s
+        tally.s += time.perf_counter() - t0
+        tally.calls += 1
 
     def _check_route_arming(self) -> None:
         """Where `land` re-arms the host step buffer (no hook before the step), check, at a flush and
@@ -248,7 +254,9 @@ class WorkerCapture:
             self.support.drop_pending()
             return
         step.sample_row = self.support.commit(sampled_B1, sampling_metadata)
-        self.times.add("step.commit", time.perf_counter() - t0)
+        tally = self._commit_s
+        tally.s += time.perf_counter() - t0
+        tally.calls += 1
 
     def _resolve_batch(self, layout: StepLayout, reads: list[tuple[RequestRecord, np.ndarray, int, int]]) -> _Batch:
         """Records of a new batch composition; new requests get a record (and a queued prefix read)."""
@@ -463,6 +471,8 @@ class WorkerCapture:
         seconds inside take()}, after a flush (timed as flush.* like any other); see timings.py.
         The route functions inside an eager forward (hold mode) are not timed (route_hook.py)."""
         self._flush_between_steps()
+        for tally in self._tallies:
+            tally.into(self.times)
         out = {"parts": self.times.to_dict(), "take_s": self.take_s}
         if reset:
             self.times.reset()
