@@ -13,8 +13,11 @@ Variants (VARIANTS; base first, variant second):
   routes       capture without routes  vs  capture (held router ids, the route functions, land, the route flush)
   step_buffer  router ids held         vs  copied into a host step buffer by the route function (one torch copy_ a layer)
   copy_at_land router ids held until the flush  vs  copied at `land` and dropped (the hold ends with the step)
-  call_only    no route function       vs  a C builtin (`len`) as every router's capture function, nothing held
+  call_only    no route function       vs  `len` as every router's capture function (it runs torch.Tensor.__len__,
+                                           a Python frame), nothing held
                                            (both sides capture without routes)
+  append       router ids held by a closure (rows recorded in the forward)  vs  held by each layer list's
+                                           bound `append` (no Python frame in the forward; rows checked at `land`)
 
 Usage: python benchmarks/_capture_ab.py --variant routes [--pairs 24]   (prints one JSON object)
 """
@@ -79,6 +82,37 @@ def _copy_at_land(worker: Any, on: bool) -> None:
     rc.__dict__["_land"] = copying_land
 
 
+def _append(worker: Any, on: bool) -> None:
+    """On: each router's capture function is its layer list's bound `append` (a C call: no Python
+    frame inside the forward), and `land` takes the step's ids from the lists, checking their
+    count and rows there (route_hook's closure records the rows in the forward)."""
+    from moe_replay.integrations.vllm.runner import runner_state
+
+    if not on:
+        return
+    rc = runner_state(worker.model_runner).capture.routes
+    routers = _routers(worker)
+    lists: list[list[Any]] = [[] for _ in routers]
+    for router, lst in zip(routers, lists):
+        router.set_capture_fn(lst.append)
+    K, one_each = rc.geometry.top_k, [1] * len(lists)
+
+    def appended_land(offset: int, num_tokens: int) -> str | None:
+        if list(map(len, lists)) != one_each:
+            for lst in lists:
+                lst.clear()
+            return "a layer did not route exactly once"
+        held = list(map(list.pop, lists))
+        if min(h.shape[0] for h in held) < num_tokens:
+            return f"a layer routed fewer than the {num_tokens} scheduled tokens"
+        dtype = held[0].dtype
+        ptrs = [h.data_ptr() if h.dtype is dtype and h.shape[1] == K and h.is_contiguous() else 0 for h in held]
+        rc._landed.append((num_tokens, held, ptrs, dtype))
+        return None
+
+    rc.__dict__["_land"] = appended_land
+
+
 def _call_only(worker: Any, on: bool) -> None:
     for router in _routers(worker):
         router.set_capture_fn(len if on else None)
@@ -89,6 +123,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "step_buffer": {"config": ({}, {}), "modes": ("hold", "step buffer"), "hold_devices": ({"cpu"}, set())},
     "copy_at_land": {"config": ({}, {}), "modes": ("hold", "hold"), "patch": _copy_at_land},
     "call_only": {"config": ({"routes": False}, {"routes": False}), "modes": ("none", "none"), "patch": _call_only},
+    "append": {"config": ({}, {}), "modes": ("hold", "hold"), "patch": _append},
 }
 """name -> CaptureConfig fields (base, variant), the route modes each side must report, and either
 route_hook.HOLD_DEVICES for each side's install or a worker patch (args: on) run after it."""
