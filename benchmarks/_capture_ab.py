@@ -84,8 +84,9 @@ def _copy_at_land(worker: Any, on: bool) -> None:
 
 def _append(worker: Any, on: bool) -> None:
     """On: each router's capture function is its layer list's bound `append` (a C call: no Python
-    frame inside the forward), and `land` takes the step's ids from the lists, checking their
-    count and rows there (route_hook's closure records the rows in the forward)."""
+    frame inside the forward), and `land` pops the step's ids from the lists (a list left empty or
+    with more: a layer did not route once) and checks their rows in the loop that takes their
+    addresses (route_hook's closure records the rows in the forward)."""
     from moe_replay.integrations.vllm.runner import runner_state
 
     if not on:
@@ -95,18 +96,22 @@ def _append(worker: Any, on: bool) -> None:
     lists: list[list[Any]] = [[] for _ in routers]
     for router, lst in zip(routers, lists):
         router.set_capture_fn(lst.append)
-    K, one_each = rc.geometry.top_k, [1] * len(lists)
+    K = rc.geometry.top_k
 
     def appended_land(offset: int, num_tokens: int) -> str | None:
-        if list(map(len, lists)) != one_each:
+        try:  # one pop per layer (C loops: this runs cold after the forward)
+            held = list(map(list.pop, lists))
+        except IndexError:
+            held = None
+        if held is None or any(lists):
             for lst in lists:
                 lst.clear()
             return "a layer did not route exactly once"
-        held = list(map(list.pop, lists))
-        if min(h.shape[0] for h in held) < num_tokens:
-            return f"a layer routed fewer than the {num_tokens} scheduled tokens"
         dtype = held[0].dtype
-        ptrs = [h.data_ptr() if h.dtype is dtype and h.shape[1] == K and h.is_contiguous() else 0 for h in held]
+        ptrs = [h.data_ptr() if h.dtype is dtype and h.shape[1] == K and h.shape[0] >= num_tokens
+                and h.is_contiguous() else 0 for h in held]
+        if not all(ptrs) and min(h.shape[0] for h in held) < num_tokens:
+            return f"a layer routed fewer than the {num_tokens} scheduled tokens"
         rc._landed.append((num_tokens, held, ptrs, dtype))
         return None
 
