@@ -16,8 +16,6 @@ Variants (VARIANTS; base first, variant second):
   call_only    no route function       vs  `len` as every router's capture function (it runs torch.Tensor.__len__,
                                            a Python frame), nothing held
                                            (both sides capture without routes)
-  append       router ids held by a closure (rows recorded in the forward)  vs  held by each layer list's
-                                           bound `append` (no Python frame in the forward; rows checked at `land`)
 
 Usage: python benchmarks/_capture_ab.py --variant routes [--pairs 24]   (prints one JSON object)
 """
@@ -82,42 +80,6 @@ def _copy_at_land(worker: Any, on: bool) -> None:
     rc.__dict__["_land"] = copying_land
 
 
-def _append(worker: Any, on: bool) -> None:
-    """On: each router's capture function is its layer list's bound `append` (a C call: no Python
-    frame inside the forward), and `land` pops the step's ids from the lists (a list left empty or
-    with more: a layer did not route once) and checks their rows in the loop that takes their
-    addresses (route_hook's closure records the rows in the forward)."""
-    from moe_replay.integrations.vllm.runner import runner_state
-
-    if not on:
-        return
-    rc = runner_state(worker.model_runner).capture.routes
-    routers = _routers(worker)
-    lists: list[list[Any]] = [[] for _ in routers]
-    for router, lst in zip(routers, lists):
-        router.set_capture_fn(lst.append)
-    K = rc.geometry.top_k
-
-    def appended_land(offset: int, num_tokens: int) -> str | None:
-        try:  # one pop per layer (C loops: this runs cold after the forward)
-            held = list(map(list.pop, lists))
-        except IndexError:
-            held = None
-        if held is None or any(lists):
-            for lst in lists:
-                lst.clear()
-            return "a layer did not route exactly once"
-        dtype = held[0].dtype
-        ptrs = [h.data_ptr() if h.dtype is dtype and h.shape[1] == K and h.shape[0] >= num_tokens
-                and h.is_contiguous() else 0 for h in held]
-        if not all(ptrs) and min(h.shape[0] for h in held) < num_tokens:
-            return f"a layer routed fewer than the {num_tokens} scheduled tokens"
-        rc._landed.append((num_tokens, held, ptrs, dtype))
-        return None
-
-    rc.__dict__["_land"] = appended_land
-
-
 def _call_only(worker: Any, on: bool) -> None:
     for router in _routers(worker):
         router.set_capture_fn(len if on else None)
@@ -128,7 +90,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "step_buffer": {"config": ({}, {}), "modes": ("hold", "step buffer"), "hold_devices": ({"cpu"}, set())},
     "copy_at_land": {"config": ({}, {}), "modes": ("hold", "hold"), "patch": _copy_at_land},
     "call_only": {"config": ({"routes": False}, {"routes": False}), "modes": ("none", "none"), "patch": _call_only},
-    "append": {"config": ({}, {}), "modes": ("hold", "hold"), "patch": _append},
 }
 """name -> CaptureConfig fields (base, variant), the route modes each side must report, and either
 route_hook.HOLD_DEVICES for each side's install or a worker patch (args: on) run after it."""

@@ -141,10 +141,11 @@ def test_unwritten_route_rows_are_an_error(engines, monkeypatch):
         cap.uninstall()
 
 
-def test_held_routes_of_a_silent_or_short_layer_are_an_error(engines):
-    """Eager (hold) capture keeps each router's ids until the flush. A layer that hands over
-    nothing, or fewer rows than the step scheduled, fails that step's requests with an error naming
-    the layer, never another step's ids or zeros; capture goes on after it."""
+def test_held_routes_of_a_silent_short_or_repeated_layer_are_an_error(engines):
+    """Eager (hold) capture keeps each router's ids until the flush (each layer's list `append`s
+    them). A layer that hands over nothing, fewer rows than the step scheduled, or ids twice in one
+    forward fails that step's requests with an error naming the layer, never another step's ids
+    or zeros; capture goes on after it."""
     from moe_replay.integrations.vllm.model import find_moe_layers
 
     _, eager, _ = engines
@@ -155,7 +156,8 @@ def test_held_routes_of_a_silent_or_short_layer_are_an_error(engines):
         bound = router.capture_fn
         sp = sampling_params(*SAMPLING[0], max_tokens=3)
         for fn, match in ((lambda ids: None, r"layers \(id, rows\) \[\(1, 0\)\] routed fewer than"),
-                          (lambda ids: bound(ids[:1]), r"layers \(id, rows\) \[\(1, 1\)\] routed fewer than")):
+                          (lambda ids: bound(ids[:1]), r"layers \(id, rows\) \[\(1, 1\)\] routed fewer than"),
+                          (lambda ids: (bound(ids), bound(ids)), r"layers \(id, calls\) \[\(1, 2\)\] routed more than once")):
             router.set_capture_fn(fn)
             try:
                 outs = eager.generate([prompt_text(8, seed=1)], sp, use_tqdm=False)

@@ -15,8 +15,11 @@ of forward:
                buffer the rows just read are set back to the sentinel right then (one byte copy in
                the same hook, `RouteCapture.arm_before`), so no hook runs before the step.
   hold         (eager CPU engines) the function keeps a reference to the router's fresh id
-               tensor: ~1.3 us per layer, against ~10-20 us for a tensor copy inside a busy CPU
-               engine (benchmarks/capture.py), and nothing overwrites those tensors.
+               tensor: it is the bound `append` of the layer's list, a C call with no Python
+               frame inside the forward (a closure per layer cost ~0.2-0.4% of the eager forward,
+               -0.39% at 150 lockstep pairs, docs/findings.md), against ~10-20
+               us for a tensor copy inside a busy CPU engine; nothing overwrites those tensors.
+               `land` pops one entry per layer and checks the rows.
 
 A compiled forward only calls a function that was set before torch.compile traced it, so for
 `enforce_eager=False` the step buffer is bound when the model is loaded (`bind_at_load`, run by the
@@ -279,35 +282,45 @@ class RouteCapture:
         the only forwards outside the engine's steps (profile, warm-up, compile) run before capture
         is installed; with DP, dummy forwards run between steps; device buffers arm with a kernel.
         A host step buffer found dirty at a flush (`check_armed`) switches to arming before."""
-        self._held_L: list[torch.Tensor | None] = [None] * L
-        """Each layer's top-k ids of the running forward (hold mode)."""
+        self._held_L: list[list[torch.Tensor]] = [[] for _ in range(L)]
+        """Hold mode: per layer, the top-k ids its router handed over in the running forward (one
+        entry after a forward; `land` pops it, `arm` empties the lists)."""
         self._landed: list[tuple[int, list[torch.Tensor], list[int], torch.dtype]] = []
         """Per landed step (hold mode): its token count, its layers' ids ([>= count, K] each), their
         addresses (0: not a contiguous [rows, K] tensor of the step's dtype) and that dtype (`_join_held`)."""
-        self._unseen_L = [-1] * L
-        self.rows_seen_L = self._unseen_L[:]
-        """Rows written by each layer in the current forward (hold mode; reset per step)."""
         self._hold_routers: list[Any] = []
         if self.hold:
             self._hold_routers = _routers(find_moe_layers(runner.model))
             for j, router in enumerate(self._hold_routers):
-                router.set_capture_fn(self._make_hold_fn(j))
+                router.set_capture_fn(self._hold_fn(j))
         elif self.step is not None:
             self.step.arm(self.step.rows)  # a load-time buffer holds the warm-up forwards' rows
 
-    def _make_hold_fn(self, j: int):
-        """Untimed: a perf_counter pair and two counters per layer were ~40% of the function. Every
-        call runs cold (a layer's compute lies between two calls), so each tensor method it adds
-        costs several us: the ids' addresses are taken at `land`, in one loop."""
-        seen, held, local = self.rows_seen_L, self._held_L, self.dp_rows
+    def _hold_fn(self, j: int):
+        """Layer j's capture function in hold mode: its list's bound `append` (see the module
+        docstring); under data parallelism a closure cuts this rank's rows first."""
+        held, local = self._held_L[j], self.dp_rows
+        if local is None:
+            return held.append
 
         def capture(topk_ids_TK: torch.Tensor) -> None:
-            if local is not None:
-                topk_ids_TK = local(topk_ids_TK)
-            held[j] = topk_ids_TK
-            seen[j] = topk_ids_TK.shape[0]
+            held.append(local(topk_ids_TK))
 
         return capture
+
+    def _clear_held(self) -> None:
+        for lst in self._held_L:
+            lst.clear()
+
+    def _held_problem(self, num_tokens: int, popped: bool) -> str:
+        """Why a forward's held ids cannot be filed: some layers handed over none (their lists are
+        empty), or more than one (what is left after one pop from each list)."""
+        ids, left = self.geometry.moe_layer_ids, [len(lst) for lst in self._held_L]
+        if not popped:
+            bad = [(ids[j], 0) for j, n in enumerate(left) if not n]
+            return f"layers (id, rows) {bad} routed fewer than the {num_tokens} scheduled tokens"
+        bad = [(ids[j], n + 1) for j, n in enumerate(left) if n]
+        return f"layers (id, calls) {bad} routed more than once in one forward"
 
     @property
     def mode(self) -> str:
@@ -317,11 +330,8 @@ class RouteCapture:
         """Before a forward of num_tokens rows (only where `arm_before`): its rows start unwritten."""
         if self.dp_rows is not None:
             self.dp_rows.odd.clear()
-        if self.hold:
-            # In place (the capture closures hold this list). Held ids of a forward that never landed
-            # (a dummy run) need no clearing: every layer of the next forward replaces its entry, and
-            # land() refuses a step where some layer did not.
-            self.rows_seen_L[:] = self._unseen_L
+        if self.hold:  # ids a forward that never landed (a dummy run) left
+            self._clear_held()
         elif num_tokens <= self.step.rows:
             self.step.arm(num_tokens)
 
@@ -334,7 +344,8 @@ class RouteCapture:
         finally:
             if not self.arm_before:
                 if self.hold:
-                    self.rows_seen_L[:] = self._unseen_L
+                    if any(self._held_L):  # what a refused step left (a filed one popped its ids)
+                        self._clear_held()
                 else:
                     self.step.arm(min(num_tokens, self.step.rows))
 
@@ -344,14 +355,21 @@ class RouteCapture:
         if self.dp_rows is not None and self.dp_rows.odd:
             return self.dp_rows.odd[0]
         if self.hold:
-            if min(self.rows_seen_L) < num_tokens:
-                bad = [(self.geometry.moe_layer_ids[j], max(n, 0)) for j, n in enumerate(self.rows_seen_L) if n < num_tokens]
-                return f"layers (id, rows) {bad} routed fewer than the {num_tokens} scheduled tokens"
-            held, K = self._held_L[:], self.geometry.top_k
+            lists, K = self._held_L, self.geometry.top_k
+            if not all(lists):  # C loops (`all`, `map`, `any`): this runs cold after the forward
+                return self._held_problem(num_tokens, popped=False)
+            held = list(map(list.pop, lists))  # one entry per layer
+            if any(lists):
+                return self._held_problem(num_tokens, popped=True)
             # addresses now, in one loop (the tensor methods' code warm after the first layer): at
             # the flush the 66 steps' tensors are cold, and reading them through torch.cat took ~2.8 ms
             dtype = held[0].dtype
-            ptrs = [h.data_ptr() if h.dtype is dtype and h.shape[1] == K and h.is_contiguous() else 0 for h in held]
+            ptrs = [h.data_ptr() if h.dtype is dtype and h.shape[1] == K and h.shape[0] >= num_tokens
+                    and h.is_contiguous() else 0 for h in held]
+            if not all(ptrs) and min(h.shape[0] for h in held) < num_tokens:
+                ids = self.geometry.moe_layer_ids
+                bad = [(ids[j], h.shape[0]) for j, h in enumerate(held) if h.shape[0] < num_tokens]
+                return f"layers (id, rows) {bad} routed fewer than the {num_tokens} scheduled tokens"
             self._landed.append((num_tokens, held, ptrs, dtype))
             return None
         if num_tokens > self.step.rows:
