@@ -16,9 +16,9 @@ of forward:
                the same hook, `RouteCapture.arm_before`), so no hook runs before the step.
   hold         (eager CPU engines) the function keeps a reference to the router's fresh id
                tensor: it is the bound `append` of the layer's list, a C call with no Python
-               frame inside the forward (a closure per layer cost ~0.2-0.4% of the eager forward,
-               -0.39% at 150 lockstep pairs, docs/findings.md), against ~10-20
-               us for a tensor copy inside a busy CPU engine; nothing overwrites those tensors.
+               frame inside the forward (against a closure per layer: the eager forward -0.39% at
+               150 lockstep pairs, docs/findings.md; a tensor copy inside a busy CPU engine is
+               ~10-20 us); nothing overwrites those tensors.
                `land` pops one entry per layer and checks the rows.
 
 A compiled forward only calls a function that was set before torch.compile traced it, so for
