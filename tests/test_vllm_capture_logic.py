@@ -443,15 +443,15 @@ def test_joined_layouts_slice_consecutive_ring_rows_once():
     """Steps taken one after the other from host rings sit back to back, so a window reads each ring
     once (step.join_rows); rows not back to back, or plain arrays, are concatenated: both give the
     same window."""
-    from moe_replay.integrations.vllm.step import HostRing, StepLayout, byte_view, join_rows
+    from moe_replay.integrations.vllm.step import HostRing, StepLayout, byte_view, join_rows, take_rows
 
     qsl, pos, disc = HostRing(np.dtype(np.int32), 16), HostRing(np.dtype(np.int64), 16), HostRing(np.dtype(bool), 8)
     steps = [(np.array([0, 3, 5], np.int32), np.array([0, 1, 2, 0, 1]), np.array([False, True])),
              (np.array([0, 1, 2], np.int32), np.array([3, 2]), np.array([False, False]))]
 
     def take(q, p, d):
-        return StepLayout(["a", "b"], qsl.take(byte_view(q), len(q)), pos.take(byte_view(p), len(p)),
-                          disc.take(byte_view(d), len(d)))
+        return StepLayout(["a", "b"], *take_rows(((qsl, byte_view(q)), (pos, byte_view(p)), (disc, byte_view(d))),
+                                                 (len(q), len(p), len(d))))
 
     ring = [take(*st) for st in steps]
     assert join_rows([lay._pos for lay in ring]).base is not pos.array  # a copy: the ring is rewound after
@@ -466,6 +466,14 @@ def test_joined_layouts_slice_consecutive_ring_rows_once():
     j = StepLayout.joined(ring)
     assert j.start_B.tolist() == [0, 3, 5, 6] and j.stop_B.tolist() == [3, 5, 6, 7]
     assert j.pos_T.tolist() == [0, 1, 2, 0, 1, 3, 2] and j.discard_B.tolist() == [False, True, False, False]
+    # a ring without room starts over; a step larger than the ring is refused by name
+    ring8 = HostRing(np.dtype(np.int64), 8)
+    src = byte_view(np.arange(8, dtype=np.int64))
+    assert take_rows(((ring8, src),), (5,))[0][1:] == (0, 5)
+    got = take_rows(((ring8, src),), (4,))[0]
+    assert got[1:] == (0, 4) and got[0][:4].tolist() == [0, 1, 2, 3]
+    with pytest.raises(RuntimeError, match="a step of 9 items exceeds the host ring"):
+        take_rows(((ring8, byte_view(np.arange(9, dtype=np.int64))),), (9,))
 
 
 def test_a_logits_buffer_the_sampler_reuses_is_refused():

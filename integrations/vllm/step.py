@@ -122,26 +122,35 @@ class HostRing:
     (libffi; moving the rings from memmove to byte views moved that cost to the next ctypes call of
     the hook: bench model, compiled, 2-core machine). A step therefore copies by slice assignment
     between byte memoryviews (a memcpy inside CPython) and the views are made when the rows are
-    read (at a flush). `take` hands out RingRows; `rewind` starts over (the holder of earlier rows
-    has read them: capture rewinds after its flush)."""
+    read (at a flush). `take_rows` hands out RingRows; `rewind` starts over (the holder of earlier
+    rows has read them: capture rewinds after its flush)."""
+
+    __slots__ = ("array", "bytes", "itemsize", "capacity", "used")
 
     def __init__(self, dtype: np.dtype, capacity: int) -> None:
         self.array = np.empty(capacity, dtype=dtype)
-        self._bytes = memoryview(self.array).cast("B")
-        self._itemsize, self.capacity = self.array.itemsize, capacity
+        self.bytes = memoryview(self.array).cast("B")
+        self.itemsize, self.capacity = self.array.itemsize, capacity
         self.used = 0
 
-    def take(self, src: memoryview, n: int) -> RingRows:
-        """Copy the first n items of `src` (a byte view of a host buffer of this ring's dtype:
-        `byte_view`) to the next rows; a ring without room starts over first. Returns (ring array,
-        start, stop)."""
-        if n > self.capacity:
-            raise RuntimeError(f"a step of {n} items exceeds the host ring ({self.capacity})")
-        a = self.used if self.used + n <= self.capacity else 0
-        size = self._itemsize
-        self._bytes[a * size : (a + n) * size] = src[: n * size]
-        self.used = a + n
-        return self.array, a, a + n
+
+def take_rows(sources: "tuple[tuple[HostRing, memoryview], ...]", counts: "tuple[int, ...]") -> list:
+    """Copy the first counts[i] items of each source (a byte view of a host buffer of its ring's
+    dtype: `byte_view`) to its ring's next rows; a ring without room starts over first. Returns
+    each ring's RingRows. One call for all of a step's rings: a method call per ring cost ~2-3 us
+    more each inside the step (`benchmarks/capture.py`, step.after_forward)."""
+    out = []
+    for (ring, src), n in zip(sources, counts):
+        a = ring.used
+        if a + n > ring.capacity:
+            if n > ring.capacity:
+                raise RuntimeError(f"a step of {n} items exceeds the host ring ({ring.capacity})")
+            a = 0
+        size = ring.itemsize
+        ring.bytes[a * size : (a + n) * size] = src[: n * size]
+        ring.used = a + n
+        out.append((ring.array, a, a + n))
+    return out
 
 
 def byte_view(a: np.ndarray) -> memoryview:
@@ -190,12 +199,18 @@ class StepViews:
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self._ib: Any = None
+        self._direct = False
         self._host = False
         self._layout: StepLayout | None = None
         self._rings: dict[str, HostRing] = {}
         """Host runners: "qsl", "pos", "discard" and "slots<group>" rings (allocated at first bind)."""
-        self._slot_src: dict[int, tuple[HostRing, memoryview]] = {}
-        """Host runners: per KV group, its slot ring and a byte view of vLLM's slot mapping."""
+        self._layout_src: tuple[tuple[HostRing, memoryview], ...] = ()
+        """Host runners: the qsl, pos and discard rings with a byte view of their runner buffer."""
+        self._ids: list[str] | None = None
+        """The request ids of the last layout taken (a copy; shared by the next one while the batch
+        keeps them: a list of B ids compared by identity instead of a new slice per step)."""
+        self._slot_src: dict[int, tuple[tuple[HostRing, memoryview]]] = {}
+        """Host runners: per KV group, its slot ring and a byte view of vLLM's slot mapping (`take_rows`)."""
         tokens = int(getattr(runner, "max_num_tokens", 0) or 0)
         self.ring_tokens = max(1 << 16, 4 * tokens)
         """Tokens the host rings hold: 64 Ki (512 KiB of int64 positions) or four full steps."""
@@ -206,7 +221,13 @@ class StepViews:
 
     def _bind(self) -> None:
         r = self.runner
-        self._ib = r.input_batch
+        ib = self._ib = r.input_batch
+        # The list and map that InputBatch's `req_ids` / `num_reqs` properties read, read directly
+        # where they are what the properties return: the two property calls (one a typing.cast) were
+        # ~5 us a step inside the engine (benchmarks/capture.py, step.after_forward).
+        self._direct = (type(getattr(ib, "_req_ids", None)) is list and ib.req_ids is ib._req_ids
+                        and type(getattr(ib, "req_id_to_index", None)) is dict
+                        and ib.num_reqs == len(ib.req_id_to_index))
         self._qsl, self._discard = r.query_start_loc.np, r.discard_request_mask.np
         self._host = torch.device(r.device).type in HOST_MIRROR_DEVICES
         self._slot_src = {}
@@ -214,12 +235,12 @@ class StepViews:
             return
         # the runner's host buffers, viewed once: a `.numpy()` per step is ~4 dispatcher ops
         src = {"qsl": self._qsl, "pos": r.positions.numpy(), "discard": self._discard}
-        self._src = {name: byte_view(a) for name, a in src.items()}
         sizes = {"qsl": 2 * self.ring_tokens, "pos": self.ring_tokens, "discard": 2 * self.ring_tokens}
         for name, a in src.items():
             ring = self._rings.get(name)
             if ring is None or ring.array.dtype != a.dtype:
                 self._rings[name] = HostRing(a.dtype, sizes[name])
+        self._layout_src = tuple((self._rings[name], byte_view(a)) for name, a in src.items())
 
     def free_items(self) -> int:
         """Items the fullest host ring takes before it starts over (rings not made yet: ring_tokens;
@@ -243,16 +264,19 @@ class StepViews:
             return self._layout
         if self._ib is not self.runner.input_batch:  # re-bound if the input batch is rebuilt
             self._bind()
-        num_reqs = self._ib.num_reqs
-        req_ids = self._ib.req_ids[:num_reqs]  # a slice: a new list
+        ib, req_ids = self._ib, self._ids
+        if self._direct:  # the input batch's live list (condensed: num_reqs long)
+            num_reqs, ids = len(ib.req_id_to_index), ib._req_ids
+        else:
+            num_reqs, ids = ib.num_reqs, ib.req_ids
+        if len(ids) != num_reqs or ids != req_ids:
+            req_ids = self._ids = ids[:num_reqs]  # a slice: a new list
         if self._host:
-            rings, src = self._rings, self._src
-            self._layout = StepLayout(req_ids, rings["qsl"].take(src["qsl"], num_reqs + 1),
-                                      rings["pos"].take(src["pos"], n), rings["discard"].take(src["discard"], num_reqs))
+            self._layout = StepLayout(req_ids, *take_rows(self._layout_src, (num_reqs + 1, n, num_reqs)))
             return self._layout
         qsl_B1 = self._qsl[: num_reqs + 1].copy()
         row_T = np.repeat(np.arange(num_reqs), np.diff(qsl_B1))
-        pos_T = self._ib.num_computed_tokens_cpu[row_T].astype(np.int64) + np.arange(n) - qsl_B1[row_T]
+        pos_T = ib.num_computed_tokens_cpu[row_T].astype(np.int64) + np.arange(n) - qsl_B1[row_T]
         self._layout = StepLayout(req_ids, qsl_B1, pos_T, self._discard[:num_reqs].copy())
         return self._layout
 
@@ -270,9 +294,8 @@ class StepViews:
                 name = f"slots{kv_group}"
                 if name not in self._rings:
                     self._rings[name] = HostRing(np.dtype(np.int64), self.ring_tokens)
-                ring = self._rings[name]
-                bound = self._slot_src[kv_group] = (ring, byte_view(mapping.numpy()))
-            return bound[0].take(bound[1], n)
+                bound = self._slot_src[kv_group] = ((self._rings[name], byte_view(mapping.numpy())),)
+            return take_rows(bound, (n,))[0]
         bt = self._ib.block_table.block_tables[kv_group]
         row_T = np.repeat(np.arange(len(layout.req_ids)), np.diff(layout.qsl_B1))
         size = int(bt.block_size)

@@ -36,7 +36,7 @@ layout (step.py); capture ignores requests registered for scoring.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -68,9 +68,10 @@ class _Batch:
     prompt_len_B: np.ndarray
 
 
-@dataclass
+@dataclass(slots=True)
 class _Step:
-    """Snapshot of one engine step, enough to map its rows to records at the next flush."""
+    """Snapshot of one engine step, enough to map its rows to records at the next flush (one made
+    per step: slots, no instance dict)."""
 
     batch: _Batch
     layout: StepLayout
@@ -78,10 +79,14 @@ class _Step:
     arena_row: int
     slots_T: "np.ndarray | RingRows | None"
     problem: str | None
-    reads: list[tuple[RequestRecord, np.ndarray, int, int]] = field(default_factory=list)
+    reads: "list[tuple[RequestRecord, np.ndarray, int, int]] | tuple[()]" = ()
     """Prefix-cache hits: (record, block table row, route_start, first forwarded position)."""
     sample_row: int | None = None
     """First support-stage row of this step's samples (None until the sampler ran)."""
+
+
+_NO_READS: tuple[()] = ()
+"""The reads of a step whose batch was seen before (only a new batch composition has prefix reads)."""
 
 
 @dataclass
@@ -214,9 +219,9 @@ class WorkerCapture:
             slots_T = self.views.slots(layout, self.kv_group)
         else:
             slots_T = None
-        batch = self._batch
-        reads: list[tuple[RequestRecord, np.ndarray, int, int]] = []
+        batch, reads = self._batch, _NO_READS
         if batch is None or batch.req_ids != layout.req_ids:
+            reads = []
             batch = self._batch = self._resolve_batch(layout, reads)
         step = _Step(batch, layout, row0, slots_T, problem, reads)
         self.pending.append(step)
