@@ -89,6 +89,8 @@ def test_compiled_capture_equals_eager(engines):
     # after it re-arms (a padded forward would have left rows written: found at a flush, rearms > 0)
     assert st_c["route_arm_before"] is False and st_c["route_rearms"] == 0 and st_c["flushes"] > 2
     assert st_e["route_arm_before"] is False
+    # the hooks time themselves (the step bracket does not time after_forward): host time is counted
+    assert st_c["hook_s"] > 0 and st_e["hook_s"] > 0
     assert len(got_c) == len(got_e) == len(prompts) + 2
     for a, b in zip(got_c, got_e, strict=True):
         assert a.key == b.key

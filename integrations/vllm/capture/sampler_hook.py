@@ -131,7 +131,6 @@ class SupportStage:
         """Rows staged by the truncation of the current step, not yet committed by `commit`."""
         self._pending_BV: torch.Tensor | None = None
         """Their truncated logits (host samplers: held once committed)."""
-        self.orig_s = 0.0
         self.times = PartTimes()
         """Where the stage's host seconds go (flush.kept_sets); the worker's."""
         self.stage_times = Tally("step.support_stage")
@@ -150,9 +149,7 @@ class SupportStage:
 
     # -- called by the TopKTopPSampler wrapper (random rows exist) -----------------------------
     def truncate_and_observe(self, orig_forward, logits_BV, generators, k, p):
-        t0 = time.perf_counter()
         logits_BV = _apply_top_k_top_p()(logits_BV, k, p)  # work the original would do itself
-        truncate_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         B, r0 = logits_BV.shape[0], self.rows
         if not self._vocab:
@@ -168,14 +165,10 @@ class SupportStage:
         else:  # copy before sampling: a device sampler may work in place
             self.logits_RV[r0 : r0 + B].copy_(logits_BV)
         self._pending = B
-        t1 = time.perf_counter()
         tally = self.stage_times
-        tally.s += t1 - t0
+        tally.s += time.perf_counter() - t0
         tally.calls += 1
-        t0 = t1
-        out = orig_forward(logits_BV, generators, None, None)
-        self.orig_s = time.perf_counter() - t0 + truncate_s
-        return out
+        return orig_forward(logits_BV, generators, None, None)
 
     # -- called by the worker after the Sampler ran -------------------------------------------
     def commit(self, sampled_B1: torch.Tensor, sampling_metadata) -> int:

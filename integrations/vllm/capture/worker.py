@@ -161,7 +161,8 @@ class WorkerCapture:
         self.support_misses = 0
         """Sampled tokens found outside their recorded support (each fails its trace)."""
         self.hook_s = 0.0
-        """Seconds spent in capture code outside the forward (snapshots, flushes, support staging)."""
+        """Seconds spent in capture code outside the forward (snapshots, flushes, support staging),
+        less the per-step parts still in their tallies (`stats` adds them)."""
         self.times = PartTimes()
         """Host seconds per part (timings.py): step.* per engine step, flush.*, take.*."""
         self._after_forward_s = Tally("step.after_forward")
@@ -464,7 +465,7 @@ class WorkerCapture:
             "preemptions": self.preemptions,
             "support_misses": self.support_misses,
             "log_rows": self.book.log.rows,
-            "hook_s": self.hook_s,
+            "hook_s": self.hook_s + sum(tally.s for tally in self._tallies),
             "route_mode": self.routes.mode if self.routes is not None else None,
             "route_arm_before": self.routes.arm_before if self.routes is not None else None,
             "route_rearms": self.route_rearms,
@@ -477,6 +478,7 @@ class WorkerCapture:
         The route functions inside an eager forward (hold mode) are not timed (route_hook.py)."""
         self._flush_between_steps()
         for tally in self._tallies:
+            self.hook_s += tally.s
             tally.into(self.times)
         out = {"parts": self.times.to_dict(), "take_s": self.take_s}
         if reset:

@@ -40,6 +40,7 @@ V vocabulary, N kept ids over the scored rows, S tokens of a sequence, G generat
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -305,6 +306,13 @@ class WorkerScoring:
         plan.filled = True
 
     def after_forward(self, scheduler_output: Any) -> None:
+        t0 = time.perf_counter()  # the step bracket leaves after_forward hooks to time themselves
+        try:
+            self._after_forward(scheduler_output)
+        finally:
+            self.hook_s += time.perf_counter() - t0
+
+    def _after_forward(self, scheduler_output: Any) -> None:
         n = scheduler_output.total_num_scheduled_tokens
         plan, self._plan = self._plan, None
         if not n or not self.jobs:
