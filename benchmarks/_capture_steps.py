@@ -18,19 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import capture as bench  # noqa: E402  (the benchmark's engine, workload and phase timers)
+import capture as bench  # noqa: E402  (the benchmark's engine, workload, phase timers and vLLM env defaults)
 
 
 def main(argv: list[str] | None = None) -> int:
