@@ -97,7 +97,30 @@ def _trainer(model_dir: Path, arm: str, steps: int, out_dir: str, callbacks=()):
                       save_strategy="no", learning_rate=1e-3, disable_tqdm=True)
     kw = dict(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok,
               callbacks=list(callbacks))
-    return GRPOTrainer(**kw) if arm == "trl" else MoeReplayGRPOTrainer(**kw, moe_replay=arm)
+    if arm != "trl":
+        return MoeReplayGRPOTrainer(**kw, moe_replay=arm)
+    trainer = GRPOTrainer(**kw)
+    _sync_in_reload(trainer)
+    return trainer
+
+
+def _sync_in_reload(trainer) -> None:
+    """The stock arm's weight sync: TRL's own per-tensor loads, inside moe_replay's `weight_sync`
+    bracket (vLLM's layerwise reload), as in every moe_replay arm. Alone they raise "'Parameter'
+    object has no attribute 'weight_loader'" where vLLM-CPU packed the linear weights away (AVX-512
+    BF16 and AMX CPUs: the arm could not run there) and write the expert weights past the MoE
+    kernel's prepack on every CPU (integrations/vllm/weights.py). So the arms differ by capture and
+    replay only; `--breakdown` times stock TRL's sync against the bracketed one where it runs."""
+    from moe_replay.integrations.vllm.weights import weight_sync
+
+    gen = trainer.vllm_generation
+    stock, engine = gen.sync_weights, gen.llm
+
+    def sync_weights() -> None:
+        with weight_sync(engine, reset_prefix_cache=False):  # TRL's sync resets the prefix cache itself
+            stock()
+
+    gen.sync_weights = sync_weights
 
 
 def _shutdown(trainer) -> None:
