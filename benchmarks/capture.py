@@ -16,9 +16,12 @@ the worker: take, decoding, building and validating traces); `off` = the plain e
 prefill, "CPU Generator does not use offset", and their per-row generators slow sampling.)
 
 Prints one JSON object: per model tokens_per_s_off / tokens_per_s_on (generated tokens per second
-of each side's time; median over rounds), overhead = time_on / time_off - 1 (median of the per-pair
-ratios; positive = capture costs; overhead_ci95: distribution-free 95% interval of that median, from
-order statistics; overhead_total: from the summed times of all pairs; overhead_runs: every pair),
+of each side's time; median over rounds), overhead = time_on / time_off - 1 (median of the
+crossover ratios: each the geometric mean of two pairs alike but for which engine carried capture,
+`crossover`; positive = capture costs; overhead_ci95: distribution-free 95% interval of that median,
+from order statistics; overhead_pairs: the median of the per-pair ratios themselves, which the two
+engines' difference splits in two groups; overhead_total: from the summed times of all pairs;
+overhead_runs: every pair),
 trace_bytes_per_token (encoded RolloutTrace bytes, routes + support + logprobs, per sequence token),
 and hook_time_fraction: seconds in capture code (`breakdown`'s total) over the on side's time.
 `breakdown`: the same capture code by part (`VllmCapture.timings()`, summed over the timed rounds):
@@ -204,6 +207,7 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
         off_s.append(t_off), on_s.append(t_on)
         same_all &= same
     ratios = [b / a - 1 for a, b in zip(off_s, on_s)]
+    crossed = crossover(ratios)
     nbytes = sum(len(encode_trace(t)) for t in traces)
     geo = traces[0].geometry
     breakdown = _breakdown(merge_part_dicts(parts_seen), sum(on_s), info["steps"])
@@ -223,8 +227,9 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
         "identical_tokens": same_all,
         "tokens_per_s_off": round(statistics.median(tokens / t for t in off_s), 2),
         "tokens_per_s_on": round(statistics.median(tokens / t for t in on_s), 2),
-        "overhead": round(statistics.median(ratios), 4),
-        "overhead_ci95": _ci95(ratios),
+        "overhead": round(statistics.median(crossed), 4) if crossed else None,  # < 3 pairs: no crossover
+        "overhead_ci95": _ci95(crossed),
+        "overhead_pairs": round(statistics.median(ratios), 4),
         "overhead_total": round(sum(on_s) / sum(off_s) - 1, 4),
         "overhead_runs": [round(r, 4) for r in ratios],
         "hook_time_fraction": breakdown.get("capture_share_of_wall"),
@@ -355,6 +360,22 @@ def _breakdown(parts: dict[str, dict[str, float]], wall_s: float, steps: int) ->
 def _total_ratio(tps_off: list[float], tps_on: list[float]) -> float:
     """time_on / time_off - 1 summed over all pairs (every run generates the same token count)."""
     return sum(1 / t for t in tps_on) / sum(1 / t for t in tps_off) - 1
+
+
+def crossover(ratios: list[float]) -> list[float]:
+    """Per-pair overheads with the engine bias cancelled: pair i carries capture on engine
+    (i // 2) % 2, so pairs i and i + 2 (i % 4 in {0, 1}) ran alike but for which engine carried it
+    (and which stepped first: i % 2 both), and sqrt((1 + r_i)(1 + r_{i+2})) - 1 has the two engines'
+    difference divided out. Why: the per-pair ratios fall in two groups, one per capture engine,
+    whose medians differed by 0.4-4.5 points in runs A-E (`benchmarks/results/
+    capture-lockstep-cpu-2026-11-28-zen4.json`), so their pooled median landed anywhere between
+    the groups; the mean of the groups cancels the bias, their median does not. len(ratios) // 2
+    values for a multiple of 4 pairs (pairs of a trailing incomplete block without a partner are left out)."""
+    out = []
+    for i in range(len(ratios) - 2):
+        if i % 4 < 2:
+            out.append(math.sqrt((1 + ratios[i]) * (1 + ratios[i + 2])) - 1)
+    return out
 
 
 def _ci95(ratios: list[float]) -> list[float]:

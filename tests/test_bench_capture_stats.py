@@ -1,4 +1,5 @@
-"""The capture benchmark's interval for its median overhead (order statistics, pure arithmetic)."""
+"""The capture benchmark's statistics: the crossover that cancels the engines' difference, the interval
+for its median overhead (order statistics), the phase split (pure arithmetic)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,23 @@ import numpy as np
 _SPEC = importlib.util.spec_from_file_location("bench_capture", Path(__file__).parents[1] / "benchmarks" / "capture.py")
 bench = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench)
+
+
+def test_crossover_cancels_which_engine_carried_capture():
+    """Pairs 0, 1 carry capture on engine 0, pairs 2, 3 on engine 1 (and so on): engine 1 is 3% slower
+    here, so the per-pair ratios sit at +4% and -2% around a 1% capture cost (their median falls in
+    the larger group, or between them); each crossover of pair i with pair i + 2 is 1% up to the
+    product's second-order term, and it does not matter which engine is the slow one."""
+    cost, bias = 0.01, 0.03
+    ratios = [(1 + cost) * (1 + bias if (i // 2) % 2 == 0 else 1 / (1 + bias)) - 1 for i in range(12)]
+    crossed = bench.crossover(ratios)
+    assert len(crossed) == 6  # two per block of four pairs
+    assert np.allclose(crossed, cost, atol=1e-12)
+    assert abs(float(np.median(ratios[:10])) - cost) > 0.02  # 6 pairs on engine 0, 4 on 1: the pooled median is +4%
+    swapped = bench.crossover([(1 + cost) ** 2 / (1 + r) - 1 for r in ratios])  # the other engine slow
+    assert np.allclose(swapped, cost, atol=1e-12)
+    assert bench.crossover(ratios[:2]) == []  # no pair of the other engine yet
+    assert len(bench.crossover(ratios[:10])) == 4  # pairs 8, 9 have no partner: left out, never half-paired
 
 
 def test_median_interval_uses_binomial_order_statistics():

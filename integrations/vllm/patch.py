@@ -152,8 +152,14 @@ class StepBracket:
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
-        self.views = StepViews(runner)
-        """The one layout of each step (request ids, query starts, positions) the listeners share."""
+        st = runner_state(runner)
+        if st.views is None:
+            st.views = StepViews(runner)
+        self.views = st.views
+        """The one layout of each step (request ids, query starts, positions) the listeners share
+        (the runner's, RunnerState.views: no listener holds rows of an earlier bracket)."""
+        self.views.new_step()
+        self.views.rewind()
         self.listeners: list[Any] = []
         self._on: dict[str, tuple[Any, ...]] = {h: () for h in self.HOOKS}
         """Hook name -> the listeners that run it, in registration order."""

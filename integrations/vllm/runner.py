@@ -31,6 +31,10 @@ class RunnerState:
     """scoring.force.WorkerScoring, while scoring is installed."""
     noise: Any = None
     """noise.WorkerNoise, while the engine-noise model is installed."""
+    views: Any = None
+    """step.StepViews of the runner, kept from one StepBracket to the next: binding it (buffer views,
+    host rings, their first page touches) was ~85 us inside the first step after each install
+    (bench model, compiled; benchmarks/capture.py attaches capture every round)."""
 
 
 def runner_state(runner: Any) -> RunnerState:

@@ -211,6 +211,8 @@ class StepViews:
         keeps them: a list of B ids compared by identity instead of a new slice per step)."""
         self._slot_src: dict[int, tuple[tuple[HostRing, memoryview]]] = {}
         """Host runners: per KV group, its slot ring and a byte view of vLLM's slot mapping (`take_rows`)."""
+        self._with_slots: dict[int, tuple[tuple[HostRing, memoryview], ...]] = {}
+        """Host runners: per KV group, the layout's sources and then its slots' (`layout_slots`)."""
         tokens = int(getattr(runner, "max_num_tokens", 0) or 0)
         self.ring_tokens = max(1 << 16, 4 * tokens)
         """Tokens the host rings hold: 64 Ki (512 KiB of int64 positions) or four full steps."""
@@ -231,6 +233,7 @@ class StepViews:
         self._qsl, self._discard = r.query_start_loc.np, r.discard_request_mask.np
         self._host = torch.device(r.device).type in HOST_MIRROR_DEVICES
         self._slot_src = {}
+        self._with_slots = {}
         if not self._host:
             return
         # the runner's host buffers, viewed once: a `.numpy()` per step is ~4 dispatcher ops
@@ -264,6 +267,26 @@ class StepViews:
             return self._layout
         if self._ib is not self.runner.input_batch:  # re-bound if the input batch is rebuilt
             self._bind()
+        return self._take(n, self._layout_src)[0]
+
+    def layout_slots(self, n: int, kv_group: int) -> "tuple[StepLayout, np.ndarray | RingRows]":
+        """`layout(n)` and `slots(layout, kv_group)`; where the layout is not taken yet on a host
+        runner, the slots ride in its one `take_rows` call (their own call was ~3 us a step inside
+        the engine: bench model, compiled)."""
+        if self._layout is None and self._host:
+            if self._ib is not self.runner.input_batch:
+                self._bind()
+            if self._host:
+                src = self._with_slots.get(kv_group)
+                if src is None:
+                    src = self._with_slots[kv_group] = self._layout_src + self._slot_source(kv_group)
+                return self._take(n, src)
+        layout = self.layout(n)
+        return layout, self.slots(layout, kv_group)
+
+    def _take(self, n: int, src: "tuple[tuple[HostRing, memoryview], ...]") -> "tuple[StepLayout, RingRows | None]":
+        """Take the step's layout (and, on a host runner, the rows of any sources past the layout's
+        three: the slots of `layout_slots`)."""
         ib, req_ids = self._ib, self._ids
         if self._direct:  # the input batch's live list (condensed: num_reqs long)
             num_reqs, ids = len(ib.req_id_to_index), ib._req_ids
@@ -272,30 +295,35 @@ class StepViews:
         if len(ids) != num_reqs or ids != req_ids:
             req_ids = self._ids = ids[:num_reqs]  # a slice: a new list
         if self._host:
-            self._layout = StepLayout(req_ids, *take_rows(self._layout_src, (num_reqs + 1, n, num_reqs)))
-            return self._layout
+            rows = take_rows(src, (num_reqs + 1, n, num_reqs, n))  # zip stops at the sources given
+            self._layout = StepLayout(req_ids, rows[0], rows[1], rows[2])
+            return self._layout, (rows[3] if len(rows) > 3 else None)
         qsl_B1 = self._qsl[: num_reqs + 1].copy()
         row_T = np.repeat(np.arange(num_reqs), np.diff(qsl_B1))
         pos_T = ib.num_computed_tokens_cpu[row_T].astype(np.int64) + np.arange(n) - qsl_B1[row_T]
         self._layout = StepLayout(req_ids, qsl_B1, pos_T, self._discard[:num_reqs].copy())
-        return self._layout
+        return self._layout, None
+
+    def _slot_source(self, kv_group: int) -> "tuple[tuple[HostRing, memoryview]]":
+        """Host runners: `kv_group`'s slot ring and a byte view of vLLM's slot mapping, bound once
+        per input batch."""
+        # the tensor vLLM's kernel writes: on CPU runners `.gpu` is a host tensor, and it is not
+        # always `.cpu` (an input batch rebuilt for a hybrid KV layout gets separate buffers)
+        mapping = self._ib.block_table.block_tables[kv_group].slot_mapping.gpu
+        if not mapping.is_contiguous() or mapping.dtype != torch.int64:
+            raise RuntimeError(f"vLLM slot mapping of KV group {kv_group} is {mapping.dtype}, not contiguous int64")
+        name = f"slots{kv_group}"
+        if name not in self._rings:
+            self._rings[name] = HostRing(np.dtype(np.int64), self.ring_tokens)
+        bound = self._slot_src[kv_group] = ((self._rings[name], byte_view(mapping.numpy())),)
+        return bound
 
     def slots(self, layout: StepLayout, kv_group: int) -> "np.ndarray | RingRows":
         """KV slot of each forwarded token in `kv_group`'s block table (`rows_of` gives the array)."""
         n = layout.num_tokens
         if self._host:
             bound = self._slot_src.get(kv_group)  # per step: one lookup (the first time, the buffers)
-            if bound is None:
-                # the tensor vLLM's kernel writes: on CPU runners `.gpu` is a host tensor, and it is not
-                # always `.cpu` (an input batch rebuilt for a hybrid KV layout gets separate buffers)
-                mapping = self._ib.block_table.block_tables[kv_group].slot_mapping.gpu
-                if not mapping.is_contiguous() or mapping.dtype != torch.int64:
-                    raise RuntimeError(f"vLLM slot mapping of KV group {kv_group} is {mapping.dtype}, not contiguous int64")
-                name = f"slots{kv_group}"
-                if name not in self._rings:
-                    self._rings[name] = HostRing(np.dtype(np.int64), self.ring_tokens)
-                bound = self._slot_src[kv_group] = ((self._rings[name], byte_view(mapping.numpy())),)
-            return take_rows(bound, (n,))[0]
+            return take_rows(bound or self._slot_source(kv_group), (n,))[0]
         bt = self._ib.block_table.block_tables[kv_group]
         row_T = np.repeat(np.arange(len(layout.req_ids)), np.diff(layout.qsl_B1))
         size = int(bt.block_size)

@@ -210,16 +210,17 @@ class WorkerCapture:
             self._flush()  # timed as flush.*; every pending step has sampled (the sampler runs after this hook)
             t0 += time.perf_counter() - t1
         self._tokens_left -= n + 1  # the step's n tokens, its <= n + 1 query starts
-        layout = self.views.layout(n)
+        if self.slot_cache is not None:  # (read whether or not the routes land: used only if they do)
+            layout, slots_T = self.views.layout_slots(n, self.kv_group)
+        else:
+            layout, slots_T = self.views.layout(n), None
         routes, problem, row0 = self.routes, None, self._arena_row
         if routes is not None:
             problem = routes.land(row0, n)
             if problem is None:
                 self._arena_row += n
-        if problem is None and self.slot_cache is not None:
-            slots_T = self.views.slots(layout, self.kv_group)
-        else:
-            slots_T = None
+            else:
+                slots_T = None
         batch, reads = self._batch, _NO_READS
         if batch is None or batch.req_ids != layout.req_ids:
             reads = []
