@@ -9,6 +9,8 @@ __init__ imports those modules, so the table is complete in any process that rea
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -71,7 +73,16 @@ def register_part_ops(name: str, prefix: str) -> None:
         setattr(st, name, None)
         return True
 
-    OPS.add(f"{prefix}.take", lambda runner, st, keys: [r.to_dict() for r in installed(st, name).take(keys)])
+    def take(runner: Any, st: RunnerState, payload: Any) -> list[Any]:
+        """payload: the keys, or {"keys": ..., "pid": the client's process id}. A client in this
+        process (an in-process engine: no serialiser between it and this op) gets the records as
+        they are; packing and unpacking their 7 arrays each was ~0.2 ms of a collect of 8 (bench
+        model). Any other client gets wire dicts."""
+        keys, pid = (payload["keys"], payload.get("pid")) if isinstance(payload, dict) else (payload, None)
+        records = installed(st, name).take(keys)
+        return records if pid == os.getpid() else [r.to_dict() for r in records]
+
+    OPS.add(f"{prefix}.take", take)
     OPS.add(f"{prefix}.discard", lambda runner, st, keys: int(installed(st, name).discard(keys)))
     OPS.add(f"{prefix}.stats", lambda runner, st, payload: installed(st, name).stats())
     OPS.add(f"{prefix}.uninstall", uninstall)

@@ -14,6 +14,7 @@ are read from the outputs, and hooks capture the rest.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Iterable, Sequence
 
@@ -151,7 +152,7 @@ class _CaptureBase:
         """The call that fetches the items' worker records; None when no part comes from hooks."""
         if self._link is None or not items:
             return None
-        return self._link.call("capture.take", [wkey for _, wkey, _, _ in items])
+        return self._link.call("capture.take", {"keys": [wkey for _, wkey, _, _ in items], "pid": os.getpid()})
 
     def _assemble(self, items, payloads, store, sampling: dict[str, dict[str, Any]] | None = None,
                   route_starts: dict[str, int] | None = None, failures: dict[str, Exception] | None = None
@@ -166,7 +167,7 @@ class _CaptureBase:
                     raise UnknownRequestError(f"request {key!r} has not finished; collect final outputs only")
                 trace = None
                 if payload is not None:  # validated below, all together
-                    record = CaptureRecord.from_dict(payload)
+                    record = payload if isinstance(payload, CaptureRecord) else CaptureRecord.from_dict(payload)
                     trace = build_trace(key, out.prompt_token_ids, comp, record, self.geometry, self._hooks_config,
                                         self.engine_info, validate=False)
                 staged.append(trace)

@@ -242,14 +242,16 @@ class SupportStage:
         outside_R = None
         sparse = None
         if held and len(live):  # live rows are rows of staged steps, which are the held rows in order
-            staged_R = np.repeat([st for _, st, _ in commits], [b for b, _, _ in commits])
             rows_H = [b for b, st, _ in commits if st]  # held step h has the rows of the h-th staged commit
             if len(rows_H) != len(held):
                 raise CaptureHookError(f"support stage holds {len(held)} steps' logits for {len(rows_H)} staged steps")
             raw_XV = _gather_host(held, held_ptrs, rows_H, self._vocab)
             host_XV = _host_array(raw_XV, held[0].dtype)
-            sparse = _kept_numpy(host_XV if len(live) == len(host_XV) else host_XV[(np.cumsum(staged_R) - 1)[live]],
-                                 tokens_R[live], self.want_logprobs, self.want_support, self.max_support)
+            if len(live) != len(host_XV):  # some staged rows are greedy: the live ones among the held rows
+                staged_R = np.repeat([st for _, st, _ in commits], [b for b, _, _ in commits])
+                host_XV = host_XV[(np.cumsum(staged_R) - 1)[live]]
+            sparse = _kept_numpy(host_XV, tokens_R if len(live) == R else tokens_R[live],
+                                 self.want_logprobs, self.want_support, self.max_support)
         elif self.logits_RV is not None and len(live):
             host_RV = _host_array(self._raw_np[:R], self.logits_RV.dtype) if self._raw_np is not None else None
             if host_RV is not None:
@@ -258,8 +260,14 @@ class SupportStage:
             else:
                 sparse = _kept_torch(self.logits_RV[:R], live, tokens_R[live],
                                      self.want_logprobs, self.want_support, self.max_support)
-        if sparse is not None:
-            sizes_X, out_X, lp_X, nz_cols_M = sparse
+        every = sparse is not None and len(live) == R  # every row sampled at random (the usual flush)
+        if every:  # the rows' own arrays, no scatter (~8 numpy calls less a flush)
+            sizes_R, out_X, lp_X, _ = sparse
+            outside_R = out_X if out_X.any() else None
+            if lp_X is not None:
+                logprobs_R = lp_X
+        elif sparse is not None:
+            sizes_X, out_X, lp_X, _ = sparse
             sizes_R[live] = sizes_X
             if out_X.any():
                 outside_R = np.zeros(R, dtype=bool)
@@ -267,7 +275,11 @@ class SupportStage:
             if lp_X is not None:
                 logprobs_R[live] = lp_X
         if self.want_support:
-            counts_R = np.where(greedy_R, 1, np.where(sizes_R > self.max_support, 0, sizes_R))
+            if every:
+                counts_R = sizes_R if int(sizes_R.max(initial=0)) <= self.max_support else \
+                    np.where(sizes_R > self.max_support, 0, sizes_R)
+            else:
+                counts_R = np.where(greedy_R, 1, np.where(sizes_R > self.max_support, 0, sizes_R))
             np.cumsum(counts_R, out=offsets_R1[1:])
             if sparse is not None and sparse[3] is not None and len(sparse[3]) == offsets_R1[-1]:
                 ids_N = sparse[3]  # every row sampled at random and within max_support: the ids as they are
