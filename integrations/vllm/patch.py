@@ -158,7 +158,7 @@ class StepBracket:
         self.views = st.views
         """The one layout of each step (request ids, query starts, positions) the listeners share
         (the runner's, RunnerState.views: no listener holds rows of an earlier bracket)."""
-        self.views.new_step()
+        self.views.current = None
         self.views.rewind()
         self.listeners: list[Any] = []
         self._on: dict[str, tuple[Any, ...]] = {h: () for h in self.HOOKS}
@@ -171,11 +171,11 @@ class StepBracket:
 
         self._after: tuple[Callable[[Any], None], ...] = ()
         """The listeners' bound after_forward hooks (made once at `_sync`, not per step)."""
-        new_step = self.views.new_step
+        views = self.views
 
         def make_execute(orig):
             def execute_model(scheduler_output, *args, **kwargs):
-                new_step()
+                views.current = None  # a new step: no layout taken yet
                 for lst in on["before_step"]:
                     t0 = clock()
                     lst.before_step(scheduler_output)
@@ -280,11 +280,8 @@ def patch_runner(runner: Any, capture: Any) -> tuple[InstancePatches, StepBracke
 
                 return forward
 
-            def make_topk(orig):
-                def forward(logits, generators, k, p):
-                    return truncate(orig, logits, generators, k, p)
-
-                return forward
+            def make_topk(orig):  # a C-level partial: no Python frame of its own in every sampler call
+                return functools.partial(truncate, orig)
 
             patches.wrap(sampler, "forward", make_sampler)
             patches.wrap(sampler.topk_topp_sampler, "forward", make_topk)

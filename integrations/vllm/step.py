@@ -201,10 +201,12 @@ class StepViews:
         self._ib: Any = None
         self._direct = False
         self._host = False
-        self._layout: StepLayout | None = None
+        self.current: StepLayout | None = None
+        """The current step's layout once a listener took it; the step bracket sets it to None
+        before each engine step (an attribute store: a method call there was one more frame a step)."""
         self._rings: dict[str, HostRing] = {}
         """Host runners: "qsl", "pos", "discard" and "slots<group>" rings (allocated at first bind)."""
-        self._layout_src: tuple[tuple[HostRing, memoryview], ...] = ()
+        self.current_src: tuple[tuple[HostRing, memoryview], ...] = ()
         """Host runners: the qsl, pos and discard rings with a byte view of their runner buffer."""
         self._ids: list[str] | None = None
         """The request ids of the last layout taken (a copy; shared by the next one while the batch
@@ -216,10 +218,6 @@ class StepViews:
         tokens = int(getattr(runner, "max_num_tokens", 0) or 0)
         self.ring_tokens = max(1 << 16, 4 * tokens)
         """Tokens the host rings hold: 64 Ki (512 KiB of int64 positions) or four full steps."""
-
-    def new_step(self) -> None:
-        """Forget the previous step's layout (called before each engine step)."""
-        self._layout = None
 
     def _bind(self) -> None:
         r = self.runner
@@ -243,7 +241,7 @@ class StepViews:
             ring = self._rings.get(name)
             if ring is None or ring.array.dtype != a.dtype:
                 self._rings[name] = HostRing(a.dtype, sizes[name])
-        self._layout_src = tuple((self._rings[name], byte_view(a)) for name, a in src.items())
+        self.current_src = tuple((self._rings[name], byte_view(a)) for name, a in src.items())
 
     def free_items(self) -> int:
         """Items the fullest host ring takes before it starts over (rings not made yet: ring_tokens;
@@ -255,31 +253,31 @@ class StepViews:
         the current step's layout (a listener that flushes inside a step keeps what another
         listener took of it before the forward)."""
         keep = {}
-        if self._layout is not None and self._host:
-            lay = self._layout
+        if self.current is not None and self._host:
+            lay = self.current
             keep = {id(r[0]): r[2] for r in (lay._qsl, lay._pos, lay._discard)}
         for ring in self._rings.values():
             ring.used = keep.get(id(ring.array), 0)
 
     def layout(self, n: int) -> StepLayout:
         """The current step's layout for its n scheduled tokens (taken once, then shared)."""
-        if self._layout is not None:
-            return self._layout
+        if self.current is not None:
+            return self.current
         if self._ib is not self.runner.input_batch:  # re-bound if the input batch is rebuilt
             self._bind()
-        return self._take(n, self._layout_src)[0]
+        return self._take(n, self.current_src)[0]
 
     def layout_slots(self, n: int, kv_group: int) -> "tuple[StepLayout, np.ndarray | RingRows]":
         """`layout(n)` and `slots(layout, kv_group)`; where the layout is not taken yet on a host
         runner, the slots ride in its one `take_rows` call (their own call was ~3 us a step inside
         the engine: bench model, compiled)."""
-        if self._layout is None and self._host:
+        if self.current is None and self._host:
             if self._ib is not self.runner.input_batch:
                 self._bind()
             if self._host:
                 src = self._with_slots.get(kv_group)
                 if src is None:
-                    src = self._with_slots[kv_group] = self._layout_src + self._slot_source(kv_group)
+                    src = self._with_slots[kv_group] = self.current_src + self._slot_source(kv_group)
                 return self._take(n, src)
         layout = self.layout(n)
         return layout, self.slots(layout, kv_group)
@@ -296,13 +294,13 @@ class StepViews:
             req_ids = self._ids = ids[:num_reqs]  # a slice: a new list
         if self._host:
             rows = take_rows(src, (num_reqs + 1, n, num_reqs, n))  # zip stops at the sources given
-            self._layout = StepLayout(req_ids, rows[0], rows[1], rows[2])
-            return self._layout, (rows[3] if len(rows) > 3 else None)
+            self.current = StepLayout(req_ids, rows[0], rows[1], rows[2])
+            return self.current, (rows[3] if len(rows) > 3 else None)
         qsl_B1 = self._qsl[: num_reqs + 1].copy()
         row_T = np.repeat(np.arange(num_reqs), np.diff(qsl_B1))
         pos_T = ib.num_computed_tokens_cpu[row_T].astype(np.int64) + np.arange(n) - qsl_B1[row_T]
-        self._layout = StepLayout(req_ids, qsl_B1, pos_T, self._discard[:num_reqs].copy())
-        return self._layout, None
+        self.current = StepLayout(req_ids, qsl_B1, pos_T, self._discard[:num_reqs].copy())
+        return self.current, None
 
     def _slot_source(self, kv_group: int) -> "tuple[tuple[HostRing, memoryview]]":
         """Host runners: `kv_group`'s slot ring and a byte view of vLLM's slot mapping, bound once
