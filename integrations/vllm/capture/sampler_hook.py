@@ -131,6 +131,8 @@ class SupportStage:
         """Rows staged by the truncation of the current step, not yet committed by `commit`."""
         self._pending_BV: torch.Tensor | None = None
         """Their truncated logits (host samplers: held once committed)."""
+        self._pending_ptr = 0
+        """Host samplers: the address of `_pending_BV`."""
         self.times = PartTimes()
         """Where the stage's host seconds go (flush.kept_sets); the worker's."""
         self.stage_times = Tally("step.support_stage")
@@ -161,7 +163,8 @@ class SupportStage:
         if self._held is not None:
             if logits_BV.dtype != self._held_dtype:  # the flush reads every held step's bytes as one dtype
                 raise RuntimeError(f"sampler logits dtype changed from {self._held_dtype} to {logits_BV.dtype}")
-            self._pending_BV = logits_BV if logits_BV.is_contiguous() else logits_BV.contiguous()
+            held = self._pending_BV = logits_BV if logits_BV.is_contiguous() else logits_BV.contiguous()
+            self._pending_ptr = held.data_ptr()  # here, where the tensor is hot (commit's touch was ~1 us more)
         else:  # copy before sampling: a device sampler may work in place
             self.logits_RV[r0 : r0 + B].copy_(logits_BV)
         self._pending = B
@@ -186,12 +189,13 @@ class SupportStage:
                 self._id_dtype = dt
             ok = dt is self._id_dtype and shape[1:] == (1,) and sampled_B1.is_cpu and sampled_B1.is_contiguous()
             self._deferred_ptrs.append(sampled_B1.data_ptr() if ok else 0)
-        staged, self._pending = self._pending is not None, None
+        pending_rows, self._pending = self._pending, None
+        staged = pending_rows is not None
         if self._pending_BV is not None:
             held, ptrs, logits_BV, self._pending_BV = self._held, self._held_ptrs, self._pending_BV, None
-            if logits_BV.shape[0] != B:  # the flush copies B rows from its address
-                raise CaptureHookError(f"the sampler drew {B} tokens from {logits_BV.shape[0]} truncated logit rows")
-            ptr = logits_BV.data_ptr()
+            if pending_rows != B:  # the flush copies B rows from its address (the truncation's rows)
+                raise CaptureHookError(f"the sampler drew {B} tokens from {pending_rows} truncated logit rows")
+            ptr = self._pending_ptr
             if ptrs and ptrs[-1] == ptr:
                 raise CaptureHookError(
                     "the sampler handed over its truncated logits at the address of the previous step's: the engine "
