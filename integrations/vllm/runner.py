@@ -10,7 +10,6 @@ __init__ imports those modules, so the table is complete in any process that rea
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass
 from typing import Any, Callable
 

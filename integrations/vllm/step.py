@@ -206,7 +206,7 @@ class StepViews:
         before each engine step (an attribute store: a method call there was one more frame a step)."""
         self._rings: dict[str, HostRing] = {}
         """Host runners: "qsl", "pos", "discard" and "slots<group>" rings (allocated at first bind)."""
-        self.current_src: tuple[tuple[HostRing, memoryview], ...] = ()
+        self._layout_src: tuple[tuple[HostRing, memoryview], ...] = ()
         """Host runners: the qsl, pos and discard rings with a byte view of their runner buffer."""
         self._ids: list[str] | None = None
         """The request ids of the last layout taken (a copy; shared by the next one while the batch
@@ -241,7 +241,7 @@ class StepViews:
             ring = self._rings.get(name)
             if ring is None or ring.array.dtype != a.dtype:
                 self._rings[name] = HostRing(a.dtype, sizes[name])
-        self.current_src = tuple((self._rings[name], byte_view(a)) for name, a in src.items())
+        self._layout_src = tuple((self._rings[name], byte_view(a)) for name, a in src.items())
 
     def free_items(self) -> int:
         """Items the fullest host ring takes before it starts over (rings not made yet: ring_tokens;
@@ -265,7 +265,7 @@ class StepViews:
             return self.current
         if self._ib is not self.runner.input_batch:  # re-bound if the input batch is rebuilt
             self._bind()
-        return self._take(n, self.current_src)[0]
+        return self._take(n, self._layout_src)[0]
 
     def layout_slots(self, n: int, kv_group: int) -> "tuple[StepLayout, np.ndarray | RingRows]":
         """`layout(n)` and `slots(layout, kv_group)`; where the layout is not taken yet on a host
@@ -277,7 +277,7 @@ class StepViews:
             if self._host:
                 src = self._with_slots.get(kv_group)
                 if src is None:
-                    src = self._with_slots[kv_group] = self.current_src + self._slot_source(kv_group)
+                    src = self._with_slots[kv_group] = self._layout_src + self._slot_source(kv_group)
                 return self._take(n, src)
         layout = self.layout(n)
         return layout, self.slots(layout, kv_group)
