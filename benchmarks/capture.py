@@ -157,7 +157,7 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
     phase_rows: list[dict[str, float]] = []
 
     def round_(i: int) -> tuple[float, float, int, bool, list]:
-        c = (i // 2) % 2  # the engine that carries capture this round
+        c = capture_engine(i)
         sides = {True: engines[c], False: engines[1 - c]}
         cap = VllmCapture(sides[True], CaptureConfig())
         try:
@@ -362,24 +362,28 @@ def _total_ratio(tps_off: list[float], tps_on: list[float]) -> float:
     return sum(1 / t for t in tps_on) / sum(1 / t for t in tps_off) - 1
 
 
+def capture_engine(i: int) -> int:
+    """The engine (0 or 1) that carries capture in pair i: the roles swap every two pairs."""
+    return (i // 2) % 2
+
+
 def crossover(ratios: list[float]) -> list[float]:
-    """Per-pair overheads with the engine bias cancelled: pair i carries capture on engine
-    (i // 2) % 2, so pairs i and i + 2 (i % 4 in {0, 1}) ran alike but for which engine carried it
-    (and which stepped first: i % 2 both), and sqrt((1 + r_i)(1 + r_{i+2})) - 1 has the two engines'
-    difference divided out. Why: the per-pair ratios fall in two groups, one per capture engine,
+    """Per-pair overheads with the engine bias cancelled: pairs i and i + 2 with capture_engine(i)
+    == 0 ran alike but for which engine carried capture (and which stepped first: i % 2 both), and
+    sqrt((1 + r_i)(1 + r_{i+2})) - 1 has the two engines' difference divided out. Why: the per-pair ratios fall in two groups, one per capture engine,
     whose medians differed by 0.4-4.5 points in runs A-E (`benchmarks/results/
     capture-lockstep-cpu-2026-11-28-zen4.json`), so their pooled median landed anywhere between
     the groups; the mean of the groups cancels the bias, their median does not. len(ratios) // 2
     values for a multiple of 4 pairs (pairs of a trailing incomplete block without a partner are left out)."""
     out = []
     for i in range(len(ratios) - 2):
-        if i % 4 < 2:
+        if capture_engine(i) == 0:
             out.append(math.sqrt((1 + ratios[i]) * (1 + ratios[i + 2])) - 1)
     return out
 
 
 def _ci95(ratios: list[float]) -> list[float]:
-    """Distribution-free 95% interval of the median per-pair overhead: order statistics
+    """Distribution-free 95% interval of the median of `ratios` (the crossover overheads): order statistics
     [x_(k), x_(n-k+1)] with k the largest count such that P(Binomial(n, 1/2) < k) <= 2.5%. Unlike
     mean +- 2 standard errors, one pair hit by a spike of the shared machine cannot widen it."""
     x, n = sorted(ratios), len(ratios)

@@ -271,8 +271,8 @@ class StepViews:
         """`layout(n)` and `slots(layout, kv_group)`; where the layout is not taken yet on a host
         runner, the slots ride in its one `take_rows` call (their own call was ~3 us a step inside
         the engine: bench model, compiled)."""
-        if self.current is None and self._host:
-            if self._ib is not self.runner.input_batch:
+        if self.current is None:
+            if self._ib is not self.runner.input_batch:  # re-bound if the input batch is rebuilt
                 self._bind()
             if self._host:
                 src = self._with_slots.get(kv_group)

@@ -279,11 +279,9 @@ class SupportStage:
             if lp_X is not None:
                 logprobs_R[live] = lp_X
         if self.want_support:
-            if every:
-                counts_R = sizes_R if int(sizes_R.max(initial=0)) <= self.max_support else \
-                    np.where(sizes_R > self.max_support, 0, sizes_R)
-            else:
-                counts_R = np.where(greedy_R, 1, np.where(sizes_R > self.max_support, 0, sizes_R))
+            counts_R = np.where(sizes_R > self.max_support, 0, sizes_R)
+            if not every:  # a greedy row keeps its one token
+                counts_R = np.where(greedy_R, 1, counts_R)
             np.cumsum(counts_R, out=offsets_R1[1:])
             if sparse is not None and sparse[3] is not None and len(sparse[3]) == offsets_R1[-1]:
                 ids_N = sparse[3]  # every row sampled at random and within max_support: the ids as they are
