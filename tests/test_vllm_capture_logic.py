@@ -599,3 +599,62 @@ def test_part_timings_merge_over_engines_and_name_the_rpc():
     assert sh["total"] == pytest.approx((0.75 + 0.25 + 0.0625 + 0.25) / 10)
     client.reset()
     assert client.to_dict() == {} and client.total() == 0.0
+
+
+def test_step_bracket_hands_the_step_to_the_sampler_or_to_after_unsampled():
+    """The step bracket keeps each step's scheduler output for a listener that files its step in
+    the sampler wrapper (capture's one hook a step), and calls that listener's after_unsampled
+    when execute_model returned its output itself (no sampler runs); a listener without
+    step_hooks (scoring) gets before_step, before_forward and after_forward only."""
+    from types import SimpleNamespace
+
+    from moe_replay.integrations.vllm.patch import step_bracket
+    from moe_replay.integrations.vllm.runner import runner_state
+
+    class Runner:
+        def __init__(self):
+            self.returns = None
+
+        def execute_model(self, scheduler_output):
+            return self.returns
+
+    class Sampled:  # files in its sampler: takes `scheduled` there
+        step_hooks = ("after_unsampled",)
+        hook_s = 0.0
+
+        def __init__(self):
+            self.unsampled = []
+
+        def after_unsampled(self, so):
+            self.unsampled.append(so)
+
+    class Plain:  # no step_hooks: the default three
+        hook_s = 0.0
+
+        def __init__(self):
+            self.seen = []
+
+        def before_step(self, so):
+            self.seen.append(("before_step", so))
+
+        def before_forward(self):
+            self.seen.append(("before_forward",))
+
+        def after_forward(self, so):
+            self.seen.append(("after_forward", so))
+
+    runner = Runner()
+    sampled, plain = Sampled(), Plain()
+    bracket = step_bracket(runner, sampled)
+    assert step_bracket(runner, plain) is bracket
+    first, second = SimpleNamespace(name="first"), SimpleNamespace(name="second")
+    assert runner.execute_model(first) is None
+    assert bracket.scheduled is first and sampled.unsampled == []  # kept until the sampler takes it
+    runner.returns = "output"
+    assert runner.execute_model(second) == "output"
+    assert bracket.scheduled is None and sampled.unsampled == [second]  # no sampler follows: filed now
+    assert plain.seen == [("before_step", first), ("after_forward", first),
+                          ("before_step", second), ("after_forward", second)]  # no _model_forward here
+    bracket.remove(sampled)
+    bracket.remove(plain)
+    assert "execute_model" not in runner.__dict__ and runner_state(runner).bracket is None

@@ -146,9 +146,19 @@ class StepBracket:
     bench model, compiled, the hook's phase less its own time, 8.0 against 12.5 us).
     Both read the step's rows from one `views.layout(n)` (step.py). The wrappers are removed when
     the last listener leaves (`remove`).
+
+    A listener that reads the step from its sampler wrapper instead (capture: one hook a step, not
+    two) names `after_unsampled` and no `after_forward`: the wrapper keeps the step's scheduler
+    output in `scheduled` until that listener takes it, and calls `after_unsampled(scheduler_output)`
+    after an execute_model that returned its output itself, since no sampler runs for it (a step
+    with nothing scheduled, a pooling model). vLLM's engine core calls sample_tokens exactly when
+    execute_model returned None (v1/engine/core.py), and the runner's step buffers (positions,
+    query starts, slot mapping, the route step buffer) are next written by the next execute_model.
     """
 
-    HOOKS = ("before_step", "before_forward", "after_forward")
+    HOOKS = ("before_step", "before_forward", "after_forward", "after_unsampled")
+    DEFAULT_HOOKS = ("before_step", "before_forward", "after_forward")
+    """The hooks of a listener without `step_hooks`."""
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
@@ -171,11 +181,18 @@ class StepBracket:
 
         self._after: tuple[Callable[[Any], None], ...] = ()
         """The listeners' bound after_forward hooks (made once at `_sync`, not per step)."""
+        self._unsampled: tuple[Callable[[Any], None], ...] = ()
+        """The listeners' bound after_unsampled hooks."""
+        self.scheduled: Any = None
+        """The scheduler output of the step whose forward ran and whose sampler has not, until a
+        listener reading the step from its sampler wrapper takes it (None outside engine steps:
+        a dummy or profile sampler run finds None)."""
         views = self.views
 
         def make_execute(orig):
             def execute_model(scheduler_output, *args, **kwargs):
                 views.current = None  # a new step: no layout taken yet
+                self.scheduled = scheduler_output
                 for lst in on["before_step"]:
                     t0 = clock()
                     lst.before_step(scheduler_output)
@@ -190,6 +207,10 @@ class StepBracket:
                         self.in_step = False
                 for hook in self._after:  # each times itself into its hook_s (see the class docstring)
                     hook(scheduler_output)
+                if out is not None:  # the runner's output already: no sampler runs for this step
+                    self.scheduled = None
+                    for hook in self._unsampled:
+                        hook(scheduler_output)
                 return out
 
             return execute_model
@@ -212,7 +233,7 @@ class StepBracket:
     def add(self, listener: Any) -> None:
         if listener in self.listeners:
             raise CaptureHookError(f"{type(listener).__name__} is already registered on this runner's step bracket")
-        hooks = tuple(getattr(listener, "step_hooks", self.HOOKS))
+        hooks = tuple(getattr(listener, "step_hooks", self.DEFAULT_HOOKS))
         odd = [h for h in hooks if h not in self.HOOKS or not callable(getattr(listener, h, None))]
         if odd:
             raise CaptureHookError(f"{type(listener).__name__} names step hooks {odd} it does not have "
@@ -229,8 +250,9 @@ class StepBracket:
 
     def _sync(self) -> None:
         for h in self.HOOKS:
-            self._on[h] = tuple(lst for lst in self.listeners if h in getattr(lst, "step_hooks", self.HOOKS))
+            self._on[h] = tuple(lst for lst in self.listeners if h in getattr(lst, "step_hooks", self.DEFAULT_HOOKS))
         self._after = tuple(lst.after_forward for lst in self._on["after_forward"])
+        self._unsampled = tuple(lst.after_unsampled for lst in self._on["after_unsampled"])
 
     def remove(self, listener: Any) -> None:
         if listener in self.listeners:
@@ -272,7 +294,7 @@ def patch_runner(runner: Any, capture: Any) -> tuple[InstancePatches, StepBracke
 
             after_sample, truncate = capture.after_sample, support.truncate_and_observe
 
-            def make_sampler(orig):  # both wrappers' work times itself (step.commit, step.support_stage)
+            def make_sampler(orig):  # both wrappers' work times itself (step.after_sample, step.support_stage)
                 def forward(logits, sampling_metadata, *args, **kwargs):
                     out = orig(logits, sampling_metadata, *args, **kwargs)
                     after_sample(out.sampled_token_ids, sampling_metadata)

@@ -1,22 +1,28 @@
 """Worker side: ties route arena, sampler stage, slot cache and records to one model runner.
 
-Per engine step (see patch.py for the wrappers) only cheap snapshots happen, after the forward and
-in the sampler: each hook a step enters costs ~10-25 us inside a busy engine before it does much
-(the first touch of its code and data after a 30 ms forward, docs/findings.md), so there is no
-hook before the step on host runners (`before_step` runs only where the route rows must be armed before the
-forward: device runners, data parallelism; route_hook.RouteCapture.arm_before).
+Per engine step (see patch.py for the wrappers) only cheap snapshots happen, in the sampler: each
+hook a step enters costs ~10-25 us inside a busy engine before it does much (the first touch of its
+code and data after a 30 ms forward, docs/findings.md), so a step has one hook of ours after its
+forward, not one after the forward and one after the sampler, and none before the step on host
+runners (`before_step` runs only where the route rows must be armed before the forward: device
+runners, data parallelism; route_hook.RouteCapture.arm_before).
   forward       routers hand their ids to the route capture (held on eager CPU engines, else
                 written into the step buffer bound at model load: route_hook.py);
-  after_forward the step's finished requests are queued (they move to the unclaimed pool at the
-                next flush, before any row is mapped); the pending steps are flushed first if the
-                buffers could not hold this step (`_tokens_left`, the support stage's rows);
-                the step's layout (step.py, shared with scoring: request ids, query_start_loc,
-                positions, the discard mask) and its KV slots are taken (on CPU runners one byte copy
-                each into host rings, read at the flush); the route rows are filed and re-armed;
-                which records own the input batch's rows is looked up only when the batch changes;
-                a request seen for the first time whose first position is past its route_start
-                hit the prefix cache: a slot-cache read is queued for the flush;
-  after_sample  the step's sampled tokens are committed to the support stage (sampler_hook.py).
+  truncation    the sampler's truncated logits are held (sampler_hook.py);
+  after_sample  the step is filed (`_file`; after_forward instead where capture wraps no sampler,
+                and the bracket's after_unsampled for a step no sampler runs for): its finished
+                requests are queued (they move to the unclaimed pool at the next flush, before any
+                row is mapped); the pending steps are flushed first if the route arena or the host
+                rings could not hold this step (`_tokens_left`); the step's layout (step.py, shared
+                with scoring: request ids, query_start_loc, positions, the discard mask) and its KV
+                slots are taken (on CPU runners one byte copy each into host rings, read at the
+                flush); the route rows are filed and re-armed; which records own the input batch's
+                rows is looked up only when the batch changes; a request seen for the first time
+                whose first position is past its route_start hit the prefix cache: a slot-cache
+                read is queued for the flush. Then the step's sampled tokens are committed to the
+                support stage, and everything is flushed if the stage could not take another batch.
+                Nothing the runner wrote for the step changes between its forward and its sampler:
+                the next execute_model writes the step buffers (patch.StepBracket).
 
 `flush()` then maps every pending step's rows to records with a handful of array ops: slot-cache
 writes and prefix reads in step order (block_cache.py), then the window's routes and sampler rows
@@ -149,7 +155,6 @@ class WorkerCapture:
         self.pending: list[_Step] = []
         self._finished: list[Any] = []
         """finished_req_ids of the steps since the last flush (sets from the scheduler, not copied)."""
-        self._step: _Step | None = None
         self._batch: _Batch | None = None
         self._arena_row = 0
         self.steps = 0
@@ -166,15 +171,21 @@ class WorkerCapture:
         self.times = PartTimes()
         """Host seconds per part (timings.py): step.* per engine step, flush.*, take.*."""
         self._after_forward_s = Tally("step.after_forward")
-        self._commit_s = Tally("step.commit")
-        self._tallies = (self._after_forward_s, self._commit_s, self.support.stage_times)
+        self._after_sample_s = Tally("step.after_sample")
+        """Filing the step and committing its samples, in the sampler wrapper's one hook."""
+        self._tallies = (self._after_forward_s, self._after_sample_s, self.support.stage_times)
         """The per-step parts, added to `times` when they are read (`timings`)."""
         self.take_s = 0.0
         """Seconds inside take() (its flush and take.assemble): the client subtracts it from its call."""
         self.support.times = self.times
         self._tokens_left = 0
-        self.step_hooks = ("before_step", "after_forward") if self.routes is not None and self.routes.arm_before \
-            else ("after_forward",)
+        self._file_hook = ("after_unsampled",) if config.support or config.logprobs else ("after_forward",)
+        """Where each step is filed: in the sampler wrapper's hook (after_sample; the bracket's
+        after_unsampled for a step no sampler runs for) where capture wraps the sampler, else in
+        after_forward. One hook a step, not two: each costs ~10-25 us of cold code and data inside
+        the engine whatever it does (the module docstring)."""
+        self.step_hooks = (("before_step",) if self.routes is not None and self.routes.arm_before else ()) \
+            + self._file_hook
         """The StepBracket hooks this listener runs (patch.py)."""
         try:
             self._patches, self._bracket = patch_runner(runner, self)
@@ -192,9 +203,47 @@ class WorkerCapture:
         self.routes.arm(scheduler_output.total_num_scheduled_tokens)
         self.times.add("step.arm", time.perf_counter() - t0)
 
-    def after_forward(self, scheduler_output: Any) -> None:
+    def after_sample(self, sampled_B1: Any, sampling_metadata: Any) -> None:
+        """The step's one hook where a sampler wrapper runs (support or logprobs captured): file the
+        step (`_file`), commit its samples, then flush if the support stage could not take another
+        full batch (its next truncation runs before this hook)."""
         t0 = time.perf_counter()
-        self._step = None
+        bracket = self._bracket
+        scheduler_output = bracket.scheduled
+        if scheduler_output is None:  # a dummy/profile sampler run: no engine step
+            self.support.drop_pending()
+            return
+        bracket.scheduled = None
+        tally = self._after_sample_s
+        step = self._file(scheduler_output, tally)
+        if step is None:
+            self.support.drop_pending()
+        else:
+            support = self.support
+            step.sample_row = support.commit(sampled_B1, sampling_metadata)
+            if support.rows + self.max_rows > support.capacity:
+                t1 = time.perf_counter()
+                self.flush()  # timed as flush.*; the step is filed and sampled, its route rows re-armed
+                tally.s -= time.perf_counter() - t1
+        tally.s += time.perf_counter() - t0
+        tally.calls += 1
+
+    def after_forward(self, scheduler_output: Any) -> None:
+        """The step's hook where no sampler wrapper runs (neither support nor logprobs captured)."""
+        t0 = time.perf_counter()
+        tally = self._after_forward_s
+        self._file(scheduler_output, tally)
+        tally.s += time.perf_counter() - t0
+        tally.calls += 1
+
+    def after_unsampled(self, scheduler_output: Any) -> None:
+        """A step whose execute_model returned its output itself (no sampler runs: StepBracket)."""
+        self.after_forward(scheduler_output)
+
+    def _file(self, scheduler_output: Any, tally: Tally) -> _Step | None:
+        """File the step after its forward (see the module docstring); None when nothing was
+        forwarded. Flushes first where the route arena or the host rings could not take its
+        tokens (that flush's seconds come off `tally`: they are timed as flush.*)."""
         if scheduler_output.finished_req_ids:
             self._finished.append(scheduler_output.finished_req_ids)
         preempted = getattr(scheduler_output, "preempted_req_ids", None)
@@ -202,13 +251,12 @@ class WorkerCapture:
             self.preemptions += len(preempted)
         n = scheduler_output.total_num_scheduled_tokens
         if not n:
-            return
-        support = self.support
-        flushed = n + 1 > self._tokens_left or support.rows + self.max_rows > support.capacity
+            return None
+        flushed = n + 1 > self._tokens_left
         if flushed:
             t1 = time.perf_counter()
-            self._flush()  # timed as flush.*; every pending step has sampled (the sampler runs after this hook)
-            t0 += time.perf_counter() - t1
+            self._flush()  # every pending step has sampled (a step's sampler runs before the next forward)
+            tally.s -= time.perf_counter() - t1
         self._tokens_left -= n + 1  # the step's n tokens, its <= n + 1 query starts
         if self.slot_cache is not None:  # (read whether or not the routes land: used only if they do)
             layout, slots_T = self.views.layout_slots(n, self.kv_group)
@@ -227,13 +275,10 @@ class WorkerCapture:
             batch = self._batch = self._resolve_batch(layout, reads)
         step = _Step(batch, layout, row0, slots_T, problem, reads)
         self.pending.append(step)
-        self._step = step
         self.steps += 1
         if flushed:
             self._check_route_arming()  # the step's rows are filed and re-armed: the buffer should be clean
-        tally = self._after_forward_s
-        tally.s += time.perf_counter() - t0
-        tally.calls += 1
+        return step
 
     def _check_route_arming(self) -> None:
         """Where `land` re-arms the host step buffer (no hook before the step), check, at a flush and
@@ -241,7 +286,7 @@ class WorkerCapture:
         now on (route_hook.RouteCapture.check_armed)."""
         if self.routes is not None and self.routes.check_armed():
             self.route_rearms += 1
-            self.step_hooks = ("before_step", "after_forward")
+            self.step_hooks = ("before_step",) + self._file_hook
             self._bracket.resync()
 
     def _set_room(self) -> None:
@@ -253,17 +298,6 @@ class WorkerCapture:
         if self.routes is not None:
             tokens = min(tokens, self.routes.capacity - self._arena_row)
         self._tokens_left = tokens
-
-    def after_sample(self, sampled_B1: Any, sampling_metadata: Any) -> None:
-        t0 = time.perf_counter()
-        step, self._step = self._step, None
-        if step is None:  # dummy/profile sampler runs have no requests
-            self.support.drop_pending()
-            return
-        step.sample_row = self.support.commit(sampled_B1, sampling_metadata)
-        tally = self._commit_s
-        tally.s += time.perf_counter() - t0
-        tally.calls += 1
 
     def _resolve_batch(self, layout: StepLayout, reads: list[tuple[RequestRecord, np.ndarray, int, int]]) -> _Batch:
         """Records of a new batch composition; new requests get a record (and a queued prefix read)."""
