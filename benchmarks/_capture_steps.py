@@ -4,10 +4,10 @@
 min). This runs one capture-ready engine of the same bench model alone, `--rounds` rounds of 8
 requests x 64 tokens after 4 warm-up rounds, capture attached each round, and prints one JSON
 object: per part the median microseconds per engine step (`us_per_step`, the parts of
-`VllmCapture.timings()`), the step and collect times, and `after_forward_outside_us`: the
-execute_model phase that holds capture's hook after the forward (the runner's execute_model as
-wrapped by the step bracket, less the execute_model inside it) less the hook's own time, i.e. what
-the step bracket and the hook's call cost beyond the hook's measured body. Compare variants of the
+`VllmCapture.timings()`; capture's one hook a step is step.after_sample), the step and collect
+times, and `bracket_us`: the runner's execute_model as wrapped by the step bracket, less the
+execute_model inside it and less any capture hook timed in there (step.after_forward, which runs
+only where capture wraps no sampler), i.e. what the step bracket itself costs. Compare variants of the
 code by running this on each, twice or more: whole processes differ by up to ~20% in forward time
 on the shared 2-core machine, the per-part times by ~10%.
 
@@ -68,13 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in per_step.items():
             parts.setdefault(k, []).append(v)
         rows.append({"step": (t1 - t0) / steps, "collect": t2 - t1,
-                     "outside": (phase["execute_out"] - phase["execute_in"]) / steps - per_step["step.after_forward"]})
+                     "outside": (phase["execute_out"] - phase["execute_in"]) / steps
+                     - per_step.get("step.after_forward", 0.0)})
     us = lambda xs: round(statistics.median(xs) * 1e6, 2)  # noqa: E731
     print(json.dumps({
         "model": "qwen3_moe/bench", "enforce_eager": args.eager, "rounds": args.rounds,
         "step_ms": round(statistics.median(r["step"] for r in rows) * 1e3, 3),
         "collect_ms": round(statistics.median(r["collect"] for r in rows) * 1e3, 3),
-        "after_forward_outside_us": us([r["outside"] for r in rows]),
+        "bracket_us": us([r["outside"] for r in rows]),
         "us_per_step": {k: us(v) for k, v in sorted(parts.items(), key=lambda kv: -sum(kv[1]))},
     }))
     return 0
