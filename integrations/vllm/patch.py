@@ -9,7 +9,8 @@ routes. We wrap, on the *instances* of one model runner only (never on classes):
   * runner._model_forward                       -> the point between input preparation and the
                                                   forward (layout known, graph not yet run):
                                                   scoring fills its forcing buffers (StepBracket);
-  * runner.sampler.forward                      -> sampled tokens of the step (capture);
+  * runner.sampler.forward                      -> the step filed with its sampled tokens (capture's
+                                                  one hook a step, fed by the bracket's `scheduled`);
   * runner.sampler.topk_topp_sampler.forward    -> the kept set, where truncation happens (capture);
   * <MoE layer>.router._compute_routing         -> forced expert ids per request row (scoring/
                                                   force_step.py), one wrapper per router instance;
