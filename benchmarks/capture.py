@@ -27,10 +27,11 @@ and hook_time_fraction: seconds in capture code (`breakdown`'s total) over the o
 `breakdown`: the same capture code by part (`VllmCapture.timings()`, summed over the timed rounds):
 `share_of_wall` (each part's seconds over the on side's time), `share_of_capture`,
 `us_per_step` (part seconds per engine step, whatever how often the part runs) and `calls`. Parts:
-step.* run in every engine step (after_forward: the one hook after the forward: finished
-requests queued, room counters, the step's request ids, query starts, positions and KV slots
-memmoved to host rings, the route rows filed to the arena and re-armed, the batch's records, the
-step's snapshot; support_stage: the truncated logit rows' copy; commit: the sampled ids; arm: the
+step.* run in every engine step (after_sample: capture's one hook a step, in the sampler wrapper:
+finished requests queued, room counters, the step's request ids, query starts, positions and KV
+slots copied to host rings, the route rows filed to the arena and re-armed, the batch's records,
+the step's snapshot, the sampled ids committed; after_forward: the same filing where capture wraps
+no sampler; support_stage: the truncated logits held (a device stage copies their rows); arm: the
 route rows' sentinel before the forward, only on device runners and under data parallelism),
 flush.* once per flush (window: steps laid end to end;
 route_read: the arena read to the host, sentinel check; slot_cache; route_records: the window's
@@ -43,8 +44,9 @@ forward (two list stores per layer; timing them cost as much as they do) and the
 `phases`: where the overhead lands, each pair's on-minus-off seconds per engine phase over the off
 side's time (median over pairs; medians do not add up to `overhead`): `forward` (the model's
 forward, route functions included), `inputs` (the rest of execute_model: preparing inputs),
-`after_forward` (capture's hook after it), `sample` (sample_tokens: the support stage and the
-commit included), `rest` (scheduler, output processing) and `collect`; `share_off`: each phase's
+`after_forward` (the rest of the step bracket's execute_model wrapper; capture's hook runs there
+only where it wraps no sampler), `sample` (sample_tokens: capture's one hook a step and the support
+stage included), `rest` (scheduler, output processing) and `collect`; `share_off`: each phase's
 share of the off side's step time. Every engine's phases are timed, on and off alike (a
 perf_counter pair per phase per step).
 
@@ -161,7 +163,7 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
         sides = {True: engines[c], False: engines[1 - c]}
         cap = VllmCapture(sides[True], CaptureConfig())
         try:
-            for llm in sides.values():  # over capture's step bracket: its after_forward hook is inside
+            for llm in sides.values():  # over capture's step bracket (its execute_model wrapper)
                 llm.collective_rpc(_time_outer_execute)
             got = _lockstep_round(sides, prompts, params, f"r{i}", first=i % 2 == 0)
             for llm in sides.values():
