@@ -372,7 +372,8 @@ def capture_engine(i: int) -> int:
 def crossover(ratios: list[float]) -> list[float]:
     """Per-pair overheads with the engine bias cancelled: pairs i and i + 2 with capture_engine(i)
     == 0 ran alike but for which engine carried capture (and which stepped first: i % 2 both), and
-    sqrt((1 + r_i)(1 + r_{i+2})) - 1 has the two engines' difference divided out. Why: the per-pair ratios fall in two groups, one per capture engine,
+    sqrt((1 + r_i)(1 + r_{i+2})) - 1 has the two engines' difference divided out. Why: the per-pair
+    ratios fall in two groups, one per capture engine,
     whose medians differed by 0.4-4.5 points in runs A-E (`benchmarks/results/
     capture-lockstep-cpu-2026-11-28-zen4.json`), so their pooled median landed anywhere between
     the groups; the mean of the groups cancels the bias, their median does not. len(ratios) // 2

@@ -236,9 +236,8 @@ class WorkerCapture:
         tally.s += time.perf_counter() - t0
         tally.calls += 1
 
-    def after_unsampled(self, scheduler_output: Any) -> None:
-        """A step whose execute_model returned its output itself (no sampler runs: StepBracket)."""
-        self.after_forward(scheduler_output)
+    after_unsampled = after_forward
+    """A step whose execute_model returned its output itself is filed as without a sampler (StepBracket)."""
 
     def _file(self, scheduler_output: Any, tally: Tally) -> _Step | None:
         """File the step after its forward (see the module docstring); None when nothing was
