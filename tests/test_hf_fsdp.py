@@ -123,6 +123,7 @@ def _ranks(rank: int, world: int, init: str, out: dict) -> None:
     finally:
         out[rank] = res
         dist.destroy_process_group()
+    coverage.leave_dtensor_rank()
 
 
 @pytest.fixture(scope="module")
