@@ -338,7 +338,10 @@ class WorkerScoring:
                                             "registered rows (routes not forced)")
         r = self.runner
         ids_T = r.input_ids.cpu[:n].numpy()
-        rows, targets, g_idx, owners = [], [], [], []
+        rows, targets, g_idx = [], [], []
+        # (job, its scored rows) in row order: one entry per job, not one per row (the per-row Python
+        # passes took 1.6 ms a step of 8,192 scored rows, ~0.19 us a row)
+        runs: list[tuple[ScoreJob, int]] = []
         for job, lo, hi, first in plan.jobs:
             pos = np.arange(first, first + hi - lo)
             if pos[-1] >= len(job.tokens_S) or not np.array_equal(ids_T[lo:hi], job.tokens_S[pos]):
@@ -351,7 +354,7 @@ class WorkerScoring:
                 rows.append(np.arange(lo, hi)[keep])
                 targets.append(job.tokens_S[p + 1])
                 g_idx.append(p + 1 - job.prompt_len)
-                owners.extend([job] * int(keep.sum()))
+                runs.append((job, len(p)))
         if not rows:
             return
         state = getattr(r, "execute_model_state", None)
@@ -361,21 +364,23 @@ class WorkerScoring:
             return
         rows_R = torch.from_numpy(np.concatenate(rows))
         g_R = np.concatenate(g_idx)
-        lp_R = self._score_rows(state.hidden_states[rows_R], torch.from_numpy(np.concatenate(targets)), owners, g_R)
+        lp_R = self._score_rows(state.hidden_states[rows_R], torch.from_numpy(np.concatenate(targets)), runs, g_R)
         self.scored_rows += len(g_R)
         start = 0
-        for job, cnt in _runs(owners):
+        for job, cnt in runs:
             gs = g_R[start : start + cnt]
             job.logprobs_G[gs] = lp_R[start : start + cnt]
             job.filled_G[gs] = True
             start += cnt
 
-    def _score_rows(self, h_RH: torch.Tensor, target_R: torch.Tensor, owners: list[ScoreJob], g_R: np.ndarray) -> np.ndarray:
-        """x[target] - logsumexp over the support (or the vocabulary) of x = logits / temperature."""
+    def _score_rows(self, h_RH: torch.Tensor, target_R: torch.Tensor, runs: list[tuple[ScoreJob, int]],
+                    g_R: np.ndarray) -> np.ndarray:
+        """x[target] - logsumexp over the support (or the vocabulary) of x = logits / temperature;
+        `runs`: (job, rows) in row order."""
         size_R = np.zeros(len(g_R), dtype=np.int64)
         ids_N = []
         start = 0
-        for job, cnt in _runs(owners):  # a job's scored rows are consecutive generated tokens
+        for job, cnt in runs:  # a job's scored rows are consecutive generated tokens
             if job.sup_offsets_G1 is not None:
                 g0, g1 = int(g_R[start]), int(g_R[start + cnt - 1]) + 1
                 off = job.sup_offsets_G1
@@ -386,7 +391,8 @@ class WorkerScoring:
         np.cumsum(size_R, out=off_R1[1:])
         support = SupportCSR(torch.from_numpy(off_R1),
                              torch.from_numpy(np.concatenate(ids_N) if ids_N else np.zeros(0, np.int64)))
-        temp_R = torch.tensor([j.temperature for j in owners], dtype=torch.float32)
+        temp_R = torch.from_numpy(np.repeat(np.array([job.temperature for job, _ in runs], dtype=np.float32),
+                                            [cnt for _, cnt in runs]))
         with torch.inference_mode():
             out = engine_support_logprobs(self.runner.model.compute_logits(h_RH), target_R, support, temp_R)
         return out.cpu().numpy().astype(np.float32)
@@ -399,17 +405,6 @@ class WorkerScoring:
         self._bracket.remove(self)
         self.jobs.clear()
         self._by_internal.clear()
-
-
-def _runs(owners: list[ScoreJob]):
-    """(job, count) of consecutive equal owners."""
-    i = 0
-    while i < len(owners):
-        j = i
-        while j < len(owners) and owners[j] is owners[i]:
-            j += 1
-        yield owners[i], j - i
-        i = j
 
 
 # -- ops (endpoint.py) ----------------------------------------------------------------------------
