@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -352,8 +353,6 @@ def leave_dtensor_rank() -> None:
     ("terminate called without an active exception", SIGABRT after the rank function had returned) in 6 runs
     of 24 of run_fsdp2 on a 2-core machine. Call it only on the success path: an exception must still reach
     mp.spawn with its traceback."""
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
