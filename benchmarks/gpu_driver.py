@@ -17,6 +17,9 @@ next one starts:
   estimator  benchmarks/gpu_estimator.py --quick: forced and free scoring on a graph engine, the
              estimator at n = 1/2/4/8 (replicas in flight together, and drained per batch-size
              bucket) vs the HF recompute, variance vs n, a host profile of n = 4
+  estimator_core  benchmarks/gpu_estimator.py --ratio-only --core process: the estimator at n = 1/4 vs
+             the HF recompute with vLLM's engine core in its own process (it steps while the
+             requests are still being added)
   native     benchmarks/gpu_capture.py: graphs_native throughput and native_vs_hooks
 
 Seen on an H200 (2026-11-27): a cold torch.compile + CUDA-graph start of the bench model takes
@@ -95,6 +98,8 @@ STEPS = (
          (PY, str(HERE / "gpu_capture.py"), "--dry-run", "--settings", "graphs,graphs_capture"), 360),
     Step("estimator", (PY, str(HERE / "gpu_estimator.py"), "--json", "--quick"),
          (PY, str(HERE / "gpu_estimator.py"), "--json", "--quick", "--plan"), 330),
+    Step("estimator_core", (PY, str(HERE / "gpu_estimator.py"), "--json", "--ratio-only", "--core", "process"),
+         (PY, str(HERE / "gpu_estimator.py"), "--json", "--ratio-only", "--core", "process", "--plan"), 240),
     Step("native", (PY, str(HERE / "gpu_capture.py"), "--rounds", "1", "--start-timeout-s", "200",
                     "--settings", "graphs_native,native_vs_hooks"),
          (PY, str(HERE / "gpu_capture.py"), "--dry-run", "--settings", "graphs_native,native_vs_hooks"), 240),

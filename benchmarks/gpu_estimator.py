@@ -46,8 +46,16 @@ re-scoring), n = 4 with the rollout as a replica and n = 4 bucketed with prompt 
 4 variance repeats; the second engine (other mode) is skipped. Partial
 results go to stderr as each section ends, so a run cut short still leaves its figures in the log.
 
+`--core process` runs vLLM's engine core in its own process (vLLM's default; the GPU machine's setup
+runs it in-process, `--core inproc`, the default here): the core starts stepping on the first
+requests while this process still adds the rest (on the H200, n = 4 spent 0.25 s submitting its
+256 requests before the first step, in-process). `--ratio-only` times just the rollout, the HF
+recompute and the estimator at n = 1 / 4 (n = 4 also with the rollout as a replica), for
+`estimator_n4_vs_recompute` under either core (what gpu_driver.py's `estimator_core` step runs).
+
 Usage: python benchmarks/gpu_estimator.py --json [--engine graph|eager] [--requests 64] [--tokens 128]
-       [--repeats 3] [--variance-repeats 8] [--gpu-memory-utilization 0.25] [--quick] [--plan]
+       [--repeats 3] [--variance-repeats 8] [--gpu-memory-utilization 0.25] [--quick]
+       [--core inproc|process] [--ratio-only] [--plan]
 `--plan` prints the configuration as JSON and exits (checks the script on a machine without a GPU).
 """
 
@@ -57,6 +65,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -84,6 +93,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--variance-repeats", type=int, default=8)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.25)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--core", default="inproc", choices=["inproc", "process"],
+                    help="where vLLM's engine core runs: in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) or in "
+                         "its own (=1, vLLM's default): there it steps while this process still adds requests")
+    ap.add_argument("--ratio-only", action="store_true",
+                    help="time only the rollout, the HF recompute and the estimator at n = 1 / 4 (and n = 4 with the "
+                         "rollout as a replica): estimator_n4_vs_recompute in ~1 minute after the engine starts")
     ap.add_argument("--plan", action="store_true", help="print the configuration and exit (no GPU needed)")
     ap.add_argument("--quick", action="store_true",
                     help="the jobs the targets need, 2 repeats, 4 variance repeats, no second engine")
@@ -134,6 +149,30 @@ def compare(ref, other) -> dict:
     return {"max_abs": float(d.max()), "moved_fraction": float((d > 0).mean()), "digest": digest(other)}
 
 
+def ratio_only(args, plan, traces, cap, scorer, hf, P, sp, sync, estimate, EstimatorConfig, labels) -> dict:
+    """`--ratio-only`: the rollout, the HF recompute and the estimator at n = 1 / 4 (n = 4 also with the
+    rollout as replica 0), one warm-up each, then `--repeats` interleaved rounds, each timed between
+    two synchronizes."""
+    n = len(traces)
+    jobs = [("rollout", lambda: cap.generate(P, sp, use_tqdm=False)), ("hf", lambda: hf.score_batch(traces)),
+            ("est1", lambda: estimate(traces, scorer, EstimatorConfig(n=1), batch_size=n)),
+            ("est4", lambda: estimate(traces, scorer, EstimatorConfig(n=4), batch_size=n)),
+            ("est4_rollout", lambda: estimate(traces, scorer, EstimatorConfig(n=4, rollout_replica=True), batch_size=n))]
+    times: dict[str, list[float]] = {}
+    for _, fn in jobs:  # warm-up
+        fn()
+    for r in range(args.repeats):
+        for name, fn in jobs[r % len(jobs):] + jobs[: r % len(jobs)]:
+            times.setdefault(name, []).append(sync(fn)[0])
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {**labels, "plan": plan, "engine": args.engine, "engine_core": args.core,
+            "scored_tokens": int(sum(t.num_generated for t in traces)),
+            "estimator_s": {"1": med["est1"], "4": med["est4"]}, "estimator_s_rollout": {"4": med["est4_rollout"]},
+            "hf_recompute_s": med["hf"], "rollout_s": med["rollout"],
+            "estimator_n4_vs_recompute": med["est4"] / med["hf"],
+            "estimator_n4_rollout_vs_recompute": med["est4_rollout"] / med["hf"], "raw_s": times}
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     plan = {"model": {"family": "qwen3_moe", "size": "bench", **MODEL}, "dtype": "bfloat16", "ns": NS,
@@ -145,6 +184,7 @@ def main(argv=None) -> None:
 
     if not torch.cuda.is_available():
         sys.exit("gpu_estimator.py needs a CUDA GPU (use --plan to check the script without one)")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.core == "process" else "0"  # read when the LLM is built
     import vllm
     from vllm import LLM, SamplingParams
 
@@ -178,6 +218,14 @@ def main(argv=None) -> None:
         out = fn()
         torch.cuda.synchronize()
         return time.perf_counter() - t0, out
+
+    if args.ratio_only:
+        print(json.dumps(ratio_only(args, plan, traces, cap, scorer, hf, P, sp, sync, estimate, EstimatorConfig,
+                                    labels=dict(gpu=torch.cuda.get_device_name(), vllm=vllm.__version__,
+                                                torch=torch.__version__))))
+        if args.core == "process":
+            llm.llm_engine.engine_core.shutdown()
+        return
 
     # -- noise: forced vs rollout, placements ------------------------------------------------------
     ref = scorer.score_batch(traces)
@@ -297,7 +345,7 @@ def main(argv=None) -> None:
         "gpu": torch.cuda.get_device_name(), "vllm": vllm.__version__, "torch": torch.__version__, "plan": plan,
         "scored_tokens": int(sum(t.num_generated for t in traces)),
         "forced_vs_rollout": {"max_abs": float(gap.max()), "mean_abs": float(gap.mean())},
-        "engine": main_mode, "placements": placements, "other_engine": {"mode": other_mode, **other},
+        "engine": main_mode, "engine_core": args.core, "placements": placements, "other_engine": {"mode": other_mode, **other},
         "distinct_forced_results": len(set(digests.values())), "forced_placements": len(digests),
         "estimator_s": {str(n): med[f"est{n}"] for n in NS},
         "estimator_s_rollout": {"4": med["est4_rollout"]},

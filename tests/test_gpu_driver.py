@@ -50,11 +50,12 @@ def test_driver_records_each_step_and_survives_failures(tmp_path, monkeypatch):
 def test_driver_plans_the_gpu_steps(tmp_path):
     """Each GPU step's own --plan parses here (the capture step's dry run: tests/test_gpu_capture_bench.py)."""
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_driver.py"), "--plan", "--out", str(tmp_path),
-                          "--steps", "trainer,estimator"], capture_output=True, text=True, timeout=300)
+                          "--steps", "trainer,estimator,estimator_core"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads((tmp_path / "gpu-results.json").read_text())
     assert res["trainer"]["result"]["modes"] == ["fsdp2_bf16", "fsdp2_autocast_bf16"]
-    assert res["estimator"]["result"]["quick"] is True
+    assert res["estimator"]["result"]["quick"] is True and res["estimator"]["result"]["core"] == "inproc"
+    assert res["estimator_core"]["result"]["core"] == "process" and res["estimator_core"]["result"]["ratio_only"] is True
 
 
 @pytest.mark.slow

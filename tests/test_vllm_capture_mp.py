@@ -41,6 +41,17 @@ def _child(model_dir: str, out_dir: str, step_dir: str) -> None:
     for t in traces:
         (out / f"llm_{t.key}.bin").write_bytes(encode_trace(t))
     meta = {"llm_via": cap.via, "llm_keys": [t.key for t in traces]}
+    # the synchronous scorer and the estimator on the same engine: requests added here, stepped in the core
+    from moe_replay.estimator.core import EstimatorConfig, estimate
+    from moe_replay.integrations.vllm import VllmScorer, VllmScorerConfig
+
+    scorer = VllmScorer(llm, VllmScorerConfig(prompt_reuse=False))
+    est = estimate(traces, scorer, EstimatorConfig(n=2), batch_size=len(traces))
+    ref = scorer.score_batch(traces)
+    scorer.uninstall()
+    meta["scoring"] = {"gap_vs_rollout": max(float(np.abs(s - t.logprobs_G).max()) for s, t in zip(ref, traces)),
+                       "estimate_vs_score": max(float(np.abs(e.prob_G - np.exp(s)).max()) for e, s in zip(est, ref)),
+                       "scored": [len(s) for s in ref]}
     # weight sync on the multi-process engine: the worker op crosses vLLM's msgpack RPC, no pickled function
     report = update_weights(llm, step_dir)
     (scored,) = llm.generate([{"prompt_token_ids": IDS}], SamplingParams(max_tokens=1, prompt_logprobs=0))
@@ -80,7 +91,9 @@ def _child(model_dir: str, out_dir: str, step_dir: str) -> None:
 def test_multiprocess_llm_and_async_llm(tmp_path):
     """The capture worker extension reaches the worker in the EngineCore process: LLM.generate
     and AsyncLLM (n=2, one prompt chunk-prefilled) each give one trace per sample, whose routes
-    equal HF's routing and whose kept sets are valid and contain the sampled tokens. `update_weights`
+    equal HF's routing and whose kept sets are valid and contain the sampled tokens. VllmScorer and
+    the estimator (n = 2) score those traces on the same engine (its requests added here, stepped in
+    the core process) and give back the rollout's logprobs. `update_weights`
     reaches the same worker: the engine then scores as HF does with the stepped weights."""
     pytest.importorskip("vllm")
     from moe_replay.codec import decode_trace
@@ -102,6 +115,9 @@ def test_multiprocess_llm_and_async_llm(tmp_path):
     assert meta_path.exists(), f"child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
     meta = json.loads(meta_path.read_text())
     assert meta["llm_via"] == "worker_extension_cls"
+    # forced re-scoring in the core process reproduces the rollout's fp32 logprobs; n = 2 replicas agree
+    assert meta["scoring"]["scored"] == [8] * 4
+    assert meta["scoring"]["gap_vs_rollout"] < 1e-4 and meta["scoring"]["estimate_vs_score"] < 1e-6
     assert meta["update"]["repacked"] == 2  # the tiny qwen3_moe's two MoE layers
     assert np.max(np.abs(np.array(meta["update"]["logprobs"]) - hf_logprobs(stepped, IDS))) < 1e-4
     assert len(meta["llm_keys"]) == 4 and meta["async_keys"] == ["async-0#0", "async-0#1", "async-1#0", "async-1#1"]
