@@ -390,3 +390,25 @@ def test_default_chunks_are_not_cut_below_the_byte_floor():
     assert wide.chunk_rows == scoring.CHUNK_BYTES_CAP // (2 * wide_v * 4)
     explicit = scoring._prepare(logits, target, None, None, 1.0, False, None, 2 * 512 * 4 * 3)
     assert explicit.chunk_rows == 3  # an explicit chunk_bytes is taken as given
+
+
+def test_support_loops_range_over_kept_entries_not_dense_rows():
+    """The support loops take ranges of at most chunk_bytes / SUPPORT_ENTRY_BYTES kept entries, whole
+    rows each (a row holding more is a range alone): at V = 151,936 the ~70k kept entries of 2,048
+    rows are one range where the dense loops would take 10."""
+    from moe_replay.replay import scoring
+
+    wide_v, g = 151_936, 2048
+    target = torch.zeros(g, dtype=torch.long)
+    sup = SupportCSR(torch.arange(0, 32 * (g + 1), 32), torch.arange(32).repeat(g), ids_distinct=True)
+    wide = scoring._prepare(torch.empty(g, wide_v), target, None, sup, 1.0, False, None, None)
+    assert len(wide.chunks()) == 10 and wide.support_chunks() == [(0, g)]
+
+    sizes = [1, 3, 9, 2, 2, 1, 4]  # a budget of 4 entries: row 2 alone (9), the others packed up to 4
+    off = torch.tensor([0, *np.cumsum(sizes)])
+    ids = torch.cat([torch.arange(n) for n in sizes])
+    job = scoring._prepare(torch.randn(len(sizes), 16), torch.zeros(len(sizes), dtype=torch.long), None,
+                           SupportCSR(off, ids), 1.0, False, None, 4 * scoring.SUPPORT_ENTRY_BYTES)
+    ranges = job.support_chunks()
+    assert ranges == [(0, 2), (2, 3), (3, 5), (5, 6), (6, 7)]
+    assert all(int(off[r1] - off[r0]) <= 4 or r1 - r0 == 1 for r0, r1 in ranges)

@@ -51,6 +51,12 @@ CHUNK_BYTES_CAP = 256 << 20
 CHUNK_FRACTION_OF_LOGITS = 4
 """A chunk's working set is at most logits bytes / 4 (but at least one row), so the extra peak
 stays near 1/4 of the logits whatever G is."""
+SUPPORT_ENTRY_BYTES = 128
+"""Bytes the support loops hold per kept entry at their peak (~15 int64 / fp32 temporaries: its row,
+column, source row, logit, exp, the row statistics gathered for it, its gradient). A support loop's
+range holds at most chunk bytes / this many entries: its work is per entry, not per [C, V] row, so
+it is not cut at the dense loops' row count (at G = 16,384, V = 151,936 those are 75 ranges of 220
+rows, each ~20 small launches and 2-4 host reads each way, for ~0.5M kept entries that fit one)."""
 CHUNK_BYTES_FLOOR = 8 << 20
 """...and at least 8 MiB: below that the memory saved is noise, while every chunk pays each eager
 op's fixed cost again (the fraction rule cut a verl micro-batch of 64 scored rows at V = 512 into
@@ -182,6 +188,8 @@ class _Job:
     full: bool
     shard: VocabShard | None
     chunk_rows: int
+    chunk_bytes: int
+    """Working-set budget of one loop range (dense: chunk_rows rows; support: `support_chunks`)."""
     cdt: torch.dtype
     unit_scale: bool
     """Every row at temperature 1 (or greedy): the division is skipped."""
@@ -233,6 +241,20 @@ class _Job:
     def chunks(self) -> list[tuple[int, int]]:
         g = self.num_rows
         return [(r0, min(r0 + self.chunk_rows, g)) for r0 in range(0, g, self.chunk_rows)]
+
+    def support_chunks(self) -> list[tuple[int, int]]:
+        """Row ranges of the support loops: at most chunk_bytes / SUPPORT_ENTRY_BYTES kept entries each
+        (a row's entries never split; a row holding more is a range alone). One host read of the offsets."""
+        off = self.support.offsets_G1.cpu().numpy()
+        g, cap = self.num_rows, max(1, self.chunk_bytes // SUPPORT_ENTRY_BYTES)
+        if int(off[-1]) <= cap:
+            return [(0, g)] if g else []
+        out, r0 = [], 0
+        while r0 < g:  # the last r1 whose entries since r0 fit
+            r1 = max(r0 + 1, int(np.searchsorted(off, off[r0] + cap, side="right")) - 1)
+            out.append((r0, min(r1, g)))
+            r0 = out[-1][1]
+        return out
 
 
 def _entry_rows(offsets_G1: torch.Tensor, g0: int, g1: int) -> torch.Tensor:
@@ -341,7 +363,7 @@ class TorchChunked:
         if job.support is not None:
             m, s, sy = (torch.full((g,), float("-inf"), dtype=cdt, device=dev), torch.zeros(g, dtype=cdt, device=dev),
                         torch.zeros(g, dtype=cdt, device=dev))
-            for r0, r1 in job.chunks():
+            for r0, r1 in job.support_chunks():
                 row_n, _, x_n, _ = job.kept(r0, r1)
                 if row_n.numel() == 0:
                     continue
@@ -381,11 +403,14 @@ class TorchChunked:
         local_t = job.target_G - job.start
         here_G = (local_t >= 0) & (local_t < v_local)
         merge = sup is not None and bool((dense_G & sparse_G).any())  # support terms added to dense rows
-        for r0, r1 in self.chunks(job, buffered=merge):
-            idx = torch.arange(r0, r1, device=dev)
-            d_idx = idx[dense_G[r0:r1]]
-            pos_in_dense = torch.full((r1 - r0,), -1, dtype=torch.long, device=dev)
-            dx_CV = dst = run = None
+        any_dense = bool(dense_G.any())  # else only support terms: ranges of kept entries, not of [C, V] rows
+        for r0, r1 in (self.chunks(job, buffered=merge) if any_dense else job.support_chunks()):
+            dx_CV = dst = run = pos_in_dense = None
+            d_idx = dense_G.new_empty(0)
+            if any_dense:
+                idx = torch.arange(r0, r1, device=dev)
+                d_idx = idx[dense_G[r0:r1]]
+                pos_in_dense = torch.full((r1 - r0,), -1, dtype=torch.long, device=dev)
             if d_idx.numel():
                 pos_in_dense[d_idx - r0] = torch.arange(d_idx.numel(), device=dev)
                 lse, ent = stats["lse_full"].index_select(0, d_idx)[:, None], stats["ent_full"].index_select(0, d_idx)[:, None]
@@ -408,14 +433,14 @@ class TorchChunked:
                 dx_n = -q_n * (a + b * (x_n - (lse - ent))) + torch.where(is_t, a, torch.zeros_like(a))  # per scaled logit
                 if not job.unit_scale:
                     dx_n = dx_n / job.scale_G.index_select(0, row_n)
-                p_n = pos_in_dense[row_n - r0]
-                in_dense = p_n >= 0
-                if dx_CV is not None and bool(in_dense.any()):
+                if dx_CV is not None:  # entries of rows in the dense buffer go there, the rest to the gradient
+                    p_n = pos_in_dense[row_n - r0]
+                    in_dense = p_n >= 0
                     dx_CV.index_put_((p_n[in_dense], col_n[in_dense]), dx_n[in_dense].to(dx_CV.dtype), accumulate=True)
-                out_n = ~in_dense
-                row_o = row_n[out_n]
-                dst_o = row_o if job.rows_G is None else job.rows_G.index_select(0, row_o)
-                grad_XV.index_put_((dst_o, col_n[out_n]), dx_n[out_n].to(grad_XV.dtype), accumulate=True)
+                    out_n = ~in_dense
+                    row_n, col_n, dx_n = row_n[out_n], col_n[out_n], dx_n[out_n]
+                dst_n = row_n if job.rows_G is None else job.rows_G.index_select(0, row_n)
+                grad_XV.index_put_((dst_n, col_n), dx_n.to(grad_XV.dtype), accumulate=True)
             if dx_CV is not None:
                 if run is not None:
                     grad_XV[run].copy_(dx_CV)
@@ -571,8 +596,8 @@ def _prepare(logits_XV, target_G, rows_G, support, temperature, full, shard, chu
     per_row = 2 * v_local * torch.finfo(cdt).bits // 8
     chunk_rows = max(1, min(max(g, 1), budget // per_row))
     scale_G = torch.where(t_G > 0, t_G, torch.ones_like(t_G))
-    return _Job(logits_XV, rows_G, target_G, scale_G, support, dense_G, bool(full), shard, int(chunk_rows), cdt,
-                bool((scale_G == 1).all()))
+    return _Job(logits_XV, rows_G, target_G, scale_G, support, dense_G, bool(full), shard, int(chunk_rows), int(budget),
+                cdt, bool((scale_G == 1).all()))
 
 
 def _check_support(sup: SupportCSR, target_G: torch.Tensor, t_G: torch.Tensor, vocab: int) -> SupportCSR:
