@@ -149,6 +149,17 @@ def compare(ref, other) -> dict:
     return {"max_abs": float(d.max()), "moved_fraction": float((d > 0).mean()), "digest": digest(other)}
 
 
+def interleaved(jobs, repeats: int, sync) -> dict[str, list[float]]:
+    """Seconds per job: one warm-up call each, then `repeats` rounds, each round starting one job later."""
+    times: dict[str, list[float]] = {}
+    for _, fn in jobs:
+        fn()
+    for r in range(repeats):
+        for name, fn in jobs[r % len(jobs):] + jobs[: r % len(jobs)]:
+            times.setdefault(name, []).append(sync(fn)[0])
+    return times
+
+
 def ratio_only(args, plan, traces, cap, scorer, hf, P, sp, sync, estimate, EstimatorConfig, labels) -> dict:
     """`--ratio-only`: the rollout, the HF recompute and the estimator at n = 1 / 4 (n = 4 also with the
     rollout as replica 0), one warm-up each, then `--repeats` interleaved rounds, each timed between
@@ -158,12 +169,7 @@ def ratio_only(args, plan, traces, cap, scorer, hf, P, sp, sync, estimate, Estim
             ("est1", lambda: estimate(traces, scorer, EstimatorConfig(n=1), batch_size=n)),
             ("est4", lambda: estimate(traces, scorer, EstimatorConfig(n=4), batch_size=n)),
             ("est4_rollout", lambda: estimate(traces, scorer, EstimatorConfig(n=4, rollout_replica=True), batch_size=n))]
-    times: dict[str, list[float]] = {}
-    for _, fn in jobs:  # warm-up
-        fn()
-    for r in range(args.repeats):
-        for name, fn in jobs[r % len(jobs):] + jobs[: r % len(jobs)]:
-            times.setdefault(name, []).append(sync(fn)[0])
+    times = interleaved(jobs, args.repeats, sync)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {**labels, "plan": plan, "engine": args.engine, "engine_core": args.core,
             "scored_tokens": int(sum(t.num_generated for t in traces)),
@@ -248,8 +254,6 @@ def main(argv=None) -> None:
                        "placements": placements})
 
     # -- timings, interleaved ---------------------------------------------------------------------
-    times: dict[str, list[float]] = {}
-
     def pipelined(sc, replicas=4):
         eng = llm.llm_engine
         for i, p in enumerate(P):
@@ -292,11 +296,7 @@ def main(argv=None) -> None:
             jobs.append((f"est{n}_reuse_rollout", lambda n=n: estimate(
                 traces, RolloutScorer(reuse(), len(traces)), EstimatorConfig(n=n, rollout_replica=True),
                 batch_size=len(traces))))
-    for name, fn in jobs:  # warm-up
-        fn()
-    for r in range(args.repeats):
-        for name, fn in jobs[r % len(jobs):] + jobs[: r % len(jobs)]:
-            times.setdefault(name, []).append(sync(fn)[0])
+    times = interleaved(jobs, args.repeats, sync)
     med = {k: statistics.median(v) for k, v in times.items()}
     progress("timings_s", med)
 
