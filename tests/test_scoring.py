@@ -394,7 +394,7 @@ def test_default_chunks_are_not_cut_below_the_byte_floor():
 
 def test_support_loops_range_over_kept_entries_not_dense_rows():
     """The support loops take ranges of at most chunk_bytes / SUPPORT_ENTRY_BYTES kept entries, whole
-    rows each (a row holding more is a range alone): at V = 151,936 the ~70k kept entries of 2,048
+    rows each (a row holding more is a range alone): at V = 151,936 the 65,536 kept entries of 2,048
     rows are one range where the dense loops would take 10."""
     from moe_replay.replay import scoring
 
