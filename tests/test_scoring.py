@@ -412,3 +412,14 @@ def test_support_loops_range_over_kept_entries_not_dense_rows():
     ranges = job.support_chunks()
     assert ranges == [(0, 2), (2, 3), (3, 5), (5, 6), (6, 7)]
     assert all(int(off[r1] - off[r0]) <= 4 or r1 - r0 == 1 for r0, r1 in ranges)
+
+
+@pytest.mark.parametrize("with_support", [False, True])
+def test_a_zero_upstream_gradient_gives_a_zero_gradient(with_support):
+    """A loss that weights every scored token by 0 (a fully masked micro-batch) asks backward for no row:
+    the gradient is zeros, with or without a support (without one there are no support ranges at all)."""
+    logits, target, support, t_G = random_case(5, 6, 40, 4)
+    x = logits.clone().requires_grad_(True)
+    s = score_logits(x, target, support=support if with_support else None, temperature=t_G)
+    (s.logprobs_G * 0).sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, torch.zeros_like(x))

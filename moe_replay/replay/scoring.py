@@ -244,7 +244,10 @@ class _Job:
 
     def support_chunks(self) -> list[tuple[int, int]]:
         """Row ranges of the support loops: at most chunk_bytes / SUPPORT_ENTRY_BYTES kept entries each
-        (a row's entries never split; a row holding more is a range alone). One host read of the offsets."""
+        (a row's entries never split; a row holding more is a range alone); none without a support.
+        One host read of the offsets."""
+        if self.support is None:
+            return []
         off = self.support.offsets_G1.cpu().numpy()
         g, cap = self.num_rows, max(1, self.chunk_bytes // SUPPORT_ENTRY_BYTES)
         if int(off[-1]) <= cap:
