@@ -4,7 +4,8 @@ renormalised over each row's kept set (invariant 5), without a full-vocabulary c
 Why: at V = 151,936 the dense path (fp32 copy, mask, log_softmax over [G, V]) costs 8-10.5x the
 logits' bytes on top of them (52 GB beyond the logits at G = 16k). Here the G rows are
 processed in row chunks whose fp32 working set is at most 1/4 of the logits' bytes (and at most
-256 MiB); per row only what backward needs is kept: the log-sum-exp and the entropy over the kept
+256 MiB; the support loops take ranges of kept entries under the same budget); per row only what
+backward needs is kept: the log-sum-exp and the entropy over the kept
 set and over V (4 floats). Backward recomputes each chunk's exp from the logits.
 
 Support comes in CSR form (`SupportCSR`: the trace's own offsets_G1 / ids_N), never as a dense
