@@ -160,25 +160,6 @@ def interleaved(jobs, repeats: int, sync) -> dict[str, list[float]]:
     return times
 
 
-def ratio_only(args, plan, traces, cap, scorer, hf, P, sp, sync, estimate, EstimatorConfig, labels) -> dict:
-    """`--ratio-only`: the rollout, the HF recompute and the estimator at n = 1 / 4 (n = 4 also with the
-    rollout as replica 0), one warm-up each, then `--repeats` interleaved rounds, each timed between
-    two synchronizes."""
-    n = len(traces)
-    jobs = [("rollout", lambda: cap.generate(P, sp, use_tqdm=False)), ("hf", lambda: hf.score_batch(traces)),
-            ("est1", lambda: estimate(traces, scorer, EstimatorConfig(n=1), batch_size=n)),
-            ("est4", lambda: estimate(traces, scorer, EstimatorConfig(n=4), batch_size=n)),
-            ("est4_rollout", lambda: estimate(traces, scorer, EstimatorConfig(n=4, rollout_replica=True), batch_size=n))]
-    times = interleaved(jobs, args.repeats, sync)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {**labels, "plan": plan, "engine": args.engine, "engine_core": args.core,
-            "scored_tokens": int(sum(t.num_generated for t in traces)),
-            "estimator_s": {"1": med["est1"], "4": med["est4"]}, "estimator_s_rollout": {"4": med["est4_rollout"]},
-            "hf_recompute_s": med["hf"], "rollout_s": med["rollout"],
-            "estimator_n4_vs_recompute": med["est4"] / med["hf"],
-            "estimator_n4_rollout_vs_recompute": med["est4_rollout"] / med["hf"], "raw_s": times}
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     plan = {"model": {"family": "qwen3_moe", "size": "bench", **MODEL}, "dtype": "bfloat16", "ns": NS,
@@ -225,10 +206,22 @@ def main(argv=None) -> None:
         torch.cuda.synchronize()
         return time.perf_counter() - t0, out
 
-    if args.ratio_only:
-        print(json.dumps(ratio_only(args, plan, traces, cap, scorer, hf, P, sp, sync, estimate, EstimatorConfig,
-                                    labels=dict(gpu=torch.cuda.get_device_name(), vllm=vllm.__version__,
-                                                torch=torch.__version__))))
+    if args.ratio_only:  # the rollout, the HF recompute, n = 1 / 4 (n = 4 also with the rollout as replica 0)
+        n = len(traces)
+        times = interleaved([
+            ("rollout", lambda: cap.generate(P, sp, use_tqdm=False)), ("hf", lambda: hf.score_batch(traces)),
+            ("est1", lambda: estimate(traces, scorer, EstimatorConfig(n=1), batch_size=n)),
+            ("est4", lambda: estimate(traces, scorer, EstimatorConfig(n=4), batch_size=n)),
+            ("est4_rollout", lambda: estimate(traces, scorer, EstimatorConfig(n=4, rollout_replica=True), batch_size=n))],
+            args.repeats, sync)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(json.dumps({
+            "gpu": torch.cuda.get_device_name(), "vllm": vllm.__version__, "torch": torch.__version__, "plan": plan,
+            "engine": main_mode, "engine_core": args.core, "scored_tokens": int(sum(t.num_generated for t in traces)),
+            "estimator_s": {"1": med["est1"], "4": med["est4"]}, "estimator_s_rollout": {"4": med["est4_rollout"]},
+            "hf_recompute_s": med["hf"], "rollout_s": med["rollout"],
+            "estimator_n4_vs_recompute": med["est4"] / med["hf"],
+            "estimator_n4_rollout_vs_recompute": med["est4_rollout"] / med["hf"], "raw_s": times}))
         if args.core == "process":
             llm.llm_engine.engine_core.shutdown()
         return
