@@ -205,10 +205,10 @@ def test_a_kept_id_listed_twice_is_refused_by_row_and_id():
 
 
 def test_only_hand_built_supports_are_checked_for_duplicates(monkeypatch):
-    from moe_replay.replay import scoring
+    from moe_replay.replay import scoring_job
 
     calls = []
-    monkeypatch.setattr(scoring, "_check_distinct", lambda *a: calls.append(a))
+    monkeypatch.setattr(scoring_job, "_check_distinct", lambda *a: calls.append(a))
     logits, target, _, t_G = random_case(2, 4, 12, 3, temps=(1.0,))
     built = SupportCSR.from_supports([SamplingSupport.from_rows([[int(t)] for t in target])], [4])
     assert built.ids_distinct and built.to("cpu").ids_distinct
@@ -376,9 +376,9 @@ def test_auto_backend_stays_eager_and_warns_where_compiling_fails(monkeypatch):
 def test_default_chunks_are_not_cut_below_the_byte_floor():
     """Small work runs as one chunk (every chunk pays each eager op's fixed cost); large work is still
     cut so the extra peak stays near 1/4 of the logits, and the cap still bounds a chunk."""
-    from moe_replay.replay import scoring
+    from moe_replay.replay import scoring, scoring_job
 
-    floor_rows = scoring.CHUNK_BYTES_FLOOR // (2 * 512 * 4)  # fp32: two [C, V] buffers
+    floor_rows = scoring_job.CHUNK_BYTES_FLOOR // (2 * 512 * 4)  # fp32: two [C, V] buffers
     logits, target = torch.randn(64, 512), torch.randint(0, 512, (64,))
     small = scoring._prepare(logits, target, None, None, 1.0, False, None, None)
     assert small.chunk_rows == 64 and len(small.chunks()) == 1  # the logits/4 rule alone gave 8 rows
@@ -387,7 +387,7 @@ def test_default_chunks_are_not_cut_below_the_byte_floor():
     assert big.chunk_rows == g * 512 * 4 // 4 // (2 * 512 * 4) < g
     wide_v = 151_936
     wide = scoring._prepare(torch.empty(2048, wide_v), torch.zeros(2048, dtype=torch.long), None, None, 1.0, False, None, None)
-    assert wide.chunk_rows == scoring.CHUNK_BYTES_CAP // (2 * wide_v * 4)
+    assert wide.chunk_rows == scoring_job.CHUNK_BYTES_CAP // (2 * wide_v * 4)
     explicit = scoring._prepare(logits, target, None, None, 1.0, False, None, 2 * 512 * 4 * 3)
     assert explicit.chunk_rows == 3  # an explicit chunk_bytes is taken as given
 
@@ -396,7 +396,7 @@ def test_support_loops_range_over_kept_entries_not_dense_rows():
     """The support loops take ranges of at most chunk_bytes / SUPPORT_ENTRY_BYTES kept entries, whole
     rows each (a row holding more is a range alone): at V = 151,936 the 65,536 kept entries of 2,048
     rows are one range where the dense loops would take 10."""
-    from moe_replay.replay import scoring
+    from moe_replay.replay import scoring, scoring_job
 
     wide_v, g = 151_936, 2048
     target = torch.zeros(g, dtype=torch.long)
@@ -408,7 +408,7 @@ def test_support_loops_range_over_kept_entries_not_dense_rows():
     off = torch.tensor([0, *np.cumsum(sizes)])
     ids = torch.cat([torch.arange(n) for n in sizes])
     job = scoring._prepare(torch.randn(len(sizes), 16), torch.zeros(len(sizes), dtype=torch.long), None,
-                           SupportCSR(off, ids), 1.0, False, None, 4 * scoring.SUPPORT_ENTRY_BYTES)
+                           SupportCSR(off, ids), 1.0, False, None, 4 * scoring_job.SUPPORT_ENTRY_BYTES)
     ranges = job.support_chunks()
     assert ranges == [(0, 2), (2, 3), (3, 5), (5, 6), (6, 7)]
     assert all(int(off[r1] - off[r0]) <= 4 or r1 - r0 == 1 for r0, r1 in ranges)

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from .scoring import AUTO_BACKEND, SCORING_BACKENDS, TorchChunked, _Job
+from .scoring import AUTO_BACKEND, SCORING_BACKENDS, TorchChunked
+from .scoring_job import _Job
 
 
 def _stats_kernel(logits_XV: torch.Tensor, src_C: torch.Tensor, scale_C1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
