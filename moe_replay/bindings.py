@@ -51,12 +51,21 @@ class TrainerBinding:
     matches: Callable[[Any], bool]
     geometry: Callable[[Any, str], ModelGeometry]
     """(model, family) -> the model's MoE geometry ('' family: taken from the model if it names one)."""
-    replay: Callable[[Any, Any, bool], Any]
-    """(model, plan, track_flips) -> a context manager yielding (session, plan as the model sees it)."""
+    replay: Callable[[Any, Any, bool, str], Any]
+    """(model, plan, track_flips, trainer path) -> a context manager yielding (session, plan as the model sees it)."""
     model_inputs: Callable[[Any], dict[str, torch.Tensor]]
     """plan -> the forward's keyword inputs."""
     score: Callable[..., Any]
     """(logits, plan, *, temperature, use_support, full, entropy) -> TokenScores."""
+    paths: tuple[str, ...] = ("project",)
+    """The replay paths it offers, for the preset's `replay.trainer_path` (besides "auto", which
+    lets the binding choose: integrations/megatron/paths.py states Megatron's rule)."""
+
+    def check_path(self, path: str) -> None:
+        """ValueError unless `path` is "auto" or one this binding offers."""
+        if path != "auto" and path not in self.paths:
+            raise ValueError(f"replay.trainer_path {path!r} is not offered by this trainer; expected 'auto' or one of "
+                             f"{list(self.paths)}")
 
 
 ROLLOUT_BINDINGS: Registry[RolloutBinding] = Registry("rollout engine binding")

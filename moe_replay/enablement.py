@@ -139,6 +139,7 @@ class Enabled:
         self._weights_version: str | int | None = None
         if model is not None:
             self.trainer_kind, self.trainer = binding_for(TRAINER_BINDINGS, model, "trainer")
+            self.trainer.check_path(preset.replay.trainer_path)
             self.geometry = _trainer_geometry(self.trainer, model, preset, family)
         if llm is not None:
             self.engine_kind, self._rollout = binding_for(ROLLOUT_BINDINGS, llm, "rollout engine")
@@ -204,7 +205,7 @@ class Enabled:
         if not self.preset.replay.routes:
             yield TrainBatch(self.preset, plan, traces, trainer=self.trainer)
             return
-        with self.trainer.replay(self.model, plan, track_flips) as (session, seen_plan):
+        with self.trainer.replay(self.model, plan, track_flips, self.preset.replay.trainer_path) as (session, seen_plan):
             yield TrainBatch(self.preset, seen_plan, traces, session, self.trainer)
 
     def __enter__(self) -> "Enabled":

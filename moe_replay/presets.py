@@ -38,6 +38,15 @@ class ReplaySettings:
     """Score over the engine's kept sampling support."""
     plan: PlanConfig = field(default_factory=PlanConfig)
     """Batch layout and unrouted-prefix policy."""
+    trainer_path: str = "auto"
+    """Which of the trainer binding's replay paths forces the routes: "auto" (the binding's rule) or
+    one it offers (Megatron: "project" or "megatron_native", integrations/megatron/paths.py; HF:
+    "project"). Checked against the trainer at enable()."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.trainer_path, str) or not self.trainer_path.isidentifier():
+            raise ValueError(f"trainer_path: expected a path name such as 'auto', 'project' or 'megatron_native', "
+                             f"found {self.trainer_path!r}")
 
 
 @dataclass(frozen=True)
@@ -68,19 +77,21 @@ class Preset:
         return out
 
 
-def _split(where: str, section: Mapping[str, Any], own: set[str], target: type) -> tuple[dict, dict]:
-    """Keys of this section's own switches, and the rest for `target`; unknown keys are errors."""
+def _split(where: str, section: Mapping[str, Any], own: set[str], target: type,
+           names: frozenset[str] = frozenset()) -> tuple[dict, dict]:
+    """Keys of this section's own switches (true/false; `names`: strings), and the rest for `target`;
+    unknown keys are errors."""
     if not isinstance(section, Mapping):
         raise ValueError(f"{where}: expected a mapping, found {type(section).__name__}")
-    allowed = own | {f.name for f in dataclasses.fields(target)}
+    allowed = own | names | {f.name for f in dataclasses.fields(target)}
     unknown = sorted(set(section) - allowed)
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
-    mine = {k: v for k, v in section.items() if k in own}
+    mine = {k: v for k, v in section.items() if k in own | names}
     for k, v in mine.items():
-        if not isinstance(v, bool):
+        if k in own and not isinstance(v, bool):
             raise ValueError(f"{where}.{k}: expected true/false, found {v!r}")
-    return mine, {k: v for k, v in section.items() if k not in own}
+    return mine, {k: v for k, v in section.items() if k not in own | names}
 
 
 def _build(where: str, cls: type, kwargs: dict) -> Any:
@@ -105,8 +116,9 @@ def preset_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Preset:
     _split(f"{where} capture", capture_d, set(), CaptureConfig)
     capture = _build(f"{where} capture", CaptureConfig, dict(capture_d))
 
-    switches, plan_kw = _split(f"{where} replay", data.get("replay", {}), {"routes", "support"}, PlanConfig)
-    replay = ReplaySettings(**switches, plan=_build(f"{where} replay", PlanConfig, plan_kw))
+    switches, plan_kw = _split(f"{where} replay", data.get("replay", {}), {"routes", "support"}, PlanConfig,
+                               frozenset({"trainer_path"}))
+    replay = _build(f"{where} replay", ReplaySettings, {**switches, "plan": _build(f"{where} replay", PlanConfig, plan_kw)})
     if (replay.routes and not capture.routes) or (replay.support and not capture.support):
         raise ValueError(f"{where}: replay needs what it replays captured; set capture.routes/capture.support to true")
 

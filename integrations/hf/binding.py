@@ -23,7 +23,7 @@ def _geometry(model: Any, family: str) -> ModelGeometry:
 
 
 @contextlib.contextmanager
-def _replay(model: Any, plan: Any, track_flips: bool) -> Iterator[tuple[Any, Any]]:
+def _replay(model: Any, plan: Any, track_flips: bool, path: str = "project") -> Iterator[tuple[Any, Any]]:
     from .replay import replay
 
     with replay(model, plan, track_flips=track_flips) as session:

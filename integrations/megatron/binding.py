@@ -25,12 +25,13 @@ def _geometry(model: Any, family: str) -> ModelGeometry:
 
 
 @contextlib.contextmanager
-def _replay(model: Any, plan: Any, track_flips: bool) -> Iterator[tuple[Any, Any]]:
-    from .replay import replay
+def _replay(model: Any, plan: Any, track_flips: bool, path: str = "auto") -> Iterator[tuple[Any, Any]]:
+    """`path`: the preset's replay.trainer_path (paths.py: "project", "megatron_native", or "auto")."""
+    from .paths import open_replay
 
     if track_flips:
         raise ValueError("track_flips is not available on Megatron (its RouterReplay does not expose the router's own top-k)")
-    with replay(model, plan) as session:
+    with open_replay(model, plan, path=path) as session:
         yield session, plan
 
 
@@ -50,4 +51,5 @@ def _score(logits_BSV: torch.Tensor, plan: Any, *, entropy: bool = True, **kw: A
     return scores
 
 
-TRAINER_BINDINGS.add("megatron", TrainerBinding(0, _is_megatron, _geometry, _replay, _inputs, _score))
+TRAINER_BINDINGS.add("megatron", TrainerBinding(0, _is_megatron, _geometry, _replay, _inputs, _score,
+                                                paths=("project", "megatron_native")))

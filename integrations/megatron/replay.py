@@ -1,14 +1,17 @@
-"""Replay recorded routes in a Megatron-core MoE model through Megatron's own `RouterReplay`.
+"""Replay recorded routes in a Megatron-core MoE model through Megatron's own `RouterReplay`: the project's path.
 
-`with replay(model, plan):` drives the per-router `RouterReplay` that Megatron builds when
-`TransformerConfig.moe_enable_routing_replay` is set (no class is patched, no class-level list is
-used). On entry, before any forward, it checks every `TopKRouter` against the plan's geometry
+`with replay(model, plan):` drives each `TopKRouter`'s own `RouterReplay` instance, keyed by the
+router's global layer id (no class is patched, Megatron's process-global list is not used). A router
+built without `TransformerConfig.moe_enable_routing_replay` has none; the session lends it a private
+one (out of the global list) and takes it back on exit, so this path does not need that setting.
+On entry, before any forward, it checks every `TopKRouter` against the plan's geometry
 (MoE layer ids = `layer_number - 1`, experts, top-k, layer count) and that its routing goes through
 RouterReplay; then, router by router in global-layer order, it queues each micro-batch's ids
 (converted to Megatron's sequence-first order, see `layout`) with `set_target_indices`. Under
 sequence parallelism each TP rank's router sees its slice of the sequence, so each rank queues
 the same slice of the ids (`routers.sequence_share`); the plan's padded length must divide by the
-TP size (PlanConfig.pad_to_multiple_of).
+TP size (PlanConfig.pad_to_multiple_of). Multi-token-prediction routers are left out by
+construction and named (`session.excluded`).
 
 A forward pre-hook on each router picks the action per call:
   * a forward outside backward -> REPLAY_FORWARD with that micro-batch's ids;
@@ -18,9 +21,13 @@ So recompute needs no extra call: `loss.backward()` (or Megatron's schedule) ins
 is enough. Megatron gathers probabilities from its own scores at the replayed ids (softmax before
 or after top-k, sigmoid with the selection-only expert bias left out, top-k scaling), so the
 router keeps its gradient (invariant 4). The hook also does the exactly-once accounting
-(`RouteLedger`, invariant 6), keyed by layer id. On exit every router's RouterReplay state
-(action, targets, queue, recorded ids) is put back as it was. A forward given packed sequences
-(`packed_seq_params`) is refused by name before any layer runs (`_refuse_packed`).
+(`RouteLedger`, invariant 6), keyed by layer id; a forward hook checks after every call that the
+router consumed exactly its tensor (`check_consumed`: the routing map is the ids', a recompute popped
+one), and a hook on each model chunk that each of its routers did so once per chunk forward. On
+exit every router's RouterReplay state (action, targets, queue, recorded ids) is put back as it
+was. A forward given packed sequences (`packed_seq_params`) is refused by name before any layer
+runs (`_refuse_packed`). `native.NativeSession` drives the same instances through Megatron's
+process-global API (`trainer_path: megatron_native`) with these same checks.
 
 Legend: B batch rows, S padded length, M = S * B sequence-first positions, K top-k.
 """
@@ -41,8 +48,8 @@ from moe_replay.replay.ledger import RouteLedger, in_backward
 from moe_replay.replay.plan import RoutePlan
 
 from .layout import sequence_first_ids
-from .routers import (ModelOrRouters, RouterSite, check_geometry, check_replayable, find_routers, router_base_class,
-                      sequence_share)
+from .routers import (ModelOrRouters, RouterSite, check_geometry, check_replayable, find_routers, mtp_routers,
+                      router_base_class, sequence_share)
 
 _ACTIVE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 """Routers currently under a replay session (sessions do not nest)."""
@@ -60,7 +67,19 @@ def _recompute_configured(site: RouterSite) -> bool:
 
 
 class ReplaySession:
-    """A Megatron model under replay for one or more micro-batch plans. Use as a context manager."""
+    """A Megatron model under replay for one or more micro-batch plans. Use as a context manager.
+
+    The project's path (`path` "project"): each router's own RouterReplay is driven per call, keyed by
+    the router's global layer id. A router built without `moe_enable_routing_replay` is lent a private
+    RouterReplay for the session (never put in Megatron's process-global list, taken back on exit), so
+    this path does not depend on that setting. `NativeSession` (native.py) drives the same instances
+    through Megatron's process-global API instead; both share the checks and the consumption guard."""
+
+    path = "project"
+    path_reason = "asked for"
+    """Why this path runs (paths.open_replay: what `auto` decided)."""
+    native = False
+    """Whether Megatron's own RouterReplay instances are required (check_replayable's `native`)."""
 
     def __init__(
         self,
@@ -80,9 +99,12 @@ class ReplaySession:
             geometry.check_matches(plan.geometry, Where(), f"micro-batch plans[0] vs plans[{m}] of one session")
             geometry = geometry.with_family_of(plan.geometry)
         self.sites = find_routers(model_or_routers)
+        self.excluded: tuple[str, ...] = tuple(mtp_routers(model_or_routers))
+        """Names of the multi-token-prediction routers left to route freely (traces hold decoder layers only)."""
         self.entries = _forward_entries(model_or_routers)
+        self.chunks = _chunk_roots(model_or_routers)
         for site in self.sites.values():
-            check_replayable(site)
+            check_replayable(site, native=self.native)
         vocab = getattr(model_or_routers, "vocab_size", None) if isinstance(model_or_routers, nn.Module) else None
         check_geometry(self.sites, geometry, partial=partial, vocab_size=vocab)
 
@@ -111,7 +133,11 @@ class ReplaySession:
         self.expect_recompute = expect_recompute
         self.forwards = {lid: 0 for lid in self.sites}
         self.recomputes = {lid: 0 for lid in self.sites}
+        self.chunk_forwards = [0] * len(self.chunks)
+        self._pending: dict[int, tuple[bool, int, int]] = {}
+        self._maps: dict[tuple[int, int], torch.Tensor] = {}
         self._saved: dict[int, tuple] = {}
+        self._lent: list[nn.Module] = []
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     @property
@@ -119,8 +145,24 @@ class ReplaySession:
         """The first (or only) micro-batch plan."""
         return self.plans[0]
 
+    def _deliver(self, site: RouterSite, rr, m: int, recompute: bool) -> None:
+        """Make router `site` replay micro-batch `m`'s ids on this call: the project's path sets the
+        action (and the forward's target) itself; NativeSession checks what Megatron's API set."""
+        ids_MK, actions = self.ids_MK[m][site.layer_id], _actions()
+        if recompute:
+            if not rr.replay_backward_list or rr.replay_backward_list[0] is not ids_MK:
+                raise RouteConsumptionError(
+                    f"layer {site.layer_id}: recompute of micro-batch {m} but RouterReplay's backward queue of router "
+                    f"{site.name!r} does not hold its ids next (queue length {len(rr.replay_backward_list)}); "
+                    "was the queue changed outside this session?"
+                )
+            rr.set_router_replay_action(actions.REPLAY_BACKWARD)
+        else:
+            rr.target_topk_idx = ids_MK
+            rr.set_router_replay_action(actions.REPLAY_FORWARD)
+
     def _hook(self, site: RouterSite):
-        lid, actions = site.layer_id, _actions()
+        lid = site.layer_id
 
         def pre_hook(module: nn.Module, args, kwargs):
             hidden = args[0] if args else kwargs.get("input")
@@ -145,21 +187,65 @@ class ReplaySession:
                     f"{plan.batch_size}, H] (Megatron is sequence-first; feed plan.input_ids_BS, without sequence packing)"
                 )
             self.ledgers[m].take(lid, plan.num_positions)
-            ids_MK, rr = self.ids_MK[m][lid], module.router_replay
-            if recompute:
-                if not rr.replay_backward_list or rr.replay_backward_list[0] is not ids_MK:
-                    raise RouteConsumptionError(
-                        f"layer {lid}: recompute of micro-batch {m} but RouterReplay's backward queue of router "
-                        f"{site.name!r} does not hold its ids next (queue length {len(rr.replay_backward_list)}); "
-                        "was the queue changed outside this session?"
-                    )
-                rr.set_router_replay_action(actions.REPLAY_BACKWARD)
-            else:
-                rr.target_topk_idx = ids_MK
-                rr.set_router_replay_action(actions.REPLAY_FORWARD)
+            rr = module.router_replay
+            self._deliver(site, rr, m, recompute)
+            self._pending[lid] = (recompute, m, len(rr.replay_backward_list))
             counter[lid] = m + 1
 
-        return pre_hook
+        def post_hook(module: nn.Module, args, output) -> None:
+            recompute, m, queued = self._pending.pop(lid)
+            check_consumed(site, module.router_replay, output[1], self._routed_map(m, lid), m, recompute, queued)
+
+        return pre_hook, post_hook
+
+    def _routed_map(self, m: int, lid: int) -> torch.Tensor:
+        """The routing map [M, E] that micro-batch `m`'s ids give layer `lid` (made once)."""
+        key = (m, lid)
+        if key not in self._maps:
+            ids_MK = self.ids_MK[m][lid]
+            num_experts = self.plans[m].geometry.num_experts
+            self._maps[key] = torch.zeros(ids_MK.shape[0], num_experts, dtype=torch.bool, device=ids_MK.device).scatter(1, ids_MK, True)
+        return self._maps[key]
+
+    def _chunk_hooks(self, c: int):
+        """Around each forward of model chunk `c`: count it, and after it check that every router of
+        the chunk consumed exactly its micro-batch's ids once (a router its forward skipped is an error
+        there, not at the end of the session)."""
+        mine = [lid for lid, site in self.sites.items() if site.chunk == c]
+
+        def pre_hook(module: nn.Module, args, kwargs) -> None:
+            if not in_backward():
+                self._chunk_forward_starts(c, self.chunk_forwards[c], mine)
+                self.chunk_forwards[c] += 1
+
+        def post_hook(module: nn.Module, args, kwargs, output) -> None:
+            if in_backward():
+                return
+            m = self.chunk_forwards[c]
+            skipped = [self.sites[lid].name for lid in mine if self.forwards[lid] != m]
+            if skipped:
+                raise RouteConsumptionError(
+                    f"forward #{m} of model chunk {c} ended, but routers {skipped[:4]} did not replay micro-batch "
+                    f"{m - 1}'s routes exactly once in it (forwards per layer: "
+                    f"{ {lid: self.forwards[lid] for lid in mine} }); was a layer skipped or run outside the chunk?")
+            self._chunk_forward_ends(c, mine)
+
+        return pre_hook, post_hook
+
+    def _chunk_forward_starts(self, c: int, m: int, lids: list[int]) -> None:
+        """Before forward `m` of chunk `c`: nothing on the project's path (its router hooks set all)."""
+
+    def _chunk_forward_ends(self, c: int, lids: list[int]) -> None:
+        """After a chunk's forward: nothing on the project's path."""
+
+    def _prepare(self, lid: int, rr) -> None:
+        """At entry, after the router's state was saved: queue every micro-batch's ids (REPLAY_BACKWARD
+        pops them first in, first out) and set the first forward's."""
+        rr.clear_indices()
+        for ids_by_layer in self.ids_MK:  # micro-batches in schedule order
+            rr.set_target_indices(ids_by_layer[lid])
+        rr.set_router_replay_action(_actions().REPLAY_FORWARD)
+        rr.target_topk_idx = self.ids_MK[0][lid]
 
     def __enter__(self) -> "ReplaySession":
         busy = [s.name for s in self.sites.values() if s.module in _ACTIVE]
@@ -170,18 +256,23 @@ class ReplaySession:
                 _recompute_configured(s) and s.module.training for s in self.sites.values()
             )
         try:
+            for entry in self.entries:  # refused before anything is delivered
+                self._handles.append(entry.register_forward_pre_hook(_refuse_packed, with_kwargs=True))
             for lid, site in self.sites.items():  # global-layer order, never creation order
                 _ACTIVE.add(site.module)
+                if site.module.router_replay is None:  # the project's path lends one (never in Megatron's list)
+                    site.module.router_replay = _private_router_replay()
+                    self._lent.append(site.module)
                 rr = site.module.router_replay
                 self._saved[lid] = (rr.router_replay_action, rr.target_topk_idx, rr.recorded_topk_idx, list(rr.replay_backward_list))
-                rr.clear_indices()
-                for ids_by_layer in self.ids_MK:  # micro-batches in schedule order: REPLAY_BACKWARD pops FIFO
-                    rr.set_target_indices(ids_by_layer[lid])
-                rr.set_router_replay_action(_actions().REPLAY_FORWARD)
-                rr.target_topk_idx = self.ids_MK[0][lid]
-                self._handles.append(site.module.register_forward_pre_hook(self._hook(site), with_kwargs=True))
-            for entry in self.entries:
-                self._handles.append(entry.register_forward_pre_hook(_refuse_packed, with_kwargs=True))
+                self._prepare(lid, rr)
+                pre, post = self._hook(site)
+                self._handles.append(site.module.register_forward_pre_hook(pre, with_kwargs=True))
+                self._handles.append(site.module.register_forward_hook(post))
+            for c, chunk in enumerate(self.chunks):
+                pre, post = self._chunk_hooks(c)
+                self._handles.append(chunk.register_forward_pre_hook(pre, with_kwargs=True))
+                self._handles.append(chunk.register_forward_hook(post, with_kwargs=True))
         except BaseException:
             self._restore()
             raise
@@ -196,6 +287,9 @@ class ReplaySession:
             rr.router_replay_action, rr.target_topk_idx, rr.recorded_topk_idx = action, target, recorded
             rr.replay_backward_list = queue
         self._saved.clear()
+        for module in self._lent:
+            module.router_replay = None
+        self._lent.clear()
         for site in self.sites.values():
             _ACTIVE.discard(site.module)
 
@@ -206,15 +300,56 @@ class ReplaySession:
                 ledger.finish(expect_recompute=bool(self.expect_recompute))
 
 
+def check_consumed(site: RouterSite, rr, map_ME: torch.Tensor, want_ME: torch.Tensor, m: int, recompute: bool,
+                   queued: int) -> None:
+    """After one router call: its RouterReplay consumed exactly micro-batch `m`'s ids. A recompute pops
+    exactly one tensor from the FIFO, a forward none, and the routing map is the ids' own: a call
+    that routed freely (a silent no-op replay: an action or target not set, verl #7340; a fused or
+    patched routing that never asked RouterReplay) is an error naming the router, not a quiet
+    off-policy forward. One [M, E] comparison per call."""
+    what = "recompute" if recompute else "forward"
+    popped = queued - len(rr.replay_backward_list)
+    if popped != int(recompute):
+        raise RouteConsumptionError(
+            f"layer {site.layer_id}: {what} of micro-batch {m}: router {site.name!r}'s RouterReplay took {popped} "
+            f"tensors from its recompute queue, expected {int(recompute)}; was its action changed during the call?")
+    if map_ME.shape != want_ME.shape or not torch.equal(map_ME, want_ME):
+        moved = int((map_ME != want_ME).any(-1).sum()) if map_ME.shape == want_ME.shape else None
+        raise RouteConsumptionError(
+            f"layer {site.layer_id}: {what} of micro-batch {m}: router {site.name!r} routed "
+            f"{'a map of shape ' + str(list(map_ME.shape)) if moved is None else f'{moved} of {want_ME.shape[0]} positions'} "
+            f"other than the replayed ids (expected {list(want_ME.shape)}, exactly its RouterReplay's tensor): "
+            "its replay was a no-op (RouterReplay not consulted, or its action / target not set)")
+
+
+def _private_router_replay():
+    """A RouterReplay that only its router holds: Megatron's constructor appends every instance to
+    the process-global list (set_replay_data's addressing), so it is taken out again at once."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    rr = RouterReplay()
+    registry = RouterReplay.global_router_replay_instances
+    for i in range(len(registry) - 1, -1, -1):
+        if registry[i] is rr:
+            del registry[i]
+            break
+    return rr
+
+
+def _chunk_roots(model_or_routers: ModelOrRouters) -> list[nn.Module]:
+    """The model chunks whose forwards the session watches (none when routers are given alone)."""
+    roots = [model_or_routers] if isinstance(model_or_routers, nn.Module) else list(model_or_routers)
+    router = router_base_class()
+    return [r for r in roots if not isinstance(r, router)]
+
+
 def _forward_entries(model_or_routers: ModelOrRouters) -> list[nn.Module]:
     """Where a forward's keyword arguments are seen before any layer runs: each model root (a
     GPTModel, a chunk, or a wrapper around one) and each TransformerBlock under it (GPTModel hands
     it `packed_seq_params` by keyword whatever wraps the model). Routers given alone have none."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    roots = [model_or_routers] if isinstance(model_or_routers, nn.Module) else list(model_or_routers)
-    router = router_base_class()
-    entries = [r for r in roots if not isinstance(r, router)]
+    entries = _chunk_roots(model_or_routers)
     entries += [m for r in entries for m in r.modules() if isinstance(m, TransformerBlock) and m is not r]
     return entries
 

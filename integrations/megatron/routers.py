@@ -10,8 +10,14 @@ sinkhorn; a Router that is not a TopKRouter, or a TopKRouter subclass with its o
 logits are replaced (`moe_router_force_load_balancing`: random logits would weigh the replayed ids),
 whose tokens go through a dispatcher replay was never run with (`REPLAYED_DISPATCHERS`: "flex" is refused),
 or whose sequences are split into reordered chunks across ranks (context parallel), is refused with the setting to
-change. A router numbered past the decoder stack (a multi-token-prediction layer: Megatron numbers
-it num_layers + k) is refused by name: traces hold decoder layers only.
+change; so is a `TopKRouter.routing` / `forward` that another library replaced at class level, unless it is one
+known to pass RouterReplay on (`KNOWN_ROUTING`: verl's R3 patch).
+
+Multi-token-prediction routers (Megatron numbers an MTP layer num_layers + k and builds it inside a
+`MultiTokenPredictionBlock`, `model.mtp`) are excluded by construction: the walk never enters that
+block (`mtp_routers` names what it skipped), so no MTP router takes a decoder layer's routes; traces
+hold decoder layers only and MTP routes freely. A router numbered past the decoder stack outside
+that block is refused by name.
 """
 
 from __future__ import annotations
@@ -46,6 +52,19 @@ def router_base_class() -> type:
     return Router
 
 
+KNOWN_ROUTING = frozenset({"megatron.core.transformer.moe.router", "verl.utils.megatron.router_replay_patch"})
+"""Modules whose `TopKRouter.routing` / `forward` replay accepts: Megatron's own, and verl's R3 patch
+(`apply_router_replay_patch`, which replaces `TopKRouter.routing` with one that passes the router's
+RouterReplay on; read in verl 0.9.1). Any other class-level replacement is refused by name."""
+
+
+def _mtp_prefixes(root: nn.Module) -> list[str]:
+    """Module names (with a trailing dot) of the MultiTokenPredictionBlocks under `root`."""
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+    return [f"{name}." for name, m in root.named_modules() if isinstance(m, MultiTokenPredictionBlock)]
+
+
 @dataclass(frozen=True)
 class RouterSite:
     """One Megatron router and the global layer id it routes."""
@@ -53,6 +72,8 @@ class RouterSite:
     layer_id: int
     name: str
     module: nn.Module
+    chunk: int = 0
+    """Index of the model chunk (virtual-pipeline stage) holding it; 0 for a model or routers."""
 
     @property
     def num_experts(self) -> int:
@@ -63,57 +84,74 @@ class RouterSite:
         return int(self.module.topk)
 
 
-def find_routers(model_or_routers: ModelOrRouters) -> dict[int, RouterSite]:
-    """{global layer id: RouterSite} in increasing layer order, for every TopKRouter found."""
-    topk_router, router_base = _topk_router_class(), router_base_class()
+def _walk(model_or_routers: ModelOrRouters):
+    """(chunk index, display name, router, under an MTP block) for every Router under the roots."""
+    router_base = router_base_class()
     roots = [model_or_routers] if isinstance(model_or_routers, nn.Module) else list(model_or_routers)
-    sites: dict[int, RouterSite] = {}
     for c, root in enumerate(roots):
         if not isinstance(root, nn.Module):
             raise TypeError(f"replay needs a Megatron model, model chunks or routers (nn.Module), got {type(root).__name__} at {c}")
         prefix = f"chunk{c}." if len(roots) > 1 else ""
+        mtp = _mtp_prefixes(root)
         for name, module in root.named_modules():
-            if not isinstance(module, router_base):
-                continue
-            where = f"{prefix}{name or type(module).__name__}"
-            if not isinstance(module, topk_router):
-                raise UnsupportedRouterError(
-                    f"router {where!r} is a {type(module).__name__}, not a TopKRouter: it has no RouterReplay, "
-                    "so its experts would be chosen freely"
-                )
-            if module.layer_number is None:
-                raise UnsupportedRouterError(
-                    f"router {where!r} has no layer_number; Megatron sets it through MoELayer.set_layer_number "
-                    "(TransformerLayer does this) and replay keys routes by it"
-                )
-            lid = int(module.layer_number) - 1
-            num_layers = int(module.config.num_layers)
-            if lid >= num_layers:
-                raise UnsupportedRouterError(
-                    f"router {where!r} has layer_number {lid + 1} > num_layers {num_layers}: a multi-token-prediction "
-                    "layer outside the decoder stack; traces hold decoder layers only, so it cannot be replayed "
-                    "(build the model without MTP for the replayed forward)"
-                )
-            if lid in sites:
-                raise UnsupportedRouterError(
-                    f"routers {sites[lid].name!r} and {where!r} both claim global layer {lid} (layer_number {lid + 1}); "
-                    "one router per decoder layer is required (MTP layers are not supported)"
-                )
-            sites[lid] = RouterSite(lid, where, module)
+            if isinstance(module, router_base):
+                yield c, f"{prefix}{name or type(module).__name__}", module, any(name.startswith(p) for p in mtp)
+
+
+def mtp_routers(model_or_routers: ModelOrRouters) -> dict[str, nn.Module]:
+    """{name: router} of the multi-token-prediction routers replay leaves alone (free routing)."""
+    return {where: module for _, where, module, in_mtp in _walk(model_or_routers) if in_mtp}
+
+
+def find_routers(model_or_routers: ModelOrRouters) -> dict[int, RouterSite]:
+    """{global layer id: RouterSite} in increasing layer order, for every decoder TopKRouter found
+    (MTP routers excluded: `mtp_routers`)."""
+    topk_router = _topk_router_class()
+    sites: dict[int, RouterSite] = {}
+    for c, where, module, in_mtp in _walk(model_or_routers):
+        if in_mtp:
+            continue
+        if not isinstance(module, topk_router):
+            raise UnsupportedRouterError(
+                f"router {where!r} is a {type(module).__name__}, not a TopKRouter: it has no RouterReplay, "
+                "so its experts would be chosen freely"
+            )
+        if module.layer_number is None:
+            raise UnsupportedRouterError(
+                f"router {where!r} has no layer_number; Megatron sets it through MoELayer.set_layer_number "
+                "(TransformerLayer does this) and replay keys routes by it"
+            )
+        lid = int(module.layer_number) - 1
+        num_layers = int(module.config.num_layers)
+        if lid >= num_layers:
+            raise UnsupportedRouterError(
+                f"router {where!r} has layer_number {lid + 1} > num_layers {num_layers}: a multi-token-prediction "
+                "layer outside the decoder stack; traces hold decoder layers only, so it cannot be replayed "
+                "(a MultiTokenPredictionBlock's routers are excluded; this one is outside any)"
+            )
+        if lid in sites:
+            raise UnsupportedRouterError(
+                f"routers {sites[lid].name!r} and {where!r} both claim global layer {lid} (layer_number {lid + 1}); "
+                "one router per decoder layer is required"
+            )
+        sites[lid] = RouterSite(lid, where, module, c)
     if not sites:
         raise UnsupportedRouterError(f"no megatron TopKRouter found in {type(model_or_routers).__name__}; is this an MoE model?")
     return dict(sorted(sites.items()))
 
 
-def check_replayable(site: RouterSite) -> None:
-    """Refuse routers whose routing would not go through RouterReplay or sees a slice of the tokens."""
+def check_replayable(site: RouterSite, *, native: bool = False) -> None:
+    """Refuse routers whose routing would not go through RouterReplay or sees a slice of the tokens.
+    `native`: Megatron's own RouterReplay instance is required (the project's path lends one)."""
     cfg, m = site.module.config, site.module
 
     def refuse(setting: str, found, why: str) -> None:
         raise UnsupportedRouterError(f"router {site.name!r} (layer {site.layer_id}): {setting}={found!r} {why}")
 
-    if m.router_replay is None:
-        refuse("moe_enable_routing_replay", cfg.moe_enable_routing_replay, "gives the router no RouterReplay; set it True in TransformerConfig")
+    if native and m.router_replay is None:
+        refuse("moe_enable_routing_replay", cfg.moe_enable_routing_replay,
+               "gives the router no RouterReplay, which trainer_path 'megatron_native' drives; set it True in "
+               "TransformerConfig (or use trainer_path 'project', which lends the router one for the session)")
     if cfg.moe_router_fusion:
         refuse("moe_router_fusion", True, "routes through TE's fused top-k, which returns before RouterReplay is consulted; set it False")
     if getattr(cfg, "moe_router_force_load_balancing", False):
@@ -122,6 +160,10 @@ def check_replayable(site: RouterSite) -> None:
     for method in ("forward", "routing"):
         if getattr(type(m), method) is not getattr(base, method):
             refuse(f"{type(m).__name__}.{method}", "overridden", "may route without passing RouterReplay; replay drives TopKRouter's own routing only")
+        owner = getattr(getattr(base, method), "__module__", None)
+        if owner not in KNOWN_ROUTING:
+            refuse(f"TopKRouter.{method}", f"replaced by {owner}",
+                   f"at class level; replay knows only routing from {sorted(KNOWN_ROUTING)} to pass RouterReplay on")
     if m.routing_type == "sinkhorn":
         refuse("moe_router_load_balancing_type", "sinkhorn", "picks experts without RouterReplay")
     dispatcher = getattr(cfg, "moe_token_dispatcher_type", None)
