@@ -171,12 +171,13 @@ class NativeSession(ReplaySession):
             for pos, lid in layout.layer_at.items():
                 if lid in mine:
                     layout.instances[pos].set_target_indices(ids[lid])
-        self._set_action(_actions().REPLAY_FORWARD)
+        self._set_action("REPLAY_FORWARD")
 
     def _chunk_forward_ends(self, c: int, lids: list[int]) -> None:
-        self._set_action(_actions().REPLAY_BACKWARD)
+        self._set_action("REPLAY_BACKWARD")
 
-    def _set_action(self, action) -> None:
+    def _set_action(self, name: str) -> None:
+        action = getattr(_actions(self.layout.instances[next(iter(self.layout.layer_at))]), name)
         if not self.layout.excluded:
             self.layout.cls.set_global_router_replay_action(action)
         else:  # MTP entries keep theirs
@@ -186,7 +187,7 @@ class NativeSession(ReplaySession):
     def _deliver(self, site: RouterSite, rr, m: int, recompute: bool) -> None:
         """Check, before the call, what Megatron's API set: the action, and the forward's target or
         the recompute FIFO's head, are micro-batch `m`'s."""
-        actions, ids_MK = _actions(), self.ids_MK[m][site.layer_id]
+        actions, ids_MK = _actions(rr), self.ids_MK[m][site.layer_id]
         want = actions.REPLAY_BACKWARD if recompute else actions.REPLAY_FORWARD
         what = "recompute" if recompute else "forward"
         if rr.router_replay_action != want:

@@ -55,10 +55,18 @@ _ACTIVE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 """Routers currently under a replay session (sessions do not nest)."""
 
 
-def _actions():
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction  # lazy: megatron is optional
+def _actions(rr):
+    """The RouterReplayAction enum that `rr`'s class compares against: the one defined beside it.
+    verl's R3 patch (`verl.utils.megatron.router_replay_patch`) puts its own RouterReplay class, with
+    its own RouterReplayAction, on every TopKRouter; given Megatron's enum instead, its
+    `get_replay_topk` matches no action and routes freely (measured: 26 of 27 positions off the
+    replayed ids, caught by `check_consumed`), so the action is always taken from `rr`'s module."""
+    import sys
 
-    return RouterReplayAction
+    actions = getattr(sys.modules.get(type(rr).__module__), "RouterReplayAction", None)
+    if actions is None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction as actions  # lazy: megatron is optional
+    return actions
 
 
 def _recompute_configured(site: RouterSite) -> bool:
@@ -148,7 +156,7 @@ class ReplaySession:
     def _deliver(self, site: RouterSite, rr, m: int, recompute: bool) -> None:
         """Make router `site` replay micro-batch `m`'s ids on this call: the project's path sets the
         action (and the forward's target) itself; NativeSession checks what Megatron's API set."""
-        ids_MK, actions = self.ids_MK[m][site.layer_id], _actions()
+        ids_MK, actions = self.ids_MK[m][site.layer_id], _actions(rr)
         if recompute:
             if not rr.replay_backward_list or rr.replay_backward_list[0] is not ids_MK:
                 raise RouteConsumptionError(
@@ -244,7 +252,7 @@ class ReplaySession:
         rr.clear_indices()
         for ids_by_layer in self.ids_MK:  # micro-batches in schedule order
             rr.set_target_indices(ids_by_layer[lid])
-        rr.set_router_replay_action(_actions().REPLAY_FORWARD)
+        rr.set_router_replay_action(_actions(rr).REPLAY_FORWARD)
         rr.target_topk_idx = self.ids_MK[0][lid]
 
     def __enter__(self) -> "ReplaySession":
