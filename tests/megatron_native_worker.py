@@ -40,13 +40,15 @@ VPP_FREQ = [1, 0, 1, 1, 0, 1, 0, 1]
 VPP_LENGTHS = ((9, 5, 7), (6, 8, 4))
 
 
-def _config(**kw):
+def _config(hidden: int = H, **kw):
+    """4 layers (MoE layers 1 and 3), 8 experts, top-2, softmax before top-k and scaled; dropout off,
+    so train-mode runs compare bit for bit."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    base = dict(num_layers=4, hidden_size=H, num_attention_heads=2, ffn_hidden_size=32, moe_ffn_hidden_size=32,
-                num_moe_experts=8, moe_router_topk=2, moe_enable_routing_replay=True, moe_layer_freq=[0, 1, 0, 1],
-                use_cpu_initialization=True, moe_router_dtype="fp32", add_bias_linear=False,
-                moe_token_dispatcher_type="alltoall", moe_router_pre_softmax=True, moe_router_topk_scaling_factor=1.5,
+    base = dict(num_layers=4, hidden_size=hidden, num_attention_heads=2, ffn_hidden_size=2 * hidden,
+                moe_ffn_hidden_size=2 * hidden, num_moe_experts=8, moe_router_topk=2, moe_enable_routing_replay=True,
+                moe_layer_freq=[0, 1, 0, 1], use_cpu_initialization=True, moe_router_dtype="fp32", add_bias_linear=False,
+                moe_token_dispatcher_type="allgather", moe_router_pre_softmax=True, moe_router_topk_scaling_factor=1.5,
                 hidden_dropout=0.0, attention_dropout=0.0)
     return TransformerConfig(**{**base, **kw})
 
@@ -60,25 +62,32 @@ def _decided_routers(model) -> None:
             site.module.weight.normal_(0, 0.5)
 
 
-def _fresh_registry() -> None:
+def fresh_registry() -> None:
+    """Megatron's process-global RouterReplay list, emptied: models built before are in it, and the
+    native path refuses entries another model owns."""
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     RouterReplay.clear_global_router_replay_instances()
 
 
-def _ep_model(bf16: bool, recompute: bool):
+def gpt(*, bf16: bool = False, recompute: bool = False, mtp: bool = False, hidden: int = H, **kw):
+    """The GPTModel of `_config` in train mode, routers given decided weights; bf16 parameters in
+    Megatron's Float16Module; full activation recompute; one multi-token-prediction layer."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.module import Float16Module
 
-    kw: dict[str, Any] = dict(expert_model_parallel_size=2)
     if bf16:
         kw.update(params_dtype=torch.bfloat16, bf16=True)
     if recompute:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    cfg = _config(**kw)
+    if mtp:
+        kw.update(mtp_num_layers=1)
+    cfg = _config(hidden, **kw)
     torch.manual_seed(0)
-    model = GPTModel(cfg, get_gpt_decoder_block_spec(cfg, use_transformer_engine=False), vocab_size=VOCAB, max_sequence_length=64)
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
+    extra = {"mtp_block_spec": get_gpt_mtp_block_spec(cfg, spec.layer_specs[-1], use_transformer_engine=False)} if mtp else {}
+    model = GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=256, **extra)
     _decided_routers(model)
     return (Float16Module(cfg, model) if bf16 else model).train()
 
@@ -87,33 +96,147 @@ def _plans(lengths, *, num_layers: int, moe_layers: tuple[int, ...], prefix: str
     return gloo.random_plans(list(lengths), num_layers=num_layers, moe_layers=moe_layers, experts=8, vocab=VOCAB, prefix=prefix)
 
 
-def _step(model, micro, path):
-    """Forward every micro-batch, then backward each; logits and {param: grad}."""
+def step(model, micro, path: str | None, *, labels: bool = False, grads: bool = True):
+    """Forward every micro-batch, then backward each (schedule order: recompute pops RouterReplay's
+    FIFO); under replay on `path` (None: free routing). Returns (outputs per micro-batch, {param name:
+    grad} or None, session). Outputs: logits [B, S, V], scored over the plan's tokens; with `labels`,
+    GPTModel's per-token loss [B, S] (which runs its MTP block)."""
     from moe_replay.integrations.megatron import megatron_inputs, open_replay, score_tokens
 
     model.zero_grad(set_to_none=True)
+    session = None
 
     def run():
-        logits, losses = [], []
+        outs, losses = [], []
         for p in micro:
-            out_BSV = model(**megatron_inputs(p))
-            losses.append(score_tokens(out_BSV.float(), p).logprobs_G.sum())
-            logits.append(out_BSV.detach().float())
+            inputs = megatron_inputs(p)
+            if labels:
+                loss_BS = model(**inputs, labels=p.input_ids_BS)
+                losses.append(loss_BS.float().mean())
+                outs.append(loss_BS.detach().float())
+            else:
+                out_BSV = model(**inputs)
+                losses.append(score_tokens(out_BSV.float(), p).logprobs_G.sum())
+                outs.append(out_BSV.detach().float())
         for loss in losses:
             loss.backward()
-        return logits
+        return outs
 
     if path is None:
-        logits = run()
+        outs = run()
     else:
         with open_replay(model, micro, path=path) as session:
-            logits = run()
-        assert session.path == path
-    return logits, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            outs = run()
+        assert path == "auto" or session.path == path, (session.path, path)
+    got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None} if grads else None
+    return outs, got, session
 
 
-def _max_diff(a, b) -> float:
+def random_traces(lengths, geometry, prefix: str) -> list[list]:
+    """Seeded random traces, one list per micro-batch (`lengths`: token counts of its traces)."""
+    from .trace_factory import random_trace
+
+    rng = np.random.default_rng(0)
+    return [[random_trace(f"{prefix}{m}q{i}", rng, geometry=geometry, num_tokens=n, prompt_len=2) for i, n in enumerate(counts)]
+            for m, counts in enumerate(lengths)]
+
+
+def own_route_traces(model, traces: list, geometry) -> list:
+    """The traces again, each routed as the model routes it freely (Megatron's RouterReplay RECORD in
+    a no-grad forward), so a step replaying them does the same expert work as a free step: what the
+    timing compares. Right padding: batch row b holds trace b's positions 0 .. len - 1."""
+    import dataclasses
+
+    from moe_replay.integrations.megatron import find_routers, megatron_inputs
+    from moe_replay.integrations.megatron.replay import _actions
+    from moe_replay.replay import build_plan
+
+    plan = build_plan(traces, geometry)
+    sites = find_routers(model)
+    for site in sites.values():
+        site.module.router_replay.set_router_replay_action(_actions(site.module.router_replay).RECORD)
+    try:
+        with torch.no_grad():
+            model(**megatron_inputs(plan))
+        own = {lid: site.module.router_replay.recorded_topk_idx.view(plan.seq_len, plan.batch_size, -1) for lid, site in sites.items()}
+    finally:
+        for site in sites.values():
+            site.module.router_replay.clear_router_replay_action()
+            site.module.router_replay.clear_indices()
+    return [dataclasses.replace(t, routes_TLK=np.stack([own[lid][: t.num_tokens - 1, b].numpy() for lid in geometry.moe_layer_ids],
+                                                       1).astype(t.routes_TLK.dtype)) for b, t in enumerate(traces)]
+
+
+def compare(model, micro) -> dict[str, Any]:
+    """Native, project and free routing on one model and micro-batches: the figures both the tests and
+    benchmarks/megatron_native.py report."""
+    native, native_g, _ = step(model, micro, "megatron_native")
+    project, project_g, _ = step(model, micro, "project")
+    free, _, _ = step(model, micro, None, grads=False)
+    routers = [n for n in native_g if ".router." in n]
+    return {
+        "native_vs_project_max_abs_diff": max_diff(native, project),
+        "native_grad_max_abs_diff": max(float((native_g[n] - project_g[n]).abs().max()) for n in routers),
+        "all_grads_equal": native_g.keys() == project_g.keys() and all(torch.equal(native_g[n], project_g[n]) for n in native_g),
+        "router_grads": len(routers),
+        "native_forces": max_diff(native, free) > 0,
+        "shapes": [[p.seq_len, p.batch_size] for p in micro],
+    }
+
+
+def max_diff(a, b) -> float:
     return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
+
+
+BYPASSES = {
+    # name: (TransformerConfig setting, value, what the refusal names)
+    "fused_router": ("moe_router_fusion", True, "moe_router_fusion=True"),
+    "sinkhorn": ("moe_router_load_balancing_type", "sinkhorn", "moe_router_load_balancing_type='sinkhorn'"),
+}
+"""Router settings whose routing never consults RouterReplay (Transformer Engine's fused top-k returns
+before it; sinkhorn picks its own experts): each must be refused by name before any forward."""
+
+
+def bypass_refusals(model, micro) -> dict[str, dict[str, str | None]]:
+    """{bypass: {path: the refusal's message, or None if the session was created}} with each bypass
+    set on the built model's config (TE's fused kernel is not on a CPU machine, so it is set after the
+    build, as the sinkhorn routing type is on each router), then put back."""
+    from moe_replay.integrations.megatron import find_routers, open_replay
+    from moe_replay.replay import UnsupportedRouterError
+
+    routers = [s.module for s in find_routers(model).values()]
+    configs = {id(r.config): r.config for r in routers}.values()
+    out = {}
+    for name, (setting, value, _) in BYPASSES.items():
+        saved = [(c, getattr(c, setting)) for c in configs]
+        kinds = [(r, r.routing_type) for r in routers]
+        try:
+            for c in configs:
+                setattr(c, setting, value)
+            for r in routers:
+                r.routing_type = r.config.moe_router_load_balancing_type
+            out[name] = {}
+            for path in ("megatron_native", "project", "auto"):
+                try:
+                    open_replay(model, micro, path=path)
+                    out[name][path] = None
+                except UnsupportedRouterError as e:
+                    out[name][path] = str(e)
+        finally:
+            for c, v in saved:
+                setattr(c, setting, v)
+            for r, kind in kinds:
+                r.routing_type = kind
+    return out
+
+
+def refused_by_name(refusals: dict[str, dict[str, str | None]]) -> dict[str, bool]:
+    """{bypass: every path refused it, naming the setting}."""
+    return {name: all(m is not None and BYPASSES[name][2] in m for m in by_path.values()) for name, by_path in refusals.items()}
+
+
+def config_name(bf16: bool, recompute: bool) -> str:
+    return f"{'bf16' if bf16 else 'fp32'}_{'recompute' if recompute else 'no_recompute'}"
 
 
 def ep_phase(rank: int) -> dict[str, Any]:
@@ -122,20 +245,9 @@ def ep_phase(rank: int) -> dict[str, Any]:
     micro = _plans(EP_LENGTHS[rank], num_layers=4, moe_layers=(1, 3), prefix=f"ep{rank}")
     for bf16 in (False, True):
         for recompute in (False, True):
-            _fresh_registry()
-            model = _ep_model(bf16, recompute)
-            native, native_g = _step(model, micro, "megatron_native")
-            project, project_g = _step(model, micro, "project")
-            free, _ = _step(model, micro, None)
-            routers = [n for n in native_g if ".router." in n]
-            out[f"{'bf16' if bf16 else 'fp32'}_{'recompute' if recompute else 'no_recompute'}"] = {
-                "native_vs_project_max_abs_diff": _max_diff(native, project),
-                "native_grad_max_abs_diff": max(float((native_g[n] - project_g[n]).abs().max()) for n in routers),
-                "all_grads_equal": native_g.keys() == project_g.keys() and all(torch.equal(native_g[n], project_g[n]) for n in native_g),
-                "router_grads": len(routers),
-                "native_forces": _max_diff(native, free) > 0,
-                "shapes": [[p.seq_len, p.batch_size] for p in micro],
-            }
+            fresh_registry()
+            model = gpt(bf16=bf16, recompute=recompute, moe_token_dispatcher_type="alltoall", expert_model_parallel_size=2)
+            out[config_name(bf16, recompute)] = compare(model, micro)
     return out
 
 
@@ -199,14 +311,14 @@ def _run_chunks(chunks, micro, path) -> list[list[torch.Tensor]]:
 def vpp_phase(rank: int) -> tuple[dict[str, Any], Any]:
     from moe_replay.integrations.megatron import find_routers
 
-    _fresh_registry()
+    fresh_registry()
     cfg, chunks = _vpp_chunks(rank)
     micro = _vpp_plans()
     native = _run_chunks(chunks, micro, "megatron_native")
     project = _run_chunks(chunks, micro, "project")
     return {
         "chunk_layers": [list(find_routers(c)) for c in chunks],
-        "native_vs_project_max_abs_diff": max(_max_diff(a, b) for a, b in zip(native, project)),
+        "native_vs_project_max_abs_diff": max(max_diff(a, b) for a, b in zip(native, project)),
     }, native
 
 
@@ -241,7 +353,7 @@ def verl_phase(rank: int, vpp_native) -> dict[str, Any]:
         RouterReplay.clear_global_indices()
     native = _run_chunks(chunks, micro, "megatron_native")  # the native path over verl's registry and routing
     out["r3_nested"] = _r3_nested(cfg, chunks, plan)
-    out["native_vs_vpp_native_max_abs_diff"] = max(_max_diff(a, b) for a, b in zip(native, vpp_native))
+    out["native_vs_vpp_native_max_abs_diff"] = max(max_diff(a, b) for a, b in zip(native, vpp_native))
     out["routing_owner"] = type(find_routers(chunks[0])[next(iter(find_routers(chunks[0])))].module).routing.__module__
     return out
 

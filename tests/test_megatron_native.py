@@ -24,47 +24,7 @@ from moe_replay.replay import RouteConsumptionError, UnsupportedRouterError, bui
 from .test_megatron_replay import megatron_cpu  # noqa: E402,F401 (the fixture: gloo group + Megatron's CPU shims)
 from .trace_factory import random_trace  # noqa: E402
 
-VOCAB = 512
-
-
-def fresh_registry() -> None:
-    """Megatron's process-global RouterReplay list, emptied: earlier tests' models are in it, and
-    the native path refuses entries another model owns."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    RouterReplay.clear_global_router_replay_instances()
-
-
-def gpt(*, bf16: bool = False, recompute: bool = False, mtp: bool = False, **kw):
-    """A 4-layer GPTModel (MoE layers 1 and 3, 8 experts, top-2), routers given decided weights."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
-    from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from moe_replay.integrations.megatron import find_routers
-
-    torch.manual_seed(0)
-    base = dict(num_layers=4, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, moe_ffn_hidden_size=32,
-                num_moe_experts=8, moe_router_topk=2, moe_enable_routing_replay=True, moe_layer_freq=[0, 1, 0, 1],
-                use_cpu_initialization=True, moe_router_dtype="fp32", add_bias_linear=False,
-                moe_token_dispatcher_type="allgather", moe_router_pre_softmax=True, moe_router_topk_scaling_factor=1.5,
-                hidden_dropout=0.0, attention_dropout=0.0)  # train mode, deterministic: runs compare bit for bit
-    if bf16:
-        base.update(params_dtype=torch.bfloat16, bf16=True)
-    if recompute:
-        base.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if mtp:
-        base.update(mtp_num_layers=1)
-    cfg = TransformerConfig(**{**base, **kw})
-    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
-    extra = {"mtp_block_spec": get_gpt_mtp_block_spec(cfg, spec.layer_specs[-1], use_transformer_engine=False)} if mtp else {}
-    model = GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=64, **extra)
-    with torch.no_grad():
-        for site in find_routers(model).values():
-            site.module.weight.normal_(0, 0.5)
-    return (Float16Module(cfg, model) if bf16 else model).train()
-
+from .megatron_native_worker import VOCAB, fresh_registry, gpt, max_diff, step  # noqa: E402
 
 def plans(geometry, lengths=((9, 5, 7), (6, 8, 4)), seed: int = 0):
     rng = np.random.default_rng(seed)
@@ -72,45 +32,8 @@ def plans(geometry, lengths=((9, 5, 7), (6, 8, 4)), seed: int = 0):
                         for i, n in enumerate(counts)], geometry) for m, counts in enumerate(lengths)]
 
 
-def step(model, micro, path: str | None, *, labels: bool = False):
-    """Forward every micro-batch, then backward each (schedule order); under replay on `path`
-    (None: free routing). Returns (logits per micro-batch, {param name: grad}, session)."""
-    from moe_replay.integrations.megatron import megatron_inputs, open_replay, score_tokens
-
-    model.zero_grad(set_to_none=True)
-    session = None
-
-    def run():
-        outs, losses = [], []
-        for p in micro:
-            inputs = megatron_inputs(p)
-            if labels:  # GPTModel returns the per-token loss (and runs its MTP block)
-                loss_BS = model(**inputs, labels=p.input_ids_BS)
-                losses.append(loss_BS.float().mean())
-                outs.append(loss_BS.detach().float())
-            else:
-                logits_BSV = model(**inputs)
-                losses.append(score_tokens(logits_BSV.float(), p).logprobs_G.sum())
-                outs.append(logits_BSV.detach().float())
-        for loss in losses:
-            loss.backward()
-        return outs
-
-    if path is None:
-        outs = run()
-    else:
-        with open_replay(model, micro, path=path) as session:
-            outs = run()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return outs, grads, session
-
-
 def router_grads(grads: dict) -> dict:
     return {n: g for n, g in grads.items() if ".router." in n}
-
-
-def diff(a: list, b: list) -> float:
-    return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["no_recompute", "recompute"])
@@ -130,11 +53,11 @@ def test_native_and_project_paths_are_bit_identical(megatron_cpu, bf16, recomput
     free_out, _, _ = step(model, micro, None)
     assert (native.path, project.path) == ("megatron_native", "project")
     assert native._whole  # one chunk, no MTP: Megatron's own set_replay_data served every forward
-    assert diff(native_out, project_out) == 0.0
+    assert max_diff(native_out, project_out) == 0.0
     assert native_grads.keys() == project_grads.keys() and len(router_grads(native_grads)) == 2
     assert [n for n in native_grads if not torch.equal(native_grads[n], project_grads[n])] == []
     assert all(g.abs().sum() > 0 for g in router_grads(native_grads).values())
-    assert diff(native_out, free_out) > 1e-3  # the routes were forced
+    assert max_diff(native_out, free_out) > 1e-3  # the routes were forced
     for session in (native, project):
         for ledger in session.ledgers:
             assert ledger.forward_takes == {1: 1, 3: 1}
@@ -147,24 +70,20 @@ def test_native_and_project_paths_are_bit_identical(megatron_cpu, bf16, recomput
 
 
 def test_bypasses_refused_by_name_before_any_forward(megatron_cpu):
-    """Settings whose routing never consults RouterReplay are refused by both paths before any layer
-    runs: the fused top-k (Transformer Engine's, returns before replay) and sinkhorn."""
-    from moe_replay.integrations.megatron import model_geometry, open_replay
+    """Settings whose routing never consults RouterReplay are refused by both paths (and `auto`) before
+    any layer runs, naming the setting: the fused top-k (Transformer Engine's, returns before replay)
+    and sinkhorn. The model replays again once they are put back."""
+    from .megatron_native_worker import bypass_refusals, refused_by_name
+    from moe_replay.integrations.megatron import model_geometry
 
-    for setting, value, match in (("moe_router_fusion", True, "moe_router_fusion=True .*returns before RouterReplay"),
-                                  ("moe_router_load_balancing_type", "sinkhorn",
-                                   "moe_router_load_balancing_type='sinkhorn' picks experts without RouterReplay")):
-        fresh_registry()
-        model = gpt()
-        micro = plans(model_geometry(model, vocab_size=VOCAB))
-        for site_cfg in {id(m.config): m.config for m in model.modules() if hasattr(m, "router_replay")}.values():
-            setattr(site_cfg, setting, value)  # set after the build: TE's fused kernel is not on this machine
-        for module in model.modules():
-            if hasattr(module, "routing_type"):
-                module.routing_type = model.config.moe_router_load_balancing_type
-        for path in ("megatron_native", "project", "auto"):
-            with pytest.raises(UnsupportedRouterError, match=match):
-                open_replay(model, micro, path=path)
+    fresh_registry()
+    model = gpt()
+    micro = plans(model_geometry(model, vocab_size=VOCAB))
+    refusals = bypass_refusals(model, micro)
+    assert refused_by_name(refusals) == {"fused_router": True, "sinkhorn": True}, refusals
+    assert "returns before RouterReplay is consulted" in refusals["fused_router"]["megatron_native"]
+    assert "picks experts without RouterReplay" in refusals["sinkhorn"]["project"]
+    step(model, micro, "auto")
 
 
 def test_native_refuses_a_list_it_cannot_address(megatron_cpu):
@@ -199,12 +118,12 @@ def test_native_refuses_a_list_it_cannot_address(megatron_cpu):
     assert session.path == "project" and RouterReplay.global_router_replay_instances == []
     assert all(s.module.router_replay is None for s in find_routers(plain).values())  # taken back
     free, _, _ = step(plain, micro, None)
-    assert diff(out, free) > 1e-3
+    assert max_diff(out, free) > 1e-3
     fresh_registry()
     flagged = gpt()
     flagged.load_state_dict(plain.state_dict(), strict=False)
     native_out, native_grads, _ = step(flagged, micro, "megatron_native")
-    assert diff(out, native_out) == 0.0  # the lent instance replays as Megatron's own does
+    assert max_diff(out, native_out) == 0.0  # the lent instance replays as Megatron's own does
     assert all(torch.equal(grads[n], native_grads[n]) for n in grads)
 
 
@@ -263,7 +182,7 @@ def test_mtp_routers_are_excluded_by_construction_and_named(megatron_cpu):
     project_out, project_grads, project = step(model, micro, "project", labels=True)
     assert native.excluded == project.excluded == ("mtp.layers.0.transformer_layer.mlp.router",)
     assert native.layout.excluded == {2: "mtp.layers.0.transformer_layer.mlp.router"} and not native._whole
-    assert diff(native_out, project_out) == 0.0
+    assert max_diff(native_out, project_out) == 0.0
     assert [n for n in native_grads if not torch.equal(native_grads[n], project_grads[n])] == []
     assert any(n.startswith("mtp.") and ".router." in n for n in native_grads)  # the MTP router ran, with gradient
     mtp_rr = RouterReplay.global_router_replay_instances[2]
