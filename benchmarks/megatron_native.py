@@ -13,8 +13,8 @@ Float16Module, full activation recompute on / off), world size 1:
                                   median step time under each replay path / a plain (free-routing) step,
                                   the three arms interleaved round by round in rotating order (target <= 1.05);
                                   timed on the routes the model itself chooses (recorded with RouterReplay's
-                                  RECORD), so every arm does the same expert work and the ratio is replay's
-                                  own cost (random routes spread tokens over other experts than free routing)
+                                  RECORD), so every arm does the same expert work by construction and the
+                                  ratio is replay's own cost
   bypass_refused                  {fused_router, sinkhorn}: each set on the model is refused by name by
                                   both paths and `auto`, before any forward
 

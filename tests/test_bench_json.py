@@ -41,8 +41,8 @@ CASES: dict[str, tuple[list[str], str, tuple]] = {
     "scoring": (["--g", "8", "--repeats", "1"], "results", (slow,)),
     "topologies": (["--cells", "vllm_pp2"], "cells", (vllm, slow)),
     "trl_grpo": (["--steps", "2", "--repeats", "1"], "steps", (vllm, slow)),
-    "verl_fsdp": (["--steps", "2", "--prompts", "4"], "steps", (vllm, slow)),
-    "megatron_native": (["--no-ranks", "--rounds", "1", "--hidden", "16", "--tokens", "8", "--batch", "2"], "configs", (slow,)),  # medians skip step 1; prompts: a multiple of the micro batch (4)
+    "verl_fsdp": (["--steps", "2", "--prompts", "4"], "steps", (vllm, slow)),  # medians skip step 1; prompts: a multiple of the micro batch (4)
+    "megatron_native": (["--no-ranks", "--rounds", "1", "--hidden", "16", "--tokens", "8", "--batch", "2"], "configs", (slow,)),
 }
 
 

@@ -14,6 +14,12 @@ pads the batch. A trace without the routes of every position before its last (a 
 hit whose routes were not stored: `route_start` > 0) is refused by name: verl would need rows it
 does not have.
 
+What moe_replay's verl engine does on FSDP2 (scores over the kept set in verl's loss, its guards)
+is not wired into verl's Megatron engine: `megatron_engine(base)` is the class `registry.install`
+puts under verl's "megatron" backend, verl's own engine unchanged unless the model config names a
+moe_replay preset, which it refuses by name before building anything (verl's Megatron engine would
+otherwise ignore the preset and train on free routes).
+
 Legend: B samples, S padded length, T_b sample b's tokens, L MoE layers, K top-k, E experts.
 """
 
@@ -67,3 +73,27 @@ def packed_ids(plan: RoutePlan, layer_id: int) -> torch.Tensor:
     tokens, sample after sample; what verl's `set_router_replay_data` hands that layer's router."""
     routes_BSLK, mask_BS = routed_experts_BSLK(plan)
     return routes_BSLK[:, :, plan.geometry.moe_layer_ids.index(layer_id)][mask_BS].to(torch.int64)
+
+
+def megatron_engine(base: type) -> type:
+    """verl's Megatron language-model engine `base`, refusing a moe_replay preset by name (VerlOptionError)."""
+    from .engine import PRESET_KEY, preset_of
+    from .options import VerlOptionError
+
+    class MoeReplayMegatronEngine(base):
+        __doc__ = f"verl's {base.__name__}; a model config naming a moe_replay preset is refused before anything is built."
+
+        def __init__(self, model_config, *args, **kwargs) -> None:
+            preset = preset_of(model_config)
+            if preset is not None:
+                raise VerlOptionError(
+                    "actor_rollout_ref.actor.strategy", "megatron", "fsdp2 with "
+                    f"+actor_rollout_ref.model.override_config.{PRESET_KEY}={preset.name}",
+                    "moe_replay's verl engine (routes, kept-set scoring, guards) is the FSDP2 one; verl's Megatron engine "
+                    "would ignore the preset and route freely. On Megatron, drop the preset and run verl's own R3 "
+                    "(actor_rollout_ref.actor.megatron.router_replay.mode=R3) on the traces' routes: "
+                    "moe_replay.integrations.verl.megatron.routed_experts (docs/megatron.md)")
+            super().__init__(model_config, *args, **kwargs)
+
+    MoeReplayMegatronEngine.__qualname__ = MoeReplayMegatronEngine.__name__ = f"MoeReplay{base.__name__}"
+    return MoeReplayMegatronEngine

