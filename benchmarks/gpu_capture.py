@@ -33,7 +33,7 @@ For each capture setting, `breakdown`: capture's host seconds per part over the 
 (VllmCapture.timings(): per-step, per-flush, per-take and client parts) and each part's share of
 those rounds' wall time, so a GPU run shows where capture's time goes.
 
-Needs a GPU build of vLLM in the supported range (integrations/vllm/versions.py); written for
+Needs a GPU build of vLLM accepted on the V1 path (integrations/vllm/versions.py, surface table); written for
 vLLM 0.26 on one H100 / H200. `--dry-run` checks the plan on any machine: it builds every setting's
 EngineArgs against the installed vLLM (on the tiny model; no engine, no GPU) and prints the plan as JSON.
 

@@ -13,6 +13,11 @@ class CaptureHookError(CaptureError, RuntimeError):
     """Capture cannot be installed on this engine (no hook point, unsupported feature)."""
 
 
+class VllmReleaseError(CaptureHookError):
+    """The vLLM release lacks names the adapter relies on for a runner path or part (versions.py:
+    the surface table, or the installed source's check), or was never checked; names them."""
+
+
 class NoMoeLayersError(CaptureHookError, ValueError):
     """The served model has no MoE layer with a capturable router."""
 

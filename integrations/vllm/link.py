@@ -25,6 +25,7 @@ from typing import Any, Callable, NoReturn
 from . import endpoint
 from .errors import CaptureHookError
 from .timings import merge_worker_timings
+from .versions import check_release
 
 EXTENSION = "moe_replay.integrations.vllm.endpoint.ReplayWorkerExtension"
 """Qualified name to pass as vLLM's `worker_extension_cls`."""
@@ -139,6 +140,7 @@ class SyncLink(_Link):
 async def _every_engine(engine: Any, op: str, payload: Any) -> list[list[dict[str, Any]]]:
     """Every worker's reply, engine by engine."""
     if engine_count(engine) > 1:
+        check_release(parts=("data_parallel",))  # 0.26-0.31 have no call_utility_all_async: refused by name
         return await engine.engine_core.call_utility_all_async("collective_rpc", METHOD, None, (op, payload), None)
     return [await engine.collective_rpc(METHOD, args=(op, payload))]
 

@@ -60,6 +60,7 @@ from ...expected_logs import ExpectedLog, expected_logs, verbose
 from .errors import WeightSyncError
 from .link import SyncLink
 from .runner import OPS, RunnerState, runner_state
+from .versions import check_release
 from .wire import WeightSyncReply
 
 PLAIN_COPY_KEYS: dict[str, tuple[str, ...]] = {
@@ -195,9 +196,13 @@ def _clear_slot_routes(runner: Any) -> bool:
 def _checkpoint_params(info: Any) -> list[str]:
     """Names of a layer's parameters in model format (as created before any processing), which
     a checkpoint fills; parameters derived later (MLA's W_UV, W_UK_T) are recomputed, not loaded."""
-    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+    from vllm.model_executor.model_loader.reload import meta
 
-    return [n for n in info.restore_metadata[0] if n not in SKIP_LOAD_TENSORS]
+    # 0.26 names this set SKIP_TENSORS; from 0.27 it is SKIP_LOAD_TENSORS, and SKIP_TENSORS adds
+    # 'bias' (never on meta, but loaded: not to be skipped here). surface/needs.py lists both.
+    skip = getattr(meta, "SKIP_LOAD_TENSORS", None)
+    skip = meta.SKIP_TENSORS if skip is None else skip
+    return [n for n in info.restore_metadata[0] if n not in skip]
 
 
 def _reload_open(model: Any) -> bool:
@@ -269,6 +274,7 @@ def _finished(runner: Any, reloaded_directly: list[str]) -> dict[str, Any]:
 
 def update_on_worker(runner: Any, path: str) -> dict[str, Any]:
     """Worker side of `update_weights` (op `weights.update`): a WeightSyncReply as a dict."""
+    check_release(parts=("weights",))  # the reload names this module calls (surface/needs.py, part weights)
     model = runner.get_model()
     watch: dict[str, Any] = {}
 
@@ -289,6 +295,7 @@ def begin_on_worker(runner: Any) -> None:
     """Worker side of `weight_sync`'s entry (op `weights.begin`): start vLLM's layerwise reload."""
     from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
+    check_release(parts=("weights",))
     model = runner.get_model()
     if _reload_open(model):
         raise WeightSyncError("a weight sync is already open on this engine; close it before opening another")
