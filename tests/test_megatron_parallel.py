@@ -4,7 +4,8 @@ slice of the plan's routes, and every rank's routing and gate weights equal a on
 of the whole sequence, sliced. Expert parallelism (EP=2) on GPTModels with the allgather dispatcher
 and with the all-to-all one (tests/megatron_ep_worker.py), and pipeline parallelism (PP=2 through
 Megatron's own schedule, tests/megatron_pp_worker.py). Context parallelism (CP=2, real TopKRouters
-in a CP group) is refused by name before any forward.
+in a CP group) is refused by name before any forward. Under TP + SP the native path
+(`trainer_path: megatron_native`) gives each rank's routers the same slices as the project's path.
 
 Real `TopKRouter`s in a real TP group (Megatron's parallel_state on gloo). A whole GPTModel does not
 build with sequence parallelism on CPU: Megatron-core 0.16's non-TE norm asserts
@@ -48,11 +49,22 @@ def _routers(tp: int) -> list[torch.nn.Module]:
     return routers
 
 
+class _Stack(torch.nn.Module):
+    """Routers as the layers of one model chunk (a whole GPTModel does not build with SP on CPU)."""
+
+    def __init__(self, routers) -> None:
+        super().__init__()
+        self.routers = torch.nn.ModuleList(routers)
+
+    def forward(self, x_SBH: torch.Tensor) -> list:
+        return [r(x_SBH) for r in self.routers]
+
+
 def _worker(rank: int, world: int, init: str, plan, x_SBH: torch.Tensor, out: dict, odd=None) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from moe_replay.integrations.megatron import replay
+    from moe_replay.integrations.megatron import open_replay, replay
 
     gloo.cpu_shims()
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -65,6 +77,11 @@ def _worker(rank: int, world: int, init: str, plan, x_SBH: torch.Tensor, out: di
             results = [r(mine_SBH) for r in routers]
         out[rank] = {lid: (probs.clone(), routing_map.clone(), session.ids_MK[0][lid].clone())
                      for lid, (probs, routing_map) in zip(LAYERS, results)}
+        stack = _Stack(routers)  # the native path hooks a model's forward: the routers as one chunk
+        with torch.no_grad(), open_replay(stack, plan, path="megatron_native") as native:
+            native_results = stack(mine_SBH)
+        out[f"native{rank}"] = (native.layout.layer_at, all(
+            torch.equal(p, q) and torch.equal(m, n) for (p, m), (q, n) in zip(native_results, results)))
         if odd is not None:  # a length the TP size does not divide: refused before any forward
             try:
                 replay(routers, odd)
@@ -96,6 +113,8 @@ def test_sequence_parallel_replay_equals_one_process_sliced(tmp_path):
     mp.spawn(_worker, args=(2, f"file://{tmp_path}/init2", plan, x_SBH, out, odd), nprocs=2, join=True)
     for rank in (0, 1):
         assert out[f"odd{rank}"].startswith("RouteConsumptionError") and "multiple of 2" in out[f"odd{rank}"]
+        # Megatron's global RouterReplay API (set_replay_data over this rank's list) routes and weighs alike
+        assert out[f"native{rank}"] == ({0: 1, 1: 3}, True)
     half = S // 2 * B
     for rank in (0, 1):
         for lid in LAYERS:
