@@ -45,6 +45,9 @@ import numpy as np
 if TYPE_CHECKING:  # torch is imported where the math runs: geometry (and so every trace reader) imports
     import torch   # this module for the EngineNoise config, and `import torch` costs ~2 s and pulls tqdm
 
+FLIP_WEIGHTS = ("swapped", "rule")
+"""EngineNoise.flip_weights values."""
+
 NOISE_LEVELS: dict[str, float] = {"off": 0.0, "calibrated": 1.0, "2x": 2.0, "4x": 4.0, "8x": 8.0}
 """The named noise levels: `EngineNoise(scale=NOISE_LEVELS[name])`."""
 
@@ -78,6 +81,20 @@ class EngineNoise:
     1.3-1.7%, ../shared/notes/gpu.md), on the rows nearest a tie: exact for i.i.d. normal router
     logits; a trained router's own gap distribution moves it (benchmarks/noise_calibration.py prints
     the measured rate)."""
+    route_call_buckets: tuple[int, ...] = ()
+    """Token-count bucket edges of a router call (the rows it routes in one forward). Empty (the
+    default): a flip depends on the token's hidden state alone, so a token routes alike in any batch.
+    Set: a flip's row key is seeded by the call's bucket as well, so the same token routed in a call
+    of another size can flip otherwise, as a GPU's bf16 GEMMs pick other kernels by size: a recompute
+    preemption's re-prefill (the request's whole context in one call) vs the decode step that first
+    routed a token (one row per request). What capture's provenance check is tested with."""
+    flip_weights: str = "swapped"
+    """The gate weights a flipped row gets. "swapped" (the default): the router's own weights of the
+    swapped logits (the flipped-in expert weighs with the flipped-out one's logit: off by at most
+    the row's gap from what a trainer recomputes). "rule": the router's own rule applied to its
+    unswapped logits at the flipped ids, which is what a trainer replaying those ids recomputes
+    (invariant 4), so replay of a flipped route is exact to fp32: what tests of replay exactness
+    under batch-variant routing need (the vLLM router must have a gate rule: scoring/router_rules.py)."""
     label: str = "instrument: calibrated to GPU figures, not a GPU result"
     """Carried into every trace so the figure's origin travels with it."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -85,6 +102,12 @@ class EngineNoise:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "buckets", tuple(int(b) for b in self.buckets))
+        object.__setattr__(self, "route_call_buckets", tuple(int(b) for b in self.route_call_buckets))
+        if self.flip_weights not in FLIP_WEIGHTS:
+            raise ValueError(f"EngineNoise.flip_weights must be one of {FLIP_WEIGHTS}, got {self.flip_weights!r}")
+        rcb = self.route_call_buckets
+        if any(b < 1 for b in rcb) or list(rcb) != sorted(set(rcb)):
+            raise ValueError(f"EngineNoise.route_call_buckets must be strictly ascending token counts >= 1, got {rcb!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"EngineNoise.seed must be a non-negative int, got {self.seed!r}")
         if not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale) and self.scale >= 0):
@@ -124,11 +147,25 @@ class EngineNoise:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["buckets"] = list(self.buckets)
+        if self.route_call_buckets:  # written only when set: a setting without them encodes as before
+            d["route_call_buckets"] = list(self.route_call_buckets)
+        else:
+            d.pop("route_call_buckets")
+        if self.flip_weights == "swapped":
+            d.pop("flip_weights")
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EngineNoise":
-        return cls(**{**d, "buckets": tuple(d.get("buckets", cls.buckets))})
+        return cls(**{**d, "buckets": tuple(d.get("buckets", cls.buckets)),
+                      "route_call_buckets": tuple(d.get("route_call_buckets", ()))})
+
+    def route_call_bucket(self, num_rows: int) -> int | None:
+        """The bucket of a router call of `num_rows` rows (None when flips ignore the call's size)."""
+        edges = self.route_call_buckets
+        if not edges:
+            return None
+        return next((b for b, edge in enumerate(edges) if num_rows <= edge), len(edges))
 
     def with_scale(self, scale: float) -> "EngineNoise":
         from dataclasses import replace
@@ -233,7 +270,9 @@ class NoiseState:
         top_TK1 = l_TE.topk(top_k + 1, dim=-1, sorted=True)
         gap_T = (top_TK1.values[:, top_k - 1] - top_TK1.values[:, top_k]) / l_TE.std(dim=-1, unbiased=False).clamp_min(1e-30)
         q = min(1.0, 2.0 * f)
-        flip_T = (gap_T < tie_gap(q, E, top_k)) & (row_keys(hidden_TH, cfg.seed, 4, layer_id) < f / q)
+        call = cfg.route_call_bucket(T)
+        seed = (cfg.seed, 4, layer_id) if call is None else (cfg.seed, 4, layer_id, 1 + call)
+        flip_T = (gap_T < tie_gap(q, E, top_k)) & (row_keys(hidden_TH, *seed) < f / q)
         n = int(flip_T.sum())
         if n == 0:
             return router_logits_TE

@@ -88,6 +88,9 @@ class MoeReplayGRPOTrainer(GRPOTrainer):
         self._mr_rows = None
         _check_count(traces, out["completion_ids"].shape[0])
         out[TRACES_KEY] = traces
+        stale = _mask_stale(out["completion_mask"], traces)
+        if stale:
+            self._mr_log({"moe_replay/stale_tokens": float(stale)})
         if self._mr.scorer is not None:
             self._estimate_pi_old(out, traces)
         if self.moe_replay_preset.corrections and "importance_sampling_ratio" in out:
@@ -207,3 +210,17 @@ def _check_count(traces: list, rows: int) -> None:
     if len(traces) != rows:
         raise RuntimeError(f"moe_replay: the batch has {rows} completions but {len(traces)} traces; "
                            "every completion must come from the captured engine")
+
+
+def _mask_stale(completion_mask_BC: torch.Tensor, traces: list) -> int:
+    """The rule for tokens sampled before a route they depended on was changed by a later forward
+    (`moe_replay.trace.Rerouted`: a recompute preemption's re-prefill): masked from TRL's loss, as
+    TRL masks a truncated completion. Completion column g is generated row g. Returns how many."""
+    count = 0
+    for b, t in enumerate(traces):
+        if t.rerouted is None or not t.rerouted.stale:
+            continue
+        cols = torch.as_tensor([g for g in t.rerouted.stale if g < completion_mask_BC.shape[1]], dtype=torch.long)
+        count += int(completion_mask_BC[b, cols].bool().sum())
+        completion_mask_BC[b, cols.to(completion_mask_BC.device)] = 0
+    return count

@@ -115,7 +115,9 @@ def to_dataproto(traces: Sequence[RolloutTrace], *, pad_token_id: int, uids: Seq
 
     `prompt_lens` (default: each trace's prompt_len) is where verl's prompt ends. As verl's agent
     loop does, `response_mask` is 1 on the tokens the engine sampled (every span of a stitched
-    multi-turn record) and 0 on the text between them (tool output), which the loss skips.
+    multi-turn record) and 0 on the text between them (tool output), which the loss skips; 0 too on
+    sampled tokens the trace names stale (`trace.Rerouted`: sampled before a route they depended on
+    was changed by a later forward), the rule for them.
     `rollout_log_probs` (the engine's logprobs, for verl's own rollout correction) holds each
     sampled token's recorded logprob and 0 elsewhere, set only when every trace recorded them.
     """
@@ -144,6 +146,7 @@ def to_dataproto(traces: Sequence[RolloutTrace], *, pad_token_id: int, uids: Seq
             raise ValueError(f"to_dataproto: trace {t.key!r} sampled position {int(sampled_J[0]) + p}, inside the "
                              f"prompt of {p} tokens given for it (prompt_lens)")
         response_mask_BR[b, sampled_J] = 1
+        response_mask_BR[b, sampled_J[torch.from_numpy(t.stale_G)]] = 0  # stale tokens (trace.Rerouted): out of the loss
         if with_lp:
             rollout_lp_BR[b, sampled_J] = torch.from_numpy(t.logprobs_G)
     position_ids_BS = (mask_BS.cumsum(-1) - 1).clamp(min=0)

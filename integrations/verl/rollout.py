@@ -174,6 +174,7 @@ def finish_sample(output: Any, token: contextvars.Token) -> Any:
     records = [decode_trace(bytes(t), where) for t in turns]
     record = stitch_turns(records)  # refuses turns that do not extend one another (TraceAlignmentError, by key)
     check_sampled_rows(record, output)
+    mask_stale(record, output)
     output.extra_fields[TRACES_KEY] = encode_trace(record) if len(turns) > 1 else turns[0]
     return output
 
@@ -188,6 +189,25 @@ def _prompt_len_and_mask(output: Any) -> tuple[int, np.ndarray]:
     p_cols = prompt.shape[-1]
     attn_S = np.asarray(output.attention_mask).reshape(-1)
     return int(attn_S[:p_cols].sum()), np.asarray(output.response_mask).reshape(-1)[: int(attn_S[p_cols:].sum())] != 0
+
+
+def mask_stale(record: Any, output: Any) -> int:
+    """Set verl's `response_mask` to 0 on the tokens the record names stale (`trace.Rerouted`:
+    sampled before a route they depended on was changed by a later forward): the rule for them is
+    to leave the loss, as tool text does. Returns how many were masked."""
+    if record.rerouted is None or not record.rerouted.stale:
+        return 0
+    p, _ = _prompt_len_and_mask(output)
+    cols = record.generated_positions()[list(record.rerouted.stale)] - p
+    mask = output.response_mask
+    if hasattr(mask, "shape"):  # the padded tensor of _InternalAgentLoopOutput: [1, R] or [R]
+        flat = mask.view(-1) if hasattr(mask, "view") else mask.reshape(-1)
+        flat[cols[cols < flat.shape[0]].tolist()] = 0
+    else:
+        for c in cols.tolist():
+            if c < len(mask):
+                mask[c] = 0
+    return len(cols)
 
 
 def check_sampled_rows(record: Any, output: Any) -> None:

@@ -73,6 +73,19 @@ class WorkerNoise:
 
     def _make_router(self, j: int, router: Any, orig):
         state, lid = self.state, self.layer_ids[j]
+        if self.config.flip_weights == "rule":  # the flipped ids, weighed by the router's rule from its own logits
+            from .scoring.router_rules import forced_gate_weights, router_gate
+
+            gate = router_gate(router, lid)
+
+            def _compute_routing(hidden_states, router_logits, indices_type, *args, **kwargs):
+                flipped = state.flip_router_logits(lid, router_logits, hidden_states, int(router.top_k))
+                w_TK, ids_TK = orig(hidden_states, flipped, indices_type, *args, **kwargs)
+                if flipped is router_logits:  # nothing flipped in this call
+                    return w_TK, ids_TK
+                return forced_gate_weights(gate, router_logits, ids_TK).contiguous(), ids_TK
+
+            return _compute_routing
 
         def _compute_routing(hidden_states, router_logits, indices_type, *args, **kwargs):
             flipped = state.flip_router_logits(lid, router_logits, hidden_states, int(router.top_k))

@@ -12,6 +12,12 @@ routes. We wrap, on the *instances* of one model runner only (never on classes):
   * runner.sampler.forward                      -> the step filed with its sampled tokens (capture's
                                                   one hook a step, fed by the bracket's `scheduled`);
   * runner.sampler.topk_topp_sampler.forward    -> the kept set, where truncation happens (capture);
+  * runner.rejection_sampler.forward            -> under speculative decoding, a step's emitted tokens
+                                                  and their target rows (capture/speculation.py);
+                                                  for the length of each call only, the module
+                                                  function `rejection_sample` it calls is swapped
+                                                  for one that sees the draft rows' constrained
+                                                  target logits, and put back before it returns;
   * <MoE layer>.router._compute_routing         -> forced expert ids per request row (scoring/
                                                   force_step.py), one wrapper per router instance;
                                                   on eager engines at install, on compiled ones
@@ -289,7 +295,7 @@ def patch_runner(runner: Any, capture: Any) -> tuple[InstancePatches, StepBracke
     bracket = step_bracket(runner, capture)
     patches.on_undo(lambda: bracket.remove(capture))
     try:
-        if capture.config.support or capture.config.logprobs:
+        if capture.samples:  # the kept set or logprobs, or a speculative engine's emitted tokens
             sampler = runner.sampler
             support = capture.support
 
@@ -298,7 +304,8 @@ def patch_runner(runner: Any, capture: Any) -> tuple[InstancePatches, StepBracke
             def make_sampler(orig):  # both wrappers' work times itself (step.after_sample, step.support_stage)
                 def forward(logits, sampling_metadata, *args, **kwargs):
                     out = orig(logits, sampling_metadata, *args, **kwargs)
-                    after_sample(out.sampled_token_ids, sampling_metadata)
+                    if support.spec_bonus is None:  # (a speculative step's bonus rows: its rejection sampler files it)
+                        after_sample(out.sampled_token_ids, sampling_metadata)
                     return out
 
                 return forward
@@ -308,10 +315,55 @@ def patch_runner(runner: Any, capture: Any) -> tuple[InstancePatches, StepBracke
 
             patches.wrap(sampler, "forward", make_sampler)
             patches.wrap(sampler.topk_topp_sampler, "forward", make_topk)
+            if getattr(capture, "spec", None) is not None:
+                patches.wrap(runner.rejection_sampler, "forward", _make_rejection(capture))
     except Exception:
         patches.undo()
         raise
     return patches, bracket
+
+
+def _make_rejection(capture: Any) -> Callable[[Callable], Callable]:
+    """The rejection sampler's wrapper (speculative decoding): the Sampler it calls for the bonus
+    rows truncates into `support.spec_bonus` (sampler_hook.py) and files nothing; the draft rows'
+    target logits are taken from the `rejection_sample` call, the one function that samples from
+    them (its module global swapped for the length of the call: vLLM calls it by that name); then
+    the step is filed with the emitted tokens (capture.worker.WorkerCapture.after_spec_sample)."""
+    import inspect
+
+    from vllm.v1.sample import rejection_sampler as module
+
+    support, after = capture.support, capture.after_spec_sample
+    params = list(inspect.signature(module.rejection_sample).parameters)
+    if "target_logits" not in params:
+        raise CaptureHookError(f"vllm.v1.sample.rejection_sampler.rejection_sample{tuple(params)} has no target_logits "
+                               "parameter to read the draft rows' target distribution from (vLLM version mismatch?)")
+    at = params.index("target_logits")
+
+    def make(orig):
+        def forward(metadata, draft_probs, logits, sampling_metadata, *args, **kwargs):
+            seen: list[Any] = []
+            inner = module.rejection_sample
+
+            def rejection_sample(*a, **kw):
+                seen.append(a[at] if len(a) > at else kw["target_logits"])
+                return inner(*a, **kw)
+
+            support.spec_bonus = []
+            module.rejection_sample = rejection_sample
+            try:
+                out = orig(metadata, draft_probs, logits, sampling_metadata, *args, **kwargs)
+            except BaseException:
+                support.spec_bonus = None
+                raise
+            finally:
+                module.rejection_sample = inner
+            after(out.sampled_token_ids, metadata, seen[0] if seen else None, sampling_metadata)
+            return out
+
+        return forward
+
+    return make
 
 
 def patch_routers(routers: list[Any], make: Callable[[int, Callable], Callable]) -> InstancePatches:

@@ -137,6 +137,11 @@ class CaptureRecord(_Wire):
     support_ids_N: np.ndarray | None = None
     problems: list[str] = field(default_factory=list)
     """Why the record cannot make a trace (misaligned rows, unwritten layers, ...); empty if it can."""
+    rerouted: list[int] = field(default_factory=list)
+    """Positions whose route a later forward of the same token changed (a recompute preemption's
+    re-prefill): routes_TLK holds the later one (capture/row_log.py, provenance)."""
+    stale: list[int] = field(default_factory=list)
+    """Generated rows g sampled from a forward that saw a route in `rerouted` before it changed."""
 
 
 @dataclass(frozen=True)

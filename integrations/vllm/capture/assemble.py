@@ -16,7 +16,7 @@ import numpy as np
 from ....capture_config import CaptureConfig
 from ....errors import Where
 from ....geometry import EngineInfo, ModelGeometry
-from ....trace import RolloutTrace, SamplingSupport
+from ....trace import Rerouted, RolloutTrace, SamplingSupport
 from ..errors import (CaptureAlignmentError, CaptureEvictedError, RequestAbortedError, SupportOverflowError,
                       UnknownRequestError)
 from ..wire import CaptureRecord
@@ -176,6 +176,12 @@ def build_trace(
             else:
                 off = rec.support_offsets_G1[: G + 1]
                 support = SamplingSupport(off.copy(), rec.support_ids_N[: off[-1]].copy())
+    rerouted = None
+    if rec.rerouted and config.routes:  # provenance (capture/row_log.py): kept only inside the final sequence
+        positions = tuple(p for p in rec.rerouted if p < S - 1)
+        stale = tuple(g for g in rec.stale if g < G)
+        if positions or stale:
+            rerouted = Rerouted(positions, stale)
     trace = RolloutTrace(
         key=key,
         token_ids_S=tokens_S,
@@ -187,5 +193,6 @@ def build_trace(
         logprobs_G=logprobs,
         engine=engine,
         extra=extra,
+        rerouted=rerouted,
     )
     return trace.validate(Where(record=key)) if validate else trace

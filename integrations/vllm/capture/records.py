@@ -113,7 +113,8 @@ class RecordBook:
             self._taken_set.add(rid)
         recs = [r for r in out if isinstance(r, RequestRecord)]
         arrays = iter(self.log.take(np.array([r.uid for r in recs], dtype=np.int64),
-                                    np.array([r.route_start for r in recs], dtype=np.int64)))
+                                    np.array([r.route_start for r in recs], dtype=np.int64),
+                                    np.array([r.prompt_len for r in recs], dtype=np.int64)))
         return [_payload(r, next(arrays)) if isinstance(r, RequestRecord) else r for r in out]
 
     def discard(self, key: str) -> int:
@@ -133,4 +134,4 @@ def _payload(rec: RequestRecord, a: Any) -> CaptureRecord:
         "ok", key=rec.req_id, req_id=rec.req_id, prompt_len=rec.prompt_len, route_start=rec.route_start,
         routes_TLK=a.routes_TLK, routes_filled_T=a.routes_filled_T, tokens_G=a.tokens_G, logprobs_G=a.logprobs_G,
         support_sizes_G=a.sizes_G, support_offsets_G1=a.offsets_G1, support_ids_N=a.ids_N,
-        problems=rec.problems + a.problems)
+        problems=rec.problems + a.problems, rerouted=a.rerouted_P.tolist(), stale=a.stale_G.tolist())

@@ -11,6 +11,14 @@ take.assemble was the largest part of capture's host time (32%, benchmarks/captu
 
 Newest wins: where a record's position (or g) comes several times (a preempted request is
 recomputed), the row that arrived last is kept: blocks in arrival order, rows in order in a block.
+Provenance: every row carries the engine step it was computed in. Where a position's rows differ
+(a recompute preemption's re-prefill routed a token otherwise than the forward that first routed
+it: batch-variant numerics), the position is named (`Assembled.rerouted_P`), and so is every
+sampled token that depended on the superseded route (`stale_G`): a token at position q was sampled
+from the forward of q - 1, which attended to every position before it, so it is stale when some
+position <= q - 1 got its final route only after the step the token was sampled in. The trace keeps
+the newest route (the one every later token was sampled with); trainers mask the stale tokens
+(moe_replay.trace.Rerouted). Rows that agree, the usual case, cost one comparison per repeat.
 
 Memory: rows of taken, discarded and evicted records are marked dead; a block is compacted once
 half its rows are dead and dropped once all are, so the log holds at most about twice the rows of
@@ -74,6 +82,55 @@ def csr_rows(offsets_R1: np.ndarray, ids_N: np.ndarray, rows: np.ndarray) -> tup
     return segment_gather(ids_N, offsets_R1[rows], offsets_R1[rows + 1] - offsets_R1[rows])
 
 
+def superseded(key_K: np.ndarray, rows_KLK: np.ndarray, step_K: np.ndarray, valid_K: np.ndarray,
+               rec_K: np.ndarray, rel_K: np.ndarray):
+    """(record, positions, steps) of the repeated keys whose rows differ from their newest row: per
+    record, the positions whose route a later forward changed and the step of the first row of the
+    final run of equal rows (from then on the route the trace keeps was in effect). Rows of a key
+    arrive in order (a stable sort keeps it); rows known missing (prefix reads, `valid` False) are
+    not compared."""
+    order = np.argsort(key_K, kind="stable")
+    srt = key_K[order]
+    start = np.flatnonzero(np.r_[True, srt[1:] != srt[:-1]])
+    size = np.diff(np.r_[start, len(srt)])
+    rep = np.flatnonzero(size > 1)
+    if not len(rep):
+        return []
+    gid = np.repeat(np.arange(len(start)), size)
+    last = start + size - 1  # the newest row of each key, in sorted order
+    in_rep = np.flatnonzero(size[gid] > 1)
+    a, b = order[in_rep], order[last[gid[in_rep]]]
+    flat = rows_KLK.reshape(len(rows_KLK), -1)
+    differs = (flat[a] != flat[b]).any(axis=1) & valid_K[a] & valid_K[b]
+    if not differs.any():
+        return []
+    # per changed key: the last differing row (sorted position), then the row after it
+    pos_in_sorted = in_rep[differs]
+    g_changed = gid[pos_in_sorted]
+    last_diff = np.zeros(len(start), dtype=np.int64) - 1
+    np.maximum.at(last_diff, g_changed, pos_in_sorted)
+    groups = np.flatnonzero(last_diff >= 0)
+    since = step_K[order[last_diff[groups] + 1]]
+    first = order[start[groups]]
+    rec_G, rel_G = rec_K[first], rel_K[first]
+    out = []
+    for u in np.unique(rec_G):
+        m = rec_G == u
+        out.append((int(u), rel_G[m], since[m]))
+    return out
+
+
+def stale_rows(rerouted_P: np.ndarray, since_P: np.ndarray, prompt_len: int, steps_G: np.ndarray) -> np.ndarray:
+    """Generated rows g (token at position prompt_len + g) sampled in a step before some position
+    <= prompt_len + g - 1 got its final route (`superseded`): int64, ascending."""
+    order = np.argsort(rerouted_P)
+    p, t = rerouted_P[order], np.maximum.accumulate(since_P[order])
+    q1_G = prompt_len + np.arange(len(steps_G)) - 1  # the position whose forward sampled row g
+    i = np.searchsorted(p, q1_G, side="right") - 1  # the last rerouted position <= q - 1
+    need_G = np.where(i >= 0, t[np.maximum(i, 0)], np.iinfo(np.int64).min)
+    return np.flatnonzero(steps_G < need_G).astype(np.int64)
+
+
 class _Block:
     """Rows of one flush (or one prefix read): row-aligned columns, an optional CSR, a dead mask."""
 
@@ -117,7 +174,13 @@ class Assembled:
     sizes_G: np.ndarray
     offsets_G1: np.ndarray
     ids_N: np.ndarray
+    steps_G: np.ndarray
+    """Engine step each sample was drawn in."""
     problems: list[str] = field(default_factory=list)
+    rerouted_P: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """Positions whose route a later forward changed (the row log's module docstring)."""
+    stale_G: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """Generated rows g sampled before a route they depended on was changed."""
 
 
 class RowLog:
@@ -127,19 +190,27 @@ class RowLog:
         self.L, self.K, self.route_dtype = L, K, np.dtype(route_dtype)
         self.route_blocks: list[_Block] = []
         self.sample_blocks: list[_Block] = []
+        self._adds = 0
+        """Rows added without engine steps (tests) count each add as one step."""
+
+    def _steps(self, n: int, step_A: np.ndarray | None) -> np.ndarray:
+        self._adds += 1
+        return np.full(n, -(1 << 40) + self._adds, dtype=np.int64) if step_A is None else np.asarray(step_A, np.int64)
 
     def add_routes(self, uid_A: np.ndarray, pos_A: np.ndarray, rows_ALK: np.ndarray,
-                   valid_A: np.ndarray | None = None) -> None:
-        """Route rows in arrival order; valid_A False marks a row known to be missing (prefix reads)."""
+                   valid_A: np.ndarray | None = None, step_A: np.ndarray | None = None) -> None:
+        """Route rows in arrival order; valid_A False marks a row known to be missing (prefix reads);
+        step_A: the engine step each row was computed in (None: this add's arrival)."""
         valid = np.ones(len(uid_A), dtype=bool) if valid_A is None else np.asarray(valid_A, dtype=bool)
-        self._add(self.route_blocks, _Block({"uid": uid_A, "key": pos_A, "rows": rows_ALK, "valid": valid}))
+        self._add(self.route_blocks, _Block({"uid": uid_A, "key": pos_A, "rows": rows_ALK, "valid": valid,
+                                             "step": self._steps(len(uid_A), step_A)}))
 
-    def add_samples(self, uid_A: np.ndarray, g_A: np.ndarray, staged: Any) -> None:
+    def add_samples(self, uid_A: np.ndarray, g_A: np.ndarray, staged: Any, step_A: np.ndarray | None = None) -> None:
         """Sampler rows: row a of `staged` (sampler_hook.StagedSamples) is generated index g_A[a]
-        of record uid_A[a] (-1: a row nobody keeps)."""
+        of record uid_A[a] (-1: a row nobody keeps), sampled in engine step step_A[a]."""
         outside = np.zeros(len(uid_A), dtype=bool) if staged.outside_R is None else staged.outside_R
         cols = {"uid": uid_A, "key": g_A, "tokens": staged.tokens_R, "logprobs": staged.logprobs_R,
-                "sizes": staged.sizes_R, "outside": outside}
+                "sizes": staged.sizes_R, "outside": outside, "step": self._steps(len(uid_A), step_A)}
         self._add(self.sample_blocks, _Block(cols, staged.offsets_R1, staged.ids_N))
 
     @staticmethod
@@ -210,20 +281,32 @@ class RowLog:
         self._pick(self.route_blocks, uid_U, gather=False)
         self._pick(self.sample_blocks, uid_U, gather=False)
 
-    def take(self, uid_U: np.ndarray, route_start_U: np.ndarray) -> list[Assembled]:
+    def take(self, uid_U: np.ndarray, route_start_U: np.ndarray,
+             prompt_len_U: np.ndarray | None = None) -> list[Assembled]:
         """The arrays of records uid_U (routes from each one's route_start), in that order; their
-        rows leave the log."""
+        rows leave the log. `prompt_len_U` places generated row g at position prompt_len + g for the
+        provenance check (module docstring; None: no rerouted position can make a row stale)."""
         U = len(uid_U)
         if not U:
             return []
         problems: list[list[str]] = [[] for _ in range(U)]
-        routes = self._routes(U, self._pick(self.route_blocks, uid_U), np.asarray(route_start_U, dtype=np.int64))
+        start_U = np.asarray(route_start_U, dtype=np.int64)
+        changes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        routes = self._routes(U, self._pick(self.route_blocks, uid_U), start_U, changes)
         samples = self._samples(U, self._pick(self.sample_blocks, uid_U), problems)
-        return [Assembled(*routes[u], *samples[u], problems=problems[u]) for u in range(U)]
+        out = [Assembled(*routes[u], *samples[u], problems=problems[u]) for u in range(U)]
+        for u, (rel_C, since_C) in changes.items():  # (only where a repeated position's rows differ)
+            a = out[u]
+            a.rerouted_P = rel_C + start_U[u]
+            if prompt_len_U is not None and len(a.tokens_G):
+                a.stale_G = stale_rows(a.rerouted_P, since_C, int(prompt_len_U[u]), a.steps_G)
+        return out
 
-    def _routes(self, U: int, picked, start_U: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    def _routes(self, U: int, picked, start_U: np.ndarray,
+                changes: dict[int, tuple[np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per record: routes [P, L, K] and filled [P] by position - route_start, P = last filled + 1
-        (rows never written are zeros, not filled)."""
+        (rows never written are zeros, not filled); `changes` gets, per record whose repeated
+        positions' rows differ, (those positions - route_start, the step each got its final route)."""
         keep = rec_A = rel_A = None
         if picked is not None:
             rec_A, c, _ = picked
@@ -234,7 +317,13 @@ class RowLog:
             return [empty] * U
         whole = len(keep) == len(rel_A)  # no row before its record's route_start (the usual take)
         rec_K, rel_K = (rec_A, rel_A) if whole else (rec_A[keep], rel_A[keep])
-        k = newest_by_key(rec_K * (int(rel_K.max()) + 1) + rel_K)  # sorted by (record, position)
+        key_K = rec_K * (int(rel_K.max()) + 1) + rel_K
+        k = newest_by_key(key_K)  # sorted by (record, position)
+        if len(k) < len(key_K):  # some position came more than once (recompute)
+            rows_K, step_K = (c["rows"], c["step"]) if whole else (c["rows"][keep], c["step"][keep])
+            valid_K = c["valid"] if whole else c["valid"][keep]
+            for u, rel, since in superseded(key_K, rows_K, step_K, valid_K, rec_K, rel_K):
+                changes[u] = (rel, since)
         e = k if whole else keep[k]
         rec_E, rel_E, valid_E = rec_K[k], rel_K[k], c["valid"][e]
         n_U = np.zeros(U, dtype=np.int64)
@@ -260,7 +349,7 @@ class RowLog:
         """Per record, by generated index g from 0: token, logprob, support size and CSR ids, cut
         at the first g that never arrived (a problem names it)."""
         none = (np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros(1, np.int64),
-                np.zeros(0, np.int32))
+                np.zeros(0, np.int32), np.zeros(0, np.int64))
         if picked is None:
             return [none] * U
         rec_A, c, ids_all = picked
@@ -287,7 +376,7 @@ class RowLog:
         x, rec_X = (e, rec_E) if gapless else (e[whole_E], rec_E[whole_E])
         off_U1 = np.zeros(U + 1, dtype=np.int64)
         np.cumsum(count_U if gapless else np.bincount(rec_X, minlength=U), out=off_U1[1:])
-        tokens, lps, sizes, outside = c["tokens"][x], c["logprobs"][x], c["sizes"][x], c["outside"][x]
+        tokens, lps, sizes, outside, steps = c["tokens"][x], c["logprobs"][x], c["sizes"][x], c["outside"][x], c["step"][x]
         offsets, ids = segment_gather(ids_all, c["id0"][x], c["nids"][x])
         if outside.any():
             for u in np.unique(rec_X[outside]):
@@ -300,5 +389,5 @@ class RowLog:
         out, o, n = [], off_U1.tolist(), offsets[off_U1].tolist()  # Python ints: cheap slicing
         for u in range(U):
             a, b = o[u], o[u + 1]
-            out.append((tokens[a:b], lps[a:b], sizes[a:b], offsets[a:b + 1] - n[u], ids[n[u]:n[u + 1]]))
+            out.append((tokens[a:b], lps[a:b], sizes[a:b], offsets[a:b + 1] - n[u], ids[n[u]:n[u + 1]], steps[a:b]))
         return out

@@ -137,6 +137,9 @@ class SupportStage:
         """Where the stage's host seconds go (flush.kept_sets); the worker's."""
         self.stage_times = Tally("step.support_stage")
         """The truncation's own work per step (added to `times` by the worker before they are read)."""
+        self.spec_bonus: list[torch.Tensor] | None = None
+        """Inside a speculative step's rejection sampler: where the bonus rows' truncation goes (the
+        step's rows are staged together once its tokens are known: speculation.py); None outside."""
 
     def _allocate(self, logits_BV: torch.Tensor) -> None:
         V = self._vocab = logits_BV.shape[1]
@@ -152,6 +155,15 @@ class SupportStage:
     # -- called by the TopKTopPSampler wrapper (random rows exist) -----------------------------
     def truncate_and_observe(self, orig_forward, logits_BV, generators, k, p):
         logits_BV = _apply_top_k_top_p()(logits_BV, k, p)  # work the original would do itself
+        if self.spec_bonus is not None:  # a speculative step's bonus rows: staged with its draft rows
+            self.spec_bonus.append(logits_BV)
+        else:
+            self.stage(logits_BV)
+        return orig_forward(logits_BV, generators, None, None)
+
+    def stage(self, logits_BV: torch.Tensor) -> None:
+        """Hold (host samplers) or copy this step's B truncated logit rows, the rows `commit` then
+        records; the truncation's own work per step, timed as step.support_stage."""
         t0 = time.perf_counter()
         B, r0 = logits_BV.shape[0], self.rows
         if not self._vocab:
@@ -171,7 +183,6 @@ class SupportStage:
         tally = self.stage_times
         tally.s += time.perf_counter() - t0
         tally.calls += 1
-        return orig_forward(logits_BV, generators, None, None)
 
     # -- called by the worker after the Sampler ran -------------------------------------------
     def commit(self, sampled_B1: torch.Tensor, sampling_metadata) -> int:
@@ -179,6 +190,17 @@ class SupportStage:
 
         Per step: references to the ids and (host samplers) the truncated logits, and a tuple.
         """
+        if self._pending is None:  # all greedy: top-k/top-p never ran
+            temps = 0.0
+        elif sampling_metadata.all_random or sampling_metadata.temperature is None:
+            temps = 1.0
+        else:  # mixed batch: greedy rows are the ones below vLLM's epsilon (a persistent buffer: copy)
+            temps = sampling_metadata.temperature.cpu().numpy().copy()
+        return self.commit_rows(sampled_B1, temps)
+
+    def commit_rows(self, sampled_B1: torch.Tensor, temps: "float | np.ndarray") -> int:
+        """`commit` with the rows' temperatures given (a scalar for every row, or one per row; below
+        vLLM's epsilon: greedy); a speculative step commits its emitted tokens so (speculation.py)."""
         shape = sampled_B1.shape
         B = shape[0]
         r0 = self.rows
@@ -203,12 +225,10 @@ class SupportStage:
                     "SupportStage.hold_host = False (copy each step's rows) for this engine")
             held.append(logits_BV)
             ptrs.append(ptr)
-        if not staged:  # all greedy: top-k/top-p never ran
+        elif staged and pending_rows != B:
+            raise CaptureHookError(f"the sampler drew {B} tokens from {pending_rows} truncated logit rows")
+        if not staged:
             temps = 0.0
-        elif sampling_metadata.all_random or sampling_metadata.temperature is None:
-            temps = 1.0
-        else:  # mixed batch: greedy rows are the ones below vLLM's epsilon (a persistent buffer: copy)
-            temps = sampling_metadata.temperature.cpu().numpy().copy()
         self._commits.append((B, staged, temps))
         self.rows = r0 + B
         return r0
@@ -216,6 +236,7 @@ class SupportStage:
     def drop_pending(self) -> None:
         """A dummy/profile sampler run: forget what its truncation staged."""
         self._pending = self._pending_BV = None
+        self.spec_bonus = None
 
     def _reset_held(self) -> tuple[list[torch.Tensor], list[int], list[int]]:
         """The held logits, their addresses and the ids' addresses; the stage starts over."""

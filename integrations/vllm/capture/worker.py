@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from ....capture_config import CaptureConfig
 from ..errors import CaptureHookError
@@ -59,8 +60,9 @@ from ..wire import CaptureRecord, InstallReply
 from .block_cache import SlotRouteCache, route_kv_group
 from .records import RecordBook, RequestRecord
 from .route_hook import RouteCapture
-from .row_log import RowLog
+from .row_log import RowLog, ranks_within
 from .sampler_hook import SupportStage
+from .speculation import SpecRows, emitted_tokens, spec_info, spec_rows
 
 
 @dataclass
@@ -89,6 +91,10 @@ class _Step:
     """Prefix-cache hits: (record, block table row, route_start, first forwarded position)."""
     sample_row: int | None = None
     """First support-stage row of this step's samples (None until the sampler ran)."""
+    spec: SpecRows | None = None
+    """A speculative step's drafts and emitted tokens per row (None: one sample per row)."""
+    index: int = 0
+    """The engine step's number since install (the provenance of its rows: row_log.py)."""
 
 
 _NO_READS: tuple[()] = ()
@@ -112,6 +118,12 @@ class _Window:
     """Position of each row's last forwarded token (its sample is the token after it)."""
     uid_T: np.ndarray
     pos_T: np.ndarray
+    ntok_B: np.ndarray
+    """Tokens each row forwarded in its step."""
+    drafts_B: np.ndarray | None = None
+    """Speculative windows: draft tokens each row forwarded after its last sampled token (0 elsewhere)."""
+    emitted_B: np.ndarray | None = None
+    """Speculative windows: tokens each row emitted (1 elsewhere)."""
 
     @classmethod
     def of(cls, steps: list[_Step]) -> "_Window":
@@ -119,9 +131,24 @@ class _Window:
         n_S, b_S = lay.n_S, lay.b_S
         S = np.arange(len(steps))
         uid_B = np.concatenate([st.batch.uid_B for st in steps])
-        return cls(n_S, b_S, np.repeat(S, b_S), np.repeat(S, n_S), uid_B,
-                   np.concatenate([st.batch.prompt_len_B for st in steps]),
-                   lay.discard_B, lay.pos_T[lay.stop_B - 1], np.repeat(uid_B, lay.stop_B - lay.start_B), lay.pos_T)
+        ntok_B = lay.stop_B - lay.start_B
+        win = cls(n_S, b_S, np.repeat(S, b_S), np.repeat(S, n_S), uid_B,
+                  np.concatenate([st.batch.prompt_len_B for st in steps]),
+                  lay.discard_B, lay.pos_T[lay.stop_B - 1], np.repeat(uid_B, ntok_B), lay.pos_T, ntok_B)
+        if any(st.spec is not None for st in steps):
+            win.drafts_B = np.concatenate([np.zeros(len(st.batch.uid_B), np.int64) if st.spec is None else st.spec.drafts_B
+                                           for st in steps])
+            win.emitted_B = np.concatenate([np.ones(len(st.batch.uid_B), np.int64) if st.spec is None else st.spec.emitted_B
+                                            for st in steps])
+        return win
+
+    def rejected_T(self) -> np.ndarray | None:
+        """Speculative windows: tokens forwarded as drafts the rejection sampler rejected (and the
+        drafts after them): row b keeps positions up to last_pos - drafts + emitted - 1 (speculation.py)."""
+        if self.drafts_B is None:
+            return None
+        keep_B = self.last_pos_B - self.drafts_B + self.emitted_B - 1
+        return self.pos_T > np.repeat(keep_B, self.ntok_B)
 
 
 class WorkerCapture:
@@ -130,6 +157,8 @@ class WorkerCapture:
     def __init__(self, runner: Any, config: CaptureConfig) -> None:
         self.runner, self.config = runner, config
         _check_runner(runner)
+        self.spec = spec_info(runner)
+        """The engine's speculative decoding (speculation.py), None without."""
         self.geometry = geometry_from_runner(runner)
         self.book = RecordBook(config.max_unclaimed, RowLog(self.geometry.num_moe_layers, self.geometry.top_k,
                                                             self.geometry.route_dtype))
@@ -149,7 +178,8 @@ class WorkerCapture:
                 self.geometry.top_k,
                 self.routes.dtype,
             )
-        self.max_rows = int(runner.input_batch.max_num_reqs)
+        self.max_rows = int(runner.input_batch.max_num_reqs) * (1 + (self.spec.num_speculative_tokens if self.spec else 0))
+        """The most sampled tokens one step commits (every request emits 1 + its drafts under speculation)."""
         self.support = SupportStage(config.max_support, config.support, config.logprobs,
                                     config.flush_bytes, self.max_rows)
         self.pending: list[_Step] = []
@@ -165,6 +195,14 @@ class WorkerCapture:
         the rows are armed before each forward from there on: route_hook.RouteCapture.check_armed)."""
         self.support_misses = 0
         """Sampled tokens found outside their recorded support (each fails its trace)."""
+        self.rerouted = 0
+        """Positions of taken records whose route a later forward changed (row_log.py, provenance)."""
+        self.stale = 0
+        """Sampled tokens of taken records that depended on a route changed after they were drawn."""
+        self.spec_drafts = 0
+        """Draft tokens the target model verified (speculative decoding)."""
+        self.spec_accepted = 0
+        """Draft tokens it accepted (the rest were rejected: their routes are dropped)."""
         self.hook_s = 0.0
         """Seconds spent in capture code outside the forward (snapshots, flushes, support staging),
         less the per-step parts still in their tallies (`stats` adds them)."""
@@ -179,7 +217,10 @@ class WorkerCapture:
         """Seconds inside take() (its flush and take.assemble): the client subtracts it from its call."""
         self.support.times = self.times
         self._tokens_left = 0
-        self._file_hook = ("after_unsampled",) if config.support or config.logprobs else ("after_forward",)
+        self.samples = bool(config.support or config.logprobs or self.spec is not None)
+        """Whether capture wraps the sampler: for the kept sets or logprobs, and on a speculative engine
+        also for routes alone (which rows of a step its rejected drafts forwarded: speculation.py)."""
+        self._file_hook = ("after_unsampled",) if self.samples else ("after_forward",)
         """Where each step is filed: in the sampler wrapper's hook (after_sample; the bracket's
         after_unsampled for a step no sampler runs for) where capture wraps the sampler, else in
         after_forward. One hook a step, not two: each costs ~10-25 us of cold code and data inside
@@ -228,6 +269,46 @@ class WorkerCapture:
         tally.s += time.perf_counter() - t0
         tally.calls += 1
 
+    def after_spec_sample(self, sampled_BJ: Any, metadata: Any, target_DV: Any, sampling_metadata: Any) -> None:
+        """The step's one hook on a speculative step (the rejection sampler's wrapper, patch.py): file
+        the step, stage each emitted token's target row (its draft row, or the bonus row the sampler
+        truncated) and commit the emitted tokens (speculation.py)."""
+        t0 = time.perf_counter()
+        support, bracket = self.support, self._bracket
+        bonus = support.spec_bonus
+        support.spec_bonus = None
+        scheduler_output = bracket.scheduled
+        if scheduler_output is None:  # a dummy/profile run: no engine step
+            support.drop_pending()
+            return
+        bracket.scheduled = None
+        tally = self._after_sample_s
+        step = self._file(scheduler_output, tally)
+        if step is None:
+            support.drop_pending()
+        else:
+            step.spec, row_X = spec_rows(sampled_BJ, metadata.num_draft_tokens)
+            self.spec_drafts += int(step.spec.drafts_B.sum())
+            self.spec_accepted += int((step.spec.emitted_B - 1).sum())
+            temps: float | np.ndarray = 0.0
+            if bonus:  # random rows exist: the sampler truncated the bonus rows (else every row is greedy)
+                if target_DV is None:
+                    raise CaptureHookError("a speculative step sampled at random but its draft rows' target logits "
+                                           "were not seen (rejection_sample not reached through capture's wrapper)")
+                rows_XV = torch.cat([target_DV.to(bonus[0].dtype), bonus[0]])[torch.from_numpy(row_X).to(bonus[0].device)]
+                support.stage(rows_XV)
+                if sampling_metadata.all_random or sampling_metadata.temperature is None:
+                    temps = 1.0
+                else:
+                    temps = np.repeat(sampling_metadata.temperature.cpu().numpy(), step.spec.emitted_B)
+            step.sample_row = support.commit_rows(emitted_tokens(sampled_BJ), temps)
+            if support.rows + self.max_rows > support.capacity:
+                t1 = time.perf_counter()
+                self.flush()
+                tally.s -= time.perf_counter() - t1
+        tally.s += time.perf_counter() - t0
+        tally.calls += 1
+
     def after_forward(self, scheduler_output: Any) -> None:
         """The step's hook where no sampler wrapper runs (neither support nor logprobs captured)."""
         t0 = time.perf_counter()
@@ -272,7 +353,7 @@ class WorkerCapture:
         if batch is None or batch.req_ids != layout.req_ids:
             reads = []
             batch = self._batch = self._resolve_batch(layout, reads)
-        step = _Step(batch, layout, row0, slots_T, problem, reads)
+        step = _Step(batch, layout, row0, slots_T, problem, reads, index=self.steps)
         self.pending.append(step)
         self.steps += 1
         if flushed:
@@ -370,6 +451,9 @@ class WorkerCapture:
         if gone:  # evicted since its step ran: its rows are tagged with no record
             win.uid_T = np.where(np.isin(win.uid_T, gone), -1, win.uid_T)
             win.uid_B = np.where(np.isin(win.uid_B, gone), -1, win.uid_B)
+        rejected_T = win.rejected_T()
+        if rejected_T is not None and rejected_T.any():  # rejected drafts' rows belong to no record
+            win.uid_T = np.where(rejected_T, -1, win.uid_T)
         t1 = clock()
         times.add("flush.window", t1 - t0)
         if self.routes is not None:
@@ -388,12 +472,16 @@ class WorkerCapture:
                         if rec is not None:
                             rec.problems.append(f"engine step: {st.problem}")
             if self.slot_cache is not None:
+                if rejected_T is not None and rejected_T.any():  # a rejected draft's KV slot holds no kept token's route
+                    kept_T = ~rejected_T[routed_S[win.step_T]]
+                    written_T = kept_T if written_T is None else written_T & kept_T
                 self._slot_cache_pass(steps, chunk_TLK, written_T)
                 t0, t1 = t1, clock()
                 times.add("flush.slot_cache", t1 - t0)
             # routed steps hold consecutive route rows 0, 1, ... in step order (route_hook.RouteCapture)
             routed_T = routed_S[win.step_T]
-            self.book.log.add_routes(win.uid_T[routed_T], win.pos_T[routed_T], chunk_TLK)
+            self.book.log.add_routes(win.uid_T[routed_T], win.pos_T[routed_T], chunk_TLK, None,
+                                     _step_numbers(steps)[win.step_T[routed_T]])
             times.add("flush.route_records", clock() - t1)
         sampled_S = np.array([st.sample_row is not None for st in steps])
         if sampled_S.any():
@@ -416,18 +504,29 @@ class WorkerCapture:
         """Sampler rows of the sampled steps occupy stage rows 0, 1, ... in step order (one commit per
         step, sampler_hook.SupportStage), so row x of the window's sampled rows is stage row x."""
         first_S = np.array([st.sample_row for st in steps if st.sample_row is not None])
-        size_S = win.b_S[sampled_S]
+        sampled_B = sampled_S[win.step_B]
+        uid_B = np.where(win.discard_B, -1, win.uid_B)
+        step_B = _step_numbers(steps)[win.step_B]
+        if win.emitted_B is None:  # one sample per row, the token after its last forwarded one
+            size_S = win.b_S[sampled_S]
+            uid_X = uid_B[sampled_B]
+            g_X = (win.last_pos_B + 1 - win.prompt_B)[sampled_B]
+            step_X = step_B[sampled_B]
+        else:  # speculative steps: each row's emitted tokens follow its last sampled one (speculation.py)
+            size_S = np.bincount(win.step_B, weights=win.emitted_B, minlength=len(steps)).astype(np.int64)[sampled_S]
+            count_B = win.emitted_B[sampled_B]
+            uid_X = np.repeat(uid_B[sampled_B], count_B)
+            g0_B = (win.last_pos_B - win.drafts_B + 1 - win.prompt_B)[sampled_B]
+            g_X = np.repeat(g0_B, count_B) + ranks_within(count_B)
+            step_X = np.repeat(step_B[sampled_B], count_B)
         if not np.array_equal(first_S, np.cumsum(size_S) - size_S):
             raise CaptureHookError(f"support stage rows {first_S.tolist()} do not follow the steps' sizes {size_S}")
-        sampled_B = sampled_S[win.step_B]
-        uid_X = np.where(win.discard_B, -1, win.uid_B)[sampled_B]
-        g_X = (win.last_pos_B + 1 - win.prompt_B)[sampled_B]
         t0 = time.perf_counter()
         staged = self.support.compute()  # times flush.kept_sets itself
         if staged.outside_R is not None:
             self.support_misses += int(staged.outside_R.sum())
         t1 = time.perf_counter()
-        self.book.log.add_samples(uid_X, g_X, staged)
+        self.book.log.add_samples(uid_X, g_X, staged, step_X)
         self.times.add("flush.sample_records", time.perf_counter() - t1)
 
     def _flush_between_steps(self) -> None:
@@ -459,7 +558,7 @@ class WorkerCapture:
                             "off; reset the prefix cache (llm.reset_prefix_cache()) after installing capture"
                         )
                     self.book.log.add_routes(np.full(len(rows), rec.uid, dtype=np.int64), np.arange(start, stop),
-                                             rows, valid)
+                                             rows, valid, np.full(len(rows), st.index, dtype=np.int64))
         self._write_slots(seg, chunk_TLK, written_T)
 
     def _write_slots(self, seg: list[_Step], chunk_TLK: np.ndarray, written_T: np.ndarray | None) -> None:
@@ -477,6 +576,10 @@ class WorkerCapture:
         self._batch = None  # a taken live request gets no record on its next step
         t1 = time.perf_counter()
         out = self.book.take(keys)
+        for rec in out:
+            if rec.rerouted:
+                self.rerouted += len(rec.rerouted)
+                self.stale += len(rec.stale)
         t2 = time.perf_counter()
         self.times.add("take.assemble", t2 - t1)
         self.take_s += t2 - t0
@@ -498,6 +601,10 @@ class WorkerCapture:
             "flushes": self.flushes,
             "preemptions": self.preemptions,
             "support_misses": self.support_misses,
+            "rerouted": self.rerouted,
+            "stale": self.stale,
+            "spec_drafts": self.spec_drafts,
+            "spec_accepted": self.spec_accepted,
             "log_rows": self.book.log.rows,
             "hook_s": self.hook_s + sum(tally.s for tally in self._tallies),
             "route_mode": self.routes.mode if self.routes is not None else None,
@@ -526,6 +633,11 @@ class WorkerCapture:
             self.routes.uninstall()
 
 
+def _step_numbers(steps: list[_Step]) -> np.ndarray:
+    """int64 [S]: each pending step's number (`_Step.index`)."""
+    return np.fromiter((st.index for st in steps), dtype=np.int64, count=len(steps))
+
+
 def _records_of(steps: list[_Step]) -> dict[int, RequestRecord]:
     """uid -> record over the distinct batch compositions of `steps`."""
     out: dict[int, RequestRecord] = {}
@@ -543,8 +655,6 @@ def _check_runner(runner: Any) -> None:
             "(GPU Model Runner V2 has its own routed-expert output, RequestOutput routed_experts with "
             "enable_return_routed_experts; moe_replay does not read it yet: it needs a GPU vLLM build to test)"
         )
-    if getattr(runner, "speculative_config", None) is not None:
-        raise CaptureHookError("speculative decoding is on: per-token sampling capture does not support draft tokens")
     if not hasattr(runner.sampler, "topk_topp_sampler"):
         raise CaptureHookError(f"sampler {type(runner.sampler).__name__} has no topk_topp_sampler to hook")
 
