@@ -13,14 +13,33 @@ Prints one JSON object: per workload, bytes_per_token_layer for int32 / uint8 / 
 bound (= log2(E!/(E-K)!) / 8), and encode/decode token-layers per second of the moe_replay
 codec on one core (process pinned to one CPU, best of `--repeats` timed passes).
 
-Usage: python benchmarks/store.py --json [--sequences N] [--repeats R]
+Two more workloads store whole prompt groups in a DirectoryStore (synthetic routes as above, the
+real codec, Qwen3-30B-A3B geometry, vocabulary 151,936), today's layout (every record whole,
+`share_prefixes=False`) against the shared-prefix one (store/chunks.py), in one interleaved run:
+  grpo     one 2,048-token prompt, n = 8 completions of 512 tokens: 8 records;
+  agentic  n = 16 rollouts of one 1,472-token prompt, 8 turns each; turn k's request re-sends the
+           whole context (turns 1..k-1 and a 448-token tool output before each turn after the
+           first) and samples 448 tokens, so the context grows to 8,192 tokens: one record per
+           turn (what capture gives for each turn's request), 128 records. Within a rollout the
+           context's routes are the same every turn (prefix cache); rollouts share the prompt only.
+Per workload: `bytes_per_rollout` (the store's files over n; today / dedup), `unique_token_bound_bytes`
+(unique token-layers of the group x today's route bytes per token-layer, over n),
+`dedup_ratio` (today / dedup), `encode_mb_s` / `decode_mb_s` (MB of routes, one byte per id, put
+and read back per second; decode with the reader's chunk cache, `decode_mb_s_cold` without), and
+`pp2_bytes_per_rank_share` (bytes a reader of one pipeline stage's 24 layers reads over what a
+reader of all 48 reads, the larger of the two stages). Records carry tokens and logprobs, no
+kept sets.
+
+Usage: python benchmarks/store.py --json [--sequences N] [--repeats R] [--scale F]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -29,6 +48,9 @@ from pathlib import Path
 import numpy as np
 
 from moe_replay.codec import ROUTE_CODECS, bound_bits_per_token_layer
+from moe_replay.geometry import EngineInfo, ModelGeometry
+from moe_replay.store import DirectoryStore
+from moe_replay.trace import RolloutTrace
 
 CODEC_KEYS = {"int32": "int32", "uint8": "narrow", "moe_replay": "moe_replay"}
 
@@ -44,16 +66,22 @@ def pin_one_core() -> None:
         pass
 
 
-def synthetic_routes(num_seqs: int, seq_len: int, *, layers=48, experts=128, top_k=8, sigma=0.5, seed=0):
-    rng = np.random.default_rng(seed)
-    logpop_LE = rng.normal(0.0, sigma, (layers, experts))
+def gumbel_top_k(rng: np.random.Generator, logpop_LE: np.ndarray, rows: int, top_k: int, step: int = 512) -> np.ndarray:
+    """[rows, L, K] expert ids: per layer popularity exp(logpop), K distinct by Gumbel top-k, columns
+    in descending score order (a sorted top-k's); `step` rows at a time (bounded memory)."""
     out = []
-    for _ in range(num_seqs):
-        score_TLE = rng.gumbel(size=(seq_len, layers, experts)).astype(np.float32) + logpop_LE
+    for a in range(0, rows, step):
+        score_TLE = rng.gumbel(size=(min(step, rows - a), *logpop_LE.shape)).astype(np.float32) + logpop_LE
         top_TLK = np.argpartition(-score_TLE, top_k, axis=-1)[..., :top_k]
         order = np.argsort(-np.take_along_axis(score_TLE, top_TLK, -1), axis=-1)
         out.append(np.take_along_axis(top_TLK, order, -1).astype(np.uint8))
-    return out, experts, top_k
+    return np.concatenate(out) if out else np.zeros((0, logpop_LE.shape[0], top_k), np.uint8)
+
+
+def synthetic_routes(num_seqs: int, seq_len: int, *, layers=48, experts=128, top_k=8, sigma=0.5, seed=0):
+    rng = np.random.default_rng(seed)
+    logpop_LE = rng.normal(0.0, sigma, (layers, experts))
+    return [gumbel_top_k(rng, logpop_LE, seq_len, top_k, step=seq_len) for _ in range(num_seqs)], experts, top_k
 
 
 def real_text_token_ids(tokenizer, num_seqs: int, seq_len: int) -> list[list[int]]:
@@ -132,12 +160,150 @@ def measure(routes_list: list[np.ndarray], experts: int, top_k: int, repeats: in
     }
 
 
+# -- shared prefixes: prompt groups in a DirectoryStore ---------------------------------------------
+QWEN3_30B_A3B = ModelGeometry(num_layers=48, moe_layer_ids=tuple(range(48)), num_experts=128, top_k=8, vocab_size=151_936,
+                              family="qwen3_moe")
+ENGINE = EngineInfo("vllm", "0.32.0", "bfloat16")
+
+
+class Conversation:
+    """Tokens and routes of one sequence that grows: extend() appends tokens and the routes of the
+    positions they make forwardable (row p is the forward of token p; the last token has none)."""
+
+    def __init__(self, rng, logpop_LE, tokens: np.ndarray, routes_TLK: np.ndarray) -> None:
+        self.rng, self.logpop_LE = rng, logpop_LE
+        self.tokens, self.routes_TLK = tokens, routes_TLK
+
+    def extend(self, n: int) -> "Conversation":
+        tokens = np.concatenate([self.tokens, self.rng.integers(0, QWEN3_30B_A3B.vocab_size, n)])
+        new = gumbel_top_k(self.rng, self.logpop_LE, max(0, len(tokens) - 1 - len(self.routes_TLK)), QWEN3_30B_A3B.top_k)
+        return Conversation(self.rng, self.logpop_LE, tokens, np.concatenate([self.routes_TLK, new]))
+
+    def record(self, key: str, prompt_len: int) -> RolloutTrace:
+        s = len(self.tokens)
+        return RolloutTrace(key, self.tokens, prompt_len, QWEN3_30B_A3B, routes_TLK=self.routes_TLK[: s - 1],
+                            logprobs_G=-self.rng.exponential(1.0, s - prompt_len).astype(np.float32), engine=ENGINE,
+                            weights_version=7)
+
+
+def _root(rng, logpop_LE, prompt: int) -> Conversation:
+    tokens = rng.integers(0, QWEN3_30B_A3B.vocab_size, prompt)
+    # prefill forwards every prompt token, the last one included: its row is the samples' too
+    return Conversation(rng, logpop_LE, tokens, gumbel_top_k(rng, logpop_LE, prompt, QWEN3_30B_A3B.top_k))
+
+
+def grpo_group(rng, logpop_LE, prompt=2048, n=8, completion=512) -> tuple[list[RolloutTrace], int]:
+    """(n records of one prompt, unique route rows of the group)."""
+    root = _root(rng, logpop_LE, prompt)
+    traces = [root.extend(completion).record(f"grpo/q0#{i}", prompt) for i in range(n)]
+    return traces, prompt + n * (completion - 1)  # rows 0..prompt-1 shared; each sample's own after
+
+
+def agentic_group(rng, logpop_LE, prompt=1472, turns=8, turn_tokens=448, n=16) -> tuple[list[RolloutTrace], int]:
+    """(n rollouts x `turns` per-turn records, unique route rows of the group)."""
+    root = _root(rng, logpop_LE, prompt)
+    traces = []
+    for i in range(n):
+        conv = root
+        for k in range(turns):
+            if k:
+                conv = conv.extend(turn_tokens)  # the tool's output: the next turn's prompt ends it
+            p = len(conv.tokens)
+            conv = conv.extend(turn_tokens)
+            traces.append(conv.record(f"agent/q0#{i}/turn{k + 1}", p))
+    return traces, prompt + n * (len(conv.tokens) - 1 - prompt)
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+def measure_sharing(traces: list[RolloutTrace], n: int, unique_rows: int, repeats: int, work: Path) -> dict:
+    """Today's layout and the shared-prefix one, interleaved; see the module doc for the keys."""
+    g = traces[0].geometry
+    rows = sum(t.num_route_rows for t in traces)
+    route_mb = rows * g.num_moe_layers * g.top_k / 1e6
+    codec = ROUTE_CODECS.get("moe_replay")
+    today_route_bytes = sum(len(codec.encode(t.routes_TLK, g.num_experts)[0]) for t in traces)
+    per_token_layer = today_route_bytes / (rows * g.num_moe_layers)
+    keys = [t.key for t in traces]
+    layouts = {"today": {"share_prefixes": False}, "dedup": {}}
+    best: dict[str, dict[str, float]] = {name: {"put": math.inf, "get": math.inf, "get_cold": math.inf} for name in layouts}
+    size, pp2 = {}, {}
+    for rep in range(repeats):
+        for name, opts in layouts.items():  # interleaved, so drift of the shared machine hits both alike
+            d = work / f"{name}-{rep}"
+            t0 = time.perf_counter()
+            with DirectoryStore(d, durable=False, **opts) as w:
+                w.put_many(traces)
+            t1 = time.perf_counter()
+            with DirectoryStore(d, readonly=True) as r:
+                for k in keys:
+                    r.get(k)
+                full = r.stats.bytes_read
+            t2 = time.perf_counter()
+            with DirectoryStore(d, readonly=True, chunk_cache_bytes=0) as r:
+                for k in keys:
+                    r.get(k)
+            t3 = time.perf_counter()
+            for part, dt in (("put", t1 - t0), ("get", t2 - t1), ("get_cold", t3 - t2)):
+                best[name][part] = min(best[name][part], dt)
+            size[name] = _dir_bytes(d)
+            if rep == 0:
+                with DirectoryStore(d, readonly=True) as r:  # exact round trip, or the numbers are void
+                    if not all(a.equals(b) for a, b in zip(r.get_many(keys), traces)):
+                        raise SystemExit(f"{name}: a record did not read back bit-identical")
+                shares = []
+                for stage in (g.moe_layer_ids[: g.num_moe_layers // 2], g.moe_layer_ids[g.num_moe_layers // 2 :]):
+                    with DirectoryStore(d, readonly=True) as r:
+                        for k in keys:
+                            r.get(k, layers=stage)
+                        shares.append(r.stats.bytes_read / full)
+                pp2[name] = shares
+            shutil.rmtree(d)
+    bound = unique_rows * g.num_moe_layers * per_token_layer / n
+    per_rollout = {name: size[name] / n for name in layouts}
+    return {
+        "bytes_per_rollout": {k: round(v) for k, v in per_rollout.items()},
+        "unique_token_bound_bytes": round(bound),
+        "dedup_over_bound": round(per_rollout["dedup"] / bound, 4),
+        "dedup_ratio": round(per_rollout["today"] / per_rollout["dedup"], 3),
+        "encode_mb_s": {k: round(route_mb / v["put"], 1) for k, v in best.items()},
+        "decode_mb_s": {k: round(route_mb / v["get"], 1) for k, v in best.items()},
+        "decode_mb_s_cold": {k: round(route_mb / v["get_cold"], 1) for k, v in best.items()},
+        "decode_vs_today": round(best["today"]["get"] / best["dedup"]["get"], 3),
+        "pp2_bytes_per_rank_share": round(max(pp2["dedup"]), 4),
+        "pp2_shares_by_stage": {k: [round(x, 4) for x in v] for k, v in pp2.items()},
+        "today_route_bytes_per_token_layer": round(per_token_layer, 4),
+        "records": len(traces),
+        "rollouts": n,
+        "route_rows": rows,
+        "unique_route_rows": unique_rows,
+    }
+
+
+def sharing_workloads(repeats: int, scale: float) -> dict:
+    rng = np.random.default_rng(48)
+    logpop_LE = rng.normal(0.0, 0.5, (QWEN3_30B_A3B.num_moe_layers, QWEN3_30B_A3B.num_experts))
+    sz = lambda x: max(2, round(x * scale))  # noqa: E731
+    groups = {
+        "grpo": (8, grpo_group(rng, logpop_LE, prompt=sz(2048), n=8, completion=sz(512))),
+        "agentic": (16, agentic_group(rng, logpop_LE, prompt=sz(1472), turns=8, turn_tokens=sz(448), n=16)),
+    }
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (n, (traces, unique)) in groups.items():
+            out[name] = measure_sharing(traces, n, unique, repeats, Path(tmp))
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print only the JSON object")
     ap.add_argument("--sequences", type=int, default=16, help="records per workload")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--families", default="qwen3_moe,mixtral,olmoe")
+    ap.add_argument("--scale", type=float, default=1.0, help="token counts of the grpo / agentic groups times this")
     args = ap.parse_args(argv)
     pin_one_core()
 
@@ -156,12 +322,18 @@ def main(argv: list[str] | None = None) -> dict:
         result["workloads"]["real"] = real
     routes, e, k = synthetic_routes(args.sequences, 2048)
     result["workloads"]["synthetic_qwen3_30b_a3b"] = measure(routes, e, k, args.repeats)
+    codec_workloads = dict(result["workloads"])
+    result["prefix_sharing"] = sharing_workloads(args.repeats, args.scale)
+    sharing = result["prefix_sharing"].values()
     result["targets"] = {
+        "dedup_within_1_15x_bound": all(w["dedup_over_bound"] <= 1.15 for w in sharing),
+        "decode_ge_0_8x_today": all(w["decode_vs_today"] >= 0.8 for w in sharing),
+        "pp2_share_le_0_55": all(w["pp2_bytes_per_rank_share"] <= 0.55 for w in sharing),
         "moe_replay_at_or_below_bound": all(
-            w["bytes_per_token_layer"]["moe_replay"] <= w["bytes_per_token_layer"]["bound"] for w in result["workloads"].values()
+            w["bytes_per_token_layer"]["moe_replay"] <= w["bytes_per_token_layer"]["bound"] for w in codec_workloads.values()
         ),
-        "decode_ge_20M": all(w["decode_token_layers_per_s"] >= 20e6 for w in result["workloads"].values()),
-        "encode_ge_10M": all(w["encode_token_layers_per_s"] >= 10e6 for w in result["workloads"].values()),
+        "decode_ge_20M": all(w["decode_token_layers_per_s"] >= 20e6 for w in codec_workloads.values()),
+        "encode_ge_10M": all(w["encode_token_layers_per_s"] >= 10e6 for w in codec_workloads.values()),
     }
     print(json.dumps(result, indent=None if args.json else 2))
     return result

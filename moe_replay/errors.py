@@ -76,6 +76,10 @@ class ExpertIdOutOfRangeError(TraceError, ValueError):
     """An expert id is negative or >= num_experts."""
 
 
+class PartialTraceError(TraceError, ValueError):
+    """A trace read for some MoE layers only (`route_layer_ids`) reached a reader that needs them all."""
+
+
 class TraceAlignmentError(TraceError, ValueError):
     """Traces that should line up with one token sequence do not (e.g. conversation turns to stitch)."""
 

@@ -22,15 +22,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .errors import ExpertIdOutOfRangeError, MultiSpanTraceError, TraceAlignmentError, TraceFormatError, Where
+from .errors import ExpertIdOutOfRangeError, MultiSpanTraceError, PartialTraceError, TraceAlignmentError, TraceFormatError, Where
 from .geometry import EngineInfo, ModelGeometry, token_dtype
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Bumped on any change a reader of the previous version could misread. v2 added the typed
 `sampling` parameters and `weights_version` (v1 kept the sampling in extra["sampling"]); v3 added
 `generated_spans` (a v2 reader would take a multi-turn record's support rows for S - prompt_len
-contiguous tokens)."""
-READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+contiguous tokens); v4 added `route_chunks`, the rows a record's store keeps in shared chunks (a
+v3 reader would take the inline rows for all of them). The trace itself is unchanged by v4."""
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
 """Versions this reader decodes (v1 records are migrated on read; v1/v2 records are single-span)."""
 
 
@@ -195,6 +196,12 @@ class RolloutTrace:
     prompt_len to the end: a stitched conversation whose turns are separated by text the engine
     did not sample (tool output). Ascending, non-empty, separated (adjacent spans are one span),
     inside [prompt_len, S). None = the single span [prompt_len, S) (schema v3; v1/v2 records)."""
+    route_layer_ids: tuple[int, ...] | None = None
+    """The MoE layers `routes_TLK` holds when it was read for some of them only (a pipeline stage
+    reads its own: `store.get(key, layers=...)`), in geometry order; None = every layer of
+    `geometry.moe_layer_ids`. A partial trace is for reading: the codec (so every store) and
+    `stitch` refuse it by name (PartialTraceError), and `build_plan(..., layers=...)` takes it.
+    Never written to a record."""
 
     def __post_init__(self) -> None:
         if self.generated_spans is not None:
@@ -204,6 +211,14 @@ class RolloutTrace:
                 raise TraceFormatError(Where(record=self.key, field="generated_spans"), "(start, end) int pairs",
                                        repr(self.generated_spans)[:80], str(e)) from None
         self.token_ids_S = np.asarray(self.token_ids_S).astype(np.int64, copy=False)
+        if self.route_layer_ids is not None:
+            try:
+                self.route_layer_ids = tuple(int(i) for i in self.route_layer_ids)
+            except (TypeError, ValueError) as e:
+                raise TraceFormatError(Where(record=self.key, field="route_layer_ids"), "a sequence of layer ids",
+                                       repr(self.route_layer_ids)[:80], str(e)) from None
+            if self.route_layer_ids == self.geometry.moe_layer_ids:
+                self.route_layer_ids = None  # every layer: a whole trace
         if self.routes_TLK is not None:
             self.routes_TLK = _as_routes(self.routes_TLK, self.geometry, Where(record=self.key, field="routes_TLK"))
         if self.logprobs_G is not None:
@@ -246,6 +261,20 @@ class RolloutTrace:
                 f"{reader} scores a single contiguous span; score multi-turn records with build_plan / score_tokens")
 
     @property
+    def route_layers(self) -> tuple[int, ...]:
+        """The MoE layer ids of `routes_TLK`'s L axis: `route_layer_ids`, or every MoE layer."""
+        return self.geometry.moe_layer_ids if self.route_layer_ids is None else self.route_layer_ids
+
+    def require_all_layers(self, reader: str) -> None:
+        """Refuse a trace read for some layers only (`route_layer_ids`) by name, for a reader that
+        needs every MoE layer's routes."""
+        if self.route_layer_ids is not None:
+            raise PartialTraceError(
+                Where(record=self.key, field="route_layer_ids"), f"routes of every MoE layer {list(self.geometry.moe_layer_ids)}",
+                f"routes of layers {list(self.route_layer_ids)} only (read with layers=...)",
+                f"{reader} needs whole traces; read the record without layers=")
+
+    @property
     def num_route_rows(self) -> int:
         return max(self.num_tokens - 1 - self.route_start, 0)
 
@@ -272,10 +301,19 @@ class RolloutTrace:
             raise TraceFormatError(w.with_(field="prompt_len"), f"0 <= prompt_len <= {self.num_tokens}", self.prompt_len)
         if not 0 <= self.route_start <= max(self.num_tokens - 1, 0):
             raise TraceFormatError(w.with_(field="route_start"), f"0 <= route_start <= {self.num_tokens - 1}", self.route_start)
+        if self.route_layer_ids is not None:
+            ids, known = self.route_layer_ids, set(g.moe_layer_ids)
+            if not ids or any(i not in known for i in ids) or any(b <= a for a, b in zip(ids, ids[1:])):
+                raise TraceFormatError(w.with_(field="route_layer_ids"),
+                                       f"increasing MoE layer ids of geometry.moe_layer_ids {list(g.moe_layer_ids)}", list(ids))
+            if self.routes_TLK is None:
+                raise TraceFormatError(w.with_(field="routes_TLK"), "the routes of route_layer_ids", None)
         if self.routes_TLK is not None:
-            want = (self.num_route_rows, g.num_moe_layers, g.top_k)
+            want = (self.num_route_rows, len(self.route_layers), g.top_k)
             if self.routes_TLK.shape != want:
-                raise TraceFormatError(w.with_(field="routes_TLK"), f"shape {list(want)} [S-1-route_start, L, K]", list(self.routes_TLK.shape))
+                layers = "L" if self.route_layer_ids is None else f"{len(self.route_layers)} layers read"
+                raise TraceFormatError(w.with_(field="routes_TLK"), f"shape {list(want)} [S-1-route_start, {layers}, K]",
+                                       list(self.routes_TLK.shape))
             if arrays:
                 rw = w.with_(field="routes_TLK")
                 check_expert_range(self.routes_TLK, g.num_experts, rw)
@@ -327,6 +365,7 @@ class RolloutTrace:
             and self.sampling == other.sampling
             and self.weights_version == other.weights_version
             and self.spans == other.spans
+            and self.route_layer_ids == other.route_layer_ids
             and same(self.routes_TLK, other.routes_TLK)
             and same(self.logprobs_G, other.logprobs_G)
             and ((self.support is None and other.support is None) or (
@@ -450,6 +489,8 @@ def stitch(previous: RolloutTrace, turn: RolloutTrace) -> RolloutTrace:
     kept sets absent, as capture's 'omit' policy does for a single turn.
     """
     where = Where(record=turn.key)
+    previous.require_all_layers("stitch")
+    turn.require_all_layers("stitch")
     P = previous.num_tokens
     if turn.num_tokens < P or not np.array_equal(turn.token_ids_S[:P], previous.token_ids_S):
         raise TraceAlignmentError(where.with_(field="token_ids_S"), f"an extension of the {P} tokens of {previous.key!r}",

@@ -1,7 +1,9 @@
 """The other process of the store tests (run as `python -m tests.store_worker MODE ...` from the repo root).
 
   append DIR START COUNT BATCH DURABLE SEGMENT_BYTES [DIE_AT]
-      put_many the deterministic traces trace_for(START ...) in batches; after each put_many
+  append-shared ... (the same arguments)
+      put_many the deterministic traces trace_for(START ...) (append-shared: shared_trace_for,
+      prompt groups whose prefixes the store keeps as shared chunks) in batches; after each put_many
       returns, print the number of records committed so far. COUNT < 0 appends until killed.
       DIE_AT = KIND:N (KIND one of frames, index, header, rewrite): the N-th write of that kind
       by the store writes half its bytes (plus one), then the process SIGKILLs itself: a crash at
@@ -21,7 +23,10 @@ import sys
 from moe_replay.store import DirectoryStore, StoreLockedError
 from moe_replay.store import directory as dirmod
 from moe_replay.store import framing
-from tests.trace_factory import trace_for
+from tests.trace_factory import shared_trace_for, trace_for
+
+SHARED_CHUNK_MIN_BYTES = 16
+"""append-shared's chunk_min_bytes: every prompt of shared_trace_for (40 rows of the tiny geometry) is a chunk."""
 
 
 def write_kind(data: bytes) -> str:
@@ -47,13 +52,15 @@ def die_at(kind: str, n: int) -> None:
     dirmod._write_all = write
 
 
-def append(path: str, start: int, count: int, batch: int, durable: bool, segment_bytes: int) -> None:
-    with DirectoryStore(path, durable=durable, segment_bytes=segment_bytes) as store:
+def append(path: str, start: int, count: int, batch: int, durable: bool, segment_bytes: int, shared: bool = False) -> None:
+    make = shared_trace_for if shared else trace_for
+    opts = {"chunk_min_bytes": SHARED_CHUNK_MIN_BYTES} if shared else {}
+    with DirectoryStore(path, durable=durable, segment_bytes=segment_bytes, **opts) as store:
         print(len(store), flush=True)
         i = start
         while count < 0 or i < start + count:
             n = batch if count < 0 else min(batch, start + count - i)
-            store.put_many([trace_for(j) for j in range(i, i + n)])
+            store.put_many([make(j) for j in range(i, i + n)])
             i += n
             print(i, flush=True)
 
@@ -69,12 +76,12 @@ def try_writer(path: str) -> int:
 
 def main(argv: list[str]) -> int:
     mode, path, *rest = argv
-    if mode == "append":
+    if mode in ("append", "append-shared"):
         if len(rest) > 5:
             kind, n = rest.pop().split(":")
             die_at(kind, int(n))
         start, count, batch, durable, segment_bytes = (int(x) for x in rest)
-        append(path, start, count, batch, bool(durable), segment_bytes)
+        append(path, start, count, batch, bool(durable), segment_bytes, shared=mode == "append-shared")
         return 0
     if mode == "try-writer":
         return try_writer(path)

@@ -21,7 +21,7 @@ GPU_PREFIX = "gpu_"
 vllm, slow = pytest.mark.vllm, pytest.mark.slow
 CASES: dict[str, tuple[list[str], str, tuple]] = {
     # name: (arguments after --json: the smallest run, a key its JSON must hold, marks)
-    "store": (["--sequences", "2", "--repeats", "1", "--families", "qwen3_moe"], "workloads", ()),
+    "store": (["--sequences", "2", "--repeats", "1", "--families", "qwen3_moe", "--scale", "0.05"], "workloads", ()),
     "capture": (["--models", "tiny", "--pairs", "1", "--prompts", "2", "--max-tokens", "4", "--compiled-pairs", "0"],
                 "models", (vllm, slow)),
     "replay": (["--size", "tiny", "--requests", "2", "--tokens", "4", "--repeats", "1"], "k3_kl_replay_support",

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moe_replay.codec import ROUTE_CODECS, bound_bits_per_token_layer, decode_trace, encode_trace, peek_key
+from moe_replay.codec import ROUTE_CODECS, bound_bits_per_token_layer, decode_trace, encode_trace, peek_key, record_chunks
 from moe_replay.codec import support as support_codec
 from moe_replay.codec import varint
 from moe_replay.codec.routes import _perm_table, perm_rank
@@ -33,7 +33,10 @@ GOLDEN = Path(__file__).parent / "golden" / "trace_v1.msgpack"
 GOLDEN_V2 = Path(__file__).parent / "golden" / "trace_v2.msgpack"
 """Written by schema v2 (frozen): single-span, typed sampling and weights_version."""
 GOLDEN_V3 = Path(__file__).parent / "golden" / "trace_v3.msgpack"
-"""Written by schema v3: a two-span (stitched two-turn) record."""
+"""Written by schema v3 (frozen): a two-span (stitched two-turn) record."""
+GOLDEN_V4 = Path(__file__).parent / "golden" / "trace_v4.msgpack"
+"""Written by schema v4: the record of GOLDEN_V3, `route_chunks` nil (it holds every row; records naming
+shared chunks read through their store: tests/golden/store_v2, tests/test_store_chunks.py)."""
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -286,7 +289,7 @@ def _rewrap(data: bytes, **outer_changes) -> bytes:
 
 def test_unknown_schema_version_is_refused_with_reason():
     data = _rewrap(encode_trace(make_trace(11)), v=99)
-    with pytest.raises(SchemaVersionError, match=r"expected a schema version in \[1, 2, 3\], found 99"):
+    with pytest.raises(SchemaVersionError, match=r"expected a schema version in \[1, 2, 3, 4\], found 99"):
         decode_trace(data)
 
 
@@ -406,14 +409,14 @@ def _edit_body(data: bytes, edit, version: int | None = None) -> bytes:
 
 def test_v1_record_without_sampling_gets_the_engine_defaults():
     def as_v1(body):
-        del body["sampling"], body["weights_version"], body["spans"]  # a v1 writer wrote neither v2 nor v3 fields
+        del body["sampling"], body["weights_version"], body["spans"], body["route_chunks"]  # no v2, v3 or v4 fields
     back = decode_trace(_edit_body(encode_trace(make_trace(6)), as_v1, version=1))
     assert back.sampling == Sampling() and back.weights_version is None
 
 
 def test_bad_sampling_fields_are_refused_by_name():
     def v1_bad(body):
-        del body["sampling"], body["weights_version"], body["spans"]
+        del body["sampling"], body["weights_version"], body["spans"], body["route_chunks"]
         body["extra"]["sampling"] = {"temperature": -1.0}
     with pytest.raises(TraceFormatError, match=r"record 'req-7', field 'extra.sampling'.*temperature.*-1.0"):
         decode_trace(_edit_body(encode_trace(make_trace(7)), v1_bad, version=1))
@@ -447,6 +450,11 @@ def test_golden_v3_record_decodes():
     trace = read_golden(GOLDEN_V3, 3)
     assert trace.equals(two_span_trace()) and trace.spans == ((6, 12), (16, 24)) and trace.num_generated == 14
     assert trace.generated_positions().tolist() == [*range(6, 12), *range(16, 24)]
+
+
+def test_golden_v4_record_decodes():
+    trace = read_golden(GOLDEN_V4, 4)
+    assert trace.equals(two_span_trace()) and record_chunks(GOLDEN_V4.read_bytes()) == []
 
 
 def test_multi_span_round_trip_and_single_span_writes_nil():
@@ -493,11 +501,11 @@ def test_spans_field_is_checked_by_name():
 def test_v2_body_with_spans_is_single_span():
     """A v2 reader never wrote spans: a v2 envelope is read as one span whatever its body holds."""
     t = make_trace(11)
-    back = decode_trace(_edit_body(encode_trace(t), lambda b: b.pop("spans"), version=2))
+    back = decode_trace(_edit_body(encode_trace(t), lambda b: (b.pop("spans"), b.pop("route_chunks")), version=2))
     assert back.equals(t) and not back.multi_span
 
 
-if __name__ == "__main__":  # the v1 and v2 golden files are frozen: only v3 is (re)written
-    GOLDEN_V3.parent.mkdir(parents=True, exist_ok=True)
-    GOLDEN_V3.write_bytes(encode_trace(two_span_trace()))
-    print(f"wrote {GOLDEN_V3}")
+if __name__ == "__main__":  # the v1, v2 and v3 golden files are frozen: only v4 is (re)written
+    GOLDEN_V4.parent.mkdir(parents=True, exist_ok=True)
+    GOLDEN_V4.write_bytes(encode_trace(two_span_trace()))
+    print(f"wrote {GOLDEN_V4}")

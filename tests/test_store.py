@@ -139,7 +139,7 @@ def test_get_many_reads_in_file_order(tmp_path):
     store.put_many(traces)
     seen = []
     real = store._read
-    store._read = lambda key, entry: (seen.append(entry[:2]), real(key, entry))[1]
+    store._read = lambda key, entry, *rest: (seen.append(entry[:2]), real(key, entry, *rest))[1]
     keys = [t.key for t in reversed(traces)]
     assert same(store.get_many(keys), traces[::-1])
     assert seen == sorted(seen) and len({s for s, _ in seen}) > 1  # spans segments, read ascending
@@ -360,7 +360,7 @@ def test_unknown_format_versions_are_refused(tmp_path):
     seg.write_bytes(original)
     index = d / framing.INDEX_NAME
     data = index.read_bytes()
-    index.write_bytes(framing.pack_header(framing.INDEX_MAGIC, 2) + data[framing.HEADER.size :])
+    index.write_bytes(framing.pack_header(framing.INDEX_MAGIC, framing.FORMAT_VERSION + 1) + data[framing.HEADER.size :])
     for readonly in (True, False):
         with pytest.raises(SchemaVersionError) as e:
             DirectoryStore(d, readonly=readonly)

@@ -78,3 +78,19 @@ def trace_for(index: int, seed: int = 0, **kwargs) -> RolloutTrace:
     can regenerate exactly what a writer stored and compare."""
     rng = np.random.default_rng([seed, index])
     return random_trace(f"r{index:07d}", rng, num_tokens=int(rng.integers(2, 80)), **kwargs)
+
+
+def shared_trace_for(index: int, seed: int = 0, group: int = 4, prompt: int = 40, **kwargs) -> RolloutTrace:
+    """Trace `index` of a stream of prompt groups: the `group` traces of group index // group share
+    their first `prompt` tokens and those positions' routes (n samples of one prompt, one prefill),
+    then sample their own completion; keyed f"g{index // group:05d}#{index % group}", regenerable
+    in another process like trace_for."""
+    g_rng = np.random.default_rng([seed, 1, index // group])
+    head = random_trace("head", g_rng, num_tokens=prompt + 1, prompt_len=prompt, with_support=False, with_logprobs=False)
+    rng = np.random.default_rng([seed, 2, index])
+    t = random_trace(f"g{index // group:05d}#{index % group}", rng, num_tokens=prompt + int(rng.integers(8, 40)),
+                     prompt_len=prompt, **kwargs)
+    t.token_ids_S[:prompt] = head.token_ids_S[:prompt]
+    if t.routes_TLK is not None:
+        t.routes_TLK[:prompt] = head.routes_TLK[:prompt]  # rows 0..prompt-1: the prompt's forward
+    return t.validate()

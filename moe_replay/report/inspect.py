@@ -140,6 +140,7 @@ def summarize_store(
         if progress is not None:
             progress(i + 1 + len(bad), total)
 
+    chunks = _chunk_summary(store, bad)
     recovery = getattr(store, "recovery", {}) if getattr(getattr(store, "options", None), "survey", False) else None
     unindexed = list(recovery.get("records_unindexed", [])) if recovery is not None else []
     disk = store_disk_bytes(store)
@@ -183,6 +184,7 @@ def summarize_store(
         "support_size": _hist_stats(stats.support_hist),
         "disk": disk,
         "route_codecs": codecs,
+        "chunks": chunks,
         "damaged": [
             {"record": err.where.record, "file": err.where.file, "field": err.where.field,
              "error": type(err).__name__, "message": str(err)}
@@ -193,6 +195,37 @@ def summarize_store(
 
 MAX_KEYS_SHOWN = 20
 """Keys of unindexed records listed in the summary (the count is always whole)."""
+
+
+def _chunk_summary(store: TraceStore, bad: list[TraceError]) -> dict[str, Any] | None:
+    """The shared route chunks of a directory store (store/chunks.py): how many, their bytes, how
+    often records name them, and which records each damaged chunk refuses."""
+    if not getattr(store, "chunked", False):
+        return None
+    keys = store.chunk_keys()  # type: ignore[attr-defined]
+    named: Counter[str] = Counter()
+    records = 0
+    bad_keys = {err.where.record for err in bad}
+    for key in store.keys():
+        if key in bad_keys:
+            continue
+        try:
+            refs = store.record_chunks(key)  # type: ignore[attr-defined]
+        except TraceError:
+            continue
+        records += bool(refs)
+        named.update(refs)
+    damaged: dict[str, list[str]] = {}
+    for err in bad:  # a record refused for its chunk names the chunk first in its field
+        f = err.where.field or ""
+        if f.startswith("chunk ") and err.where.record is not None:
+            damaged.setdefault(f.split(": ", 1)[0], []).append(err.where.record)
+    return {
+        "chunks": len(keys), "bytes": store.chunk_bytes(),  # type: ignore[attr-defined]
+        "records_naming_chunks": records, "references": sum(named.values()),
+        "unreferenced": sum(1 for k in keys if k not in named),
+        "damaged": [{"chunk": c, "records": sorted(r)} for c, r in sorted(damaged.items())],
+    }
 
 
 def _writer_summary(recovery: dict[str, Any]) -> dict[str, Any]:
@@ -261,6 +294,11 @@ def print_store_summary(summary: dict[str, Any], file=None) -> None:
         rows.append(["segment bytes no index entry names", f"{s['unindexed']['bytes']:,} B"])
     if s["writer"] is not None:
         rows.append(["a writer opening it would", writer_would(s["writer"], s["store"])])
+    if s["chunks"] is not None:
+        c = s["chunks"]
+        rows.append(["shared route chunks", f"{c['chunks']:,} ({c['bytes']:,} B), named {c['references']:,} times by "
+                                            f"{c['records_naming_chunks']:,} records; {c['unreferenced']:,} unreferenced"
+                                            + (f"; {len(c['damaged'])} damaged" if c["damaged"] else "")])
     if s["support_size"]:
         ss = s["support_size"]
         rows.append(["support size (tokens kept per row)",
@@ -296,6 +334,10 @@ def print_store_summary(summary: dict[str, Any], file=None) -> None:
             [[labels.get(k, k), fmt(v), f"{c['ratio_vs_int32'][k]:.3f}x"] for k, v in c["bytes_per_token_layer"].items()],
             file=file, numeric=[False, True, True],
         )
+    if s["chunks"] is not None and s["chunks"]["damaged"]:
+        print_table("damaged chunks (each refuses the records naming it)", ["chunk", "records"],
+                    [[d["chunk"], ", ".join(d["records"][:8]) + (f" (+{len(d['records']) - 8})" if len(d["records"]) > 8 else "")]
+                     for d in s["chunks"]["damaged"]], file=file, numeric=[False, False])
     if s["damaged"]:
         print_table("damaged records", ["record", "error", "message"],
                     [[d["record"] or _unkeyed(d["file"]), d["error"], d["message"]] for d in s["damaged"]],

@@ -4,7 +4,12 @@
   "directory"  DirectoryStore  append-only segments + checksummed index, one writer, many readers
 
 `rescue_store(src, dst)` copies every intact record of a directory store (indexed or not) into a
-new one: what a writer's refusal to open a damaged store advises.
+new one: what a writer's refusal to open a damaged store advises. `compact_store(src, dst, keys=)`
+copies the records to keep (the store is append-only): only the route chunks they name come along.
+
+Both stores keep the routes records share (a prompt's n samples, an agentic rollout's turns) once,
+as route chunks (chunks.py); a record reads back as the trace that was put, and
+`get(key, layers=...)` reads some MoE layers' routes only (a pipeline stage's).
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import os
 from .base import STORES, TraceStore
 from .directory import DirectoryStore, ReadOnlyStoreError, StoreLockedError, StoreNotFoundError
 from .memory import MemoryStore
-from .rescue import RescueDestinationError, RescueReport, rescue_store
+from .chunks import ChunkMissingError
+from .directory import ReadStats
+from .rescue import CompactReport, RescueDestinationError, RescueReport, compact_store, rescue_store
 from .salvage import UnindexedDamageError
 
 MEMORY_SCHEME = "memory://"
@@ -24,7 +31,7 @@ DIRECTORY_SCHEMES = ("directory://", "file://")
 def open_store(uri_or_path: str | os.PathLike, **options) -> TraceStore:
     """Open a store by URI: "memory://[name]" gives a new MemoryStore; "directory://PATH",
     "file://PATH" or a plain path gives DirectoryStore(PATH, **options) (create, readonly,
-    segment_bytes, durable)."""
+    segment_bytes, durable, survey, share_prefixes, chunk_min_bytes, chunk_cache_bytes)."""
     target = os.fspath(uri_or_path)
     if target.startswith(MEMORY_SCHEME):
         if options:
@@ -47,15 +54,19 @@ def open_store(uri_or_path: str | os.PathLike, **options) -> TraceStore:
 
 __all__ = [
     "STORES",
+    "ChunkMissingError",
+    "CompactReport",
     "DirectoryStore",
     "MemoryStore",
     "ReadOnlyStoreError",
+    "ReadStats",
     "RescueDestinationError",
     "RescueReport",
     "StoreLockedError",
     "StoreNotFoundError",
     "TraceStore",
     "UnindexedDamageError",
+    "compact_store",
     "open_store",
     "rescue_store",
 ]

@@ -17,7 +17,10 @@ class TraceStore(abc.ABC):
       * `get` of an absent key raises MissingKeyError naming the key and the store;
       * `get_many` returns traces in the order of the keys asked for;
       * iteration yields traces in insertion order, decoding one at a time (bounded memory);
-      * a record is visible to readers only once it is complete.
+      * a record is visible to readers only once it is complete;
+      * a trace reads back exactly as it was put (`RolloutTrace.equals`), whether or not the store
+        keeps the routes it shares with other records once (shared route chunks, store/chunks.py);
+      * `get(key, layers=...)` reads the routes of those MoE layers only (`route_layer_ids`).
     """
 
     @abc.abstractmethod
@@ -28,10 +31,10 @@ class TraceStore(abc.ABC):
             self.put(trace)
 
     @abc.abstractmethod
-    def get(self, key: str) -> RolloutTrace: ...
+    def get(self, key: str, layers: Sequence[int] | None = None) -> RolloutTrace: ...
 
-    def get_many(self, keys: Sequence[str]) -> list[RolloutTrace]:
-        return [self.get(k) for k in keys]
+    def get_many(self, keys: Sequence[str], layers: Sequence[int] | None = None) -> list[RolloutTrace]:
+        return [self.get(k, layers) for k in keys]
 
     @abc.abstractmethod
     def keys(self) -> list[str]:

@@ -20,6 +20,18 @@ delete it, and advise rescue.py's copy. A reader opened with survey=True runs th
 in memory only: what `moe-replay inspect` reports.
 
 Damaged index entries and the holes they leave, and the recovery steps above: recovery.py.
+
+Shared prefixes (format v2, chunks.py): a writer keeps the routes records share (a prompt's n
+samples, an agentic rollout's turns) as route chunks, frames of their own indexed under keys that
+start with chunks.CHUNK_KEY_PREFIX, each written once and always before, in the same commit or an
+earlier one, the first record naming it: a crash never leaves a record whose chunk is missing.
+Records and chunks are framed, indexed, recovered and salvaged alike; `keys()`, `len()` and
+iteration are the records'. A record is read with the chunks it names (each checked against its
+index entry and the record's geometry) and comes back as the trace that was written; a damaged
+or absent chunk refuses exactly the records naming it, with the chunk's name and theirs. Readers
+keep recently read chunks decoded (`chunk_cache_bytes`), so the n samples of a prompt decode its
+prefix once. `get(key, layers=...)` reads the routes of some MoE layers only (a pipeline
+stage's): of each chunk only the bytes of those layers are read (`stats`).
 """
 
 from __future__ import annotations
@@ -29,10 +41,11 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
+from ..codec.chunk import ChunkShape, decode_layers, decode_tokens, head_read_bytes, read_meta
 from ..codec.record import decode_trace, encode_trace
 from ..errors import (
     ChecksumError,
@@ -47,11 +60,15 @@ from ..errors import (
 )
 from ..trace import RolloutTrace
 from .base import STORES, TraceStore
+from .chunks import (
+    CHUNK_KEY_PREFIX, DEFAULT_CHUNK_MIN_BYTES, ChunkMissingError, ChunkTable, check_meta, decode_whole, is_chunk_key, label,
+    split_trace,
+)
 from .memory import ErrorMode, OnError, check_error_mode, check_new_keys, handle_bad_record
 from .fileio import _read_at, _sync, _sync_dir, _write_all  # names looked up here: tests patch them here
 from .framing import (
-    FRAME, FRAME_MAGIC, HEADER, INDEX_MAGIC, INDEX_NAME, LOCK_NAME, MAX_KEY_BYTES, SEGMENT_MAGIC, _SEGMENT_RE, Entry,
-    check_header, frame_crc, pack_entry, pack_header, parse_index, segment_name,
+    FORMAT_VERSION, FRAME, FRAME_MAGIC, HEADER, INDEX_MAGIC, INDEX_NAME, LOCK_NAME, MAX_KEY_BYTES, SEGMENT_MAGIC, _SEGMENT_RE,
+    Entry, check_header, frame_crc, pack_entry, pack_header, parse_index, segment_name,
 )
 from .recovery import RecoveryMixin
 
@@ -62,6 +79,14 @@ MIN_SEGMENT_BYTES = 1 << 10
 COMMIT_BYTES = 64 << 20
 """put_many commits (syncs segment, then index) at least every this many encoded bytes."""
 MAX_OPEN_SEGMENTS = 64
+DEFAULT_CHUNK_CACHE_BYTES = 64 << 20
+"""Decoded chunk routes a reader keeps (the prefix of a 16-sample group of 8k-token Qwen3-30B-A3B
+rollouts is ~3 MiB decoded per 1k tokens)."""
+
+
+def crc_of(frame: bytes) -> int:
+    """The CRC-32 a frame's head says its length and payload have."""
+    return FRAME.unpack_from(frame)[2]
 
 
 class StoreNotFoundError(MoeReplayError, FileNotFoundError):
@@ -95,9 +120,17 @@ class DirectoryStoreOptions:
     visible, `recovery` says what it would recover, cut and remove, and `recovery["refused"]` holds
     the error it would refuse to open with. Nothing is written. On a store with a live writer the
     tail is that writer's commit in flight."""
+    share_prefixes: bool = True
+    """Writer of a format-v2 store: keep the routes records share once, as chunks (chunks.py);
+    False writes every record whole. A v1 store is always written whole."""
+    chunk_min_bytes: int = DEFAULT_CHUNK_MIN_BYTES
+    """A run of route rows becomes a chunk when its routes take at least this many bytes at the
+    order-preserving bound (smaller runs stay in their record)."""
+    chunk_cache_bytes: int = DEFAULT_CHUNK_CACHE_BYTES
+    """Decoded chunk routes a reader keeps for the next record naming them (0: none)."""
 
     def __post_init__(self) -> None:
-        for name in ("create", "readonly", "durable", "survey"):
+        for name in ("create", "readonly", "durable", "survey", "share_prefixes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DirectoryStoreOptions.{name} must be a bool, got {getattr(self, name)!r}")
         if self.survey and not self.readonly:
@@ -105,6 +138,21 @@ class DirectoryStoreOptions:
         size = self.segment_bytes
         if isinstance(size, bool) or not isinstance(size, int) or size < MIN_SEGMENT_BYTES:
             raise ValueError(f"DirectoryStoreOptions.segment_bytes must be an int >= {MIN_SEGMENT_BYTES}, got {size!r}")
+        for name in ("chunk_min_bytes", "chunk_cache_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"DirectoryStoreOptions.{name} must be an int >= 0 bytes, got {value!r}")
+
+
+@dataclass
+class ReadStats:
+    """What a store's reads cost: bytes read from segment files, chunk reads and cache hits."""
+
+    bytes_read: int = 0
+    chunks_read: int = 0
+    chunk_cache_hits: int = 0
+    by_kind: dict[str, int] = field(default_factory=lambda: {"records": 0, "chunks": 0})
+    """bytes_read split into record frames and chunk bytes."""
 
 
 @STORES.register("directory")
@@ -118,9 +166,12 @@ class DirectoryStore(RecoveryMixin, TraceStore):
     def __init__(
         self, path: str | os.PathLike, *, create: bool = True, readonly: bool = False,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES, durable: bool = True, survey: bool = False,
+        share_prefixes: bool = True, chunk_min_bytes: int = DEFAULT_CHUNK_MIN_BYTES,
+        chunk_cache_bytes: int = DEFAULT_CHUNK_CACHE_BYTES,
     ) -> None:
         self.options = DirectoryStoreOptions(create=create, readonly=readonly, segment_bytes=segment_bytes, durable=durable,
-                                             survey=survey)
+                                             survey=survey, share_prefixes=share_prefixes, chunk_min_bytes=chunk_min_bytes,
+                                             chunk_cache_bytes=chunk_cache_bytes)
         self.path = Path(path)
         self.readonly = readonly
         self._fds: OrderedDict[int, int] = OrderedDict()
@@ -131,6 +182,14 @@ class DirectoryStore(RecoveryMixin, TraceStore):
         self._failed: BaseException | None = None
         self._closed = False
         self._mutex = threading.RLock()
+        self.format_version = FORMAT_VERSION
+        """The layout version of this store (its index header's): 1 = whole records only."""
+        self._table: ChunkTable | None = None
+        """A writer's lookup of the chunks stored (None: records are written whole)."""
+        self._cache: OrderedDict[tuple[str, int, int], tuple] = OrderedDict()
+        """(chunk key, first layer, stop layer) -> (tokens, routes) decoded, read-only."""
+        self._cache_bytes = 0
+        self.stats = ReadStats()
         try:
             self._open()
         except BaseException:
@@ -162,6 +221,8 @@ class DirectoryStore(RecoveryMixin, TraceStore):
         self._covered = (0, HEADER.size)
         """(segment, offset) up to which the named frames were checked for holes."""
         self._index_end = HEADER.size
+        self._nchunks = 0
+        """Entries of `_entries` that are chunks (they share the index and recovery with records)."""
 
     def _open(self) -> None:
         if not self.path.is_dir():
@@ -186,6 +247,19 @@ class DirectoryStore(RecoveryMixin, TraceStore):
         size = self._load_index()
         if not self.readonly or self.options.survey:
             self._recover(size)
+        self._recount()
+        if not self.readonly and self.chunked and self.options.share_prefixes:
+            self._table = ChunkTable()
+            for key in self._entries:
+                self._table.add(key)
+
+    @property
+    def chunked(self) -> bool:
+        """Whether this store's layout keeps shared route chunks (format v2 and later)."""
+        return self.format_version >= 2
+
+    def _recount(self) -> None:
+        self._nchunks = sum(1 for k in self._entries if k.startswith(CHUNK_KEY_PREFIX)) if self.chunked else 0
 
     def _load_index(self) -> int:
         """Read the whole index (and fill holes it leaves); return its size in bytes. A damaged or
@@ -194,11 +268,12 @@ class DirectoryStore(RecoveryMixin, TraceStore):
         size = os.fstat(self._index_fd).st_size
         data = _read_at(self._index_fd, size, 0)
         try:
-            check_header(data, INDEX_MAGIC, Where(file=str(self.index_path)))
+            self.format_version = check_header(data, INDEX_MAGIC, Where(file=str(self.index_path)))
         except SchemaVersionError:
             raise
         except TraceError as err:
-            segments = [p.name for p in self.path.iterdir() if _SEGMENT_RE.match(p.name)]
+            segments = sorted(p.name for p in self.path.iterdir() if _SEGMENT_RE.match(p.name))
+            self.format_version = self._segment_version(segments)
             if size >= HEADER.size and not segments:  # a foreign file named index.bin: not ours to rebuild
                 raise
             if self.readonly and not self.options.survey:
@@ -212,6 +287,22 @@ class DirectoryStore(RecoveryMixin, TraceStore):
             return size
         self._absorb(data[HEADER.size :])
         return size
+
+    def _segment_version(self, names: list[str]) -> int:
+        """The layout version of the first segment file with an intact header (the store's when its
+        index header is lost); FORMAT_VERSION when none has one."""
+        for name in names:
+            try:
+                fd = os.open(self.path / name, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                return check_header(_read_at(fd, HEADER.size, 0), SEGMENT_MAGIC, Where(file=str(self.path / name)))
+            except TraceError:
+                continue
+            finally:
+                os.close(fd)
+        return FORMAT_VERSION
 
     def _lock(self) -> None:
         lock_path = self.path / LOCK_NAME
@@ -269,8 +360,12 @@ class DirectoryStore(RecoveryMixin, TraceStore):
             self._entries[key] = entry
             self._damaged.pop(key, None)
             added.append(entry)
+            self._nchunks += self.chunked and key.startswith(CHUNK_KEY_PREFIX)
         self._index_end += parsed.end
-        return len(added) + self._fill_holes(added)
+        recovered = self._fill_holes(added)
+        if recovered:
+            self._recount()
+        return len(added) + recovered
 
     # -- index file: entries appended, or the whole file replaced ---------------------------------------
     def _append_index(self, data: bytes) -> None:
@@ -284,7 +379,8 @@ class DirectoryStore(RecoveryMixin, TraceStore):
         """Replace index.bin, all or nothing, by one entry per record in order: no damaged entry,
         none missing. A crash before the rename leaves the old index (and a .tmp the next writer removes)."""
         tmp = self.path / (INDEX_NAME + ".tmp")
-        data = pack_header(INDEX_MAGIC) + b"".join(pack_entry(k.encode("utf-8"), e) for k, e in self._entries.items())
+        data = pack_header(INDEX_MAGIC, self.format_version) + b"".join(
+            pack_entry(k.encode("utf-8"), e) for k, e in self._entries.items())
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             _write_all(fd, data)
@@ -305,7 +401,7 @@ class DirectoryStore(RecoveryMixin, TraceStore):
     def _new_segment(self, n: int) -> None:
         fd = os.open(self.segment_path(n), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         self._cache_fd(n, fd)
-        _write_all(fd, pack_header(SEGMENT_MAGIC))
+        _write_all(fd, pack_header(SEGMENT_MAGIC, self.format_version))
         if self.options.durable:
             _sync(fd)
             _sync_dir(self.path)
@@ -352,21 +448,41 @@ class DirectoryStore(RecoveryMixin, TraceStore):
             batch: list[tuple[str, bytes, bytes]] = []
             pending: set[str] = set()
             batch_bytes = 0
-            for trace in traces:
-                check_new_keys([trace.key], lambda k: k in self._entries or k in pending, str(self.path))
-                key_b = trace.key.encode("utf-8") if isinstance(trace.key, str) else b""
-                if len(key_b) > MAX_KEY_BYTES:
-                    where = Where(file=str(self.path), record=trace.key[:64] + "...", field="key")
-                    raise TraceFormatError(where, f"<= {MAX_KEY_BYTES} UTF-8 bytes", len(key_b))
-                payload = encode_trace(trace)
-                batch.append((trace.key, key_b, payload))
-                pending.add(trace.key)
-                batch_bytes += len(payload)
-                if batch_bytes >= COMMIT_BYTES:
+            try:
+                for trace in traces:
+                    check_new_keys([trace.key], lambda k: k in self._entries or k in pending, str(self.path))
+                    key_b = trace.key.encode("utf-8") if isinstance(trace.key, str) else b""
+                    if len(key_b) > MAX_KEY_BYTES:
+                        where = Where(file=str(self.path), record=trace.key[:64] + "...", field="key")
+                        raise TraceFormatError(where, f"<= {MAX_KEY_BYTES} UTF-8 bytes", len(key_b))
+                    for key, key_b2, payload in self._frames(trace, key_b):
+                        batch.append((key, key_b2, payload))
+                        batch_bytes += len(payload)
+                    pending.add(trace.key)
+                    if batch_bytes >= COMMIT_BYTES:
+                        self._commit(batch)
+                        batch, pending, batch_bytes = [], set(), 0
+                if batch:
                     self._commit(batch)
-                    batch, pending, batch_bytes = [], set(), 0
-            if batch:
-                self._commit(batch)
+            except BaseException:
+                if self._table is not None and batch:  # chunks of the batch never written: forget them
+                    self._table = ChunkTable()
+                    for key in self._entries:
+                        self._table.add(key)
+                raise
+
+    def _frames(self, trace: RolloutTrace, key_b: bytes) -> list[tuple[str, bytes, bytes]]:
+        """The frames that store `trace`: its new chunks (chunks.py), then its record."""
+        if self.chunked and trace.key.startswith(CHUNK_KEY_PREFIX):
+            where = Where(file=str(self.path), record=repr(trace.key[:40]), field="key")
+            raise TraceFormatError(where, f"a key not starting with {CHUNK_KEY_PREFIX!r}", "one that does",
+                                   "keys starting so name the store's route chunks")
+        if self._table is None:
+            return [(trace.key, key_b, encode_trace(trace))]
+        trace.validate()  # before any chunk of it is made
+        split = split_trace(trace, self._table, self.options.chunk_min_bytes)
+        record = encode_trace(trace, validate=False, chunks=[tuple(p) for p in split.pieces])
+        return [(key, key.encode("utf-8"), payload) for key, payload in split.new] + [(trace.key, key_b, record)]
 
     def _commit(self, batch: list[tuple[str, bytes, bytes]]) -> None:
         """Frames first (synced), then their index entries (synced): the order crash safety rests on."""
@@ -396,6 +512,7 @@ class DirectoryStore(RecoveryMixin, TraceStore):
         for key, _, entry in new:
             self._entries[key] = entry
             self._damaged.pop(key, None)
+            self._nchunks += self.chunked and key.startswith(CHUNK_KEY_PREFIX)
 
     def _flush_segment(self, buf: bytearray) -> None:
         if not buf:
@@ -468,25 +585,34 @@ class DirectoryStore(RecoveryMixin, TraceStore):
             )
         return len(self._entries) - len(before)
 
-    def get(self, key: str) -> RolloutTrace:
+    def _record_entry(self, key: str) -> Entry | None:
+        if self.chunked and isinstance(key, str) and key.startswith(CHUNK_KEY_PREFIX):
+            return None
+        return self._entries.get(key)
+
+    def get(self, key: str, layers: Sequence[int] | None = None) -> RolloutTrace:
+        """The trace stored under `key`. `layers`: MoE layer ids to read the routes of (a pipeline
+        stage's own); the trace holds only those (`route_layer_ids`), and of each shared chunk only
+        their bytes are read."""
         self._check_open()
-        entry = self._entries.get(key)
+        entry = self._record_entry(key)
         if entry is None:
             raise self._missing(key)
-        return self._read(key, entry)
+        return self._read(key, entry, layers)
 
-    def get_many(self, keys: Sequence[str]) -> list[RolloutTrace]:
-        """Traces for `keys`, in that order; read in file order (segment, offset) to keep I/O sequential."""
+    def get_many(self, keys: Sequence[str], layers: Sequence[int] | None = None) -> list[RolloutTrace]:
+        """Traces for `keys`, in that order; read in file order (segment, offset) to keep I/O sequential.
+        `layers` as for get()."""
         self._check_open()
         entries = []
         for key in keys:
-            entry = self._entries.get(key)
+            entry = self._record_entry(key)
             if entry is None:
                 raise self._missing(key)
             entries.append(entry)
         out: list[RolloutTrace | None] = [None] * len(keys)
         for i in sorted(range(len(keys)), key=lambda i: entries[i][:2]):
-            out[i] = self._read(keys[i], entries[i])
+            out[i] = self._read(keys[i], entries[i], layers)
         return out  # type: ignore[return-value]
 
     def _missing(self, key: str) -> TraceError:
@@ -501,39 +627,160 @@ class DirectoryStore(RecoveryMixin, TraceStore):
             hints.append("call refresh() to see records committed since this reader opened")
         return MissingKeyError(Where(file=str(self.path), record=key), "a stored key", "absent", "; ".join(hints))
 
-    def _read(self, key: str, e: Entry) -> RolloutTrace:
-        """pread one frame, check it against the index entry, decode it (nothing else is read)."""
+    def _read(self, key: str, e: Entry, layers: Sequence[int] | None = None) -> RolloutTrace:
+        """pread one record frame, check it against the index entry, decode it with the chunks it
+        names (read through read_chunk)."""
         where = Where(file=str(self.segment_path(e.segment)), record=key)
-        with self._mutex:  # descriptors may be evicted by another thread
-            self._check_open()
-            data = _read_at(self._segment_fd(e.segment, key), FRAME.size + e.length, e.offset)
-        if len(data) < FRAME.size + e.length:
-            want = f"{FRAME.size + e.length} bytes at offset {e.offset}"
-            raise TruncatedRecordError(where.with_(field="frame"), want, f"{len(data)} bytes")
-        magic, length, crc = FRAME.unpack_from(data)
-        if magic != FRAME_MAGIC:
-            raise TraceFormatError(where.with_(field="frame.magic"), repr(FRAME_MAGIC), repr(magic), f"at offset {e.offset}")
-        if length != e.length:
-            raise TraceFormatError(where.with_(field="frame.length"), e.length, length, "frame and index disagree")
-        payload = memoryview(data)[FRAME.size :]
-        actual = frame_crc(payload)
-        if crc != e.crc or actual != crc:
-            found = f"{actual:#010x} (frame says {crc:#010x})"
-            raise ChecksumError(where.with_(field="frame.crc32"), f"{e.crc:#010x}", found, "record bytes are corrupt")
-        trace = decode_trace(payload, where)
+        payload = self._read_frame(e, key, where)
+        self.stats.by_kind["records"] += FRAME.size + e.length
+        trace = decode_trace(payload, where, chunks=self, layers=layers)
         if trace.key != key:
             raise TraceFormatError(where.with_(field="key"), repr(key), repr(trace.key), "record is not this entry's")
         return trace
 
+    def _pread(self, e: Entry, size: int, at: int, key: str | None) -> bytes:
+        with self._mutex:  # descriptors may be evicted by another thread
+            self._check_open()
+            data = _read_at(self._segment_fd(e.segment, key), size, at)
+        self.stats.bytes_read += len(data)
+        return data
+
+    def _read_frame(self, e: Entry, key: str | None, where: Where, field_prefix: str = "") -> memoryview:
+        """The payload of the frame entry `e` names, checked against the entry (magic, length, CRC)."""
+        data = self._pread(e, FRAME.size + e.length, e.offset, key)
+        f = field_prefix
+        if len(data) < FRAME.size + e.length:
+            want = f"{FRAME.size + e.length} bytes at offset {e.offset}"
+            raise TruncatedRecordError(where.with_(field=f"{f}frame"), want, f"{len(data)} bytes")
+        self._check_frame_head(data, e, where, f)
+        payload = memoryview(data)[FRAME.size :]
+        actual = frame_crc(payload)
+        if crc_of(data) != e.crc or actual != e.crc:
+            found = f"{actual:#010x} (frame says {crc_of(data):#010x})"
+            raise ChecksumError(where.with_(field=f"{f}frame.crc32"), f"{e.crc:#010x}", found,
+                                "chunk bytes are corrupt" if f else "record bytes are corrupt")
+        return payload
+
+    @staticmethod
+    def _check_frame_head(data: bytes, e: Entry, where: Where, f: str) -> None:
+        magic, length, _ = FRAME.unpack_from(data)
+        if magic != FRAME_MAGIC:
+            raise TraceFormatError(where.with_(field=f"{f}frame.magic"), repr(FRAME_MAGIC), repr(magic), f"at offset {e.offset}")
+        if length != e.length:
+            raise TraceFormatError(where.with_(field=f"{f}frame.length"), e.length, length, "frame and index disagree")
+
+    # -- chunks: the ChunkSource of the records this store decodes --------------------------------
+    def read_chunk(self, key: str, want: ChunkShape, first: int, stop: int, record_where: Where):
+        """(tokens, routes of layers [first, stop)) of chunk `key` for the record `record_where`
+        names: the whole frame (CRC-checked) for every layer, else the chunk's head, meta, tokens
+        and the bytes of those layers (each CRC-checked). Errors name the chunk and the record."""
+        cache_key = (key, first, stop)
+        with self._mutex:
+            hit = self._cache.get(cache_key)
+            if hit is not None:
+                self._cache.move_to_end(cache_key)
+                self.stats.chunk_cache_hits += 1
+                return hit
+        name = label(key)
+        e = self._entries.get(key) if self.chunked and is_chunk_key(key) else None
+        if e is None:
+            hint = f" (index damage: {len(self._index_damage)} entries, see scan())" if self._index_damage else ""
+            raise ChunkMissingError(record_where.with_(file=str(self.path), field=name), "the route chunk the record names",
+                                    "no such chunk in the store", f"the record's routes cannot be read whole{hint}")
+        where = Where(file=str(self.segment_path(e.segment)), record=record_where.record, field=name)
+        before = self.stats.bytes_read
+        if first == 0 and stop == want.layers:
+            payload = self._read_frame(e, record_where.record, where, f"{name}: ")
+            got = decode_whole(payload, key, want, first, stop, where, checked=True)
+        else:
+            got = self._read_chunk_layers(e, key, want, first, stop, where)
+        self.stats.chunks_read += 1
+        self.stats.by_kind["chunks"] += self.stats.bytes_read - before
+        for array in got:
+            array.flags.writeable = False  # cached: records copy out of it, never alias it
+        self._cache_put(cache_key, got)
+        return got
+
+    def _read_chunk_layers(self, e: Entry, key: str, want: ChunkShape, first: int, stop: int, where: Where):
+        """Of a chunk's frame, read the head, meta and tokens, then the bytes of layers [first, stop)."""
+        size = min(FRAME.size + head_read_bytes(want.layers), FRAME.size + e.length)
+        data = self._pread(e, size, e.offset, where.record)
+        if len(data) < FRAME.size:
+            raise TruncatedRecordError(where.with_(field=f"{where.field}: frame"), f"{FRAME.size} bytes at {e.offset}", len(data))
+        self._check_frame_head(data, e, where, f"{where.field}: ")
+        meta = read_meta(memoryview(data)[FRAME.size:], where)
+        if isinstance(meta, int):
+            data = self._pread(e, FRAME.size + min(meta, e.length), e.offset, where.record)
+            meta = read_meta(memoryview(data)[FRAME.size:], where)
+            if isinstance(meta, int):
+                raise TruncatedRecordError(where.with_(field=f"{where.field}: chunk meta"), f"{meta} bytes", len(data) - FRAME.size)
+        if meta.payload_len != e.length:
+            raise TraceFormatError(where.with_(field=f"{where.field}: chunk meta"), f"a payload of {e.length} bytes",
+                                   f"{meta.payload_len}", "chunk meta and index disagree")
+        check_meta(meta, key, want, where)
+        a, b = meta.layer_range(first, stop)
+        head = memoryview(data)[FRAME.size:]
+        if a == meta.data_start:  # the first layers follow the tokens: one range
+            part = self._payload_range(e, head, meta.tokens_start, b, where)
+            split = meta.data_start - meta.tokens_start
+            tokens_b, routes_b = part[:split], part[split:]
+        else:
+            tokens_b = self._payload_range(e, head, meta.tokens_start, meta.data_start, where)
+            routes_b = self._payload_range(e, head, a, b, where)
+        return decode_tokens(meta, tokens_b, where), decode_layers(meta, routes_b, first, stop, where)
+
+    def _payload_range(self, e: Entry, head: memoryview, lo: int, hi: int, where: Where) -> memoryview:
+        """Payload bytes [lo, hi) of the frame `e` names: what the first read `head` holds of them,
+        and one pread of the rest."""
+        if hi <= len(head):
+            return head[lo:hi]
+        start = max(lo, len(head))
+        rest = self._pread(e, hi - start, e.offset + FRAME.size + start, where.record)
+        return memoryview(bytes(head[lo:start]) + rest if start > lo else rest)
+
+    def _cache_put(self, cache_key: tuple[str, int, int], got) -> None:
+        budget, size = self.options.chunk_cache_bytes, sum(a.nbytes for a in got)
+        if size > budget:
+            return
+        with self._mutex:
+            if cache_key in self._cache:
+                return
+            self._cache[cache_key] = got
+            self._cache_bytes += size
+            while self._cache_bytes > budget:
+                _, old = self._cache.popitem(last=False)
+                self._cache_bytes -= sum(a.nbytes for a in old)
+
+    def chunk_keys(self) -> list[str]:
+        """Keys of the route chunks the store holds, in file order."""
+        self._check_open()
+        return [k for k in self._entries if k.startswith(CHUNK_KEY_PREFIX)] if self.chunked else []
+
+    def chunk_bytes(self) -> int:
+        """Bytes of the chunks' frames in the segment files."""
+        return sum(FRAME.size + e.length for k, e in self._entries.items() if k.startswith(CHUNK_KEY_PREFIX)) if self.chunked else 0
+
+    def record_chunks(self, key: str) -> list[str]:
+        """Keys of the chunks record `key` names (reads its frame, not its chunks)."""
+        from ..codec.record import record_chunks
+
+        entry = self._record_entry(key)
+        if entry is None:
+            raise self._missing(key)
+        where = Where(file=str(self.segment_path(entry.segment)), record=key)
+        return [k for _, _, k in record_chunks(bytes(self._read_frame(entry, key, where)), where)]
+
     def keys(self) -> list[str]:
         self._check_open()
-        return list(self._entries)
+        if not self._nchunks:
+            return list(self._entries)
+        return [k for k in self._entries if not k.startswith(CHUNK_KEY_PREFIX)]
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entries
+        return key in self._entries and not (self._nchunks and isinstance(key, str) and key.startswith(CHUNK_KEY_PREFIX))
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) - self._nchunks
 
     def __iter__(self) -> Iterator[RolloutTrace]:
         return self.iter()
@@ -551,6 +798,8 @@ class DirectoryStore(RecoveryMixin, TraceStore):
             while p < len(problems) and problems[p][0] <= i:
                 handle_bad_record(problems[p][1], errors, on_error)
                 p += 1
+            if self._nchunks and key.startswith(CHUNK_KEY_PREFIX):
+                continue
             try:
                 trace = self._read(key, entry)
             except TraceError as err:
@@ -576,6 +825,8 @@ class DirectoryStore(RecoveryMixin, TraceStore):
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+            self._cache.clear()
+            self._cache_bytes = 0
             if self._index_fd is not None:
                 os.close(self._index_fd)
                 self._index_fd = None

@@ -17,8 +17,15 @@ from typing import NamedTuple
 
 from ..errors import ChecksumError, SchemaVersionError, TraceError, TraceFormatError, TruncatedRecordError, Where
 
-FORMAT_VERSION = 1
-"""Version of the directory layout and framing (not of the record schema, which records carry)."""
+FORMAT_VERSION = 2
+"""Version of the directory layout and framing (not of the record schema, which records carry).
+v1: every frame is a record holding all its routes. v2: frames are records or route chunks
+(codec/chunk.py), a chunk's index key starts with store.chunks.CHUNK_KEY_PREFIX, and a record may
+name chunks for some of its rows (schema v4 `route_chunks`); each chunk precedes, in the files and
+in the index, the first record naming it. A store keeps the version it was created with (its
+index header's, and each segment file's): a writer opening a v1 store writes whole records, as v1
+says; `rescue_store` copies one into a new v2 store."""
+READABLE_FORMAT_VERSIONS = (1, 2)
 INDEX_NAME, LOCK_NAME = "index.bin", "writer.lock"
 INDEX_MAGIC, SEGMENT_MAGIC = b"MRINDEX\x00", b"MRSEGMT\x00"
 FRAME_MAGIC, ENTRY_MAGIC = b"MRRF", b"MRIE"
@@ -47,8 +54,9 @@ def pack_header(magic: bytes, version: int = FORMAT_VERSION) -> bytes:
     return head + CRC.pack(zlib.crc32(head))
 
 
-def check_header(data: bytes, magic: bytes, where: Where) -> None:
-    """Refuse a file that is not of this kind, is damaged, or has a layout version we cannot read."""
+def check_header(data: bytes, magic: bytes, where: Where) -> int:
+    """Refuse a file that is not of this kind, is damaged, or has a layout version we cannot read;
+    return its layout version."""
     if len(data) < HEADER.size:
         raise TruncatedRecordError(where.with_(field="header"), f"a {HEADER.size}-byte header", f"{len(data)} bytes")
     found, version, crc = HEADER.unpack_from(data)
@@ -59,11 +67,12 @@ def check_header(data: bytes, magic: bytes, where: Where) -> None:
     if zlib.crc32(data[:12]) != crc:
         actual = zlib.crc32(data[:12])
         raise ChecksumError(where.with_(field="header.crc32"), f"{crc:#010x}", f"{actual:#010x}", "file header is corrupt")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_FORMAT_VERSIONS:
         raise SchemaVersionError(
-            where.with_(field="header.version"), f"store format version {FORMAT_VERSION}", version,
+            where.with_(field="header.version"), f"a store format version in {list(READABLE_FORMAT_VERSIONS)}", version,
             "written by a different moe_replay; upgrade the reader",
         )
+    return version
 
 
 def frame_crc(payload: bytes | memoryview) -> int:

@@ -4,6 +4,8 @@ Keeping bytes rather than trace objects means a `get` returns a fresh decode (ne
 was put, so a caller mutating it cannot change the store) and every record goes through the same
 encode/validate/checksum path as on disk: a test passing on "memory" means the same on "directory".
 
+It keeps the routes records share once too (store/chunks.py), as the directory store does.
+
 Also home of the error mode shared by both stores' `iter` and `scan`.
 """
 
@@ -12,10 +14,12 @@ from __future__ import annotations
 import warnings
 from typing import Callable, Iterable, Iterator, Literal, Sequence
 
+from ..codec.chunk import ChunkShape
 from ..codec.record import decode_trace, encode_trace
-from ..errors import DuplicateKeyError, MissingKeyError, TraceError, Where
+from ..errors import DuplicateKeyError, MissingKeyError, TraceError, TraceFormatError, Where
 from ..trace import RolloutTrace
 from .base import STORES, TraceStore
+from .chunks import CHUNK_KEY_PREFIX, DEFAULT_CHUNK_MIN_BYTES, ChunkMissingError, ChunkTable, decode_whole, label, split_trace
 
 ErrorMode = Literal["raise", "skip"]
 """What `iter` does with a record that fails its checks: raise the typed error, or skip it and
@@ -55,10 +59,15 @@ def check_new_keys(keys: Iterable[str], present: Callable[[str], bool], store: s
 class MemoryStore(TraceStore):
     """A TraceStore held in RAM (tests, small jobs, a single process); `close` drops the records."""
 
-    def __init__(self, name: str = "memory://") -> None:
+    def __init__(self, name: str = "memory://", *, share_prefixes: bool = True,
+                 chunk_min_bytes: int = DEFAULT_CHUNK_MIN_BYTES) -> None:
         self.name = name
         """Shown as the 'file' of every error (memory stores have no path)."""
         self._records: dict[str, bytes] | None = {}
+        self._chunks: dict[str, bytes] = {}
+        """Encoded route chunks records share, by key (store/chunks.py)."""
+        self._table = ChunkTable() if share_prefixes else None
+        self.chunk_min_bytes = chunk_min_bytes
 
     def _live(self) -> dict[str, bytes]:
         if self._records is None:
@@ -75,20 +84,38 @@ class MemoryStore(TraceStore):
             check_new_keys((t.key for t in traces), records.__contains__, self.name)
         for trace in traces:
             check_new_keys([trace.key], records.__contains__, self.name)
-            records[trace.key] = encode_trace(trace)
+            if self._table is None:
+                records[trace.key] = encode_trace(trace)
+                continue
+            if trace.key.startswith(CHUNK_KEY_PREFIX):
+                raise TraceFormatError(Where(file=self.name, record=repr(trace.key[:40]), field="key"),
+                                       f"a key not starting with {CHUNK_KEY_PREFIX!r}", "one that does",
+                                       "keys starting so name the store's route chunks")
+            trace.validate()
+            split = split_trace(trace, self._table, self.chunk_min_bytes)
+            self._chunks.update(split.new)
+            records[trace.key] = encode_trace(trace, validate=False, chunks=[tuple(p) for p in split.pieces])
 
-    def get(self, key: str) -> RolloutTrace:
+    def get(self, key: str, layers: Sequence[int] | None = None) -> RolloutTrace:
         data = self._live().get(key)
         if data is None:
             raise MissingKeyError(Where(file=self.name, record=key), "a stored key", "absent", f"{len(self)} records stored")
-        return decode_trace(data, Where(file=self.name, record=key))
+        return decode_trace(data, Where(file=self.name, record=key), chunks=self, layers=layers)
 
-    def get_many(self, keys: Sequence[str]) -> list[RolloutTrace]:
+    def read_chunk(self, key: str, want: ChunkShape, first: int, stop: int, record_where: Where):
+        """The ChunkSource of this store's records (codec.record)."""
+        payload = self._chunks.get(key)
+        where = record_where.with_(field=label(key))
+        if payload is None:
+            raise ChunkMissingError(where, "the route chunk the record names", "no such chunk in the store")
+        return decode_whole(payload, key, want, first, stop, where, checked=False)
+
+    def get_many(self, keys: Sequence[str], layers: Sequence[int] | None = None) -> list[RolloutTrace]:
         records = self._live()
         for key in keys:  # all-or-nothing: name a missing key before decoding anything
             if key not in records:
                 self.get(key)
-        return [self.get(k) for k in keys]
+        return [self.get(k, layers) for k in keys]
 
     def keys(self) -> list[str]:
         return list(self._live())
@@ -126,6 +153,7 @@ class MemoryStore(TraceStore):
 
     def close(self) -> None:
         self._records = None
+        self._chunks = {}
 
     def __repr__(self) -> str:
         state = "closed" if self._records is None else f"{len(self._records)} records"

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import DuplicateKeyError, TraceError, TruncatedRecordError, Where
+from .chunks import is_chunk_key
 from .fileio import _sync, _sync_dir
 from .framing import FRAME, FRAME_MAGIC, HEADER, SEGMENT_MAGIC, _SEGMENT_RE, Entry, check_header, frame_crc, pack_entry, segment_name
 from .salvage import Found, TailSurvey, UnindexedDamageError, _Layout, find_holes, plan_salvage, scan_hole, survey_tail
@@ -211,7 +212,11 @@ class RecoveryMixin:
         indexed = sum(FRAME.size + e.length for k, e in self._entries.items() if k not in holes)
         sizes = (self._segment_size(n) for n in existing)
         self.recovery["unindexed_bytes"] = max(0, sum(max(0, (s or 0) - HEADER.size) for s in sizes) - indexed)
-        self.recovery["records_unindexed"] = [*holes, *(f.key for f in survey.found if f.key not in self._entries)]
+        unindexed = [*holes, *(f.key for f in survey.found if f.key not in self._entries)]
+        self.recovery["records_unindexed"] = [k for k in unindexed if not is_chunk_key(k)]
+        chunks = [k for k in unindexed if is_chunk_key(k)]
+        if chunks:
+            self.recovery["chunks_unindexed"] = chunks
 
     def _show_tail(self, survey: TailSurvey) -> None:
         """Survey reader of a store a writer would refuse: every intact tail record is visible (the

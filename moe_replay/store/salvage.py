@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from ..codec.record import decode_trace
 from ..errors import ChecksumError, DuplicateKeyError, TraceError, TraceFormatError, Where
+from .chunks import frame_key
 from .fileio import _read_at
 
 SCAN_CHUNK = 4 << 20
@@ -177,7 +177,7 @@ def survey_tail(segment_path: Callable[[int], Path], segments: list[int], start:
                 length, crc, payload = got
                 end = off + lay.frame.size + length
                 try:
-                    key = decode_trace(payload, Where(file=str(path), field=f"frame at offset {off}")).key
+                    key = frame_key(payload, Where(file=str(path), field=f"frame at offset {off}"))
                 except TraceError as err:  # checksummed but not a record this reader can decode
                     survey.damage.append(Damage(n, off, end, err, checksummed=True))
                 else:
@@ -299,7 +299,7 @@ def scan_hole(fd: int, path: Path, hole: Hole, lay: _Layout) -> tuple[list[Found
         length, crc, payload = got
         where = Where(file=str(path), field=f"frame at offset {off}")
         try:
-            found.append(Found(decode_trace(payload, where).key, hole.segment, off, length, crc))
+            found.append(Found(frame_key(payload, where), hole.segment, off, length, crc))
         except TraceError as err:  # checksummed but not a record this reader can decode
             damage.append((off, err))
         off += lay.frame.size + length
