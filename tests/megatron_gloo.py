@@ -68,20 +68,28 @@ def flips(maps: dict[int, list[torch.Tensor]], ids: list[dict[int, torch.Tensor]
                for lid, seen in maps.items() for m, map_ME in enumerate(seen))
 
 
-def random_plans(lengths: list[tuple[int, ...]], *, num_layers: int, moe_layers: tuple[int, ...], experts: int,
-                 vocab: int, prefix: str, config: Any = None) -> list:
-    """One RoutePlan per entry of `lengths` (token counts of its traces), from seeded random traces."""
+def random_traces(lengths: list[tuple[int, ...]], *, num_layers: int, moe_layers: tuple[int, ...], experts: int,
+                  vocab: int, prefix: str) -> tuple[Any, list[list]]:
+    """(geometry, one list of seeded random traces per entry of `lengths`, their token counts)."""
     from moe_replay.geometry import ModelGeometry
-    from moe_replay.replay import build_plan
 
     from .trace_factory import random_trace
 
     geometry = ModelGeometry(num_layers=num_layers, moe_layer_ids=moe_layers, num_experts=experts, top_k=2,
                              vocab_size=vocab, family="megatron")
     rng = np.random.default_rng(0)
-    return [build_plan([random_trace(f"{prefix}{p}q{i}", rng, geometry=geometry, num_tokens=n, prompt_len=2)
-                        for i, n in enumerate(counts)], geometry, **({"config": config} if config else {}))
-            for p, counts in enumerate(lengths)]
+    return geometry, [[random_trace(f"{prefix}{p}q{i}", rng, geometry=geometry, num_tokens=n, prompt_len=2)
+                       for i, n in enumerate(counts)] for p, counts in enumerate(lengths)]
+
+
+def random_plans(lengths: list[tuple[int, ...]], *, num_layers: int, moe_layers: tuple[int, ...], experts: int,
+                 vocab: int, prefix: str, config: Any = None) -> list:
+    """One RoutePlan per entry of `lengths` (token counts of its traces), from seeded random traces."""
+    from moe_replay.replay import build_plan
+
+    geometry, batches = random_traces(lengths, num_layers=num_layers, moe_layers=moe_layers, experts=experts,
+                                      vocab=vocab, prefix=prefix)
+    return [build_plan(traces, geometry, **({"config": config} if config else {})) for traces in batches]
 
 
 def reference_then_ranks(work: Any, reference_worker: Callable, rank_worker: Callable, plans: list,

@@ -8,7 +8,10 @@ are the reference. Two gloo processes then each build one pipeline stage (stage 
 layers 0-1; stage 1: layers 2-3, final norm and output layer), load the reference weights of their
 own layers, and run Megatron's own 1F1B schedule (`get_forward_backward_func`, forward_only=True,
 2 micro-batches) inside `replay(stage, plans, partial=True)`: each stage holds one MoE layer and
-accounts for it alone.
+accounts for it alone. With a store (run_pp2's default) each stage reads its micro-batches' traces
+from a DirectoryStore with the routes of its own layer only (integrations/megatron/stage.py: of each
+shared route chunk, only that layer's bytes) and builds its plans for that layer alone
+(`build_plan(..., layers=...)`): the stage never holds the other stage's routes.
 
 Test-only CPU shims, in the spawned processes only (library code has none): those of
 tests/test_megatron_replay.py (`torch.cuda.current_device` -> "cpu", `te_general_gemm`, CUDA RNG
@@ -23,6 +26,7 @@ Legend: B batch rows, S padded length, M = S * B sequence-first positions, E exp
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any
 
@@ -70,7 +74,7 @@ def reference_worker(rank: int, init: str, plans, out: dict) -> None:
         gloo.close()
 
 
-def stage_worker(rank: int, init: str, plans, full: dict, out: dict) -> None:
+def stage_worker(rank: int, init: str, plans, full: dict, out: dict, store: str | None = None) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from moe_replay.integrations.megatron import find_routers, megatron_inputs, replay
@@ -80,6 +84,8 @@ def stage_worker(rank: int, init: str, plans, full: dict, out: dict) -> None:
         model = _gpt(2, rank)
         # this stage's layers, numbered locally from 0
         gloo.load_reference(model, full, "decoder.layers.", rank * (NUM_LAYERS // 2), f"stage {rank}")
+        read = _read_stage(store, plans, model) if store is not None else {}
+        plans = read.pop("plans", plans)
         maps, handles = gloo.watch(model)
         logits: list[torch.Tensor] = []
 
@@ -104,9 +110,39 @@ def stage_worker(rank: int, init: str, plans, full: dict, out: dict) -> None:
             "flips": gloo.flips(maps, session.ids_MK),
             "ids": session.ids_MK,
             "logits": logits,
+            **read,
         }
     finally:
         gloo.close()
+
+
+def _read_stage(store: str, plans, model) -> dict[str, Any]:
+    """This stage's plans from the store's traces of its own layers, and what reading them cost."""
+    from moe_replay.integrations.megatron.stage import stage_layers, stage_traces
+    from moe_replay.replay import PlanConfig, build_plan
+    from moe_replay.store import DirectoryStore
+
+    layers = stage_layers(model)
+    with DirectoryStore(store, readonly=True) as s:
+        mine = [build_plan(stage_traces(s, p.keys, model), p.geometry, config=PlanConfig(pad_to_multiple_of=4), layers=layers)
+                for p in plans]
+        stats = s.stats
+    return {"plans": mine, "plan_layers": [tuple(p.layer_index) for p in mine], "route_bytes": stats.by_kind["chunk_routes"]}
+
+
+def write_store(work) -> tuple[str, int]:
+    """make_plans' traces in a DirectoryStore whose records keep their routes in chunks (every run
+    of routes: these traces are 5-11 tokens); (its path, the chunks' route bytes a reader of every
+    layer reads)."""
+    from moe_replay.store import DirectoryStore
+
+    _, batches = gloo.random_traces(LENGTHS, num_layers=NUM_LAYERS, moe_layers=MOE_LAYERS, experts=8, vocab=VOCAB, prefix="m")
+    path = f"{work}/routes"
+    with DirectoryStore(path, chunk_min_bytes=1) as s:
+        s.put_many([t for traces in batches for t in traces])
+    with DirectoryStore(path, readonly=True) as s:
+        s.get_many(s.keys())
+        return path, s.stats.by_kind["chunk_routes"]
 
 
 def make_plans():
@@ -116,11 +152,14 @@ def make_plans():
                              config=PlanConfig(pad_to_multiple_of=4))
 
 
-def run_pp2(work) -> dict[str, Any]:
-    """Reference in one process, then PP=2 in two; the figures benchmarks/topologies.py reports,
+def run_pp2(work, store: bool = True) -> dict[str, Any]:
+    """Reference in one process, then PP=2 in two (each stage reading its own layers' routes from a
+    store, unless store=False: then the whole plans); the figures benchmarks/topologies.py reports,
     plus the raw results for the test."""
     plans = make_plans()
-    ref, stages = gloo.reference_then_ranks(work, reference_worker, stage_worker, plans)
+    path, full_route_bytes = write_store(work) if store else (None, 0)
+    worker = functools.partial(stage_worker, store=path) if store else stage_worker
+    ref, stages = gloo.reference_then_ranks(work, reference_worker, worker, plans)
     ref_logits = ref["logits"]
     got = stages[1]["logits"]
     diff = max(float((a - b).abs().max()) for a, b in zip(got, ref_logits)) if len(got) == len(ref_logits) else float("inf")
@@ -132,4 +171,5 @@ def run_pp2(work) -> dict[str, Any]:
         "flips": sum(s["flips"] for s in stages),
         "reference_flips": ref["flips"],
         "replay_vs_free_logit_diff": max(float((a - b).abs().max()) for a, b in zip(ref_logits, ref["free_logits"])),
+        "store_route_bytes": full_route_bytes,
     }

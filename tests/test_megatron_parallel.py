@@ -216,7 +216,8 @@ def test_pipeline_parallel_stages_replay_their_layers_and_match_one_process(tmp_
     (flips 0, ids equal to the one-process replay's) and accounts for that layer alone; the last
     stage's logits equal a one-process replay of the whole model (fp32, max |diff| <= 2e-5; measured
     0.0 on CPU), while free routing moves them by 4e-2, so routes that were not replayed would fail
-    this. Set-up and CPU shims: tests/megatron_pp_worker.py."""
+    this. Each stage reads its traces from a store with its own layer's routes only and plans that
+    layer alone (#48). Set-up and CPU shims: tests/megatron_pp_worker.py."""
     from .megatron_pp_worker import run_pp2
 
     r = run_pp2(tmp_path)
@@ -231,6 +232,10 @@ def test_pipeline_parallel_stages_replay_their_layers_and_match_one_process(tmp_
             assert torch.equal(stage["ids"][m][lid], ref["ids"][m][lid])
     assert ref["flips"] == 0 and r["replay_vs_free_logit_diff"] > 1e-3
     assert first["logits"] == [] and len(last["logits"]) == 2
+    # each stage read its own layer's routes from the store (of each route chunk, that layer's bytes: the two
+    # stages' reads partition what a reader of both layers reads) and planned that layer alone
+    assert first["plan_layers"] == [(1,)] * 2 and last["plan_layers"] == [(3,)] * 2
+    assert 0 < first["route_bytes"] < r["store_route_bytes"] and first["route_bytes"] + last["route_bytes"] == r["store_route_bytes"]
     for got, want in zip(last["logits"], ref["logits"]):
         assert got.shape == want.shape == (3, 12, 512)
     assert r["max_abs_logit_diff"] <= 2e-5, r["max_abs_logit_diff"]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from moe_replay.cli import main
 from moe_replay.codec import decode_trace, encode_trace, record_chunks
@@ -169,6 +170,24 @@ def test_a_pipeline_stage_reads_only_its_layers(kind, tmp_path):
         # half the layers: half the route bytes, plus the chunks' heads and tokens every stage reads (~8% here:
         # 4-byte tokens against ~50 bytes of routes a row; ~1% at Qwen3-30B-A3B's 48 layers, benchmarks/store.py)
         assert all(0.45 < stage / reads[0] < 0.6 for stage in reads[1:]) and sum(reads[1:]) < 1.2 * reads[0], reads
+
+
+def test_a_stage_plan_holds_its_layers_and_refuses_the_others(tmp_path):
+    from moe_replay.replay import build_plan
+
+    traces = group()
+    with DirectoryStore(tmp_path / "s", **SMALL) as s:
+        s.put_many(traces)
+        stage = s.get_many(s.keys(), layers=[3])
+    full, part = build_plan(traces, traces[0].geometry), build_plan(stage, traces[0].geometry, layers=[3])
+    assert tuple(part.layer_index) == (3,) and torch.equal(part.layer_ids(3), full.layer_ids(3))
+    assert torch.equal(part.input_ids_BS, full.input_ids_BS) and torch.equal(part.target_G, full.target_G)
+    with pytest.raises(PartialTraceError, match="layer_ids.*plan's layers \\[3\\].*found 1"):
+        part.layer_ids(1)
+    with pytest.raises(PartialTraceError, match="build_plan without layers="):
+        build_plan(stage, traces[0].geometry)
+    with pytest.raises(PartialTraceError, match="none for \\[1\\]"):
+        build_plan(stage, traces[0].geometry, layers=[1, 3])
 
 
 # -- crashes and damage -------------------------------------------------------------------------------

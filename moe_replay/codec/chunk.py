@@ -39,13 +39,6 @@ CHUNK_VERSION = 1
 READABLE_CHUNK_VERSIONS = (1,)
 HEAD = struct.Struct("<4sHHII")
 CHUNK_CODEC = "moe_replay_layered"
-def head_read_bytes(layers: int) -> int:
-    """A partial reader's first read: the head and the meta of a chunk of `layers` layers (~70
-    bytes of fields, ~10 per layer for its offset and CRC: 599 bytes at 48 layers); a larger meta
-    costs a second read."""
-    return HEAD.size + 160 + 12 * layers
-
-
 class ChunkShape(NamedTuple):
     """What a record expects of a chunk it names: rows, its geometry's L, K, E and token width."""
 
@@ -54,6 +47,13 @@ class ChunkShape(NamedTuple):
     top_k: int
     num_experts: int
     token_itemsize: int
+
+
+def head_read_bytes(want: ChunkShape) -> int:
+    """A partial reader's first read: the head, the meta (~220 bytes with the key, ~10 a layer for
+    its offset and CRC: 677 bytes at 48 layers, 240 at 2) and the tokens of the chunk it expects;
+    a larger meta costs one more read."""
+    return HEAD.size + 256 + 12 * want.layers + want.rows * want.token_itemsize
 
 
 def is_chunk(payload: bytes | memoryview) -> bool:

@@ -27,7 +27,7 @@ from typing import Literal, Sequence
 import numpy as np
 import torch
 
-from ..errors import TraceFormatError, Where
+from ..errors import PartialTraceError, TraceFormatError, Where
 from ..geometry import ModelGeometry
 from ..trace import RolloutTrace, Sampling, SamplingSupport
 from .errors import BatchLayoutError, ScoringInputError, WeightsVersionError
@@ -144,8 +144,12 @@ class RoutePlan:
         return bool(self.routed_N.all())
 
     def layer_ids(self, layer_id: int) -> torch.Tensor:
-        """Replay ids [N, K] of one global layer id."""
-        return self.ids_LNK[self.layer_index[layer_id]]
+        """Replay ids [N, K] of one global layer id (a plan built with layers=... holds those only)."""
+        j = self.layer_index.get(layer_id)
+        if j is None:
+            raise PartialTraceError(Where(record=self.keys[0], field="layer_ids"), f"one of the plan's layers {list(self.layer_index)}",
+                                    layer_id, "the plan was built for some layers only (build_plan(..., layers=...))")
+        return self.ids_LNK[j]
 
     def per_token(self, values_B: Sequence[float]) -> torch.Tensor:
         """Broadcast one value per row (e.g. each request's temperature) to the G scored tokens."""
@@ -179,6 +183,7 @@ def build_plan(
     routes: bool = True,
     weights_version: str | int | None = None,
     off_policy: bool = False,
+    layers: Sequence[int] | None = None,
 ) -> RoutePlan:
     """Validate `traces` against the model's `geometry` and the batch, and lay their routes out.
 
@@ -203,6 +208,11 @@ def build_plan(
 
     Without `input_ids_BS` the plan builds the padded batch (config.padding_side). With it, row b
     must hold exactly trace b's tokens (left or right padded, as `attention_mask_BS` says).
+
+    `layers`: the MoE layer ids the plan holds routes for (a pipeline stage's own, which it reads
+    from the store alone: `store.get_many(keys, layers=...)`); its traces may hold those only
+    (`route_layer_ids`), and `plan.layer_ids` of another layer is refused by name. Without it
+    every trace must hold every layer (a partial one is refused: PartialTraceError).
     """
     if not traces:
         raise ValueError("build_plan needs at least one trace, got 0")
@@ -220,6 +230,7 @@ def build_plan(
             _check_sampling(trace)
         geometry = geometry.with_family_of(trace.geometry)
     off_policy_B = _check_weights(traces, weights_version, off_policy)
+    plan_layers = _plan_layers(traces, geometry, layers, routes)
 
     lengths_B = np.array([t.num_tokens for t in traces], dtype=np.int64)
     if input_ids_BS is None:
@@ -229,14 +240,16 @@ def build_plan(
     b_count, s_len = input_ids_BS.shape
     position_ids_BS = (attention_mask_BS.long().cumsum(-1) - 1).clamp(min=0)
 
-    n, l_count, k = b_count * s_len, geometry.num_moe_layers, geometry.top_k
+    n, l_count, k = b_count * s_len, len(plan_layers), geometry.top_k
     ids_LNK = np.full((l_count, n, k), -1, dtype=np.int64)
     score_pos, targets, gen_offsets = [], [], [0]
     for b, trace in enumerate(traces):
         base = b * s_len + int(offsets_B[b])
         if routes:
             rows_T = base + trace.route_start + np.arange(trace.num_route_rows)
-            ids_LNK[:, rows_T, :] = np.transpose(trace.routes_TLK, (1, 0, 2))
+            cols = [trace.route_layers.index(lid) for lid in plan_layers]
+            routes_TLK = trace.routes_TLK if len(cols) == len(trace.route_layers) else trace.routes_TLK[:, cols]
+            ids_LNK[:, rows_T, :] = np.transpose(routes_TLK, (1, 0, 2))
         gen_J = trace.generated_positions()  # every generated span of a stitched conversation
         score_pos.append(base + gen_J - 1)
         targets.append(trace.token_ids_S[gen_J])
@@ -265,7 +278,7 @@ def build_plan(
         gen_offsets_B1=np.array(gen_offsets, dtype=np.int64),
         supports=tuple(t.support for t in traces),
         engine_logprobs_G=engine_logprobs_G,
-        layer_index={lid: j for j, lid in enumerate(geometry.moe_layer_ids)},
+        layer_index={lid: j for j, lid in enumerate(plan_layers)},
         sampling_B=tuple(t.sampling for t in traces),
         weights_version=weights_version,
         off_policy_B=off_policy_B,
@@ -287,6 +300,28 @@ ADJUSTED_SAMPLING_WHY = (
 )
 """Why a logit-shifting sampling option cannot be scored: the one wording the plan, the TRL option
 check and the scorers' replica checks can share."""
+
+
+def _plan_layers(traces: Sequence[RolloutTrace], geometry: ModelGeometry, layers: Sequence[int] | None,
+                 routes: bool) -> tuple[int, ...]:
+    """The layer ids the plan lays out: `layers` (checked against the geometry and held by every
+    trace), or every MoE layer (and then no trace may hold some only)."""
+    if layers is None:
+        if routes:
+            for t in traces:
+                t.require_all_layers("build_plan without layers= (pass the layers a pipeline stage holds)")
+        return geometry.moe_layer_ids
+    wanted = tuple(sorted(set(int(i) for i in layers)))
+    unknown = [i for i in wanted if i not in geometry.moe_layer_ids]
+    if not wanted or unknown:
+        raise BatchLayoutError(Where(field="layers"), f"MoE layer ids of {list(geometry.moe_layer_ids)}", unknown or "none")
+    for t in traces if routes else ():
+        lacking = [i for i in wanted if i not in t.route_layers]
+        if lacking:
+            raise PartialTraceError(Where(record=t.key, field="route_layer_ids"), f"routes of layers {list(wanted)}",
+                                    f"routes of layers {list(t.route_layers)} (none for {lacking})",
+                                    "read the traces with layers= covering the plan's")
+    return wanted
 
 
 def logit_shifts(sampling: Sampling) -> tuple[str, ...]:

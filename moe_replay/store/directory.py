@@ -151,8 +151,9 @@ class ReadStats:
     bytes_read: int = 0
     chunks_read: int = 0
     chunk_cache_hits: int = 0
-    by_kind: dict[str, int] = field(default_factory=lambda: {"records": 0, "chunks": 0})
-    """bytes_read split into record frames and chunk bytes."""
+    by_kind: dict[str, int] = field(default_factory=lambda: {"records": 0, "chunks": 0, "chunk_routes": 0})
+    """bytes_read split into record frames and chunk frames; chunk_routes: of the chunks' bytes,
+    those of the route layers read (the rest: their heads and tokens, which every stage reads)."""
 
 
 @STORES.register("directory")
@@ -692,6 +693,8 @@ class DirectoryStore(RecoveryMixin, TraceStore):
         if first == 0 and stop == want.layers:
             payload = self._read_frame(e, record_where.record, where, f"{name}: ")
             got = decode_whole(payload, key, want, first, stop, where, checked=True)
+            meta = read_meta(payload, where)
+            self.stats.by_kind["chunk_routes"] += meta.data_len  # type: ignore[union-attr]
         else:
             got = self._read_chunk_layers(e, key, want, first, stop, where)
         self.stats.chunks_read += 1
@@ -703,7 +706,7 @@ class DirectoryStore(RecoveryMixin, TraceStore):
 
     def _read_chunk_layers(self, e: Entry, key: str, want: ChunkShape, first: int, stop: int, where: Where):
         """Of a chunk's frame, read the head, meta and tokens, then the bytes of layers [first, stop)."""
-        size = min(FRAME.size + head_read_bytes(want.layers), FRAME.size + e.length)
+        size = min(FRAME.size + head_read_bytes(want), FRAME.size + e.length)
         data = self._pread(e, size, e.offset, where.record)
         if len(data) < FRAME.size:
             raise TruncatedRecordError(where.with_(field=f"{where.field}: frame"), f"{FRAME.size} bytes at {e.offset}", len(data))
@@ -719,6 +722,7 @@ class DirectoryStore(RecoveryMixin, TraceStore):
                                    f"{meta.payload_len}", "chunk meta and index disagree")
         check_meta(meta, key, want, where)
         a, b = meta.layer_range(first, stop)
+        self.stats.by_kind["chunk_routes"] += b - a
         head = memoryview(data)[FRAME.size:]
         if a == meta.data_start:  # the first layers follow the tokens: one range
             part = self._payload_range(e, head, meta.tokens_start, b, where)
