@@ -94,6 +94,34 @@ def test_actors_read_traces_from_a_shared_directory_store(ray_session, model_dir
     assert all(out[t.key].n == 1 and out[t.key].logprob_G.shape == (t.num_generated,) for t in traces)
 
 
+def test_batches_by_reference_carry_a_shared_prefix_once_per_actor(ray_session, model_dir):
+    """n = 4 samples of one prompt, each re-scored twice under its recorded routes: the prompt's routes
+    are put into the object store once and fetched once by the actor; every estimate equals a direct
+    score of the whole traces."""
+    from moe_replay.integrations.ray.pool import RayPoolConfig, RayScorerPool
+    from tests.trace_factory import random_routes
+
+    geometry = geometry_of(model_dir)
+    rng = np.random.default_rng(2)
+    prompt_S, prompt_TLK = rng.integers(3, geometry.vocab_size, 48), random_routes(rng, 48, geometry)
+    traces = []
+    for i in range(4):
+        tokens = np.concatenate([prompt_S, rng.integers(3, geometry.vocab_size, 6 + i)])
+        routes = np.concatenate([prompt_TLK, random_routes(rng, len(tokens) - 1 - 48, geometry)])
+        traces.append(RolloutTrace(f"q#{i}", tokens, 48, geometry, routes_TLK=routes, engine=EngineInfo("hf", dtype="float32")))
+    config = HFScorerConfig(str(model_dir), force_routes=True)
+    reference = HFScorer(config).score_batch(traces)
+    with RayScorerPool(functools.partial(HFScorer, config), RayPoolConfig(num_actors=1, chunk_min_bytes=16)) as pool:
+        out, _ = run_service(pool, traces, n=2)
+        shipped, fetched = pool.shipper.stats, ray.get(pool.actors[0].fetched.remote())
+    for t, ref in zip(traces, reference):
+        assert np.max(np.abs(out[t.key].logprob_G - ref)) < 1e-5
+    # the prompt's chunk (48 rows) named by all 8 records sent, put once and fetched once; the completions
+    # (5-8 rows, under chunk_min_bytes) travel inside their records
+    assert shipped.chunks_reused == 4 * 2 - 1 and fetched == 1
+    assert shipped.chunk_bytes_put < shipped.record_bytes
+
+
 def test_memory_store_uri_refused():
     from moe_replay.integrations.ray.pool import RayPoolConfig
 

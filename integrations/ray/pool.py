@@ -5,7 +5,11 @@ or a vLLM scorer). The pool is a ScoringBackend for `moe_replay.estimator.servic
 to an idle actor; if the actor dies mid-batch, the pool replaces it with a fresh one and raises
 WorkerDied, and the service retries the batch's replicas, so no rollout is lost or scored twice
 into one estimate. With `store_uri`, only keys cross the wire and actors read traces from the
-shared directory store (one copy of a 1M-token step on disk instead of one per message).
+shared directory store (one copy of a 1M-token step on disk instead of one per message; each
+actor's store reader decodes a shared prefix's chunks once). Without it, batches go by reference
+(refs.py): records plus object refs of the route chunks they share, each chunk put once and
+fetched once per actor, so the n samples of a prompt, and the n re-scorings the estimator asks of
+each rollout, carry its prefix's routes across the wire once per actor.
 """
 
 from __future__ import annotations
@@ -34,10 +38,18 @@ class RayPoolConfig:
     """A DirectoryStore path the actors read traces from; None sends traces by value."""
     call_timeout_s: float | None = None
     """Treat an actor that takes longer than this on one batch as dead."""
+    by_reference: bool = True
+    """Without store_uri: send batches as records and object refs of their shared route chunks
+    (refs.py); False pickles every trace whole."""
+    chunk_min_bytes: int = 4 << 10
+    """A run of shared routes shipped as its own object when it holds at least this many bytes
+    (at the order-preserving bound; smaller runs travel in their records)."""
 
     def __post_init__(self) -> None:
         if self.num_actors < 1:
             raise ValueError(f"RayPoolConfig.num_actors must be >= 1, got {self.num_actors}")
+        if isinstance(self.chunk_min_bytes, bool) or not isinstance(self.chunk_min_bytes, int) or self.chunk_min_bytes < 0:
+            raise ValueError(f"RayPoolConfig.chunk_min_bytes must be an int >= 0, got {self.chunk_min_bytes!r}")
         if self.store_uri is not None and self.store_uri.startswith("memory://"):
             raise ValueError(f"RayPoolConfig.store_uri: actors in other processes cannot read {self.store_uri!r}; use a directory store")
 
@@ -46,8 +58,13 @@ class _ScorerActor:
     """Body of the Ray actor (made remote lazily so importing this module never imports ray)."""
 
     def __init__(self, factory: Callable[[], Any], store_uri: str | None) -> None:
+        import ray
+
+        from .refs import ChunkCache
+
         self.scorer = factory()
         self.store = None
+        self.cache = ChunkCache(ray.get)
         if store_uri is not None:
             from moe_replay.store import open_store
 
@@ -55,6 +72,13 @@ class _ScorerActor:
 
     def score(self, traces: Sequence[RolloutTrace]) -> list[np.ndarray]:
         return self.scorer.score_batch(traces)
+
+    def score_shipment(self, shipment) -> list[np.ndarray]:
+        return self.scorer.score_batch(self.cache.traces(shipment))
+
+    def fetched(self) -> int:
+        """Route chunks this actor has fetched from the object store."""
+        return self.cache.fetched
 
     def score_keys(self, keys: Sequence[str]) -> list[np.ndarray]:
         missing = [k for k in keys if k not in self.store]
@@ -79,6 +103,10 @@ class RayScorerPool:
         self._ray = ray
         self._remote_cls = ray.remote(max_restarts=0)(_ScorerActor)
         self.factory, self.config = factory, config
+        from .refs import ChunkShipper
+
+        self.shipper = ChunkShipper(ray.put, chunk_min_bytes=config.chunk_min_bytes)
+        """Puts each shared route chunk into the object store once (by_reference)."""
         self._idle: asyncio.Queue | None = None
         self.actors = [self._spawn() for _ in range(config.num_actors)]
         self.replaced = 0
@@ -101,6 +129,8 @@ class RayScorerPool:
         try:
             if self.config.store_uri is not None:
                 ref = actor.score_keys.remote([t.key for t in traces])
+            elif self.config.by_reference:
+                ref = actor.score_shipment.remote(self.shipper.ship(traces))
             else:
                 ref = actor.score.remote(list(traces))
             return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.config.call_timeout_s)
