@@ -267,6 +267,12 @@ def test_n_samples_each_get_a_trace(engine):
     assert len({t.token_ids_S.tobytes() for t in traces}) > 1
     for t in traces:
         check_against_hf(t, model_dir, SAMPLING[0])
+    from moe_replay.store import MemoryStore  # the samples share one prefill: a store keeps its routes once (#48)
+
+    store = MemoryStore(chunk_min_bytes=1)
+    store.put_many(traces)
+    prompt = {k for k in store._chunks if k.startswith(f"\x000:{traces[0].prompt_len}:")}
+    assert len(prompt) == 1 and all(store.get(t.key).equals(t) for t in traces)
 
 
 def test_errors_abort_unknown_and_nothing_lost(engine):
