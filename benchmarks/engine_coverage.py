@@ -16,6 +16,15 @@ freely), engine_drift (above drift_floor: the engine's port, not replay), rule, 
 seconds}}), engine_drift and with_flips (family lists), not_served ({family: HF architecture}), wall_seconds.
 Target: no family `capture_fails` (moe_replay failing not by name), and flips only where the engine's port
 disagrees with HF (its routing rule, or drift under the same experts).
+`modes` (--modes, default both; "" for none): the engine modes beside plain decoding, tiny qwen3_moe
+(speculative) and mixtral (preemption), fp32, eager, each in its own process (benchmarks/_engine_modes.py):
+  speculative  n-gram speculation: spec_drafts, spec_accepted, spec_flips (HF's own routing vs the trace's
+               routes, token-layers), max_abs_logprob (HF replay vs engine), traces_equal_where_tokens_agree
+               (vs a plain engine), lossy_method_refused. Target: spec_flips 0, max_abs_logprob at the fp32 floor.
+  preemption   a 12-block KV cache under call-size-dependent route flips: preempted_requests,
+               preempt_route_changes (rerouted positions), stale_tokens, stale_tokens_off (named stale and off
+               in replay), silent_mismatch (tokens off in replay the trace does not name), max_abs_logprob_not_stale,
+               unpreempted_rerouted. Target: preempted_requests > 0, preempt_route_changes counted, silent_mismatch 0.
 Statuses and the logic: integrations/vllm/coverage.py; the table: coverage_report.py.
 """
 
@@ -45,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=None, help="start no family after this many seconds; the rest "
                         "are not_run")
     parser.add_argument("--work-dir", default=None, help="checkpoints, stores and logs per family (default: a temp dir)")
+    parser.add_argument("--modes", default="speculative,preemption",
+                        help="engine modes to run beside the families (benchmarks/_engine_modes.py); '' for none")
     args = parser.parse_args(argv)
     import warnings
 
@@ -86,13 +97,38 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="engine_coverage-") as tmp:
         results = cov.run_all(names, args.work_dir or tmp, compiled=not args.eager, timeout_s=timeout_s,
                               budget_s=args.budget_s, on_result=on_result, families=families)
-    out = report.summary(table(results) if (args.write or args.update) else results, not_served, len(families))
+        out = report.summary(table(results) if (args.write or args.update) else results, not_served, len(families))
+        out["modes"] = run_modes([m for m in args.modes.split(",") if m], args.work_dir or tmp)
     out["wall_seconds"] = round(time.perf_counter() - t0, 1)
     if args.write or args.update:
         with open(DOC, "w") as f:
             f.write(report.markdown(table(results), not_served, len(families)))
     print(json.dumps(out, indent=1))
     return 0
+
+
+def run_modes(modes: list[str], work: str) -> dict:
+    """Each engine mode's row (benchmarks/_engine_modes.py), or its error."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("engine_modes", Path(__file__).with_name("_engine_modes.py"))
+    engine_modes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(engine_modes)
+    from moe_replay.models import build_tiny_model
+
+    rows = {}
+    for mode in modes:
+        family = {"speculative": "qwen3_moe", "preemption": "mixtral"}.get(mode, "qwen3_moe")
+        t0 = time.perf_counter()
+        try:
+            model = build_tiny_model(family, Path(work) / f"mode-{mode}" / family, seed=0)
+            rows[mode] = {"family": family, **engine_modes.run(mode, model, Path(work) / f"mode-{mode}")}
+        except Exception as e:  # noqa: BLE001 - the row says what failed; the other rows still run
+            rows[mode] = {"family": family, "error": f"{type(e).__name__}: {str(e)[-1500:]}"}
+        rows[mode]["seconds"] = round(time.perf_counter() - t0, 1)
+        print(f"[engine_coverage] mode {mode}: {rows[mode]}", file=sys.stderr, flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -25,13 +25,15 @@ import numpy as np
 from .errors import ExpertIdOutOfRangeError, MultiSpanTraceError, PartialTraceError, TraceAlignmentError, TraceFormatError, Where
 from .geometry import EngineInfo, ModelGeometry, token_dtype
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Bumped on any change a reader of the previous version could misread. v2 added the typed
 `sampling` parameters and `weights_version` (v1 kept the sampling in extra["sampling"]); v3 added
 `generated_spans` (a v2 reader would take a multi-turn record's support rows for S - prompt_len
 contiguous tokens); v4 added `route_chunks`, the rows a record's store keeps in shared chunks (a
-v3 reader would take the inline rows for all of them). The trace itself is unchanged by v4."""
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
+v3 reader would take the inline rows for all of them). The trace itself is unchanged by v4; v5
+added `rerouted` (positions whose route a later forward changed, and the tokens sampled before:
+a v4 reader would score those tokens as exact)."""
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
 """Versions this reader decodes (v1 records are migrated on read; v1/v2 records are single-span)."""
 
 
@@ -164,6 +166,43 @@ class SamplingSupport:
                 )
 
 
+@dataclass(frozen=True)
+class Rerouted:
+    """Positions whose route a later forward of the same token changed, and the sampled tokens
+    that saw the earlier route.
+
+    Where it happens: a recompute preemption's re-prefill (capture: integrations/vllm/capture/
+    row_log.py) or a later turn that forwards an earlier turn's tokens again (`stitch`), on an
+    engine whose numerics vary with the batch (bf16 GPU kernels picked by GEMM shape route near-tied
+    tokens otherwise). The rule: `routes_TLK` holds the later route at each position, the one every
+    later token was sampled with; a token sampled before a route it depended on changed (a token at
+    position q depends on every position <= q - 1) is stale: its token, kept set and logprob came
+    from a forward that no replay of this trace reproduces. Trainers mask stale tokens from the loss
+    (RoutePlan.stale_G; verl's response_mask, TRL's completion mask) and count them; nothing scores
+    them as exact.
+    """
+
+    positions: tuple[int, ...]
+    """Ascending positions (of token_ids_S) whose route changed."""
+    stale: tuple[int, ...]
+    """Ascending generated rows g (rows of `support` / `logprobs_G`) sampled before a route they
+    depended on changed."""
+
+    def __post_init__(self) -> None:
+        for name in ("positions", "stale"):
+            v = getattr(self, name)
+            try:
+                v = tuple(int(x) for x in v)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"Rerouted.{name} must be a sequence of ints, got {v!r}") from e
+            if list(v) != sorted(set(v)):
+                raise ValueError(f"Rerouted.{name} must be ascending and distinct, got {list(v)[:16]}")
+            object.__setattr__(self, name, v)
+
+    def to_list(self) -> list[list[int]]:
+        return [list(self.positions), list(self.stale)]
+
+
 @dataclass
 class RolloutTrace:
     """One sequence's rollout: tokens, routes per MoE layer, sampling support, engine logprobs."""
@@ -196,6 +235,9 @@ class RolloutTrace:
     prompt_len to the end: a stitched conversation whose turns are separated by text the engine
     did not sample (tool output). Ascending, non-empty, separated (adjacent spans are one span),
     inside [prompt_len, S). None = the single span [prompt_len, S) (schema v3; v1/v2 records)."""
+    rerouted: Rerouted | None = None
+    """Positions whose route a later forward changed and the tokens sampled before it (schema v5;
+    None = none, or not checked: records before v5)."""
     route_layer_ids: tuple[int, ...] | None = None
     """The MoE layers `routes_TLK` holds when it was read for some of them only (a pipeline stage
     reads its own: `store.get(key, layers=...)`), in geometry order; None = every layer of
@@ -328,7 +370,25 @@ class RolloutTrace:
             raise TraceFormatError(w.with_(field="weights_version"), "a str, an int or None", repr(v))
         if self.logprobs_G is not None and self.logprobs_G.shape != (self.num_generated,):
             raise TraceFormatError(w.with_(field="logprobs_G"), f"shape [{self.num_generated}]", list(self.logprobs_G.shape))
+        r = self.rerouted
+        if r is not None:
+            if not isinstance(r, Rerouted):
+                raise TraceFormatError(w.with_(field="rerouted"), "a moe_replay.trace.Rerouted or None", type(r).__name__)
+            if r.positions and not (self.route_start <= r.positions[0] and r.positions[-1] < self.num_tokens - 1):
+                raise TraceFormatError(w.with_(field="rerouted.positions"),
+                                       f"routed positions in [{self.route_start}, {self.num_tokens - 1})", list(r.positions[:8]))
+            if r.stale and r.stale[-1] >= self.num_generated:
+                raise TraceFormatError(w.with_(field="rerouted.stale"), f"generated rows in [0, {self.num_generated})",
+                                       list(r.stale[-8:]))
         return self
+
+    @property
+    def stale_G(self) -> np.ndarray:
+        """bool [G]: the generated rows `rerouted` names stale (all False when none)."""
+        out = np.zeros(self.num_generated, dtype=bool)
+        if self.rerouted is not None and self.rerouted.stale:
+            out[list(self.rerouted.stale)] = True
+        return out
 
     def validate_spans(self, w: Where) -> None:
         """Check `generated_spans` against the tokens (the codec runs it before sizing support and logprobs)."""
@@ -366,6 +426,7 @@ class RolloutTrace:
             and self.weights_version == other.weights_version
             and self.spans == other.spans
             and self.route_layer_ids == other.route_layer_ids
+            and self.rerouted == other.rerouted
             and same(self.routes_TLK, other.routes_TLK)
             and same(self.logprobs_G, other.logprobs_G)
             and ((self.support is None and other.support is None) or (
@@ -518,6 +579,7 @@ def stitch(previous: RolloutTrace, turn: RolloutTrace) -> RolloutTrace:
                                   "one record is scored at one temperature / top-k / top-p / min-p")
     head = previous.routes_TLK[: turn.route_start - previous.route_start]
     routes = np.concatenate([head, turn.routes_TLK], axis=0)
+    rerouted = _join_rerouted(previous, turn)
     extra = dict(turn.extra)
     extra["turns"] = [*previous.extra.get("turns", []), previous.key]
     support, omitted = _join_supports(previous, turn, where)
@@ -531,8 +593,33 @@ def stitch(previous: RolloutTrace, turn: RolloutTrace) -> RolloutTrace:
         routes_TLK=routes, route_start=previous.route_start, support=support,
         logprobs_G=_join_present(previous.logprobs_G, turn.logprobs_G, "logprobs_G", previous.key, where),
         engine=turn.engine, extra=extra, sampling=turn.sampling, weights_version=turn.weights_version,
-        generated_spans=None if one or not spans else tuple(spans),
+        generated_spans=None if one or not spans else tuple(spans), rerouted=rerouted,
     ).validate()
+
+
+def _join_rerouted(previous: RolloutTrace, turn: RolloutTrace) -> Rerouted | None:
+    """`Rerouted` of a stitched record: each turn's own, plus the positions both turns routed (the
+    turn forwarded them again) where the turn's route differs from the previous turn's: the record
+    keeps the turn's route there, so every previous-turn token sampled after the first such position
+    is stale too (it was sampled with the previous turn's route)."""
+    prev_g = previous.num_generated
+    positions = set(previous.rerouted.positions) if previous.rerouted else set()
+    positions = {p for p in positions if p < turn.route_start}  # the turn's routes replace the rest
+    stale = set(previous.rerouted.stale) if previous.rerouted else set()
+    if turn.rerouted is not None:
+        positions |= set(turn.rerouted.positions)
+        stale |= {prev_g + g for g in turn.rerouted.stale}
+    lo = turn.route_start - previous.route_start
+    both = previous.routes_TLK[lo:]  # positions turn.route_start .. previous.num_tokens - 2
+    changed_T = (both != turn.routes_TLK[: len(both)]).any(axis=(1, 2))
+    if changed_T.any():
+        moved = turn.route_start + np.flatnonzero(changed_T)
+        positions |= {int(p) for p in moved}
+        q_G = previous.generated_positions()
+        stale |= {int(g) for g in np.flatnonzero(q_G - 1 >= int(moved[0]))}
+    if not positions and not stale:
+        return None
+    return Rerouted(tuple(sorted(positions)), tuple(sorted(stale)))
 
 
 def _merge_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

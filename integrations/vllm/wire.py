@@ -142,6 +142,9 @@ class CaptureRecord(_Wire):
     re-prefill): routes_TLK holds the later one (capture/row_log.py, provenance)."""
     stale: list[int] = field(default_factory=list)
     """Generated rows g sampled from a forward that saw a route in `rerouted` before it changed."""
+    preempted: bool = False
+    """The scheduler preempted and recomputed the request (routes the engine returns itself cannot
+    say where a re-prefill changed them: capture/preemption.py)."""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ triples, ascending and disjoint: route rows [start, end) are in the store's chun
 (codec/chunk.py; store/chunks.py decides what is shared), and "routes" holds the other rows,
 in order ("shape" stays the whole [T, L, K]). Such a record decodes only through a `ChunkSource`
 (its store); a reader that is not given one refuses it by name.
+Schema v5 adds "rerouted": nil or [positions, stale rows] (two ascending int lists: RolloutTrace.rerouted).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 
 from ..errors import ChecksumError, PartialTraceError, SchemaVersionError, TraceFormatError, TruncatedRecordError, Where
 from ..geometry import EngineInfo, ModelGeometry, token_dtype
-from ..trace import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, RolloutTrace, Sampling
+from ..trace import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, Rerouted, RolloutTrace, Sampling
 from . import support as support_codec
 from .chunk import ChunkShape
 from .routes import ROUTE_CODECS
@@ -75,6 +76,7 @@ def encode_trace(trace: RolloutTrace, route_codec: str = DEFAULT_ROUTE_CODEC, va
         "weights_version": trace.weights_version,
         "spans": [list(s) for s in trace.spans] if trace.multi_span else None,
         "route_chunks": None,
+        "rerouted": None if trace.rerouted is None else trace.rerouted.to_list(),
     }
     tokens_S = trace.token_ids_S
     if chunks:
@@ -106,7 +108,7 @@ def encode_trace(trace: RolloutTrace, route_codec: str = DEFAULT_ROUTE_CODEC, va
     return msgpack.packb({"format": FORMAT, "v": SCHEMA_VERSION, "crc32": zlib.crc32(packed), "body": packed}, use_bin_type=True)
 
 
-FIELDS_SINCE: dict[int, tuple[str, ...]] = {2: ("sampling", "weights_version"), 3: ("spans",), 4: ("route_chunks",)}
+FIELDS_SINCE: dict[int, tuple[str, ...]] = {2: ("sampling", "weights_version"), 3: ("spans",), 4: ("route_chunks",), 5: ("rerouted",)}
 """Body fields each schema version introduced (every writer of that version writes them, nil when unset): a body
 claiming an older version must not hold them. The checksum covers the body only, so this is what catches a
 version byte flipped to another readable version (3 -> 2 or 1)."""
@@ -255,6 +257,7 @@ def decode_trace(data: bytes, where: Where = Where(), validate: bool = True, chu
         extra=extra,
         sampling=sampling,
         weights_version=weights_version,
+        rerouted=_rerouted(body, version, w),
     )
     trace.validate_spans(w)  # the support and logprobs sizes below follow the spans
     routes = body.get("routes")
@@ -342,6 +345,24 @@ def _assemble(inline_TLK: np.ndarray, refs: list[tuple[int, int, str]], chunk_ro
     if row < t:
         out_TLK[row:] = inline_TLK[done:] if index_L is None else inline_TLK[done:][:, index_L]
     return out_TLK
+
+
+def _rerouted(body: dict, version: int, where: Where) -> Rerouted | None:
+    """A v5 body's rerouted positions and stale rows (checked against the trace by validate); None before v5."""
+    if version < 5:
+        return None
+    if "rerouted" not in body:
+        raise TraceFormatError(where.with_(field="rerouted"), "present (nil when no route changed)", "missing")
+    r = body["rerouted"]
+    if r is None:
+        return None
+    ints = lambda xs: isinstance(xs, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in xs)  # noqa: E731
+    if not (isinstance(r, list) and len(r) == 2 and ints(r[0]) and ints(r[1])):
+        raise TraceFormatError(where.with_(field="rerouted"), "nil or [positions, stale rows] (two int lists)", repr(r)[:80])
+    try:
+        return Rerouted(tuple(r[0]), tuple(r[1]))
+    except ValueError as e:
+        raise TraceFormatError(where.with_(field="rerouted"), "ascending, distinct ints", str(e)) from None
 
 
 def _spans(body: dict, version: int, where: Where) -> tuple[tuple[int, int], ...] | None:

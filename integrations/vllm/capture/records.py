@@ -36,6 +36,8 @@ class RequestRecord:
         self.uid = next(_UIDS)
         """Process-unique integer: how flushes and takes find a record's rows with array ops."""
         self.problems: list[str] = []
+        self.preempted = False
+        """The scheduler preempted (and recomputed) this request at least once."""
 
 
 class RecordBook:
@@ -134,4 +136,5 @@ def _payload(rec: RequestRecord, a: Any) -> CaptureRecord:
         "ok", key=rec.req_id, req_id=rec.req_id, prompt_len=rec.prompt_len, route_start=rec.route_start,
         routes_TLK=a.routes_TLK, routes_filled_T=a.routes_filled_T, tokens_G=a.tokens_G, logprobs_G=a.logprobs_G,
         support_sizes_G=a.sizes_G, support_offsets_G1=a.offsets_G1, support_ids_N=a.ids_N,
-        problems=rec.problems + a.problems, rerouted=a.rerouted_P.tolist(), stale=a.stale_G.tolist())
+        problems=rec.problems + a.problems, rerouted=a.rerouted_P.tolist(), stale=a.stale_G.tolist(),
+        preempted=rec.preempted)

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from ..errors import CaptureHookError
+from ..versions import check_release
 
 LOSSLESS_METHODS = ("standard",)
 """`SpeculativeConfig.rejection_sample_method` values whose emitted tokens follow the target
@@ -66,6 +67,7 @@ def spec_info(runner: Any) -> SpecInfo | None:
     spec = getattr(runner, "speculative_config", None)
     if spec is None:
         return None
+    check_release(runner="v1", parts=("speculative",))  # the names this module and patch.py read
     method = str(getattr(spec, "method", None))
     rsm = str(getattr(spec, "rejection_sample_method", "standard"))
     if rsm not in LOSSLESS_METHODS:

@@ -55,7 +55,7 @@ from ..patch import patch_runner
 from ..runner import OPS, RunnerState, installed, register_part_ops, runner_state
 from ..step import RingRows, StepLayout, join_rows
 from ..timings import PartTimes, Tally
-from ..versions import check_vllm_version
+from ..versions import check_release
 from ..wire import CaptureRecord, InstallReply
 from .block_cache import SlotRouteCache, route_kv_group
 from .records import RecordBook, RequestRecord
@@ -329,6 +329,10 @@ class WorkerCapture:
         preempted = getattr(scheduler_output, "preempted_req_ids", None)
         if preempted:
             self.preemptions += len(preempted)
+            for rid in preempted:  # (a native source's routes of these are refused: capture/preemption.py)
+                rec = self.book.get(rid)
+                if rec is not None:
+                    rec.preempted = True
         n = scheduler_output.total_num_scheduled_tokens
         if not n:
             return None
@@ -662,7 +666,7 @@ def _check_runner(runner: Any) -> None:
 # -- ops (endpoint.py) ----------------------------------------------------------------------------
 @OPS.register("capture.install")
 def _capture_install(runner: Any, st: RunnerState, config: dict[str, Any]) -> dict[str, Any]:
-    check_vllm_version()
+    check_release(runner="v1")  # the hooks read the V1 runner (surface/needs.py)
     if st.capture is not None:
         raise CaptureHookError("capture is already installed on this engine; uninstall() it first")
     st.capture = WorkerCapture(runner, CaptureConfig.from_dict(config))

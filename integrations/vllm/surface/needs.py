@@ -268,6 +268,22 @@ V1: tuple[Need, ...] = (
          why="coverage.py served_architectures: ModelRegistry.get_supported_archs()"),
     Need("vllm.model_executor.models.registry", "_ModelRegistry", part="coverage", attrs=("get_supported_archs",),
          why="coverage.py served_architectures"),
+    # -- speculative decoding on the V1 runner (capture/speculation.py, patch.py _make_rejection)
+    Need(GMR, "GPUModelRunner", part="speculative", attrs=("rejection_sampler", "speculative_config", "drafter"),
+         why="capture/speculation.py spec_info: the rejection sampler to wrap, the drafter's MoE layers to name"),
+    Need("vllm.v1.sample.rejection_sampler", "RejectionSampler.forward", part="speculative",
+         params=("metadata", "draft_probs", "logits", "sampling_metadata"), leading=4,
+         why="patch.py _make_rejection wraps it (positional arguments as the runner passes them)"),
+    Need("vllm.v1.sample.rejection_sampler", "RejectionSampler.forward", part="speculative",
+         mentions=("rejection_sample", "bonus_logits_indices", "target_logits_indices"),
+         why="the bonus rows go through the Sampler, the draft rows' target logits through rejection_sample, "
+             "called by its module name (patch.py swaps it for the call)"),
+    Need("vllm.v1.sample.rejection_sampler", "rejection_sample", part="speculative", params=("target_logits",),
+         why="patch.py _make_rejection: the draft rows' constrained target logits"),
+    Need("vllm.v1.spec_decode.metadata", "SpecDecodeMetadata", part="speculative", attrs=("num_draft_tokens",),
+         why="capture/speculation.py spec_rows: drafts per request row, in batch order"),
+    Need("vllm.config.speculative", "SpeculativeConfig", part="speculative", attrs=("method", "num_speculative_tokens"),
+         why="capture/speculation.py spec_info (rejection_sample_method is read where it exists)"),
 )
 """The V1 hooks path (runner "v1")."""
 
