@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from moe_replay.codec.chunk import ChunkShape
 from moe_replay.codec.record import decode_trace, encode_trace
 from moe_replay.errors import Where
-from moe_replay.store.chunks import DEFAULT_CHUNK_MIN_BYTES, ChunkMissingError, ChunkTable, decode_whole, label, split_trace
+from moe_replay.store.chunks import DEFAULT_CHUNK_MIN_BYTES, ChunkTable, read_held, split_trace
 from moe_replay.trace import RolloutTrace
 
 DEFAULT_SHIP_BYTES = 256 << 20
@@ -117,8 +117,4 @@ class ChunkCache:
 
     def read_chunk(self, key: str, want: ChunkShape, first: int, stop: int, record_where: Where):
         """The ChunkSource of the shipment's records (codec.record)."""
-        payload = self._chunks.get(key)
-        where = record_where.with_(field=label(key))
-        if payload is None:
-            raise ChunkMissingError(where, "the route chunk the record names", "not in the shipment")
-        return decode_whole(payload, key, want, first, stop, where, checked=False)
+        return read_held(self._chunks, key, want, first, stop, record_where, "not in the shipment")

@@ -131,6 +131,17 @@ def decode_whole(payload: bytes | memoryview, key: str, want: ChunkShape, first:
     return tokens_T, routes
 
 
+def read_held(payloads, key: str, want: ChunkShape, first: int, stop: int, record_where: Where, absent: str):
+    """(tokens, routes of layers [first, stop)) of chunk `key` from `payloads` (key -> payload, held
+    in memory: a MemoryStore's, a Ray actor's), each part CRC-checked; ChunkMissingError naming the
+    chunk and the record when it is not held (`absent` says where it was looked for)."""
+    payload = payloads.get(key)
+    where = record_where.with_(field=label(key))
+    if payload is None:
+        raise ChunkMissingError(where, "the route chunk the record names", absent)
+    return decode_whole(payload, key, want, first, stop, where, checked=False)
+
+
 def identity_digest(trace: RolloutTrace) -> bytes:
     """What makes two records the same computation, besides their tokens: model geometry,
     weights_version and engine (its free-form extra included)."""

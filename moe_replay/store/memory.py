@@ -19,7 +19,7 @@ from ..codec.record import decode_trace, encode_trace
 from ..errors import DuplicateKeyError, MissingKeyError, TraceError, TraceFormatError, Where
 from ..trace import RolloutTrace
 from .base import STORES, TraceStore
-from .chunks import CHUNK_KEY_PREFIX, DEFAULT_CHUNK_MIN_BYTES, ChunkMissingError, ChunkTable, decode_whole, label, split_trace
+from .chunks import CHUNK_KEY_PREFIX, DEFAULT_CHUNK_MIN_BYTES, ChunkTable, read_held, split_trace
 
 ErrorMode = Literal["raise", "skip"]
 """What `iter` does with a record that fails its checks: raise the typed error, or skip it and
@@ -104,11 +104,7 @@ class MemoryStore(TraceStore):
 
     def read_chunk(self, key: str, want: ChunkShape, first: int, stop: int, record_where: Where):
         """The ChunkSource of this store's records (codec.record)."""
-        payload = self._chunks.get(key)
-        where = record_where.with_(field=label(key))
-        if payload is None:
-            raise ChunkMissingError(where, "the route chunk the record names", "no such chunk in the store")
-        return decode_whole(payload, key, want, first, stop, where, checked=False)
+        return read_held(self._chunks, key, want, first, stop, record_where, "no such chunk in the store")
 
     def get_many(self, keys: Sequence[str], layers: Sequence[int] | None = None) -> list[RolloutTrace]:
         records = self._live()
