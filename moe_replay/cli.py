@@ -404,7 +404,8 @@ def _configure_inspect(p: argparse.ArgumentParser) -> None:
 
 
 @command("inspect", "summarise a trace store: records, tokens, geometries, engines, parts, support sizes, "
-                    "bytes per token-layer per codec, damaged records, and what a writer opening it would recover "
+                    "bytes per token-layer per codec, shared route chunks, damaged records and chunks, and what a writer "
+                    "opening it would recover "
                     "or refuse (exit status 1 if any record is damaged or a writer would refuse)", _configure_inspect)
 def inspect(args: argparse.Namespace) -> int:
     from .report.inspect import print_store_summary, summarize_store, writer_would
