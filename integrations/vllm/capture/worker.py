@@ -607,6 +607,7 @@ class WorkerCapture:
             "support_misses": self.support_misses,
             "rerouted": self.rerouted,
             "stale": self.stale,
+            "spec": None if self.spec is None else self.spec.to_dict(),
             "spec_drafts": self.spec_drafts,
             "spec_accepted": self.spec_accepted,
             "log_rows": self.book.log.rows,
