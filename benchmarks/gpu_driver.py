@@ -21,6 +21,9 @@ next one starts:
              the HF recompute with vLLM's engine core in its own process (it steps while the
              requests are still being added)
   native     benchmarks/gpu_capture.py: graphs_native throughput and native_vs_hooks
+  mrv2       benchmarks/gpu_mrv2.py: which runner the engine runs with VLLM_USE_V2_MODEL_RUNNER=1 / 0,
+             what capture takes from it (or refuses: vLLM 0.26's MRV2 has no routed experts) and
+             whether its traces replay in HF
 
 Seen on an H200 (2026-11-27): a cold torch.compile + CUDA-graph start of the bench model takes
 ~140 s; five such starts in parallel did not finish in 245 s, and two in parallel not in 220 s (a
@@ -103,6 +106,7 @@ STEPS = (
     Step("native", (PY, str(HERE / "gpu_capture.py"), "--rounds", "1", "--start-timeout-s", "200",
                     "--settings", "graphs_native,native_vs_hooks"),
          (PY, str(HERE / "gpu_capture.py"), "--dry-run", "--settings", "graphs_native,native_vs_hooks"), 240),
+    Step("mrv2", (PY, str(HERE / "gpu_mrv2.py")), (PY, str(HERE / "gpu_mrv2.py"), "--dry-run"), 240),
 )
 NAMES = tuple(s.name for s in STEPS)
 

