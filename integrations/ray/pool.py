@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from moe_replay.errors import MoeReplayError
+from moe_replay.store.chunks import WIRE_CHUNK_MIN_BYTES
 from moe_replay.trace import RolloutTrace
 
 
@@ -41,7 +42,7 @@ class RayPoolConfig:
     by_reference: bool = True
     """Without store_uri: send batches as records and object refs of their shared route chunks
     (refs.py); False pickles every trace whole."""
-    chunk_min_bytes: int = 4 << 10
+    chunk_min_bytes: int = WIRE_CHUNK_MIN_BYTES
     """A run of shared routes shipped as its own object when it holds at least this many bytes
     (at the order-preserving bound; smaller runs travel in their records)."""
 

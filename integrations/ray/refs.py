@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from moe_replay.codec.chunk import ChunkShape
-from moe_replay.codec.record import decode_trace, encode_trace
+from moe_replay.codec.record import decode_trace
 from moe_replay.errors import Where
-from moe_replay.store.chunks import DEFAULT_CHUNK_MIN_BYTES, ChunkTable, read_held, split_trace
+from moe_replay.store.chunks import DEFAULT_CHUNK_MIN_BYTES, ChunkTable, encode_shared, read_held
 from moe_replay.trace import RolloutTrace
 
 DEFAULT_SHIP_BYTES = 256 << 20
@@ -66,8 +66,7 @@ class ChunkShipper:
     def ship(self, traces: Sequence[RolloutTrace]) -> Shipment:
         records, needed = [], {}
         for trace in traces:
-            trace.validate()
-            split = split_trace(trace, self._table, self.chunk_min_bytes)
+            record, split = encode_shared(trace, self._table, self.chunk_min_bytes)
             for key, payload in split.new:
                 self._refs[key] = (self.put(payload), len(payload))
                 self._bytes += len(payload)
@@ -76,7 +75,7 @@ class ChunkShipper:
                 self._refs.move_to_end(piece.key)
                 needed[piece.key] = self._refs[piece.key][0]
             self.stats.chunks_reused += len(split.pieces) - len(split.new)
-            records.append(encode_trace(trace, validate=False, chunks=[tuple(p) for p in split.pieces]))
+            records.append(record)
             self.stats.record_bytes += len(records[-1])
         if self._bytes > self.max_bytes:  # forget the oldest: a later trace sharing one puts it again
             while self._bytes > self.max_bytes and len(self._refs) > len(needed):

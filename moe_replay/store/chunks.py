@@ -43,7 +43,7 @@ import msgpack
 import numpy as np
 
 from ..codec.chunk import ChunkMeta, ChunkShape, check_shape, decode_chunk, encode_chunk, is_chunk
-from ..codec.record import decode_trace, peek_key, record_chunks
+from ..codec.record import decode_trace, encode_trace, peek_key, record_chunks
 from ..codec.routes import bound_bits_per_token_layer
 from ..errors import TraceFormatError, Where
 from ..trace import RolloutTrace
@@ -56,6 +56,11 @@ DEFAULT_CHUNK_MIN_BYTES = 64 << 10
 order-preserving bound (Qwen3-30B-A3B geometry: 196 rows; the tiny 2-layer, 8-expert models:
 ~45k rows, so their short records stay whole). ~0.6% of overhead per chunk (~400 bytes) at
 the threshold; a chunk's Huffman tables (~60 bytes a layer) ~5% at 196 rows, less above."""
+WIRE_CHUNK_MIN_BYTES = 4 << 10
+"""The threshold where a batch crosses a wire (the Ray pool's shipments, verl's DataProto): a chunk
+there costs no index entry, only its head and meta (~0.8 KB at 48 layers) and its tables, and a
+prompt shared by n samples saves n - 1 copies of its routes: at Qwen3-30B-A3B geometry 4 KiB is 12
+rows, so a 150-token GRPO prompt (50 KB of routes) is sent once instead of n times."""
 
 
 def is_chunk_key(key: str) -> bool:
@@ -300,6 +305,15 @@ def split_trace(trace: RolloutTrace, table: ChunkTable, min_bytes: int) -> Split
     if run is not None:
         _new_run(trace, run, end, cuts, least, table, chain, rows_digest, split)
     return split
+
+
+def encode_shared(trace: RolloutTrace, table: ChunkTable, min_bytes: int) -> tuple[bytes, Split]:
+    """`trace` (validated first) as a record naming the chunks it shares (split_trace against
+    `table`: the new ones are added to it and returned in split.new, to be kept before the record,
+    or alongside it)."""
+    trace.validate()
+    split = split_trace(trace, table, min_bytes)
+    return encode_trace(trace, validate=False, chunks=[tuple(p) for p in split.pieces]), split
 
 
 def _new_run(trace: RolloutTrace, a: int, b: int, cuts: list[int], least: int, table: ChunkTable, chain: TokenChain,

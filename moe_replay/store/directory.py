@@ -61,8 +61,8 @@ from ..errors import (
 from ..trace import RolloutTrace
 from .base import STORES, TraceStore
 from .chunks import (
-    CHUNK_KEY_PREFIX, DEFAULT_CHUNK_MIN_BYTES, ChunkMissingError, ChunkTable, check_meta, decode_whole, is_chunk_key, label,
-    split_trace,
+    CHUNK_KEY_PREFIX, DEFAULT_CHUNK_MIN_BYTES, ChunkMissingError, ChunkTable, check_meta, decode_whole, encode_shared,
+    is_chunk_key, label,
 )
 from .memory import ErrorMode, OnError, check_error_mode, check_new_keys, handle_bad_record
 from .fileio import _read_at, _sync, _sync_dir, _write_all  # names looked up here: tests patch them here
@@ -480,9 +480,7 @@ class DirectoryStore(RecoveryMixin, TraceStore):
                                    "keys starting so name the store's route chunks")
         if self._table is None:
             return [(trace.key, key_b, encode_trace(trace))]
-        trace.validate()  # before any chunk of it is made
-        split = split_trace(trace, self._table, self.options.chunk_min_bytes)
-        record = encode_trace(trace, validate=False, chunks=[tuple(p) for p in split.pieces])
+        record, split = encode_shared(trace, self._table, self.options.chunk_min_bytes)  # validated before any chunk is made
         return [(key, key.encode("utf-8"), payload) for key, payload in split.new] + [(trace.key, key_b, record)]
 
     def _commit(self, batch: list[tuple[str, bytes, bytes]]) -> None:

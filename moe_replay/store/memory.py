@@ -19,7 +19,7 @@ from ..codec.record import decode_trace, encode_trace
 from ..errors import DuplicateKeyError, MissingKeyError, TraceError, TraceFormatError, Where
 from ..trace import RolloutTrace
 from .base import STORES, TraceStore
-from .chunks import CHUNK_KEY_PREFIX, DEFAULT_CHUNK_MIN_BYTES, ChunkTable, read_held, split_trace
+from .chunks import CHUNK_KEY_PREFIX, DEFAULT_CHUNK_MIN_BYTES, ChunkTable, encode_shared, read_held
 
 ErrorMode = Literal["raise", "skip"]
 """What `iter` does with a record that fails its checks: raise the typed error, or skip it and
@@ -91,10 +91,8 @@ class MemoryStore(TraceStore):
                 raise TraceFormatError(Where(file=self.name, record=repr(trace.key[:40]), field="key"),
                                        f"a key not starting with {CHUNK_KEY_PREFIX!r}", "one that does",
                                        "keys starting so name the store's route chunks")
-            trace.validate()
-            split = split_trace(trace, self._table, self.chunk_min_bytes)
+            records[trace.key], split = encode_shared(trace, self._table, self.chunk_min_bytes)
             self._chunks.update(split.new)
-            records[trace.key] = encode_trace(trace, validate=False, chunks=[tuple(p) for p in split.pieces])
 
     def get(self, key: str, layers: Sequence[int] | None = None) -> RolloutTrace:
         data = self._live().get(key)
