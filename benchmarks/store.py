@@ -30,6 +30,14 @@ and read back per second; decode with the reader's chunk cache, `decode_mb_s_col
 reader of all 48 reads, the larger of the two stages). Records carry tokens and logprobs, no
 kept sets.
 
+`grpo.verl_batch`: the same 8 samples as verl's DataProto carries them (integrations/verl/batch.py),
+`trace_payload_bytes` = the pickled bytes of its trace columns (what Ray ships: DataProto pickles
+non_tensor_batch as it is), `whole` (one whole record per sample, `encode_traces`) against `shared`
+(records naming the route chunks they share plus one copy of each, `trace_columns`); `ratio`
+(whole / shared); `encode_ms` of each from the traces and `share_ms` of the agent-loop hook
+(`share_chunks`: whole records decoded and re-encoded shared); `decode_ms` of the actor's
+`traces_of` over each; best of `--repeats`, interleaved.
+
 Usage: python benchmarks/store.py --json [--sequences N] [--repeats R] [--scale F]
 """
 
@@ -282,6 +290,64 @@ def measure_sharing(traces: list[RolloutTrace], n: int, unique_rows: int, repeat
     }
 
 
+class _Columns:
+    """A batch's non-tensor columns as verl's TensorDict shows them to the actor (len = rows, keys, [key])."""
+
+    def __init__(self, cols: dict) -> None:
+        self._cols = cols
+
+    def __len__(self) -> int:
+        return len(next(iter(self._cols.values())))
+
+    def keys(self):
+        return self._cols.keys()
+
+    def __getitem__(self, key: str):
+        return self._cols[key]
+
+
+def measure_verl_batch(traces: list[RolloutTrace], repeats: int) -> dict:
+    """A prompt group's trace payload in verl's DataProto, whole records against shared chunks (module doc)."""
+    import pickle
+    from types import SimpleNamespace
+
+    from moe_replay.integrations.verl.batch import CHUNKS_KEY, TRACES_KEY, encode_traces, share_chunks, trace_columns, traces_of
+
+    best = {k: math.inf for k in ("encode_whole", "encode_shared", "share", "decode_whole", "decode_shared")}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        whole = {TRACES_KEY: encode_traces(traces)}
+        t1 = time.perf_counter()
+        shared = trace_columns(traces)
+        t2 = time.perf_counter()
+        hooked = share_chunks(SimpleNamespace(non_tensor_batch={TRACES_KEY: encode_traces(traces)}))
+        t3 = time.perf_counter()
+        share_s = t3 - t2 - (t1 - t0)  # less its own whole-record encode (the rollout did that)
+        got_whole = traces_of(_Columns(whole))
+        t4 = time.perf_counter()
+        got_shared = traces_of(_Columns(shared))
+        t5 = time.perf_counter()
+        for part, dt in (("encode_whole", t1 - t0), ("encode_shared", t2 - t1), ("share", share_s),
+                         ("decode_whole", t4 - t3), ("decode_shared", t5 - t4)):
+            best[part] = min(best[part], dt)
+        if not all(a.equals(b) and c.equals(b) for a, b, c in zip(got_shared, traces, got_whole)):
+            raise SystemExit("verl_batch: a trace did not decode bit-identical")
+        if list(hooked.non_tensor_batch[TRACES_KEY]) != list(shared[TRACES_KEY]):
+            raise SystemExit("verl_batch: share_chunks and trace_columns disagree")
+    size = {"whole": len(pickle.dumps(whole, protocol=5)), "shared": len(pickle.dumps(shared, protocol=5))}
+    distinct = {id(p): len(p) for row in shared[CHUNKS_KEY] for p in row}
+    return {
+        "samples": len(traces),
+        "trace_payload_bytes": size,
+        "ratio": round(size["whole"] / size["shared"], 3),
+        "distinct_chunks": len(distinct),
+        "chunk_bytes": sum(distinct.values()),
+        "encode_ms": {"whole": round(best["encode_whole"] * 1e3, 1), "shared": round(best["encode_shared"] * 1e3, 1)},
+        "share_ms": round(best["share"] * 1e3, 1),
+        "decode_ms": {"whole": round(best["decode_whole"] * 1e3, 1), "shared": round(best["decode_shared"] * 1e3, 1)},
+    }
+
+
 def sharing_workloads(repeats: int, scale: float) -> dict:
     rng = np.random.default_rng(48)
     logpop_LE = rng.normal(0.0, 0.5, (QWEN3_30B_A3B.num_moe_layers, QWEN3_30B_A3B.num_experts))
@@ -294,6 +360,7 @@ def sharing_workloads(repeats: int, scale: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for name, (n, (traces, unique)) in groups.items():
             out[name] = measure_sharing(traces, n, unique, repeats, Path(tmp))
+    out["grpo"]["verl_batch"] = measure_verl_batch(groups["grpo"][1][0], repeats)
     return out
 
 

@@ -245,7 +245,7 @@ def test_each_trace_is_decoded_once_per_batch_and_still_checked(rollouts, engine
 
     decoded = []  # records decoded (the engine may hold some from an earlier test's batch)
     real = vb.decode_trace
-    monkeypatch.setattr(vb, "decode_trace", lambda record, where=None: decoded.append(record) or real(record, where))
+    monkeypatch.setattr(vb, "decode_trace", lambda record, where=None, **kw: decoded.append(record) or real(record, where, **kw))
     engine = engines["r3_support"]
     batch = _batch(rollouts)
     advantages_from_rewards(batch, torch.linspace(-1, 1, N_PROMPTS))

@@ -247,11 +247,12 @@ def test_verls_server_returns_a_trace_per_sample(served):
 def test_agent_loop_packing_carries_traces_into_the_actor(served, engines):
     """verl's own postprocessing puts the traces in non_tensor_batch; the actor replays them:
     0 route flips (some without), k3-KL lower, and an update step under the routes."""
-    from moe_replay.integrations.verl import TRACES_KEY
+    from moe_replay.integrations.verl import CHUNKS_KEY, TRACES_KEY
     from moe_replay.integrations.verl.local import advantages_from_rewards, old_log_prob, update_actor
 
     batch = served["pack"](served["singles"])
     assert len(batch.non_tensor_batch[TRACES_KEY]) == N_PROMPTS and "rollout_log_probs" in batch.batch.keys()
+    assert len(batch.non_tensor_batch[CHUNKS_KEY]) == N_PROMPTS  # the registry's _postprocess shared the batch's chunks
     out = {p: old_log_prob(engines[p], served["pack"](served["singles"])) for p in engines}
     flips = {p: _mean(m["moe_replay/route_flip_rate"]) for p, (_, m) in out.items()}
     k3 = {p: _mean(m["rollout_corr/k3_kl"]) for p, (_, m) in out.items()}
@@ -372,7 +373,8 @@ def test_a_sample_without_its_trace_is_refused(served, engines):
 
 
 def test_uninstall_gives_verl_its_rollout_back(served):
-    """The rollout patches (registry.py) are undoable: verl's replica, client and agent loop return."""
+    """The rollout patches (registry.py) are undoable: verl's replica, client, agent loop and its
+    postprocessing return."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
     from verl.workers.rollout.llm_server import LLMServerClient
     from verl.workers.rollout.replica import RolloutReplicaRegistry
@@ -381,13 +383,16 @@ def test_uninstall_gives_verl_its_rollout_back(served):
     from moe_replay.integrations.verl.registry import install, uninstall
     from moe_replay.integrations.verl.rollout import MoeReplayVLLMReplica
 
-    patched = (LLMServerClient.generate, AgentLoopWorker._run_agent_loop)
+    def hooks():
+        return LLMServerClient.generate, AgentLoopWorker._run_agent_loop, AgentLoopWorker._postprocess
+
+    patched = hooks()
     uninstall()
     try:
         assert RolloutReplicaRegistry.get("vllm") is vLLMReplica
-        original = (LLMServerClient.generate, AgentLoopWorker._run_agent_loop)
+        original = hooks()
         assert all(o is not p for o, p in zip(original, patched))
     finally:
         install()
     assert RolloutReplicaRegistry.get("vllm") is MoeReplayVLLMReplica
-    assert all(n is not o for n, o in zip((LLMServerClient.generate, AgentLoopWorker._run_agent_loop), original))
+    assert all(n is not o for n, o in zip(hooks(), original))

@@ -5,7 +5,9 @@
 1b. Its rollout: the "vllm" replica of `RolloutReplicaRegistry` is MoeReplayVLLMReplica (its
     server captures when the preset asks, rollout.py), `LLMServerClient.generate` moves each
     turn's trace off the TokenOutput and `AgentLoopWorker._run_agent_loop` stitches a sample's
-    turns into its output's extra fields (verl's tool agent loop keeps only the first turn's).
+    turns into its output's extra fields (verl's tool agent loop keeps only the first turn's);
+    `AgentLoopWorker._postprocess` then shares the batch's route chunks (batch.share_chunks: the n
+    samples of a prompt carry its routes once per message, not n times).
     verl's fully-async rollouter needs nothing more: its `FullyAsyncLLMServerClient.generate`
     sends every attempt through the base `LLMServerClient.generate` (patched here, on the class),
     and its agent-loop workers are verl's `AgentLoopWorker`.
@@ -66,7 +68,9 @@ def _install_rollout() -> None:
 
     from . import rollout  # verl's vLLM server modules: imported when the rollout is installed
 
-    generate, run_loop = LLMServerClient.generate, AgentLoopWorker._run_agent_loop
+    from . import batch
+
+    generate, run_loop, postprocess = LLMServerClient.generate, AgentLoopWorker._run_agent_loop, AgentLoopWorker._postprocess
 
     async def client_generate(self: Any, *args: Any, **kwargs: Any) -> Any:
         return rollout.take_turn(await generate(self, *args, **kwargs))
@@ -80,10 +84,15 @@ def _install_rollout() -> None:
             raise
         return rollout.finish_sample(out, token)
 
-    _rollout_saved.update(replica=RolloutReplicaRegistry._registry["vllm"], generate=generate, run_loop=run_loop)
+    def shared_postprocess(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return batch.share_chunks(postprocess(self, *args, **kwargs))
+
+    _rollout_saved.update(replica=RolloutReplicaRegistry._registry["vllm"], generate=generate, run_loop=run_loop,
+                          postprocess=postprocess)
     RolloutReplicaRegistry.register("vllm", lambda: rollout.MoeReplayVLLMReplica)
     LLMServerClient.generate = client_generate
     AgentLoopWorker._run_agent_loop = run_agent_loop
+    AgentLoopWorker._postprocess = shared_postprocess
 
 
 def uninstall() -> None:
@@ -101,6 +110,7 @@ def uninstall() -> None:
         RolloutReplicaRegistry.register("vllm", _rollout_saved["replica"])
         LLMServerClient.generate = _rollout_saved["generate"]
         AgentLoopWorker._run_agent_loop = _rollout_saved["run_loop"]
+        AgentLoopWorker._postprocess = _rollout_saved["postprocess"]
         _rollout_saved.clear()
 
 
