@@ -141,6 +141,11 @@ def test_plan_and_trainers_leave_stale_tokens_out_of_the_loss():
     mask = torch.ones(2, 6, dtype=torch.long)
     assert _mask_stale(mask, [a, b]) == 3
     assert mask.tolist() == [[1, 1, 0, 0, 0, 1], [1] * 6]
+    pytest.importorskip("verl")
+    from moe_replay.integrations.verl import to_dataproto
+
+    resp = to_dataproto([a, b], pad_token_id=0).batch["response_mask"]  # verl's loss mask, response columns
+    assert resp.tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 1, 0]]
 
 
 @pytest.mark.vllm
