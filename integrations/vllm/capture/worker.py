@@ -120,6 +120,8 @@ class _Window:
     pos_T: np.ndarray
     ntok_B: np.ndarray
     """Tokens each row forwarded in its step."""
+    index_S: np.ndarray
+    """Each step's number since install (`_Step.index`: the provenance of its rows)."""
     drafts_B: np.ndarray | None = None
     """Speculative windows: draft tokens each row forwarded after its last sampled token (0 elsewhere)."""
     emitted_B: np.ndarray | None = None
@@ -134,7 +136,8 @@ class _Window:
         ntok_B = lay.stop_B - lay.start_B
         win = cls(n_S, b_S, np.repeat(S, b_S), np.repeat(S, n_S), uid_B,
                   np.concatenate([st.batch.prompt_len_B for st in steps]),
-                  lay.discard_B, lay.pos_T[lay.stop_B - 1], np.repeat(uid_B, ntok_B), lay.pos_T, ntok_B)
+                  lay.discard_B, lay.pos_T[lay.stop_B - 1], np.repeat(uid_B, ntok_B), lay.pos_T, ntok_B,
+                  np.fromiter((st.index for st in steps), dtype=np.int64, count=len(steps)))
         if any(st.spec is not None for st in steps):
             win.drafts_B = np.concatenate([np.zeros(len(st.batch.uid_B), np.int64) if st.spec is None else st.spec.drafts_B
                                            for st in steps])
@@ -485,7 +488,7 @@ class WorkerCapture:
             # routed steps hold consecutive route rows 0, 1, ... in step order (route_hook.RouteCapture)
             routed_T = routed_S[win.step_T]
             self.book.log.add_routes(win.uid_T[routed_T], win.pos_T[routed_T], chunk_TLK, None,
-                                     _step_numbers(steps)[win.step_T[routed_T]])
+                                     win.index_S[win.step_T[routed_T]])
             times.add("flush.route_records", clock() - t1)
         sampled_S = np.array([st.sample_row is not None for st in steps])
         if sampled_S.any():
@@ -510,7 +513,7 @@ class WorkerCapture:
         first_S = np.array([st.sample_row for st in steps if st.sample_row is not None])
         sampled_B = sampled_S[win.step_B]
         uid_B = np.where(win.discard_B, -1, win.uid_B)
-        step_B = _step_numbers(steps)[win.step_B]
+        step_B = win.index_S[win.step_B]
         if win.emitted_B is None:  # one sample per row, the token after its last forwarded one
             size_S = win.b_S[sampled_S]
             uid_X = uid_B[sampled_B]
@@ -636,11 +639,6 @@ class WorkerCapture:
         self._patches.undo()
         if self.routes is not None:
             self.routes.uninstall()
-
-
-def _step_numbers(steps: list[_Step]) -> np.ndarray:
-    """int64 [S]: each pending step's number (`_Step.index`)."""
-    return np.fromiter((st.index for st in steps), dtype=np.int64, count=len(steps))
 
 
 def _records_of(steps: list[_Step]) -> dict[int, RequestRecord]:
