@@ -41,11 +41,11 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from ..codec.chunk import ChunkShape, decode_layers, decode_tokens, head_read_bytes, read_meta
+from ..codec.chunk import ChunkShape
 from ..codec.record import decode_trace, encode_trace
 from ..errors import (
     ChecksumError,
@@ -60,16 +60,14 @@ from ..errors import (
 )
 from ..trace import RolloutTrace
 from .base import STORES, TraceStore
-from .chunks import (
-    CHUNK_KEY_PREFIX, DEFAULT_CHUNK_MIN_BYTES, ChunkMissingError, ChunkTable, check_meta, decode_whole, encode_shared,
-    is_chunk_key, label,
-)
+from .chunks import CHUNK_KEY_PREFIX, DEFAULT_CHUNK_MIN_BYTES, ChunkMissingError, ChunkTable, encode_shared, is_chunk_key, label
 from .memory import ErrorMode, OnError, check_error_mode, check_new_keys, handle_bad_record
 from .fileio import _read_at, _sync, _sync_dir, _write_all  # names looked up here: tests patch them here
 from .framing import (
     FORMAT_VERSION, FRAME, FRAME_MAGIC, HEADER, INDEX_MAGIC, INDEX_NAME, LOCK_NAME, MAX_KEY_BYTES, SEGMENT_MAGIC, _SEGMENT_RE,
     Entry, check_header, frame_crc, pack_entry, pack_header, parse_index, segment_name,
 )
+from .reading import DEFAULT_CHUNK_CACHE_BYTES, ChunkCache, ReadStats, crc_of, read_chunk, read_frame  # noqa: F401 (crc_of: importable here)
 from .recovery import RecoveryMixin
 
 log = logging.getLogger(__name__)
@@ -79,14 +77,6 @@ MIN_SEGMENT_BYTES = 1 << 10
 COMMIT_BYTES = 64 << 20
 """put_many commits (syncs segment, then index) at least every this many encoded bytes."""
 MAX_OPEN_SEGMENTS = 64
-DEFAULT_CHUNK_CACHE_BYTES = 64 << 20
-"""Decoded chunk routes a reader keeps (the prefix of a 16-sample group of 8k-token Qwen3-30B-A3B
-rollouts is ~3 MiB decoded per 1k tokens)."""
-
-
-def crc_of(frame: bytes) -> int:
-    """The CRC-32 a frame's head says its length and payload have."""
-    return FRAME.unpack_from(frame)[2]
 
 
 class StoreNotFoundError(MoeReplayError, FileNotFoundError):
@@ -144,18 +134,6 @@ class DirectoryStoreOptions:
                 raise ValueError(f"DirectoryStoreOptions.{name} must be an int >= 0 bytes, got {value!r}")
 
 
-@dataclass
-class ReadStats:
-    """What a store's reads cost: bytes read from segment files, chunk reads and cache hits."""
-
-    bytes_read: int = 0
-    chunks_read: int = 0
-    chunk_cache_hits: int = 0
-    by_kind: dict[str, int] = field(default_factory=lambda: {"records": 0, "chunks": 0, "chunk_routes": 0})
-    """bytes_read split into record frames and chunk frames; chunk_routes: of the chunks' bytes,
-    those of the route layers read (the rest: their heads and tokens, which every stage reads)."""
-
-
 @STORES.register("directory")
 class DirectoryStore(RecoveryMixin, TraceStore):
     """Traces in a directory of append-only segments, indexed by key (see the module doc).
@@ -187,10 +165,9 @@ class DirectoryStore(RecoveryMixin, TraceStore):
         """The layout version of this store (its index header's): 1 = whole records only."""
         self._table: ChunkTable | None = None
         """A writer's lookup of the chunks stored (None: records are written whole)."""
-        self._cache: OrderedDict[tuple[str, int, int], tuple] = OrderedDict()
-        """(chunk key, first layer, stop layer) -> (tokens, routes) decoded, read-only."""
-        self._cache_bytes = 0
         self.stats = ReadStats()
+        self._cache = ChunkCache(self.options.chunk_cache_bytes, self.stats, self._mutex)
+        """(chunk key, first layer, stop layer) -> (tokens, routes) decoded, read-only (reading.py)."""
         try:
             self._open()
         except BaseException:
@@ -646,40 +623,17 @@ class DirectoryStore(RecoveryMixin, TraceStore):
 
     def _read_frame(self, e: Entry, key: str | None, where: Where, field_prefix: str = "") -> memoryview:
         """The payload of the frame entry `e` names, checked against the entry (magic, length, CRC)."""
-        data = self._pread(e, FRAME.size + e.length, e.offset, key)
-        f = field_prefix
-        if len(data) < FRAME.size + e.length:
-            want = f"{FRAME.size + e.length} bytes at offset {e.offset}"
-            raise TruncatedRecordError(where.with_(field=f"{f}frame"), want, f"{len(data)} bytes")
-        self._check_frame_head(data, e, where, f)
-        payload = memoryview(data)[FRAME.size :]
-        actual = frame_crc(payload)
-        if crc_of(data) != e.crc or actual != e.crc:
-            found = f"{actual:#010x} (frame says {crc_of(data):#010x})"
-            raise ChecksumError(where.with_(field=f"{f}frame.crc32"), f"{e.crc:#010x}", found,
-                                "chunk bytes are corrupt" if f else "record bytes are corrupt")
-        return payload
-
-    @staticmethod
-    def _check_frame_head(data: bytes, e: Entry, where: Where, f: str) -> None:
-        magic, length, _ = FRAME.unpack_from(data)
-        if magic != FRAME_MAGIC:
-            raise TraceFormatError(where.with_(field=f"{f}frame.magic"), repr(FRAME_MAGIC), repr(magic), f"at offset {e.offset}")
-        if length != e.length:
-            raise TraceFormatError(where.with_(field=f"{f}frame.length"), e.length, length, "frame and index disagree")
+        return read_frame(self._pread, e, key, where, field_prefix)
 
     # -- chunks: the ChunkSource of the records this store decodes --------------------------------
     def read_chunk(self, key: str, want: ChunkShape, first: int, stop: int, record_where: Where):
         """(tokens, routes of layers [first, stop)) of chunk `key` for the record `record_where`
         names: the whole frame (CRC-checked) for every layer, else the chunk's head, meta, tokens
-        and the bytes of those layers (each CRC-checked). Errors name the chunk and the record."""
+        and the bytes of those layers (each CRC-checked; reading.py). Errors name the chunk and the record."""
         cache_key = (key, first, stop)
-        with self._mutex:
-            hit = self._cache.get(cache_key)
-            if hit is not None:
-                self._cache.move_to_end(cache_key)
-                self.stats.chunk_cache_hits += 1
-                return hit
+        hit = self._cache.get(cache_key)
+        if hit is not None:
+            return hit
         name = label(key)
         e = self._entries.get(key) if self.chunked and is_chunk_key(key) else None
         if e is None:
@@ -687,71 +641,9 @@ class DirectoryStore(RecoveryMixin, TraceStore):
             raise ChunkMissingError(record_where.with_(file=str(self.path), field=name), "the route chunk the record names",
                                     "no such chunk in the store", f"the record's routes cannot be read whole{hint}")
         where = Where(file=str(self.segment_path(e.segment)), record=record_where.record, field=name)
-        before = self.stats.bytes_read
-        if first == 0 and stop == want.layers:
-            payload = self._read_frame(e, record_where.record, where, f"{name}: ")
-            got = decode_whole(payload, key, want, first, stop, where, checked=True)
-            meta = read_meta(payload, where)
-            self.stats.by_kind["chunk_routes"] += meta.data_len  # type: ignore[union-attr]
-        else:
-            got = self._read_chunk_layers(e, key, want, first, stop, where)
-        self.stats.chunks_read += 1
-        self.stats.by_kind["chunks"] += self.stats.bytes_read - before
-        for array in got:
-            array.flags.writeable = False  # cached: records copy out of it, never alias it
-        self._cache_put(cache_key, got)
+        got = read_chunk(self._pread, self.stats, e, key, want, first, stop, where)
+        self._cache.put(cache_key, got)
         return got
-
-    def _read_chunk_layers(self, e: Entry, key: str, want: ChunkShape, first: int, stop: int, where: Where):
-        """Of a chunk's frame, read the head, meta and tokens, then the bytes of layers [first, stop)."""
-        size = min(FRAME.size + head_read_bytes(want), FRAME.size + e.length)
-        data = self._pread(e, size, e.offset, where.record)
-        if len(data) < FRAME.size:
-            raise TruncatedRecordError(where.with_(field=f"{where.field}: frame"), f"{FRAME.size} bytes at {e.offset}", len(data))
-        self._check_frame_head(data, e, where, f"{where.field}: ")
-        meta = read_meta(memoryview(data)[FRAME.size:], where)
-        if isinstance(meta, int):
-            data = self._pread(e, FRAME.size + min(meta, e.length), e.offset, where.record)
-            meta = read_meta(memoryview(data)[FRAME.size:], where)
-            if isinstance(meta, int):
-                raise TruncatedRecordError(where.with_(field=f"{where.field}: chunk meta"), f"{meta} bytes", len(data) - FRAME.size)
-        if meta.payload_len != e.length:
-            raise TraceFormatError(where.with_(field=f"{where.field}: chunk meta"), f"a payload of {e.length} bytes",
-                                   f"{meta.payload_len}", "chunk meta and index disagree")
-        check_meta(meta, key, want, where)
-        a, b = meta.layer_range(first, stop)
-        self.stats.by_kind["chunk_routes"] += b - a
-        head = memoryview(data)[FRAME.size:]
-        if a == meta.data_start:  # the first layers follow the tokens: one range
-            part = self._payload_range(e, head, meta.tokens_start, b, where)
-            split = meta.data_start - meta.tokens_start
-            tokens_b, routes_b = part[:split], part[split:]
-        else:
-            tokens_b = self._payload_range(e, head, meta.tokens_start, meta.data_start, where)
-            routes_b = self._payload_range(e, head, a, b, where)
-        return decode_tokens(meta, tokens_b, where), decode_layers(meta, routes_b, first, stop, where)
-
-    def _payload_range(self, e: Entry, head: memoryview, lo: int, hi: int, where: Where) -> memoryview:
-        """Payload bytes [lo, hi) of the frame `e` names: what the first read `head` holds of them,
-        and one pread of the rest."""
-        if hi <= len(head):
-            return head[lo:hi]
-        start = max(lo, len(head))
-        rest = self._pread(e, hi - start, e.offset + FRAME.size + start, where.record)
-        return memoryview(bytes(head[lo:start]) + rest if start > lo else rest)
-
-    def _cache_put(self, cache_key: tuple[str, int, int], got) -> None:
-        budget, size = self.options.chunk_cache_bytes, sum(a.nbytes for a in got)
-        if size > budget:
-            return
-        with self._mutex:
-            if cache_key in self._cache:
-                return
-            self._cache[cache_key] = got
-            self._cache_bytes += size
-            while self._cache_bytes > budget:
-                _, old = self._cache.popitem(last=False)
-                self._cache_bytes -= sum(a.nbytes for a in old)
 
     def chunk_keys(self) -> list[str]:
         """Keys of the route chunks the store holds, in file order."""
@@ -828,7 +720,6 @@ class DirectoryStore(RecoveryMixin, TraceStore):
                 os.close(fd)
             self._fds.clear()
             self._cache.clear()
-            self._cache_bytes = 0
             if self._index_fd is not None:
                 os.close(self._index_fd)
                 self._index_fd = None
