@@ -68,7 +68,7 @@ from .framing import (
     Entry, check_header, frame_crc, pack_entry, pack_header, parse_index, segment_name,
 )
 from .reading import DEFAULT_CHUNK_CACHE_BYTES, ChunkCache, ReadStats, crc_of, read_chunk, read_frame  # noqa: F401 (crc_of: importable here)
-from .recovery import RecoveryMixin
+from .recovery import fill_holes, recover
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class DirectoryStoreOptions:
 
 
 @STORES.register("directory")
-class DirectoryStore(RecoveryMixin, TraceStore):
+class DirectoryStore(TraceStore):
     """Traces in a directory of append-only segments, indexed by key (see the module doc).
 
     RAM holds only key -> Entry(segment, offset, length, crc); every read is a pread of one record.
@@ -224,7 +224,7 @@ class DirectoryStore(RecoveryMixin, TraceStore):
         self._index_fd = os.open(self.index_path, os.O_RDONLY if self.readonly else os.O_RDWR)
         size = self._load_index()
         if not self.readonly or self.options.survey:
-            self._recover(size)
+            recover(self, size)
         self._recount()
         if not self.readonly and self.chunked and self.options.share_prefixes:
             self._table = ChunkTable()
@@ -340,7 +340,7 @@ class DirectoryStore(RecoveryMixin, TraceStore):
             added.append(entry)
             self._nchunks += self.chunked and key.startswith(CHUNK_KEY_PREFIX)
         self._index_end += parsed.end
-        recovered = self._fill_holes(added)
+        recovered = fill_holes(self, added)
         if recovered:
             self._recount()
         return len(added) + recovered

@@ -50,7 +50,7 @@ class Found(NamedTuple):
 
 @dataclass
 class SalvagePlan:
-    """What a writer does with the unindexed bytes it found (applied by DirectoryStore._recover)."""
+    """What a writer does with the unindexed bytes it found (applied by recovery.recover)."""
 
     found: list[Found] = field(default_factory=list)
     """Intact records to index again, in file order."""
