@@ -19,7 +19,8 @@ bytes followed by an intact frame make the writer refuse to open (UnindexedDamag
 delete it, and advise rescue.py's copy. A reader opened with survey=True runs the writer's recovery
 in memory only: what `moe-replay inspect` reports.
 
-Damaged index entries and the holes they leave, and the recovery steps above: recovery.py.
+Damaged index entries and the holes they leave, and the recovery steps above: recovery.py. Record,
+chunk and partial-layer reads, the chunk cache and `stats`: reading.py. The options: options.py.
 
 Shared prefixes (format v2, chunks.py): a writer keeps the routes records share (a prompt's n
 samples, an agentic rollout's turns) as route chunks, frames of their own indexed under keys that
@@ -41,7 +42,6 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -67,13 +67,12 @@ from .framing import (
     FORMAT_VERSION, FRAME, FRAME_MAGIC, HEADER, INDEX_MAGIC, INDEX_NAME, LOCK_NAME, MAX_KEY_BYTES, SEGMENT_MAGIC, _SEGMENT_RE,
     Entry, check_header, frame_crc, pack_entry, pack_header, parse_index, segment_name,
 )
+from .options import DEFAULT_SEGMENT_BYTES, MIN_SEGMENT_BYTES, DirectoryStoreOptions  # noqa: F401 (importable here)
 from .reading import DEFAULT_CHUNK_CACHE_BYTES, ChunkCache, ReadStats, crc_of, read_chunk, read_frame  # noqa: F401 (crc_of: importable here)
 from .recovery import fill_holes, recover
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SEGMENT_BYTES = 256 << 20
-MIN_SEGMENT_BYTES = 1 << 10
 COMMIT_BYTES = 64 << 20
 """put_many commits (syncs segment, then index) at least every this many encoded bytes."""
 MAX_OPEN_SEGMENTS = 64
@@ -89,49 +88,6 @@ class StoreLockedError(MoeReplayError, BlockingIOError):
 
 class ReadOnlyStoreError(MoeReplayError, PermissionError):
     """A write was attempted through a store opened with readonly=True."""
-
-
-@dataclass(frozen=True)
-class DirectoryStoreOptions:
-    """How a DirectoryStore is opened (validated here so a bad value fails before any file is touched)."""
-
-    create: bool = True
-    """Create the directory and an empty store if absent (ignored when readonly)."""
-    readonly: bool = False
-    """Open as a reader: no lock taken, nothing written or repaired; any number may coexist."""
-    segment_bytes: int = DEFAULT_SEGMENT_BYTES
-    """Size at which the writer starts a new segment file (a larger record gets a segment alone)."""
-    durable: bool = True
-    """fsync segments before index entries and the index after them (survives power loss);
-    False still survives a crash of the writing process, since the write order is the same."""
-    survey: bool = False
-    """Reader only: also read what the next writer would find at open (the segment bytes past the
-    index, a damaged index header) and do what it would do, in memory only: its records are
-    visible, `recovery` says what it would recover, cut and remove, and `recovery["refused"]` holds
-    the error it would refuse to open with. Nothing is written. On a store with a live writer the
-    tail is that writer's commit in flight."""
-    share_prefixes: bool = True
-    """Writer of a format-v2 store: keep the routes records share once, as chunks (chunks.py);
-    False writes every record whole. A v1 store is always written whole."""
-    chunk_min_bytes: int = DEFAULT_CHUNK_MIN_BYTES
-    """A run of route rows becomes a chunk when its routes take at least this many bytes at the
-    order-preserving bound (smaller runs stay in their record)."""
-    chunk_cache_bytes: int = DEFAULT_CHUNK_CACHE_BYTES
-    """Decoded chunk routes a reader keeps for the next record naming them (0: none)."""
-
-    def __post_init__(self) -> None:
-        for name in ("create", "readonly", "durable", "survey", "share_prefixes"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"DirectoryStoreOptions.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.survey and not self.readonly:
-            raise ValueError("DirectoryStoreOptions.survey=True needs readonly=True: a survey changes nothing")
-        size = self.segment_bytes
-        if isinstance(size, bool) or not isinstance(size, int) or size < MIN_SEGMENT_BYTES:
-            raise ValueError(f"DirectoryStoreOptions.segment_bytes must be an int >= {MIN_SEGMENT_BYTES}, got {size!r}")
-        for name in ("chunk_min_bytes", "chunk_cache_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"DirectoryStoreOptions.{name} must be an int >= 0 bytes, got {value!r}")
 
 
 @STORES.register("directory")
@@ -166,7 +122,7 @@ class DirectoryStore(TraceStore):
         self._table: ChunkTable | None = None
         """A writer's lookup of the chunks stored (None: records are written whole)."""
         self.stats = ReadStats()
-        self._cache = ChunkCache(self.options.chunk_cache_bytes, self.stats, self._mutex)
+        self._cache = ChunkCache(self.options.chunk_cache_bytes, self._mutex)
         """(chunk key, first layer, stop layer) -> (tokens, routes) decoded, read-only (reading.py)."""
         try:
             self._open()
@@ -631,9 +587,11 @@ class DirectoryStore(TraceStore):
         names: the whole frame (CRC-checked) for every layer, else the chunk's head, meta, tokens
         and the bytes of those layers (each CRC-checked; reading.py). Errors name the chunk and the record."""
         cache_key = (key, first, stop)
-        hit = self._cache.get(cache_key)
-        if hit is not None:
-            return hit
+        with self._mutex:
+            hit = self._cache.get(cache_key)
+            if hit is not None:
+                self.stats.chunk_cache_hits += 1
+                return hit
         name = label(key)
         e = self._entries.get(key) if self.chunked and is_chunk_key(key) else None
         if e is None:

@@ -50,21 +50,19 @@ class ChunkCache:
     so the n samples of a prompt decode its prefix once. Keys: (chunk key, first layer, stop layer);
     values: (tokens, routes), read-only (records copy out of them, never alias them)."""
 
-    def __init__(self, budget: int, stats: ReadStats, lock: threading.RLock) -> None:
+    def __init__(self, budget: int, lock: threading.RLock) -> None:
         self.budget = budget
-        self._stats = stats
         self._lock = lock
         """The store's: descriptors and the cache are shared by its reading threads."""
         self._items: OrderedDict[tuple[str, int, int], tuple] = OrderedDict()
         self._bytes = 0
 
     def get(self, cache_key: tuple[str, int, int]):
-        """The cached (tokens, routes), counted as a hit, or None."""
+        """The cached (tokens, routes), or None."""
         with self._lock:
             hit = self._items.get(cache_key)
             if hit is not None:
                 self._items.move_to_end(cache_key)
-                self._stats.chunk_cache_hits += 1
             return hit
 
     def put(self, cache_key: tuple[str, int, int], got) -> None:

@@ -32,6 +32,7 @@ from ..errors import DuplicateKeyError, TraceError, TruncatedRecordError, Where
 from .chunks import is_chunk_key
 from .fileio import _sync, _sync_dir
 from .framing import FRAME, FRAME_MAGIC, HEADER, SEGMENT_MAGIC, _SEGMENT_RE, Entry, check_header, frame_crc, pack_entry, segment_name
+from .options import DirectoryStoreOptions
 from .salvage import Found, TailSurvey, UnindexedDamageError, _Layout, find_holes, plan_salvage, scan_hole, survey_tail
 
 log = logging.getLogger("moe_replay.store.directory")
@@ -44,10 +45,6 @@ Damage = list[tuple[tuple[int, int], TraceError]]
 """((segment, offset), error) of each damaged stretch, placed in file order."""
 
 
-class _Durability(Protocol):
-    durable: bool
-
-
 class RecoveringStore(Protocol):
     """What recovery reads and updates of a store: its view (`_entries`, `_problems`, `_damaged`,
     `_index_*`, `recovery`) and its file methods (`segment_path`, `_segment_fd`, `_new_segment`,
@@ -55,7 +52,7 @@ class RecoveringStore(Protocol):
 
     path: Path
     readonly: bool
-    options: _Durability
+    options: DirectoryStoreOptions
     recovery: dict[str, object]
     _entries: dict[str, Entry]
     _problems: list[tuple[int, TraceError]]
