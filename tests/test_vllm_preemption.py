@@ -142,7 +142,9 @@ def test_plan_and_trainers_leave_stale_tokens_out_of_the_loss():
     assert _mask_stale(mask, [a, b]) == 3
     assert mask.tolist() == [[1, 1, 0, 0, 0, 1], [1] * 6]
     pytest.importorskip("verl")
-    from moe_replay.integrations.verl import to_dataproto
+    from moe_replay.integrations.verl import to_dataproto, use_cpu
+
+    use_cpu()  # verl keeps the first device it picks for the process
 
     resp = to_dataproto([a, b], pad_token_id=0).batch["response_mask"]  # verl's loss mask, response columns
     assert resp.tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 1, 0]]
