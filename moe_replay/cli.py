@@ -187,7 +187,7 @@ def _progress(total: int):
 
 
 def _configure_lab(p: argparse.ArgumentParser) -> None:
-    from .integrations.vllm.lab import add_lab_arguments
+    from .lab.engine import add_lab_arguments
 
     p.add_argument("--out", default="runs/lab", help="output folder: lab.json, report.html and the plots' PNGs")
     add_lab_arguments(p)
@@ -198,9 +198,9 @@ def _configure_lab(p: argparse.ArgumentParser) -> None:
 def lab(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .integrations.vllm.lab import lab_config, lab_stages, run_lab
-    from .report.lab_html import LAB_HTML_NAME, LAB_JSON_NAME, print_lab_table, render_lab_report
-    from .report.lab_plots import LAB_PLOTS
+    from .lab.engine import lab_config, lab_stages, run_lab
+    from .lab.html import LAB_HTML_NAME, LAB_JSON_NAME, print_lab_table, render_lab_report
+    from .lab.plots import LAB_PLOTS
 
     try:
         cfg = lab_config(args)

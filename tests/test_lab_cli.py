@@ -80,7 +80,7 @@ def check_page_against_json(html: str, lab: dict) -> int:
 
 def test_saved_lab_result_renders_a_page_whose_numbers_are_the_jsons(tmp_path):
     pytest.importorskip("matplotlib")
-    from moe_replay.report.lab_html import LAB_LABEL, render_lab_report
+    from moe_replay.lab.html import LAB_LABEL, render_lab_report
 
     lab = json.loads(SAVED.read_text())
     paths = render_lab_report(lab, tmp_path)
@@ -102,13 +102,14 @@ def test_saved_lab_result_renders_a_page_whose_numbers_are_the_jsons(tmp_path):
     assert "<b>NO</b>" in page
     # every column of the per-arm table has a glossary row
     from moe_replay.report.glossary import LAB_GLOSSARY
-    from moe_replay.report.lab_html import LAB_ARM_COLUMNS
+    from moe_replay.lab.html import LAB_ARM_COLUMNS
 
     assert all(k in LAB_GLOSSARY and f"<code>{k}</code>" in html for k in LAB_ARM_COLUMNS)
 
 
 def test_plot_helpers_read_the_json():
-    from moe_replay.report.lab_plots import grad_cos_points, variance_points
+    from moe_replay.lab.plots import grad_cos_points
+    from moe_replay.report.plots import variance_points
 
     lab = {"arms": {"a": {"grad_cos_to_reference": {"value": 0.9, "ci95": [0.8, 0.95]}},
                     "b": {"grad_cos_to_reference": {"value": None, "ci95": [None, None]}}},
@@ -121,7 +122,7 @@ def test_plot_helpers_read_the_json():
 
 def test_plots_draw_a_missing_interval_and_a_zero_variance(tmp_path):
     pytest.importorskip("matplotlib")
-    from moe_replay.report.lab_plots import render_lab_plots
+    from moe_replay.lab.plots import render_lab_plots
 
     lab = {"arms": {"none": {"phantom_clip_fraction": 0.0, "grad_cos_to_reference": {"value": 1.0, "ci95": [None, None]}}},
            "estimator": {"var": {"1": 0.0, "2": 0.0}}}
@@ -132,7 +133,7 @@ def test_plots_draw_a_missing_interval_and_a_zero_variance(tmp_path):
 def test_terminal_table_prints_each_arms_headline_numbers():
     import io
 
-    from moe_replay.report.lab_html import LAB_LABEL, print_lab_table
+    from moe_replay.lab.html import LAB_LABEL, print_lab_table
     from moe_replay.report.tables import fmt
 
     lab = json.loads(SAVED.read_text())
@@ -180,7 +181,7 @@ def test_bad_numbers_are_refused_before_anything_starts(tmp_path, capsys):
 def test_cli_lab_tiny_run_writes_json_and_a_page_of_its_numbers(tmp_path, capsys, monkeypatch):
     pytest.importorskip("vllm")
     pytest.importorskip("matplotlib")
-    import moe_replay.integrations.vllm.lab as vlab
+    import moe_replay.lab.engine as vlab
 
     stages: list[tuple[int, int]] = []
     real_run_lab = vlab.run_lab

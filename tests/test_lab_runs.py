@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from moe_replay.lab_collapse import COLLAPSE_RULE, CollapseRule, Verdict, boundary, judge, level_key, parse_level, smoothed
-from moe_replay.lab_runs import LONG_ARMS, LongRunConfig, long_arm_preset, noise_seed
+from moe_replay.lab.collapse import COLLAPSE_RULE, CollapseRule, Verdict, boundary, judge, level_key, parse_level, smoothed
+from moe_replay.lab.runs import LONG_ARMS, LongRunConfig, long_arm_preset, noise_seed
 
 
 def _curves(reward, kl=None):
@@ -94,8 +94,8 @@ def test_levels_and_settings():
 @pytest.mark.slow
 def test_tiny_real_run(tmp_path):
     pytest.importorskip("vllm")
-    from moe_replay.integrations.vllm.lab_runs import run_long_lab
-    from moe_replay.lab_runs import WarmStart
+    from moe_replay.lab.engine_runs import run_long_lab
+    from moe_replay.lab.runs import WarmStart
 
     cfg = LongRunConfig(steps=2, seeds=(0,), arms=("r3_support_multisample",), levels=(2.0,), prompts_per_step=2,
                         samples_per_prompt=2, max_tokens=3, estimator_n=2, score_batch=2, warm=WarmStart(steps=2, batch=4))

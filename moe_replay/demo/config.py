@@ -75,7 +75,7 @@ class NoiseSection:
         return EngineNoise(seed=seed, scale=self.scale)
 
     def placement_sizes(self, noise: EngineNoise) -> list[int]:
-        """Batch sizes a scoring batch can be filled to (integrations/vllm/lab.placing_scorer: the
+        """Batch sizes a scoring batch can be filled to (moe_replay/lab/engine.placing_scorer: the
         noise buckets between the batch and the whole pool of rollouts)."""
         return [b for b in noise.buckets if self.score_batch <= b <= self.rollouts] or [self.score_batch]
 

@@ -9,11 +9,11 @@ section's own rollouts at the arms' starting weights:
   * mean |log π_old - rollout logprob| per n: the estimate differs from the rollout's logprobs
     (the rollout ran one numerics variant, the replicas a mix of them);
   * the variance of π_old (probability) across independent estimates per n, and its ratio to n = 1's
-    (moe_replay/lab.variance_ratio, the lab's statistic): it falls as 1/n;
-  * the phantom-clip fraction at the first minibatch (moe_replay/lab.run_arm) with π_old = the
+    (moe_replay/lab/arms.variance_ratio, the lab's statistic): it falls as 1/n;
+  * the phantom-clip fraction at the first minibatch (moe_replay/lab/arms.run_arm) with π_old = the
     rollout's logprobs and with π_old = the n = `clip_n` estimate.
 
-The engine side is the lab's (integrations/vllm/lab.py): rollouts captured under the full noise;
+The engine side is the lab's (moe_replay/lab/engine.py): rollouts captured under the full noise;
 re-scoring with the logit variants only (forced-route scoring and route flips wrap the same router
 attribute); `estimate()` places the replicas ('shuffle', a new seed per call) and `placing_scorer`
 fills each batch with other rollouts of the section to a noise-bucket size, as a serving engine
@@ -48,7 +48,7 @@ def run_noise_section(engine: Any, model_dir: Path, cfg: DemoConfig,
                       progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Run the section on the demo's engine (weights reset to `model_dir`); the report's `engine_noise` dict."""
     from ..integrations.vllm.noise import VllmEngineNoise
-    from ..lab import variance_ratio
+    from ..lab.arms import variance_ratio
     from ..presets import load_preset
 
     sec = cfg.noise
@@ -118,7 +118,7 @@ def _estimates_by_n(llm: Any, settings: Any, pool: list[RolloutTrace], studied: 
                     sec: Any, seed: int, tick: Callable[[], None]) -> dict[int, list[np.ndarray]]:
     """{n: the replicas / n disjoint n-replica estimates, each a flat log π_old [G] of the studied rollouts}."""
     from ..estimator import combine, estimate
-    from ..integrations.vllm.lab import placing_scorer
+    from ..lab.engine import placing_scorer
     from ..integrations.vllm.scoring.scorer import VllmScorer, VllmScorerConfig
 
     top = max(sec.ns)
@@ -146,7 +146,7 @@ def _estimates_by_n(llm: Any, settings: Any, pool: list[RolloutTrace], studied: 
 def _phantom_clip(model_dir: Path, studied: list[RolloutTrace], pi_old_G: np.ndarray, n: int, cfg: DemoConfig) -> dict[str, Any]:
     """Kept tokens PPO-clipped at the first minibatch (the trainer at the rollout's weights, routes and
     support replayed): π_old = the rollout's logprobs vs π_old = the n-replica estimate."""
-    from ..lab import arm_preset, fixed_advantages, run_arm
+    from ..lab.arms import arm_preset, fixed_advantages, run_arm
 
     adv_R = fixed_advantages(len(studied), cfg.seed)  # the clip fraction does not read them; the gradient pass does
     rollout, _ = run_arm(str(model_dir), arm_preset("r3_support"), studied, adv_R, clip_eps=cfg.clip_eps, groups=1)

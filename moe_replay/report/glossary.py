@@ -126,7 +126,7 @@ GLOSSARY: dict[str, Term] = {
     "pi_old_var": Term(
         "var π_old", "probability², >= 0",
         "Engine-noise section: mean over tokens of the variance (ddof 1) of π_old, as a probability, across independent "
-        "n-replica estimates, each under its own placements (moe_replay.lab.variance_ratio). 0 would mean "
+        "n-replica estimates, each under its own placements (moe_replay.lab.arms.variance_ratio). 0 would mean "
         "every replica agreed: no noise to average."),
     "pi_old_variance_ratio": Term(
         "var ratio to n = 1", "ratio, >= 0",
@@ -172,7 +172,7 @@ PLOT_GLOSSARY: dict[str, str] = {
 LAB_GLOSSARY: dict[str, Term] = {
     "arm": Term("arm", "name", "One remedy, scored on the same rollouts with the same fixed per-rollout advantages as "
                 "every other arm: the preset's replay switches (and π_old estimator) plus the remedy's own correction, "
-                "every other correction stripped (moe_replay.lab.ARMS)."),
+                "every other correction stripped (moe_replay.lab.arms.ARMS)."),
     "pi_old": Term("π_old", "source", "What the PPO ratio divides by: the engine's logprobs of the rollout, or the "
                    "estimator's average of n re-scorings (the multi-sample arm)."),
     "corrections": Term("corrections", "names", "The off-policy corrections the arm applies (TIS, MIS, IcePop); "
@@ -216,7 +216,7 @@ LAB_GLOSSARY: dict[str, Term] = {
                            "Variance at n over the variance at n = 1; 1/n for independent replicas; n/a (null in "
                            "lab.json) where n = 1's variance is 0: no noise to reduce."),
     "one_over_n": Term("1/n", "ratio", "What averaging n independent replicas would give."),
-    "target": Term("target", "name", "A target of the issue (moe_replay.lab.targets_report)."),
+    "target": Term("target", "name", "A target of the issue (moe_replay.lab.arms.targets_report)."),
     "rule": Term("rule", "text", "What must hold."),
     "measured": Term("measured", "numbers", "The numbers the rule compares, from this run."),
     "met": Term("met", "yes / no / n/a", "Whether the rule holds on this run; n/a where its condition does not apply or a "
@@ -235,7 +235,7 @@ LAB_PLOT_GLOSSARY: dict[str, str] = {
         "Variance of π_old across independent estimates vs the replicas n averaged, both axes logarithmic; the dashed "
         "line is the n = 1 variance times 1/n, what independent replicas would give."),
 }
-"""Lab plot name (lab_plots.LAB_PLOTS) -> how to read it."""
+"""Lab plot name (moe_replay/lab/plots.LAB_PLOTS) -> how to read it."""
 
 
 def lab_title(key: str) -> str:

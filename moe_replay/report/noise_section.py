@@ -67,9 +67,9 @@ def section_columns(report: dict) -> list[str]:
 
 
 def plot_pi_old_variance(report: dict, path: Path) -> Path:
-    """Variance vs n on log axes with the 1/n line: the lab's plot (lab_plots.plot_variance), which reads
+    """Variance vs n on log axes with the 1/n line: the lab's plot too (plots.plot_variance), which reads
     `estimator.var`, the key this section shares with lab.json."""
-    from .lab_plots import plot_variance
+    from .plots import plot_variance
 
     return plot_variance(report[NOISE_SECTION], path)
 

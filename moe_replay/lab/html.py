@@ -1,4 +1,4 @@
-"""The lab report (`moe-replay lab`): one self-contained HTML page like the demo's (html.py's style,
+"""The lab report (`moe-replay lab`): one self-contained HTML page like the demo's (report/html.py's style,
 PNGs embedded, no scripts) and a terminal table, from the dict `run_lab` returns (lab.json).
 
 Every number the page prints sits in an element carrying `data-key` (its path in lab.json, dotted)
@@ -15,11 +15,11 @@ import os
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
-from .glossary import LAB_GLOSSARY, LAB_PLOT_GLOSSARY, NOT_MEASURED, lab_title
-from .html import CSS, _e, _table
-from .lab_plots import LAB_PLOTS, render_lab_plots
-from .plots import arm_colors
-from .tables import fmt, print_table
+from ..report.glossary import LAB_GLOSSARY, LAB_PLOT_GLOSSARY, NOT_MEASURED, lab_title
+from ..report.html import CSS, _e, _table
+from .plots import LAB_PLOTS, render_lab_plots
+from ..report.plots import arm_colors
+from ..report.tables import fmt, print_table
 
 LAB_LABEL = "Instrument on CPU under the calibrated engine-noise model, not a GPU result"
 """What every lab figure is (docs/lab.md): the page opens with it."""
@@ -138,7 +138,7 @@ def _plain_table(head: Sequence[str], rows: list[list[str]]) -> str:
 
 
 def build_lab_html(lab: dict, pngs: dict[str, Path]) -> str:
-    """The page as a string; `pngs` maps plot name (lab_plots.LAB_PLOTS) -> PNG file to embed."""
+    """The page as a string; `pngs` maps plot name (moe_replay/lab/plots.LAB_PLOTS) -> PNG file to embed."""
     colors = arm_colors(lab)
     setup = lab.get("setup") or {}
     scale = _get(lab, ("noise", "calibration", "config", "scale"))

@@ -3,8 +3,8 @@ the engine-noise instrument (moe_replay/noise.py: calibrated to GPU figures, nev
 
 What is here (engine-agnostic; HF transformers imported lazily): the long-run arms (the quick lab's
 ARMS plus gspo), the run settings, the supervised warm start (cached), and one GRPO update with its
-per-step measurements. The engine loop is integrations/vllm/lab_runs.py; the collapse rule and the
-boundary are moe_replay/lab_collapse.py; benchmarks/lab.py --full prints the JSON.
+per-step measurements. The engine loop is moe_replay/lab/engine_runs.py; the collapse rule and the
+boundary are moe_replay/lab/collapse.py; benchmarks/lab.py --full prints the JSON.
 
 One GRPO step of an arm, on the rollouts the engine sampled under noise:
   1. a no-grad forward at the rollout's weights (replay on if the arm replays) gives the step's
@@ -35,9 +35,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .lab import ARMS, arm_preset
-from .lab_collapse import COLLAPSE_RULE, level_key
-from .trace import RolloutTrace
+from .arms import ARMS, arm_preset
+from .collapse import COLLAPSE_RULE, level_key
+from ..trace import RolloutTrace
 
 LONG_ARMS: dict[str, dict[str, Any]] = {**ARMS, "gspo": {"preset": "none", "corrections": [{"name": "gspo"}]}}
 """The quick lab's arms plus gspo (the sequence's geometric-mean ratio π_old / π_engine as every
@@ -53,8 +53,8 @@ def long_arm_preset(arm: str):
         return arm_preset(arm)
     if arm not in LONG_ARMS:
         raise ValueError(f"lab runs: unknown arm {arm!r}; expected one of {sorted(LONG_ARMS)}")
-    from .corrections import build_correction
-    from .presets import load_preset
+    from ..corrections import build_correction
+    from ..presets import load_preset
 
     spec = LONG_ARMS[arm]
     return dataclasses.replace(load_preset(spec["preset"]),
@@ -113,7 +113,7 @@ class LongRunConfig:
     minibatches: int = 2
     estimator_n: int = 4
     score_batch: int = 4
-    """Rollouts per estimator batch before the placing scorer's fillers (integrations/vllm/lab.py),
+    """Rollouts per estimator batch before the placing scorer's fillers (moe_replay/lab/engine.py),
     the quick lab's 4: batches then fill to 4 or 16 requests, buckets that run different numerics
     variants, so the n replicas see both. With 8 every batch fills to 16, one bucket: at an even
     noise seed every replica runs the clean variant and π_old is the trainer's own logprobs (k3 to
@@ -183,8 +183,8 @@ def build_warm_start(spec: WarmStart, cache_dir: str | Path) -> Path:
     the tiny model from `model_seed`, then `steps` supervised steps on answer + EOS tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .models import build_tiny_model
-    from .models.prompts import sample_problems
+    from ..models import build_tiny_model
+    from ..models.prompts import sample_problems
 
     tag = json.dumps(dataclasses.asdict(spec), sort_keys=True)
     out = Path(cache_dir) / f"warm-{spec.family}-s{spec.model_seed}-{hashlib.sha256(tag.encode()).hexdigest()[:10]}"
@@ -236,7 +236,7 @@ class GrpoLearner:
     def __init__(self, model_dir: str | Path, preset: Any, *, lr: float, seed: int, clip_eps: float, minibatches: int) -> None:
         from transformers import AutoModelForCausalLM
 
-        from .enablement import enable
+        from ..enablement import enable
 
         torch.manual_seed(seed)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -247,7 +247,7 @@ class GrpoLearner:
 
     def step(self, traces: Sequence[RolloutTrace], adv_R: np.ndarray, pi_old_G: np.ndarray | None = None) -> dict[str, float]:
         """One GRPO step on the traces; the step's measurements (floats, NaN where undefined)."""
-        from .demo.trainer import ExpertsUsed
+        from ..demo.trainer import ExpertsUsed
 
         model, eps = self.model, self.clip_eps
         used = ExpertsUsed(model, self.mr.geometry.moe_layer_ids)
@@ -300,7 +300,7 @@ class GrpoLearner:
             "tokens": int(offs[-1]),
         }
         if pi_old_G is not None:
-            from .lab import m_k3
+            from .arms import m_k3
 
             row["k3_kl_vs_pi_old"] = m_k3(logp_G, old_G)
         return row

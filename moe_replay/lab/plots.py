@@ -1,4 +1,4 @@
-"""The lab report's plots (`moe-replay lab`), one PNG each, drawn like the demo's (plots.py: a bare
+"""The lab report's plots (`moe-replay lab`), one PNG each, drawn like the demo's (report/plots.py: a bare
 Figure on an Agg canvas, no pyplot state), from the dict `run_lab` returns (lab.json).
 
 Each plot reads only what lab.json holds: arms.<arm>.phantom_clip_fraction,
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .plots import _figure, _save, arm_colors
+from ..report.plots import _figure, _save, arm_colors, plot_variance
 
 LAB_PLOTS = {
     "lab_phantom_clip": "phantom-clip fraction per arm (first minibatch, identical weights)",
@@ -31,13 +31,6 @@ def grad_cos_points(lab: dict) -> dict[str, tuple[float, float, float]]:
         lo, hi = (g.get("ci95") or [None, None])[:2]
         out[name] = tuple(math.nan if v is None else float(v) for v in (g.get("value"), lo, hi))
     return out
-
-
-def variance_points(lab: dict) -> tuple[np.ndarray, np.ndarray]:
-    """(n [K], variance of π_old [K]) sorted by n, from estimator.var (keys are n as strings)."""
-    var = (lab.get("estimator") or {}).get("var") or {}
-    pairs = sorted((int(n), math.nan if v is None else float(v)) for n, v in var.items())
-    return np.array([p[0] for p in pairs], dtype=np.int64), np.array([p[1] for p in pairs], dtype=np.float64)
 
 
 def plot_phantom_clip(lab: dict, path: Path) -> Path:
@@ -79,37 +72,6 @@ def plot_grad_cos(lab: dict, path: Path) -> Path:
     ax.set_xlim(-0.6, len(names) - 0.4)
     ax.set_title("Gradient cosine to the on-policy reference, 95% bootstrap interval", fontsize=11)
     ax.grid(axis="y", alpha=0.3)
-    return _save(fig, path)
-
-
-def plot_variance(lab: dict, path: Path) -> Path:
-    n, var = variance_points(lab)
-    fig, ax = _figure(6.5, 4.2)
-    ok = np.isfinite(var) & (var > 0)
-    ax.plot(n[ok], var[ok], "o-", ms=7, lw=1.8, color="#1f77b4", label="measured variance of π_old")
-    base = var[n == 1]
-    if len(base) and np.isfinite(base[0]) and base[0] > 0:
-        grid = np.geomspace(max(1, int(n.min())), max(2, int(n.max())), 50)
-        ax.plot(grid, base[0] / grid, "--", color="0.4", lw=1.2, label="n = 1's variance x 1/n")
-    if len(n):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(n, [str(int(v)) for v in n])
-        ax.set_xlim(n.min() / 1.3, n.max() * 1.3)
-    if ok.any():
-        ax.set_yscale("log")
-        ax.legend(fontsize=9, frameon=False)
-    else:  # nothing to draw on a log axis: say why instead of an empty frame
-        ax.text(0.5, 0.5, "no positive variance at any n:\nthe re-scorings of these tokens agreed exactly",
-                transform=ax.transAxes, ha="center", va="center", fontsize=10, color="0.3")
-        ax.set_yticks([])
-    zero = int((~ok).sum())
-    title = "Variance of π_old vs replicas n"
-    if zero:
-        title += f"\n({zero} n with a zero or missing variance not drawn)"
-    ax.set_title(title, fontsize=11)
-    ax.set_xlabel("replicas n averaged by the estimator")
-    ax.set_ylabel("variance of π_old (probability²)")
-    ax.grid(alpha=0.3, which="both")
     return _save(fig, path)
 
 

@@ -1,7 +1,7 @@
 """The long runs' curve plot (benchmarks/lab.py --full --plot PATH): one PNG, a row per noise level
 and a column per curve (reward smoothed as the collapse rule smooths it, vllm-kl, entropy, clip
 fraction), one line per arm (seeds averaged), a collapsed run's line dashed. Drawn like the demo's
-plots (a bare Figure on an Agg canvas, plots.py); reads only the dict run_long_lab returns.
+plots (a bare Figure on an Agg canvas, report/plots.py); reads only the dict run_long_lab returns.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ..lab_collapse import COLLAPSE_RULE, parse_level, smoothed
-from .plots import _COLORS, _save
+from .collapse import COLLAPSE_RULE, parse_level, smoothed
+from ..report.plots import _COLORS, _save
 
 PANELS = (("reward", "reward (trailing mean, 10 steps)"), ("vllm_kl", "vllm-kl (k3, trainer vs engine)"),
           ("entropy", "entropy (full vocabulary)"), ("clip_fraction", "PPO clip fraction"))

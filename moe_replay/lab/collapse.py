@@ -154,7 +154,7 @@ def level_key(scale: float) -> str:
 def parse_level(text: str) -> float:
     """A noise level from the command line: 'off', a NOISE_LEVELS name ('calibrated', '2x') or a
     number >= 0 (the EngineNoise scale). ValueError naming the accepted forms otherwise."""
-    from .noise import NOISE_LEVELS
+    from ..noise import NOISE_LEVELS
 
     t = text.strip()
     if t in NOISE_LEVELS:
@@ -183,5 +183,5 @@ def boundary(verdicts: Mapping[str, Mapping[str, Verdict]]) -> dict[str, Any]:
         "levels_tried": order,
         "collapsed_seeds": {lv: f"{k}/{n}" for lv, (k, n) in counts.items()},
         "all_runs_judgeable": judgeable,
-        "rule": "smallest level at which at least half of the seeds collapse (moe_replay/lab_collapse.py)",
+        "rule": "smallest level at which at least half of the seeds collapse (moe_replay/lab/collapse.py)",
     }
