@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_replay.integrations.verl.cpu import use_cpu
+from moe_replay.integrations.verl import use_cpu
 
 use_cpu()  # before anything of verl picks its device: verl keeps the first one for the process (the verl tests after this run on it)
 # Installed by the project's `verl` extra; a missing verl is a failure, as in test_verl_parity.py.

@@ -122,7 +122,7 @@ class DirectoryStore(TraceStore):
         self._table: ChunkTable | None = None
         """A writer's lookup of the chunks stored (None: records are written whole)."""
         self.stats = ReadStats()
-        self._cache = ChunkCache(self.options.chunk_cache_bytes, self._mutex)
+        self._cache = ChunkCache(self.options.chunk_cache_bytes)
         """(chunk key, first layer, stop layer) -> (tokens, routes) decoded, read-only (reading.py)."""
         try:
             self._open()
@@ -600,7 +600,8 @@ class DirectoryStore(TraceStore):
                                     "no such chunk in the store", f"the record's routes cannot be read whole{hint}")
         where = Where(file=str(self.segment_path(e.segment)), record=record_where.record, field=name)
         got = read_chunk(self._pread, self.stats, e, key, want, first, stop, where)
-        self._cache.put(cache_key, got)
+        with self._mutex:
+            self._cache.put(cache_key, got)
         return got
 
     def chunk_keys(self) -> list[str]:

@@ -10,7 +10,6 @@ those layers (each CRC-checked by the codec), so `ReadStats.by_kind["chunk_route
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -48,40 +47,36 @@ class ReadStats:
 class ChunkCache:
     """Decoded chunk routes, least recently used out first, at most `budget` bytes (0: none kept),
     so the n samples of a prompt decode its prefix once. Keys: (chunk key, first layer, stop layer);
-    values: (tokens, routes), read-only (records copy out of them, never alias them)."""
+    values: (tokens, routes), read-only (records copy out of them, never alias them). Not locked: the
+store calls it under its own mutex, which its reading threads share."""
 
-    def __init__(self, budget: int, lock: threading.RLock) -> None:
+    def __init__(self, budget: int) -> None:
         self.budget = budget
-        self._lock = lock
-        """The store's: descriptors and the cache are shared by its reading threads."""
         self._items: OrderedDict[tuple[str, int, int], tuple] = OrderedDict()
         self._bytes = 0
 
     def get(self, cache_key: tuple[str, int, int]):
         """The cached (tokens, routes), or None."""
-        with self._lock:
-            hit = self._items.get(cache_key)
-            if hit is not None:
-                self._items.move_to_end(cache_key)
-            return hit
+        hit = self._items.get(cache_key)
+        if hit is not None:
+            self._items.move_to_end(cache_key)
+        return hit
 
     def put(self, cache_key: tuple[str, int, int], got) -> None:
         size = sum(a.nbytes for a in got)
         if size > self.budget:
             return
-        with self._lock:
-            if cache_key in self._items:
-                return
-            self._items[cache_key] = got
-            self._bytes += size
-            while self._bytes > self.budget:
-                _, old = self._items.popitem(last=False)
-                self._bytes -= sum(a.nbytes for a in old)
+        if cache_key in self._items:
+            return
+        self._items[cache_key] = got
+        self._bytes += size
+        while self._bytes > self.budget:
+            _, old = self._items.popitem(last=False)
+            self._bytes -= sum(a.nbytes for a in old)
 
     def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self._bytes = 0
+        self._items.clear()
+        self._bytes = 0
 
 
 def read_frame(pread: Pread, e: Entry, key: str | None, where: Where, field_prefix: str = "") -> memoryview:
