@@ -98,6 +98,7 @@ def run(variant: str, pairs: int) -> dict[str, Any]:
     import capture as bench
 
     from moe_replay.models import build_tiny_model
+    from moe_replay.report.bench import median_ci95
 
     spec = VARIANTS[variant]
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,7 +113,7 @@ def run(variant: str, pairs: int) -> dict[str, Any]:
     return {
         "diagnostic": "capture_ab", "variant": variant, "pairs": pairs, "identical_tokens": same_all,
         "variant_minus_base": {p: round(statistics.median(v), 5) for p, v in delta.items()},
-        "variant_minus_base_ci95": {p: bench._ci95(v) for p, v in delta.items()},
+        "variant_minus_base_ci95": {p: median_ci95(v) for p, v in delta.items()},
     }
 
 

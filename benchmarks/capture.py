@@ -75,6 +75,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moe_replay.report.bench import median_ci95  # the interval of a median of per-pair ratios
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # stdout carries the JSON only
@@ -230,7 +232,7 @@ def bench_model(size: str, root: Path, pairs: int, num_prompts: int, max_tokens:
         "tokens_per_s_off": round(statistics.median(tokens / t for t in off_s), 2),
         "tokens_per_s_on": round(statistics.median(tokens / t for t in on_s), 2),
         "overhead": round(statistics.median(crossed), 4) if crossed else None,  # < 3 pairs: no crossover
-        "overhead_ci95": _ci95(crossed),
+        "overhead_ci95": median_ci95(crossed),
         "overhead_pairs": round(statistics.median(ratios), 4),
         "overhead_total": round(sum(on_s) / sum(off_s) - 1, 4),
         "overhead_runs": [round(r, 4) for r in ratios],
@@ -383,20 +385,6 @@ def crossover(ratios: list[float]) -> list[float]:
         if capture_engine(i) == 0:
             out.append(math.sqrt((1 + ratios[i]) * (1 + ratios[i + 2])) - 1)
     return out
-
-
-def _ci95(ratios: list[float]) -> list[float]:
-    """Distribution-free 95% interval of the median of `ratios` (the crossover overheads): order statistics
-    [x_(k), x_(n-k+1)] with k the largest count such that P(Binomial(n, 1/2) < k) <= 2.5%. Unlike
-    mean +- 2 standard errors, one pair hit by a spike of the shared machine cannot widen it."""
-    x, n = sorted(ratios), len(ratios)
-    below, k = 0.0, 0
-    while k < n and below + math.comb(n, k) / 2**n <= 0.025:
-        below += math.comb(n, k) / 2**n
-        k += 1
-    if k == 0:  # too few pairs for a 95% interval
-        return [float("nan"), float("nan")]
-    return [round(x[k - 1], 4), round(x[n - k], 4)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,9 @@ Model: `build_tiny_model("qwen3_moe", size="bench", num_experts=64, num_experts_
 hidden_size=1024, moe_intermediate_size=512, num_hidden_layers=8)`, bf16; 128 prompts of 16-64
 words, 128 generated tokens each (ignore_eos), top_p 0.95, max_num_seqs 128, prefix caching off.
 Prints one JSON object: per setting tokens/s (median over rounds) and `vs_graphs`, the median of
-per-round ratios to `graphs`; `capture_throughput_ratio` is graphs_capture's. Target: >= 0.97.
+per-round ratios to `graphs`, with `vs_graphs_ci95`, the distribution-free 95% interval of that median
+(order statistics; 10 rounds give the 2nd and 9th ratio, fewer than 6 none); `capture_throughput_ratio`
+and `capture_throughput_ratio_ci95` are graphs_capture's. Target: >= 0.97, read with its interval.
 For each capture setting, `breakdown`: capture's host seconds per part over the measured rounds
 (VllmCapture.timings(): per-step, per-flush, per-take and client parts) and each part's share of
 those rounds' wall time, so a GPU run shows where capture's time goes.
@@ -52,6 +54,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from moe_replay.report.bench import median_ci95
 
 SETTINGS = ("graphs", "graphs_native", "eager", "eager_capture", "graphs_capture")
 COMPARE = "native_vs_hooks"
@@ -310,22 +314,34 @@ def main(argv: list[str] | None = None) -> int:
                 c.close()
     out = {"benchmark": "gpu_capture", "vllm": vllm.__version__, "device": _device_name(), "model": MODEL,
            "rounds": args.rounds, "prompts": args.prompts, "max_tokens": args.max_tokens, "top_p": args.top_p,
-           "settings": {}}
-    for name, runs in tps.items():
-        row = {"tokens_per_s": round(statistics.median(runs), 1), "runs": [round(x, 1) for x in runs]}
-        if "graphs" in tps:
-            row["vs_graphs"] = round(statistics.median(a / b for a, b in zip(runs, tps["graphs"])), 4)
-        if breakdowns.get(name) is not None:
-            row["breakdown"] = breakdowns[name]
-        out["settings"][name] = row
-    if "graphs_capture" in out["settings"] and "vs_graphs" in out["settings"]["graphs_capture"]:
-        out["capture_throughput_ratio"] = out["settings"]["graphs_capture"]["vs_graphs"]
+           **summarize(tps, breakdowns)}
     if compare is not None:
         out[COMPARE] = compare
     if failed:
         out["failed"] = failed
     print(json.dumps(out, default=str))
     return 0
+
+
+def summarize(tps: dict[str, list[float]], breakdowns: dict[str, dict | None]) -> dict:
+    """`settings` (per setting: median tokens/s, the rounds, and against `graphs` the median of the
+    per-round ratios with its 95% interval; the breakdown where capture ran) and
+    `capture_throughput_ratio` (+ `_ci95`) where graphs_capture and graphs both ran. Round r of every
+    setting ran back to back, so a per-round ratio compares runs under the same machine state."""
+    out: dict = {"settings": {}}
+    for name, runs in tps.items():
+        row = {"tokens_per_s": round(statistics.median(runs), 1), "runs": [round(x, 1) for x in runs]}
+        if "graphs" in tps:
+            ratios = [a / b for a, b in zip(runs, tps["graphs"])]
+            row["vs_graphs"] = round(statistics.median(ratios), 4)
+            row["vs_graphs_ci95"] = median_ci95(ratios)
+        if breakdowns.get(name) is not None:
+            row["breakdown"] = breakdowns[name]
+        out["settings"][name] = row
+    if "graphs_capture" in out["settings"] and "vs_graphs" in out["settings"]["graphs_capture"]:
+        out["capture_throughput_ratio"] = out["settings"]["graphs_capture"]["vs_graphs"]
+        out["capture_throughput_ratio_ci95"] = out["settings"]["graphs_capture"]["vs_graphs_ci95"]
+    return out
 
 
 PROTOCOL = "@@gpu_capture "

@@ -96,7 +96,7 @@ STEPS = (
     Step("scoring", (PY, str(HERE / "scoring.py"), "--json", "--device", "cuda", "--g", "2048,16384",
                      "--repeats", "3"),
          (PY, str(HERE / "scoring.py"), "--json", "--g", "64", "--repeats", "1"), 120),
-    Step("capture", (PY, str(HERE / "gpu_capture.py"), "--rounds", "8", "--start-timeout-s", "300",
+    Step("capture", (PY, str(HERE / "gpu_capture.py"), "--rounds", "10", "--start-timeout-s", "300",
                      "--settings", "graphs,graphs_capture"),
          (PY, str(HERE / "gpu_capture.py"), "--dry-run", "--settings", "graphs,graphs_capture"), 360),
     Step("estimator", (PY, str(HERE / "gpu_estimator.py"), "--json", "--quick"),

@@ -62,3 +62,21 @@ def test_mrv2_check_plan_on_cpu():
     assert mrv2["accepted"] is False and "Model Runner V2 requires Triton" in mrv2["refused"]
     assert v1 == {"variant": "v1", "env": "0", "engine_runner": "v1", "accepted": True, "native_flags": []}
     assert out["vllm"] and out["model"]["family"] == "qwen2_moe"
+
+
+def test_summary_reads_the_ratio_off_per_round_pairs_with_its_interval():
+    """Ten rounds where the machine's speed swings by 30% from round to round and capture costs 1.2-3% in
+    each: the ratio is the median of the per-round ratios (the swing cancels within a round), and its
+    interval is the 2nd and 9th of the ten ratios (P(Binomial(10, 1/2) < 2) = 1.1% <= 2.5%)."""
+    speed = [30_000.0 * (1.3 if r % 2 else 1.0) for r in range(10)]
+    cost = [0.98 + 0.002 * (r - 5) for r in range(10)]  # 0.970 .. 0.988
+    tps = {"graphs": speed, "graphs_capture": [s * c for s, c in zip(speed, cost)]}
+    out = _bench().summarize(tps, {"graphs": None, "graphs_capture": {"per_step": 0.1}})
+    ratios = sorted(cost)
+    assert out["capture_throughput_ratio"] == pytest.approx(0.979, abs=1e-4)  # median of the 10 ratios: (0.978 + 0.980) / 2
+    assert out["capture_throughput_ratio_ci95"] == [round(ratios[1], 4), round(ratios[8], 4)]
+    assert out["settings"]["graphs"]["vs_graphs"] == 1.0 and out["settings"]["graphs"]["vs_graphs_ci95"] == [1.0, 1.0]
+    assert out["settings"]["graphs_capture"]["breakdown"] == {"per_step": 0.1} and "breakdown" not in out["settings"]["graphs"]
+    short = _bench().summarize({k: v[:5] for k, v in tps.items()}, {})
+    assert all(x != x for x in short["capture_throughput_ratio_ci95"])  # 5 rounds: no 95% interval, nan, not a guess
+    assert "capture_throughput_ratio" not in _bench().summarize({"graphs_capture": speed}, {})  # no reference ran

@@ -6,6 +6,7 @@ one, keyed by benchmark name. A failing benchmark is recorded (exit code, stderr
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -86,6 +87,21 @@ def last_json_object(stdout: str) -> dict[str, Any] | None:
         if isinstance(value, dict):
             return value
     return None
+
+
+def median_ci95(ratios: Sequence[float]) -> list[float]:
+    """Distribution-free 95% interval of the median of `ratios` (per-pair or per-round ratios of an
+    interleaved run): order statistics [x_(k), x_(n-k+1)] with k the largest count such that
+    P(Binomial(n, 1/2) < k) <= 2.5%. Unlike mean +- 2 standard errors, one pair hit by a spike of the
+    shared machine cannot widen it. n < 6 has no such interval: [nan, nan] (10 rounds give [x_(2), x_(9)])."""
+    x, n = sorted(ratios), len(ratios)
+    below, k = 0.0, 0
+    while k < n and below + math.comb(n, k) / 2**n <= 0.025:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    if k == 0:  # too few pairs for a 95% interval
+        return [float("nan"), float("nan")]
+    return [round(x[k - 1], 4), round(x[n - k], 4)]
 
 
 def _tail(text: str) -> str:
