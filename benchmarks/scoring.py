@@ -18,6 +18,9 @@ profile_memory: every allocation and free, including those of compiled code, whi
 op dispatcher), over the call, relative to what was live before it. The gradient of the logits
 (logits-sized, in their dtype) is what every path must return: `peak_over_logits` leaves it out,
 `peak_over_logits_with_grad` counts it.
+Host reads: `host_reads` (new_eager, the backend a CUDA call takes): how many times one forward +
+backward reads a tensor's value on the host (moe_replay.replay.host_reads), each a wait for the
+queued launches on a GPU; counted on a separate, untimed call.
 Time: median ms of `--repeats` runs, all paths interleaved in one loop (the machine is shared).
 `time_vs_plain` (new paths): forward+backward ms over plain's, same run and G.
 Compile: the script runs with an empty inductor cache of its own, so `compile_s` (the first
@@ -50,6 +53,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from moe_replay.replay import SupportCSR, score_logits  # noqa: E402
+from moe_replay.replay.host_reads import HostReads  # noqa: E402
 from moe_replay.trace import SamplingSupport  # noqa: E402
 
 V = 151_936
@@ -195,6 +199,9 @@ def bench(gs: Sequence[int], repeats: int, temperature: float) -> dict[str, Any]
                     _, extra, extra_grad = run_once(fn, case["logits"], backward, measure=True)
                     res[name][mode_key] = {"peak_over_logits": round(extra / logits_bytes, 3),
                                            "peak_over_logits_with_grad": round(extra_grad / logits_bytes, 3)}
+                with HostReads() as reads:  # eager only: a dispatch mode would change what torch.compile traces
+                    run_once(fns["new_eager"], case["logits"], backward, measure=False)
+                res["new_eager"][mode_key]["host_reads"] = reads.total
                 times: dict[str, list[float]] = {name: [] for name in fns}
                 for name, fn in fns.items():  # warm-up
                     run_once(fn, case["logits"], backward, measure=False)

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moe_replay.replay import ScoringInputError, SupportCSR, score_logits
+from moe_replay.replay.host_reads import HostReads
 from moe_replay.trace import SamplingSupport
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -423,3 +424,59 @@ def test_a_zero_upstream_gradient_gives_a_zero_gradient(with_support):
     s = score_logits(x, target, support=support if with_support else None, temperature=t_G)
     (s.logprobs_G * 0).sum().backward()
     assert x.grad is not None and torch.equal(x.grad, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("whole_every", [0, 5])
+@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.parametrize("rows", [False, True])
+def test_host_reads_per_call_do_not_grow_with_rows_or_chunks(full, rows, whole_every):
+    """A forward + backward reads the device a fixed number of times whatever G and however many
+    chunks or support ranges the call takes (the checks read together, the loops planned from sizes
+    the host knows): 2 reads for the checks, 1 for the finite check, 1 for the backward's plan. Rows
+    kept whole among supported ones (whole_every) add the dense rows' index list, 2 reads a pass
+    (nonzero, its host copy); a dense loop over rows_G one host copy of rows_G; several support
+    ranges one host copy of the offsets. The CSR is hand-built (its ids are checked for duplicates) and the temperature a tensor
+    (its unit-scale flag is read with the checks)."""
+    counts, ops = {}, {}
+    for g, chunk_bytes in ((16, None), (64, None), (256, 4096)):  # one range (twice); many dense chunks and support ranges
+        logits, target, support, t_G = random_case(7, g, 64, 9, temps=(0.7, 1.0), whole_every=whole_every)
+        support = SupportCSR(support.offsets_G1, support.ids_N, support.whole_G)  # hand-built: ids_distinct False
+        x_XV = torch.cat([torch.zeros(3, 64, dtype=logits.dtype), logits]).requires_grad_(True)
+        rows_G = torch.arange(g) + 3 if rows else None
+        with HostReads() as reads:
+            s = score_logits(x_XV if rows else x_XV[3:], target, rows_G=rows_G, support=support, temperature=t_G,
+                             full=full, chunk_bytes=chunk_bytes, backend="torch_chunked")
+            loss = s.logprobs_G.sum() + s.entropy_G.sum()
+            if full:
+                loss = loss + s.full_logprobs_G.sum() + s.full_entropy_G.sum()
+            loss.backward()
+        assert x_XV.grad is not None and bool(torch.isfinite(x_XV.grad).all())
+        counts[g], ops[g] = dict(reads.reads), reads.ops
+    assert ops[16] == ops[64], ops  # one range: the same ops at 4x the rows (a launch count that does not grow with G)
+    partial = 2 * 2 if whole_every and not full else 0  # forward and backward each read the dense rows' list
+    host_rows = 1 if rows and (full or whole_every) else 0  # a dense loop's slices of the logits, through rows_G
+    assert sum(counts[16].values()) == 4 + partial + host_rows, counts
+    others = lambda c: {k: v for k, v in c.items() if k != "numpy"}  # noqa: E731
+    assert others(counts[256]) == others(counts[16]), counts  # the same reads, not more, at 16x the rows
+    assert counts[256].get("numpy", 0) == counts[16].get("numpy", 0) + 1, counts  # + the offsets' host copy
+    assert not any("bool mask" in k for c in counts.values() for k in c), counts
+
+
+def test_checks_read_together_still_raise_the_first_bad_field():
+    """The checks' flags come back in one read; the error is still the first failing check's, in the
+    order the fields are checked (rows, targets, temperatures, offsets, then the kept ids)."""
+    logits = torch.zeros(3, 10, dtype=torch.float64)
+    sup = SupportCSR(torch.tensor([0, 1, 2, 3]), torch.tensor([1, 2, 30]))  # row 2 keeps id 30 of 10
+    with pytest.raises(ScoringInputError, match=r"target_G\[row 0\]"):  # the target before the temperature
+        score_logits(logits, torch.tensor([11, 2, 3]), support=sup, temperature=torch.tensor([1.0, -1.0, 1.0]))
+    with pytest.raises(ScoringInputError, match=r"temperature\[row 1\].*-1.0"):  # before the kept ids
+        score_logits(logits, torch.tensor([1, 2, 3]), support=sup, temperature=torch.tensor([1.0, -1.0, 1.0]))
+    with pytest.raises(ScoringInputError, match=r"support.offsets_G1.*first 0, last 2"):
+        score_logits(logits, torch.tensor([1, 2, 3]), support=SupportCSR(torch.tensor([0, 1, 3, 2]), torch.tensor([1, 2, 3])))
+    with pytest.raises(ScoringInputError, match=r"support.ids_N\[row 2\].*found 30"):  # the id before the missing target
+        score_logits(logits, torch.tensor([1, 2, 3]), support=sup)
+    unsorted = SupportCSR(torch.tensor([0, 2, 3, 4]), torch.tensor([4, 1, 2, 3]))  # row 0 not ascending, but distinct
+    s = score_logits(logits, torch.tensor([1, 2, 3]), support=unsorted)
+    torch.testing.assert_close(s.logprobs_G, torch.tensor([-np.log(2), 0.0, 0.0], dtype=torch.float64))
+    with pytest.raises(ScoringInputError, match=r"support\[row 1\].*sampled token 5"):  # cleared the duplicate flag, then the next check
+        score_logits(logits, torch.tensor([1, 5, 3]), support=unsorted)

@@ -40,10 +40,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+import numpy as np
 import torch
 
 from ..registry import Registry
-from .scoring_job import SupportCSR, VocabShard, _entry_rows, _fail, _first, _Job, _prepare
+from .scoring_job import RowSet, SupportCSR, VocabShard, _entry_rows, _fail, _first, _Job, _prepare
 
 @dataclass
 class TokenScores:
@@ -102,10 +103,12 @@ class TorchChunked:
     Eager torch makes each op a pass over the [C, V] chunk: forward 5 (fp32 copy, log_softmax,
     exp, one fused multiply-reduce), backward 5 (copy, exp, two fused updates, write-back)."""
 
-    def dense_stats(self, job: _Job, idx_C: torch.Tensor, col_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def dense_stats(self, job: _Job, idx_C: torch.Tensor, col_C: torch.Tensor,
+                    host_C: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-sum-exp, entropy) over the local vocabulary of scored rows idx_C; col_C: a local column
-        per row (its target where it lives on this shard) at which the log-sum-exp is read off."""
-        x_CV = job.rows(idx_C)
+        per row (its target where it lives on this shard) at which the log-sum-exp is read off;
+        host_C: idx_C on the host (`RowSet.part`: the rows' slice is then known without a read)."""
+        x_CV = job.rows(idx_C, host_C)
         # torch's fused row log_softmax (max, sum of exp and write in one cache-friendly kernel),
         # then log-sum-exp = x_j - logp_j at column j
         lp_CV = torch.log_softmax(x_CV, 1)
@@ -124,26 +127,30 @@ class TorchChunked:
         return job.chunks()
 
     def dense_grad(self, job: _Job, idx_C: torch.Tensor, lse_C1: torch.Tensor, mean_C1: torch.Tensor, a_C1: torch.Tensor,
-                   b_C1: torch.Tensor, t_C1: torch.Tensor, out: torch.Tensor, dst_C: torch.Tensor | None) -> None:
+                   b_C1: torch.Tensor, t_C1: torch.Tensor, out: torch.Tensor, dst_C: torch.Tensor | None,
+                   host_C: np.ndarray | None = None, entropy_grad: bool | None = None) -> None:
         """Write d(a logp_t + b H)/d logits of rows idx_C, divided by the temperature, into rows dst_C of
         `out` (the gradient), or into `out` [C, V] itself when dst_C is None: onehot_t a - p (a + b (x -
-        E[x])), E[x] = mean_C1; t_C1 = -1 where the target column is not on this shard."""
-        x_CV = job.rows(idx_C)
-        if bool((b_C1 != 0).any()):
+        E[x])), E[x] = mean_C1; t_C1 = -1 where the target column is not on this shard. host_C: as in
+        dense_stats; entropy_grad: whether any b is nonzero, where the caller has read it (else read
+        here). With b = 0 both branches give -(a p) bit for bit: the flag only saves a buffer."""
+        x_CV = job.rows(idx_C, host_C)
+        if entropy_grad if entropy_grad is not None else bool((b_C1 != 0).any()):
             p_CV = torch.sub(x_CV, lse_C1).exp_()
             dx_CV = x_CV.sub_(mean_C1).mul_(b_C1).add_(a_C1).mul_(p_CV).neg_()
             del p_CV
         else:  # no entropy term: one buffer, p computed in place
             dx_CV = x_CV.sub_(lse_C1).exp_().mul_(-a_C1)
-        here_C = t_C1[:, 0] >= 0
-        rows_t = torch.arange(idx_C.numel(), device=dx_CV.device)[here_C]
-        dx_CV[rows_t, t_C1[here_C, 0]] += a_C1[here_C, 0]
+        # + a at each row's target column; a row whose target is on another shard adds 0 at column 0
+        # (a masked index would be a host read of the mask's count)
+        here_C1 = t_C1 >= 0
+        dx_CV.scatter_add_(1, t_C1.clamp(min=0), torch.where(here_C1, a_C1, torch.zeros_like(a_C1)).to(dx_CV.dtype))
         if not job.unit_scale:
             dx_CV.div_(job.scale_G.index_select(0, idx_C)[:, None])
         if dst_C is None:
             out.copy_(dx_CV)
             return
-        _, run = job.source_rows(idx_C)
+        _, run = job.source_rows(idx_C, host_C)
         if run is not None:  # a slice copies at memory speed
             out[run].copy_(dx_CV)
         else:
@@ -160,15 +167,15 @@ class TorchChunked:
         xt_G = torch.where(here_G, xt_G, torch.zeros_like(xt_G))
         out["xt"] = xt_G if job.shard is None else job.shard.all_reduce(xt_G, "sum")
 
-        if bool(job.dense_G.any()):
+        if job.any_dense:
             m, s, sy = (torch.full((g,), float("-inf"), dtype=cdt, device=dev), torch.zeros(g, dtype=cdt, device=dev),
                         torch.zeros(g, dtype=cdt, device=dev))
+            rows = job.dense_rows()
             for r0, r1 in self.chunks(job, buffered=False):
-                idx = torch.arange(r0, r1, device=dev)
-                idx = idx[job.dense_G[r0:r1]]
-                if idx.numel() == 0:
+                idx, host = rows.part(r0, r1)
+                if len(host) == 0:
                     continue
-                lse_C, ent_C = self.dense_stats(job, idx, torch.where(here_G[idx], local_t[idx], torch.zeros_like(local_t[idx])))
+                lse_C, ent_C = self.dense_stats(job, idx, torch.where(here_G[idx], local_t[idx], torch.zeros_like(local_t[idx])), host)
                 # as (max, sum e^(x-max), sum e^(x-max) (x-max)) with max := lse: (lse, 1, -H)
                 m[idx], s[idx], sy[idx] = lse_C, 1.0, -ent_C
             s = torch.where(job.dense_G, s, torch.ones_like(s))  # rows not read: finite placeholders
@@ -209,52 +216,65 @@ class TorchChunked:
         a_sup, b_sup = torch.where(whole, zero, a_sup), torch.where(whole, zero, b_sup)
         dense_G = job.dense_G & ((a_full != 0) | (b_full != 0))
         sparse_G = (a_sup != 0) | (b_sup != 0)
+        # the loop's plan in one host read (see scoring_job._Checks: a read each costs a GPU a queue drain)
+        dense_all, merge, any_dense, any_sparse, entropy_grad = torch.stack(
+            [dense_G.all(), (dense_G & sparse_G).any(), dense_G.any(), sparse_G.any(), (b_full != 0).any()]).tolist()
+        every_row = job.rows_G is None and dense_all  # each row is written: no zero fill needed
+        merge = sup is not None and merge  # support terms added to dense rows
+        any_sparse = sup is not None and any_sparse
+        # without dense rows only support terms: ranges of kept entries, not of [C, V] rows
 
+        rows = RowSet.of(dense_G, dense_all) if any_dense else None  # one read where only some rows are dense
         x_shape = job.logits_XV.shape
-        every_row = job.rows_G is None and bool(dense_G.all())  # each row is written: no zero fill needed
         grad_XV = (torch.empty if every_row else torch.zeros)(x_shape, dtype=job.logits_XV.dtype, device=dev)
         v_local = x_shape[1]
         local_t = job.target_G - job.start
         here_G = (local_t >= 0) & (local_t < v_local)
-        merge = sup is not None and bool((dense_G & sparse_G).any())  # support terms added to dense rows
-        any_dense = bool(dense_G.any())  # else only support terms: ranges of kept entries, not of [C, V] rows
         for r0, r1 in (self.chunks(job, buffered=merge) if any_dense else job.support_chunks()):
             dx_CV = dst = run = pos_in_dense = None
-            d_idx = dense_G.new_empty(0)
-            if any_dense:
-                idx = torch.arange(r0, r1, device=dev)
-                d_idx = idx[dense_G[r0:r1]]
-                pos_in_dense = torch.full((r1 - r0,), -1, dtype=torch.long, device=dev)
-            if d_idx.numel():
-                pos_in_dense[d_idx - r0] = torch.arange(d_idx.numel(), device=dev)
+            d_host = None
+            if rows is not None:
+                d_idx, d_host = rows.part(r0, r1)
+                if rows.every:
+                    pos_in_dense = d_idx - r0
+                else:
+                    pos_in_dense = torch.full((r1 - r0,), -1, dtype=torch.long, device=dev)
+                    pos_in_dense[d_idx - r0] = torch.arange(d_idx.numel(), device=dev)
+            if d_host is not None and len(d_host):
                 lse, ent = stats["lse_full"].index_select(0, d_idx)[:, None], stats["ent_full"].index_select(0, d_idx)[:, None]
                 a, b = a_full.index_select(0, d_idx)[:, None], b_full.index_select(0, d_idx)[:, None]
                 t_here = here_G.index_select(0, d_idx)
                 t_C1 = torch.where(t_here, local_t.index_select(0, d_idx), torch.full_like(t_here, -1, dtype=torch.long))[:, None]
-                dst, run = job.source_rows(d_idx)
+                dst, run = job.source_rows(d_idx, d_host)
                 if merge:  # a chunk buffer in the compute dtype: support terms are added before rounding
                     dx_CV = torch.empty((d_idx.numel(), v_local), dtype=cdt, device=dev)
-                    self.dense_grad(job, d_idx, lse, lse - ent, a, b, t_C1, dx_CV, None)
+                    self.dense_grad(job, d_idx, lse, lse - ent, a, b, t_C1, dx_CV, None, d_host, entropy_grad)
                 else:  # straight into the gradient's rows
-                    self.dense_grad(job, d_idx, lse, lse - ent, a, b, t_C1, grad_XV, dst)
-            if sup is not None and bool(sparse_G[r0:r1].any()):
+                    self.dense_grad(job, d_idx, lse, lse - ent, a, b, t_C1, grad_XV, dst, d_host, entropy_grad)
+            if any_sparse:
+                # every kept entry of the range: a row without a support gradient has a = b = 0, so its
+                # entries add -0.0 (exp(x - lse) is finite: the forward checked lse), a no-op on any sum
+                # (filtering them out would be a host read of the mask's count)
                 row_n, col_n, x_n, is_t = job.kept(r0, r1)
-                use = sparse_G.index_select(0, row_n)
-                row_n, col_n, x_n, is_t = row_n[use], col_n[use], x_n[use], is_t[use]
                 lse, ent = stats["lse_sup"].index_select(0, row_n), stats["ent_sup"].index_select(0, row_n)
                 a, b = a_sup.index_select(0, row_n), b_sup.index_select(0, row_n)
                 q_n = torch.exp(x_n - lse)
                 dx_n = -q_n * (a + b * (x_n - (lse - ent))) + torch.where(is_t, a, torch.zeros_like(a))  # per scaled logit
                 if not job.unit_scale:
                     dx_n = dx_n / job.scale_G.index_select(0, row_n)
-                if dx_CV is not None:  # entries of rows in the dense buffer go there, the rest to the gradient
-                    p_n = pos_in_dense[row_n - r0]
-                    in_dense = p_n >= 0
-                    dx_CV.index_put_((p_n[in_dense], col_n[in_dense]), dx_n[in_dense].to(dx_CV.dtype), accumulate=True)
-                    out_n = ~in_dense
-                    row_n, col_n, dx_n = row_n[out_n], col_n[out_n], dx_n[out_n]
-                dst_n = row_n if job.rows_G is None else job.rows_G.index_select(0, row_n)
-                grad_XV.index_put_((dst_n, col_n), dx_n.to(grad_XV.dtype), accumulate=True)
+                if dx_CV is not None and rows.every:  # every row is in the dense buffer
+                    dx_CV.index_put_((pos_in_dense[row_n - r0], col_n), dx_n.to(dx_CV.dtype), accumulate=True)
+                else:
+                    if dx_CV is not None:  # entries of rows in the dense buffer go there, the rest to the gradient:
+                        # each side adds 0 for the other's entries (at its buffer's row 0, or at a gradient row
+                        # the buffer overwrites below), where a masked index would be a read of the mask's count
+                        p_n = pos_in_dense[row_n - r0]
+                        in_dense = p_n >= 0
+                        zero_n = torch.zeros_like(dx_n)
+                        dx_CV.index_put_((p_n.clamp(min=0), col_n), torch.where(in_dense, dx_n, zero_n).to(dx_CV.dtype), accumulate=True)
+                        dx_n = torch.where(in_dense, zero_n, dx_n)
+                    dst_n = row_n if job.rows_G is None else job.rows_G.index_select(0, row_n)
+                    grad_XV.index_put_((dst_n, col_n), dx_n.to(grad_XV.dtype), accumulate=True)
             if dx_CV is not None:
                 if run is not None:
                     grad_XV[run].copy_(dx_CV)

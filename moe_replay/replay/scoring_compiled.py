@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from .scoring import AUTO_BACKEND, SCORING_BACKENDS, TorchChunked
@@ -65,13 +66,15 @@ class TorchCompiled(TorchChunked):
         region (on a loaded 2-core CPU, up to a scheduler time slice: ~30 ms measured with 4-row chunks)."""
         return job.chunks() if buffered else [(0, job.num_rows)]
 
-    def dense_stats(self, job: _Job, idx_C: torch.Tensor, col_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        src_C, _ = job.source_rows(idx_C)
+    def dense_stats(self, job: _Job, idx_C: torch.Tensor, col_C: torch.Tensor,
+                    host_C: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        src_C = idx_C if job.rows_G is None else job.rows_G.index_select(0, idx_C)
         return self.kernels()[0](job.logits_XV, src_C, job.scale_G.index_select(0, idx_C)[:, None])
 
     def dense_grad(self, job: _Job, idx_C: torch.Tensor, lse_C1: torch.Tensor, mean_C1: torch.Tensor, a_C1: torch.Tensor,
-                   b_C1: torch.Tensor, t_C1: torch.Tensor, out: torch.Tensor, dst_C: torch.Tensor | None) -> None:
-        src_C, _ = job.source_rows(idx_C)
+                   b_C1: torch.Tensor, t_C1: torch.Tensor, out: torch.Tensor, dst_C: torch.Tensor | None,
+                   host_C: np.ndarray | None = None, entropy_grad: bool | None = None) -> None:
+        src_C = idx_C if job.rows_G is None else job.rows_G.index_select(0, idx_C)  # folded into the kernel's loads
         dst_C = torch.arange(idx_C.numel(), device=idx_C.device) if dst_C is None else dst_C
         self.kernels()[1](out, dst_C, job.logits_XV, src_C, job.scale_G.index_select(0, idx_C)[:, None], lse_C1, mean_C1,
                           a_C1, b_C1, t_C1)
