@@ -104,7 +104,7 @@ class TorchChunked:
     exp, one fused multiply-reduce), backward 5 (copy, exp, two fused updates, write-back)."""
 
     def dense_stats(self, job: _Job, idx_C: torch.Tensor, col_C: torch.Tensor,
-                    host_C: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    host_C: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-sum-exp, entropy) over the local vocabulary of scored rows idx_C; col_C: a local column
         per row (its target where it lives on this shard) at which the log-sum-exp is read off;
         host_C: idx_C on the host (`RowSet.part`: the rows' slice is then known without a read)."""
@@ -128,14 +128,14 @@ class TorchChunked:
 
     def dense_grad(self, job: _Job, idx_C: torch.Tensor, lse_C1: torch.Tensor, mean_C1: torch.Tensor, a_C1: torch.Tensor,
                    b_C1: torch.Tensor, t_C1: torch.Tensor, out: torch.Tensor, dst_C: torch.Tensor | None,
-                   host_C: np.ndarray | None = None, entropy_grad: bool | None = None) -> None:
+                   host_C: np.ndarray, entropy_grad: bool) -> None:
         """Write d(a logp_t + b H)/d logits of rows idx_C, divided by the temperature, into rows dst_C of
         `out` (the gradient), or into `out` [C, V] itself when dst_C is None: onehot_t a - p (a + b (x -
         E[x])), E[x] = mean_C1; t_C1 = -1 where the target column is not on this shard. host_C: as in
-        dense_stats; entropy_grad: whether any b is nonzero, where the caller has read it (else read
-        here). With b = 0 both branches give -(a p) bit for bit: the flag only saves a buffer."""
+        dense_stats; entropy_grad: whether any b of the call is nonzero (read with the backward's plan).
+        With b = 0 both branches give -(a p) bit for bit: the flag only saves a buffer."""
         x_CV = job.rows(idx_C, host_C)
-        if entropy_grad if entropy_grad is not None else bool((b_C1 != 0).any()):
+        if entropy_grad:
             p_CV = torch.sub(x_CV, lse_C1).exp_()
             dx_CV = x_CV.sub_(mean_C1).mul_(b_C1).add_(a_C1).mul_(p_CV).neg_()
             del p_CV
@@ -170,7 +170,7 @@ class TorchChunked:
         if job.any_dense:
             m, s, sy = (torch.full((g,), float("-inf"), dtype=cdt, device=dev), torch.zeros(g, dtype=cdt, device=dev),
                         torch.zeros(g, dtype=cdt, device=dev))
-            rows = job.dense_rows()
+            rows = RowSet.of(job.dense_G, job.all_dense)  # one read where only some rows are dense
             for r0, r1 in self.chunks(job, buffered=False):
                 idx, host = rows.part(r0, r1)
                 if len(host) == 0:

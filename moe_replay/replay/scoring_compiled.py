@@ -67,14 +67,14 @@ class TorchCompiled(TorchChunked):
         return job.chunks() if buffered else [(0, job.num_rows)]
 
     def dense_stats(self, job: _Job, idx_C: torch.Tensor, col_C: torch.Tensor,
-                    host_C: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        src_C = idx_C if job.rows_G is None else job.rows_G.index_select(0, idx_C)
+                    host_C: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        src_C = job.source_index(idx_C)  # folded into the kernel's loads: no slice needed
         return self.kernels()[0](job.logits_XV, src_C, job.scale_G.index_select(0, idx_C)[:, None])
 
     def dense_grad(self, job: _Job, idx_C: torch.Tensor, lse_C1: torch.Tensor, mean_C1: torch.Tensor, a_C1: torch.Tensor,
                    b_C1: torch.Tensor, t_C1: torch.Tensor, out: torch.Tensor, dst_C: torch.Tensor | None,
-                   host_C: np.ndarray | None = None, entropy_grad: bool | None = None) -> None:
-        src_C = idx_C if job.rows_G is None else job.rows_G.index_select(0, idx_C)  # folded into the kernel's loads
+                   host_C: np.ndarray, entropy_grad: bool) -> None:
+        src_C = job.source_index(idx_C)  # folded into the kernel's loads
         dst_C = torch.arange(idx_C.numel(), device=idx_C.device) if dst_C is None else dst_C
         self.kernels()[1](out, dst_C, job.logits_XV, src_C, job.scale_G.index_select(0, idx_C)[:, None], lse_C1, mean_C1,
                           a_C1, b_C1, t_C1)

@@ -140,7 +140,6 @@ class _Job:
     """Compute the entropies (two more eager passes over each dense chunk; off when only log p is used)."""
     _support_ranges: list[tuple[int, int]] | None = field(default=None, repr=False)
     """`support_chunks`, once taken: forward and backward share it."""
-    _dense_rows: "RowSet | None" = field(default=None, repr=False)
     _host_rows: np.ndarray | None = field(default=None, repr=False)
     """rows_G on the host, read at most once a call (where a dense range's rows must be known there)."""
     _host_offsets: np.ndarray | None = field(default=None, repr=False)
@@ -155,28 +154,26 @@ class _Job:
     def start(self) -> int:
         return 0 if self.shard is None else self.shard.start
 
-    def source_rows(self, idx_C: torch.Tensor, host_C: np.ndarray | None = None) -> tuple[torch.Tensor, slice | None]:
-        """Rows of logits_XV holding scored rows idx_C, and the same as a slice when they are contiguous
-        (a slice copies at memory speed; index_select of bf16 rows is ~10x slower on CPU). `host_C`:
-        idx_C on the host (a `RowSet` part), which then decides without reading the device (with
-        rows_G, through one host copy of it a call)."""
-        src = idx_C if self.rows_G is None else self.rows_G.index_select(0, idx_C)
+    def source_index(self, idx_C: torch.Tensor) -> torch.Tensor:
+        """Rows of logits_XV holding scored rows idx_C."""
+        return idx_C if self.rows_G is None else self.rows_G.index_select(0, idx_C)
+
+    def source_rows(self, idx_C: torch.Tensor, host_C: np.ndarray) -> tuple[torch.Tensor, slice | None]:
+        """`source_index`, and the same as a slice when the rows are contiguous (a slice copies at memory
+        speed; index_select of bf16 rows is ~10x slower on CPU), decided on the host from host_C, idx_C
+        there (a `RowSet` part; with rows_G through one host copy of it a call): no read of the device."""
+        src = self.source_index(idx_C)
         n = src.numel()
-        if host_C is not None:
-            h = host_C if self.rows_G is None else self.host_rows()[host_C]
-            contiguous = n > 0 and int(h[-1]) - int(h[0]) + 1 == n and bool((np.diff(h) == 1).all())
-            return src, slice(int(h[0]), int(h[0]) + n) if contiguous else None
-        first = int(src[0]) if n else 0
-        if n and int(src[-1]) - first + 1 == n and (n == 1 or bool((src[1:] - src[:-1] == 1).all())):
-            return src, slice(first, first + n)
-        return src, None
+        h = host_C if self.rows_G is None else self.host_rows()[host_C]
+        contiguous = n > 0 and int(h[-1]) - int(h[0]) + 1 == n and bool((np.diff(h) == 1).all())
+        return src, slice(int(h[0]), int(h[0]) + n) if contiguous else None
 
     def host_rows(self) -> np.ndarray:
         if self._host_rows is None:
             self._host_rows = self.rows_G.cpu().numpy()
         return self._host_rows
 
-    def rows(self, idx_C: torch.Tensor, host_C: np.ndarray | None = None) -> torch.Tensor:
+    def rows(self, idx_C: torch.Tensor, host_C: np.ndarray) -> torch.Tensor:
         """fp-compute copy of the scored rows idx_C, divided by their temperature: [C, V_local]."""
         src, run = self.source_rows(idx_C, host_C)
         x_CV = self.logits_XV[run].to(self.cdt, copy=True) if run is not None else self.logits_XV[src].to(self.cdt)
@@ -199,12 +196,6 @@ class _Job:
             x_n = x_n / self.scale_G.index_select(0, row_n)
         is_target_n = col_n == (self.target_G.index_select(0, row_n) - self.start)
         return row_n, col_n, x_n, is_target_n
-
-    def dense_rows(self) -> "RowSet":
-        """The rows the forward reads over the whole vocabulary (dense_G), once a call."""
-        if self._dense_rows is None:
-            self._dense_rows = RowSet.of(self.dense_G, self.all_dense)
-        return self._dense_rows
 
     def chunks(self) -> list[tuple[int, int]]:
         g = self.num_rows
@@ -310,25 +301,23 @@ class _Checks:
     check by check (and chunk by chunk), a support-only forward + backward read the device 31 times
     (`host_reads.HostReads`: 26 scalar reads, 4 masked indexes, 1 host copy of the offsets), and on a
     GPU each read drains the launch queue: the call is launch-bound at any G. Now it reads 4 times
-    (tests/test_scoring.py). Here each check adds its flag (a 0-d device bool, or a bool the host knows)
-    and the error it raises (built only on failure: naming the row costs host reads of its own);
+    (tests/test_scoring.py). Here each check adds its flag (a device bool) and the error it raises (built only on failure: naming the row costs host reads of its own);
     `verify` reads every flag in one copy and raises the first failing check's error, in the order
     added, so the first bad field wins as it did check by check. `extra` flags ride along in that copy."""
 
     def __init__(self) -> None:
-        self._checks: list[tuple[torch.Tensor | bool, Callable[[], ScoringInputError | None]]] = []
+        self._checks: list[tuple[torch.Tensor, Callable[[], ScoringInputError | None]]] = []
 
-    def add(self, bad: torch.Tensor | bool, error: Callable[[], ScoringInputError | None]) -> None:
+    def add(self, bad: torch.Tensor, error: Callable[[], ScoringInputError | None]) -> None:
         """`error` builds the error of a raised flag; None from it means a closer look cleared the flag
         (a flag that only says "look closer": rows not stored ascending may still be distinct)."""
-        self._checks.append((bad.any() if isinstance(bad, torch.Tensor) else bool(bad), error))
+        self._checks.append((bad.any(), error))
 
     def verify(self, **extra: torch.Tensor) -> dict[str, bool]:
-        on_device = [f for f, _ in self._checks if isinstance(f, torch.Tensor)] + [e.reshape(()) for e in extra.values()]
-        read = iter(torch.stack(on_device).tolist() if on_device else [])
-        flags = [next(read) if isinstance(f, torch.Tensor) else f for f, _ in self._checks]
-        out = {k: bool(next(read)) for k in extra}
-        for failed, (_, error) in zip(flags, self._checks):
+        flags = [f for f, _ in self._checks] + [e.reshape(()) for e in extra.values()]
+        read = torch.stack(flags).tolist() if flags else []
+        out = dict(zip(extra, map(bool, read[len(self._checks):])))
+        for failed, (_, error) in zip(read, self._checks):
             if failed and (e := error()) is not None:
                 raise e
         return out
@@ -410,9 +399,9 @@ def _add_offset_checks(checks: _Checks, sup: SupportCSR, g: int) -> None:
 
     if off.numel() != g + 1:
         raise error()
-    checks.add((off[0] != 0) | (off[-1] != n) | (off[1:] < off[:-1]).any(), error)
     if sup.whole_G is not None and sup.whole_G.numel() != g:
-        checks.add(True, lambda: _fail("support.whole_G", None, f"{g} flags", sup.whole_G.numel()))
+        raise _fail("support.whole_G", None, f"{g} flags", sup.whole_G.numel())
+    checks.add((off[0] != 0) | (off[-1] != n) | (off[1:] < off[:-1]).any(), error)
 
 
 def _check_support(sup: SupportCSR, target_G: torch.Tensor, t_G: torch.Tensor, vocab: int) -> SupportCSR:

@@ -48,7 +48,7 @@ class ChunkCache:
     """Decoded chunk routes, least recently used out first, at most `budget` bytes (0: none kept),
     so the n samples of a prompt decode its prefix once. Keys: (chunk key, first layer, stop layer);
     values: (tokens, routes), read-only (records copy out of them, never alias them). Not locked: the
-store calls it under its own mutex, which its reading threads share."""
+    store calls it under its own mutex, which its reading threads share."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
