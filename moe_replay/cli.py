@@ -404,9 +404,10 @@ def _configure_inspect(p: argparse.ArgumentParser) -> None:
 
 
 @command("inspect", "summarise a trace store: records, tokens, geometries, engines, parts, support sizes, "
-                    "bytes per token-layer per codec, shared route chunks, damaged records and chunks, and what a writer "
-                    "opening it would recover "
-                    "or refuse (exit status 1 if any record is damaged or a writer would refuse)", _configure_inspect)
+                    "bytes per token-layer per codec, shared route chunks (every chunk's frame checked), damaged records "
+                    "and chunks, and what a writer opening it would recover, cut, refuse, or never reuse; a store "
+                    "without index.bin is read as a writer would (exit status 1 if any record or chunk is damaged or a "
+                    "writer would refuse)", _configure_inspect)
 def inspect(args: argparse.Namespace) -> int:
     from .report.inspect import print_store_summary, summarize_store, writer_would
 
@@ -428,6 +429,9 @@ def inspect(args: argparse.Namespace) -> int:
     problems = []
     if summary["damaged"]:
         problems.append(f"{len(summary['damaged'])} damaged record(s) or byte range(s)")
+    chunks = summary["chunks"] or {"damaged": [], "missing": []}
+    if chunks["damaged"] or chunks["missing"]:
+        problems.append(f"{len(chunks['damaged'])} damaged and {len(chunks['missing'])} missing route chunk(s)")
     if summary["writer"] and summary["writer"]["refuses"]:
         problems.append(f"a writer would {writer_would(summary['writer'], str(store.path))}")
     if problems:

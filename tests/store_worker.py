@@ -5,11 +5,16 @@
       put_many the deterministic traces trace_for(START ...) (append-shared: shared_trace_for,
       prompt groups whose prefixes the store keeps as shared chunks) in batches; after each put_many
       returns, print the number of records committed so far. COUNT < 0 appends until killed.
-      DIE_AT = KIND:N (KIND one of frames, index, header, rewrite): the N-th write of that kind
-      by the store writes half its bytes (plus one), then the process SIGKILLs itself: a crash at
+      DIE_AT = KIND:N[:F] (KIND one of frames, index, header, rewrite): the N-th write of that kind
+      by the store writes a fraction F (default half) of its bytes (plus one), then the process
+      SIGKILLs itself: a crash at
       a chosen point of a put_many (frames, index entries, a new segment's header), of creating
       the store (the first header written is the index's) or of replacing a damaged index
       (rewrite: a whole new index.bin, written to its temporary file on open).
+  put-items DIR SEED CHUNK_MIN_BYTES SEGMENT_BYTES SPECS [DIE_AT]
+      the fault harness's writer (tests/store_faults.py): SPECS = batches separated by ";", each
+      a ","-separated list of item specs (store_faults.item); put_many each batch (durable=False)
+      and print the number of batches acknowledged so far; DIE_AT as above.
   try-writer DIR
       open DIR as a writer; exit 3 printing the error if another writer holds it, 0 otherwise.
 """
@@ -38,14 +43,14 @@ def write_kind(data: bytes) -> str:
     return {framing.FRAME_MAGIC: "frames", framing.ENTRY_MAGIC: "index"}.get(head[:4], "other")
 
 
-def die_at(kind: str, n: int) -> None:
+def die_at(kind: str, n: int, fraction: float = 0.5) -> None:
     real, calls = dirmod._write_all, {}
 
     def write(fd: int, data) -> None:
         k = write_kind(data)
         calls[k] = calls.get(k, 0) + 1
         if k == kind and calls[k] == n:
-            real(fd, bytes(data)[: len(data) // 2 + 1])
+            real(fd, bytes(data)[: int(len(data) * fraction) + 1])
             os.kill(os.getpid(), signal.SIGKILL)
         real(fd, data)
 
@@ -65,6 +70,15 @@ def append(path: str, start: int, count: int, batch: int, durable: bool, segment
             print(i, flush=True)
 
 
+def put_items(path: str, seed: int, chunk_min_bytes: int, segment_bytes: int, specs: str) -> None:
+    from tests.store_faults import item
+
+    with DirectoryStore(path, durable=False, segment_bytes=segment_bytes, chunk_min_bytes=chunk_min_bytes) as store:
+        for done, batch in enumerate(specs.split(";"), 1):
+            store.put_many([item(s, seed) for s in batch.split(",")])
+            print(done, flush=True)
+
+
 def try_writer(path: str) -> int:
     try:
         DirectoryStore(path).close()
@@ -82,6 +96,13 @@ def main(argv: list[str]) -> int:
             die_at(kind, int(n))
         start, count, batch, durable, segment_bytes = (int(x) for x in rest)
         append(path, start, count, batch, bool(durable), segment_bytes, shared=mode == "append-shared")
+        return 0
+    if mode == "put-items":
+        if len(rest) > 4:
+            kind, n, *fraction = rest.pop().split(":")
+            die_at(kind, int(n), *(float(f) for f in fraction))
+        seed, chunk_min_bytes, segment_bytes = (int(x) for x in rest[:3])
+        put_items(path, seed, chunk_min_bytes, segment_bytes, rest[3])
         return 0
     if mode == "try-writer":
         return try_writer(path)

@@ -238,15 +238,19 @@ def test_a_damaged_chunk_refuses_exactly_the_records_naming_it(tmp_path, capsys)
         assert good == [t.key for t in traces[4:]]
         assert sorted(e.where.record for e in bad) == sorted(t.key for t in traces[:4])
         assert all(isinstance(e, ChecksumError) and e.where.field.startswith(label(prompt)) for e in bad)
-        with pytest.raises(ChecksumError, match=rf"record '{traces[1].key}', field '{label(prompt)}: frame.crc32'"):
+        named = rf"{seg.name}', record '{traces[1].key}', field '{label(prompt)} at offset {entry.offset}"  # chunk, segment, offset
+        with pytest.raises(ChecksumError, match=rf"{named}: frame.crc32'"):
             r.get(traces[1].key)
         part = r.get(traces[1].key, layers=[1])  # a stage of layer 1 reads and checks its own bytes only
         assert np.array_equal(part.routes_TLK[:, 0], traces[1].routes_TLK[:, 0])
-        with pytest.raises(ChecksumError, match=rf"field '{label(prompt)}: chunk layer 1 crc32'"):
+        with pytest.raises(ChecksumError, match=rf"{named}: chunk layer 1 crc32'"):
             r.get(traces[1].key, layers=[3])
     with DirectoryStore(d, readonly=True, survey=True) as r:
         summary = summarize_store(r, sample=0)
-        assert summary["chunks"]["damaged"] == [{"chunk": label(prompt), "records": sorted(t.key for t in traces[:4])}]
+        (damaged,) = summary["chunks"]["damaged"]
+        assert (damaged["chunk"], damaged["segment"], damaged["offset"]) == (label(prompt), seg.name, entry.offset)
+        assert damaged["records"] == sorted(t.key for t in traces[:4]) and damaged["error"] == "ChecksumError"
+        assert summary["writer"]["refuses_to_reuse_chunks"] == [label(prompt)]
         assert summary["chunks"]["chunks"] == 1 + 6 + 1
     assert main(["inspect", str(d)]) == 1  # the tables name the chunk and the records it refuses
     out = capsys.readouterr().out

@@ -21,6 +21,7 @@ import numpy as np
 from ..codec import ROUTE_CODECS, bound_bits_per_token_layer
 from ..errors import TraceError
 from ..store import TraceStore
+from ..store.chunks import label
 from ..trace import RolloutTrace
 
 DEFAULT_SAMPLE = 64
@@ -140,7 +141,7 @@ def summarize_store(
         if progress is not None:
             progress(i + 1 + len(bad), total)
 
-    chunks = _chunk_summary(store, bad)
+    chunks = _chunk_summary(store)
     recovery = getattr(store, "recovery", {}) if getattr(getattr(store, "options", None), "survey", False) else None
     unindexed = list(recovery.get("records_unindexed", [])) if recovery is not None else []
     disk = store_disk_bytes(store)
@@ -172,7 +173,7 @@ def summarize_store(
         "unindexed": None if recovery is None else {
             "bytes": recovery.get("unindexed_bytes", 0), "records": len(unindexed), "keys": unindexed[:MAX_KEYS_SHOWN],
         },
-        "writer": None if recovery is None else _writer_summary(recovery),
+        "writer": None if recovery is None else _writer_summary(recovery, chunks),
         "tokens": {"total": stats.tokens, "prompt": stats.tokens - stats.generated, "generated": stats.generated},
         "token_layers": stats.token_layers,
         "geometries": [{"records": n, "geometry": json.loads(g)} for g, n in stats.geometries.most_common()],
@@ -197,39 +198,45 @@ MAX_KEYS_SHOWN = 20
 """Keys of unindexed records listed in the summary (the count is always whole)."""
 
 
-def _chunk_summary(store: TraceStore, bad: list[TraceError]) -> dict[str, Any] | None:
+def _chunk_summary(store: TraceStore) -> dict[str, Any] | None:
     """The shared route chunks of a directory store (store/chunks.py): how many, their bytes, how
-    often records name them, and which records each damaged chunk refuses."""
+    often records name them, every damaged chunk (each chunk's frame is checked, as a writer checks
+    it before naming it: not only those some record read hit) with the records it refuses, and the
+    chunks records name that the store does not hold."""
     if not getattr(store, "chunked", False):
         return None
     keys = store.chunk_keys()  # type: ignore[attr-defined]
-    named: Counter[str] = Counter()
+    naming: dict[str, list[str]] = {}
     records = 0
-    bad_keys = {err.where.record for err in bad}
     for key in store.keys():
-        if key in bad_keys:
-            continue
         try:
             refs = store.record_chunks(key)  # type: ignore[attr-defined]
-        except TraceError:
+        except TraceError:  # the record's own frame is damaged: listed with the damaged records
             continue
         records += bool(refs)
-        named.update(refs)
-    damaged: dict[str, list[str]] = {}
-    for err in bad:  # a record refused for its chunk names the chunk first in its field
-        f = err.where.field or ""
-        if f.startswith("chunk ") and err.where.record is not None:
-            damaged.setdefault(f.split(": ", 1)[0], []).append(err.where.record)
+        for ref in refs:
+            naming.setdefault(ref, []).append(key)
+    damaged = []
+    for key in keys:
+        err = store.check_chunk(key)  # type: ignore[attr-defined]
+        if err is not None:
+            segment, offset = store.locate(key)  # type: ignore[attr-defined]
+            damaged.append({"chunk": label(key), "segment": segment, "offset": offset, "error": type(err).__name__,
+                            "message": str(err), "records": sorted(naming.get(key, []))})
+    stored = set(keys)
+    missing = [{"chunk": label(k), "records": sorted(r)} for k, r in naming.items() if k not in stored]
     return {
         "chunks": len(keys), "bytes": store.chunk_bytes(),  # type: ignore[attr-defined]
-        "records_naming_chunks": records, "references": sum(named.values()),
-        "unreferenced": sum(1 for k in keys if k not in named),
-        "damaged": [{"chunk": c, "records": sorted(r)} for c, r in sorted(damaged.items())],
+        "records_naming_chunks": records, "references": sum(len(r) for r in naming.values()),
+        "unreferenced": sum(1 for k in keys if k not in naming),
+        "damaged": sorted(damaged, key=lambda d: d["chunk"]),
+        "missing": sorted(missing, key=lambda d: d["chunk"]),
     }
 
 
-def _writer_summary(recovery: dict[str, Any]) -> dict[str, Any]:
-    """What a writer opening the store would do, from a survey reader's `recovery`."""
+def _writer_summary(recovery: dict[str, Any], chunks: dict[str, Any] | None) -> dict[str, Any]:
+    """What a writer opening the store would do, from a survey reader's `recovery` and the chunk
+    scan (a writer checks each stored chunk before a record names it and never names a damaged one)."""
     refused = recovery.get("refused")
     header = recovery.get("index_header_damaged")
     return {
@@ -238,12 +245,14 @@ def _writer_summary(recovery: dict[str, Any]) -> dict[str, Any]:
             "expected": str(refused.expected), "found": str(refused.found),
         },
         "recovers": len(recovery.get("records_recovered", [])),
+        "creates_index": bool(recovery.get("index_missing")),
         "rebuilds_index_header": None if header is None else str(header),
         "rewrites_index": "index_rewritten" in recovery,
         "cuts_index_bytes": recovery.get("index_bytes_truncated", 0),
         "cuts_segment_bytes": recovery.get("segment_bytes_truncated", 0),
         "removes_files": list(recovery.get("files_removed", [])),
         "skips_damaged_segment": recovery.get("damaged_segment"),
+        "refuses_to_reuse_chunks": [] if chunks is None else [d["chunk"] for d in chunks["damaged"]],
     }
 
 
@@ -254,6 +263,8 @@ def writer_would(w: dict[str, Any], store: str = "STORE") -> str:
         return (f"refuse to open ({r['error']}): {r['where']}: expected {r['expected']}, found {r['found']}; "
                 f"to keep every intact record, copy them to a new store: moe-replay rescue {store} NEW_STORE")
     acts = []
+    if w["creates_index"]:
+        acts.append("create index.bin (absent) and index the segments' intact records again")
     if w["rebuilds_index_header"]:
         acts.append("rebuild index.bin, whose header is damaged, from the segments")
     if w["recovers"]:
@@ -268,6 +279,11 @@ def writer_would(w: dict[str, Any], store: str = "STORE") -> str:
         acts.append(f"remove {', '.join(w['removes_files'])}")
     if w["skips_damaged_segment"]:
         acts.append(f"append to a new segment: {w['skips_damaged_segment']}")
+    if w["refuses_to_reuse_chunks"]:
+        names = w["refuses_to_reuse_chunks"]
+        shown = ", ".join(names[:4]) + (f" (+{len(names) - 4})" if len(names) > 4 else "")
+        acts.append(f"never name the {len(names)} damaged chunk(s) ({shown}): a new record holding their rows gets "
+                    "a new copy of them")
     return "; ".join(acts) if acts else "open it as it is (nothing to recover)"
 
 
@@ -298,7 +314,8 @@ def print_store_summary(summary: dict[str, Any], file=None) -> None:
         c = s["chunks"]
         rows.append(["shared route chunks", f"{c['chunks']:,} ({c['bytes']:,} B), named {c['references']:,} times by "
                                             f"{c['records_naming_chunks']:,} records; {c['unreferenced']:,} unreferenced"
-                                            + (f"; {len(c['damaged'])} damaged" if c["damaged"] else "")])
+                                            + (f"; {len(c['damaged'])} damaged" if c["damaged"] else "")
+                                            + (f"; {len(c['missing'])} named but missing" if c["missing"] else "")])
     if s["support_size"]:
         ss = s["support_size"]
         rows.append(["support size (tokens kept per row)",
@@ -334,14 +351,20 @@ def print_store_summary(summary: dict[str, Any], file=None) -> None:
             [[labels.get(k, k), fmt(v), f"{c['ratio_vs_int32'][k]:.3f}x"] for k, v in c["bytes_per_token_layer"].items()],
             file=file, numeric=[False, True, True],
         )
-    if s["chunks"] is not None and s["chunks"]["damaged"]:
-        print_table("damaged chunks (each refuses the records naming it)", ["chunk", "records"],
-                    [[d["chunk"], ", ".join(d["records"][:8]) + (f" (+{len(d['records']) - 8})" if len(d["records"]) > 8 else "")]
-                     for d in s["chunks"]["damaged"]], file=file, numeric=[False, False])
+    if s["chunks"] is not None and (s["chunks"]["damaged"] or s["chunks"]["missing"]):
+        c = s["chunks"]
+        print_table("damaged chunks and missing chunks (each refuses the records naming it)", ["chunk", "where", "error", "records"],
+                    [[d["chunk"], f"{d['segment']} at offset {d['offset']}", d["error"], _keys(d["records"])] for d in c["damaged"]]
+                    + [[d["chunk"], "not in the store", "ChunkMissingError", _keys(d["records"])] for d in c["missing"]],
+                    file=file, numeric=[False, False, False, False])
     if s["damaged"]:
         print_table("damaged records", ["record", "error", "message"],
                     [[d["record"] or _unkeyed(d["file"]), d["error"], d["message"]] for d in s["damaged"]],
                     file=file, numeric=[False, False, False])
+
+
+def _keys(keys: list[str], shown: int = 8) -> str:
+    return ", ".join(keys[:shown]) + (f" (+{len(keys) - shown})" if len(keys) > shown else "") if keys else "(none)"
 
 
 def _unkeyed(file: str | None) -> str:

@@ -13,7 +13,8 @@ The key of a chunk of route rows [c, e) (positions; row p is the forward of toke
     dtype, noise): what makes it the same computation, as vLLM's prefix-block hashes do;
   * a digest of the routes themselves.
 So routes that differ between samples of one prefix (no prefix cache, batch-variant numerics)
-get other keys and are never merged by assumption. Digests are 128-bit BLAKE2b (stdlib
+get other keys and are never merged by assumption. A writer that finds a stored chunk damaged
+never names it again: it writes the rows as a copy, keyed as above plus `:n` (`ChunkKey.copy`). Digests are 128-bit BLAKE2b (stdlib
 hashlib): two different runs share a key with probability ~2^-128, per pair.
 
 Where a record is cut. Not into fixed-size blocks: a block left partly filled at a record's end
@@ -37,7 +38,7 @@ import bisect
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import msgpack
 import numpy as np
@@ -76,13 +77,19 @@ class ChunkKey(NamedTuple):
     """Hex digest of the hash chain over identity and tokens 0..end-1."""
     routes: str
     """Hex digest of the routes of rows start..end-1."""
+    copy: int = 0
+    """0 for the first chunk of these rows; n > 0 for the n-th copy a writer wrote because the
+    earlier ones were damaged (a damaged chunk is never reused: `ChunkTable.usable`). The key of a
+    copy has a fifth part, `:n`; a reader finds every chunk by its whole key, so older readers
+    read copies too."""
 
     def key(self) -> str:
-        return f"{CHUNK_KEY_PREFIX}{self.start}:{self.end}:{self.tokens}:{self.routes}"
+        copy = f":{self.copy}" if self.copy else ""
+        return f"{CHUNK_KEY_PREFIX}{self.start}:{self.end}:{self.tokens}:{self.routes}{copy}"
 
     def label(self) -> str:
         """How errors and reports name the chunk (the key without its control character)."""
-        return f"chunk {self.start}..{self.end}:{self.routes[:12]}"
+        return f"chunk {self.start}..{self.end}:{self.routes[:12]}" + (f"/{self.copy}" if self.copy else "")
 
 
 def parse_key(key: str) -> ChunkKey | None:
@@ -90,9 +97,12 @@ def parse_key(key: str) -> ChunkKey | None:
     if not is_chunk_key(key):
         return None
     parts = key[len(CHUNK_KEY_PREFIX):].split(":")
-    if len(parts) != 4 or not parts[0].isdigit() or not parts[1].isdigit():
+    if len(parts) not in (4, 5) or not all(p.isdigit() for p in (parts[0], parts[1], *parts[4:])):
         return None
-    return ChunkKey(int(parts[0]), int(parts[1]), parts[2], parts[3])
+    copy = int(parts[4]) if len(parts) == 5 else 0
+    if len(parts) == 5 and (copy < 1 or parts[4] != str(copy)):
+        return None  # one spelling per key: copy 0 has four parts
+    return ChunkKey(int(parts[0]), int(parts[1]), parts[2], parts[3], copy)
 
 
 def label(key: str) -> str:
@@ -182,13 +192,19 @@ def routes_digest(routes_TLK: np.ndarray) -> str:
 
 @dataclass
 class ChunkTable:
-    """A writer's lookup of the chunks its store holds, built from their keys alone."""
+    """A writer's lookup of the chunks its store holds, built from their keys alone.
+
+    `usable(key)`: whether a record may name that chunk (None: every chunk may). A directory
+    writer checks there, once per chunk per writer session, that the chunk's frame is intact
+    (DirectoryStore.check_chunk); a damaged chunk is never named again: the rows it held become
+    a new copy (`ChunkKey.copy`), written with the record."""
 
     keys: set[str] = field(default_factory=set)
+    usable: Callable[[str], bool] | None = None
     _ends: dict[int, list[int]] = field(default_factory=dict)
     """start -> sorted distinct ends of chunks starting there."""
-    _by_tokens: dict[tuple[int, int, str], list[str]] = field(default_factory=dict)
-    """(start, end, token digest) -> routes digests of the chunks so keyed."""
+    _by_tokens: dict[tuple[int, int, str], dict[str, list[int]]] = field(default_factory=dict)
+    """(start, end, token digest) -> routes digest -> copies stored, ascending."""
     _starts: list[int] = field(default_factory=list)
     """Sorted distinct starts."""
 
@@ -204,7 +220,8 @@ class ChunkTable:
         i = bisect.bisect_left(ends, parsed.end)
         if i == len(ends) or ends[i] != parsed.end:
             ends.insert(i, parsed.end)
-        self._by_tokens.setdefault((parsed.start, parsed.end, parsed.tokens), []).append(parsed.routes)
+        copies = self._by_tokens.setdefault((parsed.start, parsed.end, parsed.tokens), {}).setdefault(parsed.routes, [])
+        bisect.insort(copies, parsed.copy)
 
     def __contains__(self, key: object) -> bool:
         return key in self.keys
@@ -216,8 +233,23 @@ class ChunkTable:
         i = bisect.bisect_right(self._starts, after)
         return self._starts[i] if i < len(self._starts) else None
 
+    def find(self, rows: ChunkKey) -> ChunkKey | None:
+        """The newest copy of the chunk holding `rows` that a record may name, or None."""
+        copies = self._by_tokens.get(rows[:3], {}).get(rows.routes, ())
+        for copy in reversed(copies):
+            hit = rows._replace(copy=copy)
+            if self.usable is None or self.usable(hit.key()):
+                return hit
+        return None
+
+    def new_copy(self, rows: ChunkKey) -> ChunkKey:
+        """The key of a new chunk holding `rows`: copy 0, or one past the last stored copy (all
+        of them unusable: a writer asks only when `find` found none)."""
+        copies = self._by_tokens.get(rows[:3], {}).get(rows.routes)
+        return rows._replace(copy=copies[-1] + 1 if copies else 0)
+
     def longest(self, start: int, limit: int, chain: TokenChain, rows_digest) -> ChunkKey | None:
-        """The longest known chunk [start, e), e <= limit, whose tokens and routes match."""
+        """The longest known usable chunk [start, e), e <= limit, whose tokens and routes match."""
         ends = [e for e in self._ends.get(start, ()) if e <= limit]
         if not ends:
             return None
@@ -226,7 +258,9 @@ class ChunkTable:
             if known:
                 dig = rows_digest(start, e)
                 if dig in known:
-                    return ChunkKey(start, e, tok, dig)
+                    hit = self.find(ChunkKey(start, e, tok, dig))
+                    if hit is not None:
+                        return hit
         return None
 
 
@@ -326,9 +360,13 @@ def _new_run(trace: RolloutTrace, a: int, b: int, cuts: list[int], least: int, t
     r = trace.route_start
     tokens = chain.at([e for _, e in pieces])
     for (s, e), tok in zip(pieces, tokens):
-        key = ChunkKey(s, e, tok, rows_digest(s, e)).key()
-        if key not in table:  # one run may repeat a chunk the same batch wrote (rare: an equal (s, e))
+        rows = ChunkKey(s, e, tok, rows_digest(s, e))
+        hit = table.find(rows)  # one run may repeat a chunk the same batch wrote (rare: an equal (s, e))
+        if hit is None:  # none stored, or every stored copy damaged: a new one
+            key = table.new_copy(rows).key()
             split.new.append((key, encode_chunk(key, trace.token_ids_S[s:e], trace.token_dtype, trace.routes_TLK[s - r:e - r],
                                                 trace.geometry.num_experts)))
             table.add(key)
+        else:
+            key = hit.key()
         split.pieces.append(Piece(s - r, e - r, key))

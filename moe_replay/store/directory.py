@@ -68,7 +68,10 @@ from .framing import (
     Entry, check_header, frame_crc, pack_entry, pack_header, parse_index, segment_name,
 )
 from .options import DEFAULT_SEGMENT_BYTES, MIN_SEGMENT_BYTES, DirectoryStoreOptions  # noqa: F401 (importable here)
-from .reading import DEFAULT_CHUNK_CACHE_BYTES, ChunkCache, ReadStats, crc_of, read_chunk, read_frame  # noqa: F401 (crc_of: importable here)
+from .inputs import check_key, check_keys, check_layers, check_trace
+from .reading import (  # noqa: F401 (crc_of: importable here)
+    DEFAULT_CHUNK_CACHE_BYTES, ChunkCache, ReadStats, check_chunk_frame, chunk_field, crc_of, naming_chunk, read_chunk, read_frame,
+)
 from .recovery import fill_holes, recover
 
 log = logging.getLogger(__name__)
@@ -121,6 +124,9 @@ class DirectoryStore(TraceStore):
         """The layout version of this store (its index header's): 1 = whole records only."""
         self._table: ChunkTable | None = None
         """A writer's lookup of the chunks stored (None: records are written whole)."""
+        self._chunk_checks: dict[str, TraceError | None] = {}
+        """Writer: chunk key -> the error its frame failed with (None: intact), for each chunk this
+        session checked before a record named it, or wrote (`_chunk_usable`)."""
         self.stats = ReadStats()
         self._cache = ChunkCache(self.options.chunk_cache_bytes)
         """(chunk key, first layer, stop layer) -> (tokens, routes) decoded, read-only (reading.py)."""
@@ -168,24 +174,75 @@ class DirectoryStore(TraceStore):
                     how = "pass create=True to create a new store"
                 raise StoreNotFoundError(f"store directory {str(self.path)!r} does not exist; {how}, or check the path")
             self.path.mkdir(parents=True, exist_ok=True)
-        if not self.index_path.exists() and (self.readonly or not self.options.create):
-            how = "open it once with readonly=False" if self.readonly else "pass create=True"
-            raise StoreNotFoundError(
-                f"{str(self.path)!r} is not a moe_replay store (no {INDEX_NAME}); {how} to create one, or check the path"
-            )
+        index_missing = not self.index_path.exists()
+        if index_missing and (self.readonly or not self.options.create):
+            self._refuse_missing_index()
         if not self.readonly:
             self._lock()
             if not self.index_path.exists():
                 self._init_index()
-        self._index_fd = os.open(self.index_path, os.O_RDONLY if self.readonly else os.O_RDWR)
-        size = self._load_index()
+        if index_missing and self.readonly:  # a survey: what a writer does, which creates an empty index
+            self.format_version = self._segment_version(self._segment_names())
+            self.recovery["index_missing"] = True
+            size = HEADER.size
+        else:
+            self._index_fd = os.open(self.index_path, os.O_RDONLY if self.readonly else os.O_RDWR)
+            size = self._load_index()
         if not self.readonly or self.options.survey:
             recover(self, size)
         self._recount()
         if not self.readonly and self.chunked and self.options.share_prefixes:
-            self._table = ChunkTable()
-            for key in self._entries:
-                self._table.add(key)
+            self._table = self._chunk_table()
+
+    def _refuse_missing_index(self) -> None:
+        """A store directory without index.bin: a survey reader goes on as a writer would (it
+        creates an empty index and indexes every intact frame of the segments again) when the
+        directory holds segments and nothing a writer would refuse; anything else is refused."""
+        segments = self._segment_names()
+        foreign = self._foreign_files()
+        if self.readonly and self.options.survey and segments and not foreign:
+            return
+        how = "open it once with readonly=False" if self.readonly else "pass create=True"
+        if segments and not foreign:
+            how = (f"it holds {len(segments)} segment file(s): a writer (readonly=False) indexes their records again when "
+                   "it opens, and survey=True (moe-replay inspect) reads them now")
+        raise StoreNotFoundError(
+            f"{str(self.path)!r} is not a moe_replay store (no {INDEX_NAME}); {how}"
+            + ("" if segments and not foreign else " to create one, or check the path")
+        )
+
+    def _segment_names(self) -> list[str]:
+        return sorted(p.name for p in self.path.iterdir() if _SEGMENT_RE.match(p.name))
+
+    def _foreign_files(self) -> list[str]:
+        """Files of the directory that are no part of a store without an index (a writer refuses them)."""
+        known = {LOCK_NAME} | {p.name for p in self.path.iterdir() if _SEGMENT_RE.match(p.name) or p.name.endswith(".tmp")}
+        return sorted(p.name for p in self.path.iterdir() if p.name not in known)
+
+    def _chunk_table(self) -> ChunkTable:
+        """The writer's lookup of the stored chunks; a record names one only after `_chunk_usable`."""
+        table = ChunkTable(usable=self._chunk_usable)
+        for key in self._entries:
+            table.add(key)
+        return table
+
+    def _chunk_usable(self, key: str) -> bool:
+        """Writer: whether a record may name stored chunk `key`: its frame was checked intact in
+        this session (once per chunk: `check_chunk`), or this session wrote it. A damaged chunk is
+        never named: the record's own rows go to a new copy (chunks.ChunkKey.copy), and the chunk
+        is listed in `chunks_refused`."""
+        if key not in self._chunk_checks:
+            if key not in self._entries:  # a chunk of the batch being written
+                return True
+            err = self._chunk_checks[key] = self.check_chunk(key)
+            if err is not None:
+                log.warning("store %s: %s is damaged; records naming its rows get a new copy: %s", self.path, label(key), err)
+        return self._chunk_checks[key] is None
+
+    @property
+    def chunks_refused(self) -> dict[str, TraceError]:
+        """Writer: the stored chunks this session found damaged and will not name (key -> error)."""
+        return {k: err for k, err in self._chunk_checks.items() if err is not None}
 
     @property
     def chunked(self) -> bool:
@@ -206,7 +263,7 @@ class DirectoryStore(TraceStore):
         except SchemaVersionError:
             raise
         except TraceError as err:
-            segments = sorted(p.name for p in self.path.iterdir() if _SEGMENT_RE.match(p.name))
+            segments = self._segment_names()
             self.format_version = self._segment_version(segments)
             if size >= HEADER.size and not segments:  # a foreign file named index.bin: not ours to rebuild
                 raise
@@ -255,8 +312,7 @@ class DirectoryStore(TraceStore):
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
 
     def _init_index(self) -> None:
-        known = {LOCK_NAME} | {p.name for p in self.path.iterdir() if _SEGMENT_RE.match(p.name) or p.name.endswith(".tmp")}
-        foreign = sorted(p.name for p in self.path.iterdir() if p.name not in known)
+        foreign = self._foreign_files()
         if foreign:
             raise StoreNotFoundError(
                 f"{str(self.path)!r} is not a moe_replay store (no {INDEX_NAME}) and is not empty "
@@ -377,15 +433,16 @@ class DirectoryStore(TraceStore):
         part-way leaves a prefix of the batch stored and nothing torn."""
         self._writable()
         with self._mutex:
+            name = str(self.path)
             if isinstance(traces, Sequence):
-                check_new_keys((t.key for t in traces), self.__contains__, str(self.path))
+                check_new_keys((check_trace(t, name).key for t in traces), self.__contains__, name)
             batch: list[tuple[str, bytes, bytes]] = []
             pending: set[str] = set()
             batch_bytes = 0
             try:
                 for trace in traces:
-                    check_new_keys([trace.key], lambda k: k in self._entries or k in pending, str(self.path))
-                    key_b = trace.key.encode("utf-8") if isinstance(trace.key, str) else b""
+                    check_new_keys([check_trace(trace, name).key], lambda k: k in self._entries or k in pending, name)
+                    key_b = trace.key.encode("utf-8")
                     if len(key_b) > MAX_KEY_BYTES:
                         where = Where(file=str(self.path), record=trace.key[:64] + "...", field="key")
                         raise TraceFormatError(where, f"<= {MAX_KEY_BYTES} UTF-8 bytes", len(key_b))
@@ -400,9 +457,7 @@ class DirectoryStore(TraceStore):
                     self._commit(batch)
             except BaseException:
                 if self._table is not None and batch:  # chunks of the batch never written: forget them
-                    self._table = ChunkTable()
-                    for key in self._entries:
-                        self._table.add(key)
+                    self._table = self._chunk_table()
                 raise
 
     def _frames(self, trace: RolloutTrace, key_b: bytes) -> list[tuple[str, bytes, bytes]]:
@@ -444,7 +499,9 @@ class DirectoryStore(TraceStore):
         for key, _, entry in new:
             self._entries[key] = entry
             self._damaged.pop(key, None)
-            self._nchunks += self.chunked and key.startswith(CHUNK_KEY_PREFIX)
+            if self.chunked and key.startswith(CHUNK_KEY_PREFIX):
+                self._nchunks += 1
+                self._chunk_checks[key] = None  # written (and synced) by this session
 
     def _flush_segment(self, buf: bytearray) -> None:
         if not buf:
@@ -527,15 +584,17 @@ class DirectoryStore(TraceStore):
         stage's own); the trace holds only those (`route_layer_ids`), and of each shared chunk only
         their bytes are read."""
         self._check_open()
-        entry = self._record_entry(key)
+        entry = self._record_entry(check_key(key, str(self.path)))
         if entry is None:
             raise self._missing(key)
-        return self._read(key, entry, layers)
+        return self._read(key, entry, check_layers(layers, str(self.path), key))
 
     def get_many(self, keys: Sequence[str], layers: Sequence[int] | None = None) -> list[RolloutTrace]:
         """Traces for `keys`, in that order; read in file order (segment, offset) to keep I/O sequential.
         `layers` as for get()."""
         self._check_open()
+        keys = check_keys(keys, str(self.path))
+        layers = check_layers(layers, str(self.path))
         entries = []
         for key in keys:
             entry = self._record_entry(key)
@@ -550,7 +609,7 @@ class DirectoryStore(TraceStore):
     def _missing(self, key: str) -> TraceError:
         if key in self._damaged:
             return self._damaged[key]
-        hints = [f"{len(self._entries)} records stored"]
+        hints = [f"{len(self)} records stored"]
         if self._index_damage:
             hints.append(f"{len(self._index_damage)} damaged index entries (see scan())")
         if self._problems:
@@ -598,11 +657,37 @@ class DirectoryStore(TraceStore):
             hint = f" (index damage: {len(self._index_damage)} entries, see scan())" if self._index_damage else ""
             raise ChunkMissingError(record_where.with_(file=str(self.path), field=name), "the route chunk the record names",
                                     "no such chunk in the store", f"the record's routes cannot be read whole{hint}")
-        where = Where(file=str(self.segment_path(e.segment)), record=record_where.record, field=name)
-        got = read_chunk(self._pread, self.stats, e, key, want, first, stop, where)
+        where = Where(file=str(self.segment_path(e.segment)), record=record_where.record, field=chunk_field(key, e))
+        try:
+            got = read_chunk(self._pread, self.stats, e, key, want, first, stop, where)
+        except TraceError as err:
+            raise naming_chunk(err, where) from None
         with self._mutex:
             self._cache.put(cache_key, got)
         return got
+
+    def check_chunk(self, key: str) -> TraceError | None:
+        """None if stored chunk `key`'s frame is intact (magic, length and CRC-32 of the whole
+        frame against its index entry, the key its meta holds), else the typed error naming the
+        chunk, its segment (the error's file) and the offset of its frame (reading.check_chunk_frame).
+        A writer asks it once per chunk per session before a record names the chunk; inspect asks
+        it of every chunk."""
+        self._check_open()
+        e = self._entries.get(key) if self.chunked and is_chunk_key(key) else None
+        if e is None:
+            return ChunkMissingError(Where(file=str(self.path), field=label(key)), "a stored route chunk", "no such chunk")
+        try:
+            check_chunk_frame(self._pread, e, key, Where(file=str(self.segment_path(e.segment)), field=chunk_field(key, e)))
+        except TraceError as err:
+            return err
+        return None
+
+    def locate(self, key: str) -> tuple[str, int]:
+        """(segment file name, offset) of the frame of stored record or chunk `key`."""
+        e = self._entries.get(key)
+        if e is None:
+            raise self._missing(key)
+        return segment_name(e.segment), e.offset
 
     def chunk_keys(self) -> list[str]:
         """Keys of the route chunks the store holds, in file order."""
@@ -617,7 +702,7 @@ class DirectoryStore(TraceStore):
         """Keys of the chunks record `key` names (reads its frame, not its chunks)."""
         from ..codec.record import record_chunks
 
-        entry = self._record_entry(key)
+        entry = self._record_entry(check_key(key, str(self.path)))
         if entry is None:
             raise self._missing(key)
         where = Where(file=str(self.segment_path(entry.segment)), record=key)

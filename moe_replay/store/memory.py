@@ -20,6 +20,7 @@ from ..errors import DuplicateKeyError, MissingKeyError, TraceError, TraceFormat
 from ..trace import RolloutTrace
 from .base import STORES, TraceStore
 from .chunks import CHUNK_KEY_PREFIX, DEFAULT_CHUNK_MIN_BYTES, ChunkTable, encode_shared, read_held
+from .inputs import check_key, check_keys, check_layers, check_trace
 
 ErrorMode = Literal["raise", "skip"]
 """What `iter` does with a record that fails its checks: raise the typed error, or skip it and
@@ -81,9 +82,9 @@ class MemoryStore(TraceStore):
         """Add traces in order; a Sequence with a duplicate key is refused before any is added."""
         records = self._live()
         if isinstance(traces, Sequence):
-            check_new_keys((t.key for t in traces), records.__contains__, self.name)
+            check_new_keys((check_trace(t, self.name).key for t in traces), records.__contains__, self.name)
         for trace in traces:
-            check_new_keys([trace.key], records.__contains__, self.name)
+            check_new_keys([check_trace(trace, self.name).key], records.__contains__, self.name)
             if self._table is None:
                 records[trace.key] = encode_trace(trace)
                 continue
@@ -95,10 +96,10 @@ class MemoryStore(TraceStore):
             self._chunks.update(split.new)
 
     def get(self, key: str, layers: Sequence[int] | None = None) -> RolloutTrace:
-        data = self._live().get(key)
+        data = self._live().get(check_key(key, self.name))
         if data is None:
             raise MissingKeyError(Where(file=self.name, record=key), "a stored key", "absent", f"{len(self)} records stored")
-        return decode_trace(data, Where(file=self.name, record=key), chunks=self, layers=layers)
+        return decode_trace(data, Where(file=self.name, record=key), chunks=self, layers=check_layers(layers, self.name, key))
 
     def read_chunk(self, key: str, want: ChunkShape, first: int, stop: int, record_where: Where):
         """The ChunkSource of this store's records (codec.record)."""
@@ -106,6 +107,8 @@ class MemoryStore(TraceStore):
 
     def get_many(self, keys: Sequence[str], layers: Sequence[int] | None = None) -> list[RolloutTrace]:
         records = self._live()
+        keys = check_keys(keys, self.name)
+        layers = check_layers(layers, self.name)
         for key in keys:  # all-or-nothing: name a missing key before decoding anything
             if key not in records:
                 self.get(key)
