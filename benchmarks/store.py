@@ -38,7 +38,22 @@ non_tensor_batch as it is), `whole` (one whole record per sample, `encode_traces
 (`share_chunks`: whole records decoded and re-encoded shared); `decode_ms` of the actor's
 `traces_of` over each; best of `--repeats`, interleaved.
 
+`--faults EPISODES` runs instead the store's fault harness (tests/store_faults.py: seeded episodes
+of 13 steps, one per fault kind: a writer subprocess SIGKILLed inside a frames, index or segment
+header write, a chunk or record byte flipped, chunk bytes zeroed, a segment truncated, deleted or
+with a flipped header, index.bin flipped, truncated, deleted or missing a chunk's entry; after each,
+inspect, rescue, a writer's open and new writes checked against an oracle; then a list of bad
+arguments on both stores) and prints `faults`: per kind `trials`, and `acknowledged_unreadable`,
+`untyped_errors`, `inspect_disagreements`, `silent_coercions` (targets: >= 200 trials over >= 10
+kinds, all four 0); and `chunk_checks`: what a writer's check of the stored chunks it names costs
+(once per chunk per writer session: the CRC of its frame), at Qwen3-30B-A3B geometry, put_many of
+a session naming chunks of an earlier one with the check and without it, interleaved, best of
+`--repeats`: grpo (a second session puts 4 more samples of an 8-sample group's prompt) and agentic
+(one writer session per turn: turn k's records name every chunk of turns 1..k-1); `check_share` is
+the checks' time over that of the put_many calls without them.
+
 Usage: python benchmarks/store.py --json [--sequences N] [--repeats R] [--scale F]
+       python benchmarks/store.py --json --faults EPISODES [--repeats R] [--scale F]
 """
 
 from __future__ import annotations
@@ -364,6 +379,81 @@ def sharing_workloads(repeats: int, scale: float) -> dict:
     return out
 
 
+def measure_chunk_checks(sessions: list[list[RolloutTrace]], repeats: int, work: Path) -> dict:
+    """put_many of each writer session after the first (each session a new writer), with the
+    check of the stored chunks it names and without it (check_chunk answering "intact" unread),
+    interleaved; plus the checks alone."""
+    real = DirectoryStore.check_chunk
+    best = {"checked": math.inf, "unchecked": math.inf}
+    checks = {"count": 0, "bytes": 0, "s": math.inf}
+    for rep in range(repeats):
+        for arm in best:
+            d = work / f"checks-{arm}-{rep}"
+            timed = 0.0
+            checked: list[str] = []
+            DirectoryStore.check_chunk = (lambda self, key: checked.append(key) or real(self, key)) if arm == "checked" \
+                else (lambda self, key: None)
+            try:
+                for i, batch in enumerate(sessions):
+                    t0 = time.perf_counter()
+                    with DirectoryStore(d, durable=False) as w:
+                        w.put_many(batch)
+                    timed += (time.perf_counter() - t0) if i else 0.0
+            finally:
+                DirectoryStore.check_chunk = real
+            best[arm] = min(best[arm], timed)
+            if arm == "checked":
+                with DirectoryStore(d, readonly=True) as r:
+                    sizes = [r._entries[k].length for k in checked]
+                    t0 = time.perf_counter()
+                    bad = [k for k in checked if r.check_chunk(k) is not None]
+                    dt = time.perf_counter() - t0
+                    if bad or not all(r.get(t.key).equals(t) for b in sessions for t in b):
+                        raise SystemExit("chunk checks: a record did not read back bit-identical")
+                checks = {"count": len(checked), "bytes": sum(sizes), "s": min(checks["s"], dt)}
+            shutil.rmtree(d)
+    return {
+        "chunks_checked": checks["count"],
+        "chunk_bytes_checked": checks["bytes"],
+        "check_ms": round(checks["s"] * 1e3, 3),
+        "check_ms_per_chunk": round(checks["s"] * 1e3 / max(1, checks["count"]), 4),
+        "check_mb_s": round(checks["bytes"] / checks["s"] / 1e6, 1) if checks["count"] else None,
+        "put_ms": {arm: round(v * 1e3, 2) for arm, v in best.items()},
+        "overhead": round(best["checked"] / best["unchecked"] - 1, 4),
+        "check_share": round(checks["s"] / best["unchecked"], 4),
+        "records_put": sum(len(b) for b in sessions[1:]),
+    }
+
+
+def chunk_check_workloads(repeats: int, scale: float) -> dict:
+    rng = np.random.default_rng(59)
+    logpop_LE = rng.normal(0.0, 0.5, (QWEN3_30B_A3B.num_moe_layers, QWEN3_30B_A3B.num_experts))
+    sz = lambda x: max(2, round(x * scale))  # noqa: E731
+    grpo, _ = grpo_group(rng, logpop_LE, prompt=sz(2048), n=8, completion=sz(512))
+    agentic, _ = agentic_group(rng, logpop_LE, prompt=sz(1472), turns=8, turn_tokens=sz(448), n=16)
+    with tempfile.TemporaryDirectory() as tmp:
+        return {
+            "grpo": measure_chunk_checks([grpo[:4], grpo[4:]], repeats, Path(tmp)),
+            "agentic": measure_chunk_checks([agentic[k::8] for k in range(8)], repeats, Path(tmp)),
+        }
+
+
+def fault_run(episodes: int, repeats: int, scale: float) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.store_faults import run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        faults = run(Path(tmp), episodes=episodes, steps=13, seed=59)
+    counts = ("acknowledged_unreadable", "untyped_errors", "inspect_disagreements", "silent_coercions")
+    result = {"faults": faults, "chunk_checks": chunk_check_workloads(repeats, scale)}
+    result["targets"] = {
+        "trials_ge_200": faults["trials"] >= 200,
+        "kinds_ge_10": len(faults["kinds"]) >= 10,
+        "all_four_counts_0": all(faults[k] == 0 for k in counts),
+    }
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print only the JSON object")
@@ -371,8 +461,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--families", default="qwen3_moe,mixtral,olmoe")
     ap.add_argument("--scale", type=float, default=1.0, help="token counts of the grpo / agentic groups times this")
+    ap.add_argument("--faults", type=int, default=0, metavar="EPISODES",
+                    help="run the fault harness (EPISODES x 13 steps) and the chunk-check cost instead")
     args = ap.parse_args(argv)
     pin_one_core()
+    if args.faults:
+        result = fault_run(args.faults, args.repeats, args.scale)
+        print(json.dumps(result, indent=None if args.json else 2))
+        return result
 
     result: dict = {"workloads": {}}
     with tempfile.TemporaryDirectory() as tmp:

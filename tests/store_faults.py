@@ -1,6 +1,6 @@
 """The store's fault harness: seeded episodes of writes, SIGKILLed writers, damage and more writes,
 checked after every step (tests/test_store_faults.py runs a few; `benchmarks/store.py --faults`
-runs many and prints the counts issue 59 names).
+runs many and prints their counts).
 
 An episode is one store directory (tiny geometry, route chunks of a few rows: `CHUNK_MIN_BYTES`,
 segments of `SEGMENT_BYTES`) holding GRPO-like prompt groups (n samples of a prompt share its
@@ -32,7 +32,7 @@ naming a dead chunk. After every step:
   * the writer then puts new samples of the prompts and new turns of the conversations whose
     chunks are dead, and fresh ones: every record it acknowledges reads back bit-identical.
 Anything raised that is not a `MoeReplayError` is an `untyped_error`. `edge_inputs` tries the bad
-arguments of issue 59 on both stores: each must be refused with a typed error (else
+arguments (keys and layers of the wrong type) on both stores: each must be refused with a typed error (else
 `untyped_errors`), never answered (`silent_coercions`).
 """
 
@@ -56,7 +56,7 @@ import numpy as np
 
 from moe_replay.cli import main as cli
 from moe_replay.errors import MoeReplayError, TraceError
-from moe_replay.store import DirectoryStore, MemoryStore, framing
+from moe_replay.store import DirectoryStore, MemoryStore, compact_store, framing
 from moe_replay.store.chunks import is_chunk_key, label, parse_key
 from moe_replay.trace import RolloutTrace
 from tests.trace_factory import TINY_GEOMETRY, random_routes, shared_trace_for
@@ -121,8 +121,9 @@ class Totals:
     wrong_reads: int = 0
     oracle_mismatches: int = 0
     records_acknowledged: int = 0
-    records_refused_by_name: int = 0
-    """Acknowledged records found dead (their bytes, or a chunk they name, damaged), summed over steps."""
+    refused: set = field(default_factory=set)
+    """(episode, key) of the acknowledged records found dead (their bytes, or a chunk they name,
+    damaged): each refused by name at every later step."""
     chunk_copies: int = 0
     """Chunks written as a copy of a damaged one (`ChunkKey.copy` > 0)."""
     writer_refusals: int = 0
@@ -138,13 +139,14 @@ class Totals:
 
     def summary(self) -> dict:
         return {
-            "kinds": {k: {"trials": self.trials[k]} for k in (*KINDS, "edge_inputs") if self.trials[k]},
-            "trials": sum(self.trials.values()),
+            "kinds": {k: {"trials": self.trials[k]} for k in KINDS if self.trials[k]},
+            "trials": sum(self.trials[k] for k in KINDS),
+            "edge_inputs": {"calls": self.trials["edge_inputs"]},
             "acknowledged_unreadable": self.acknowledged_unreadable, "untyped_errors": self.untyped_errors,
             "inspect_disagreements": self.inspect_disagreements, "silent_coercions": self.silent_coercions,
             "unnamed_refusals": self.unnamed_refusals, "wrong_reads": self.wrong_reads,
             "oracle_mismatches": self.oracle_mismatches, "records_acknowledged": self.records_acknowledged,
-            "records_refused_by_name": self.records_refused_by_name, "chunk_copies": self.chunk_copies,
+            "records_refused_by_name": len(self.refused), "chunk_copies": self.chunk_copies,
             "writer_refusals_rescued": self.writer_refusals, "kills_without_death": self.kills_without_death,
             "failures": self.failures,
         }
@@ -389,7 +391,7 @@ class Episode:
         except MoeReplayError as err:
             t.fail("inspect_disagreements", f"{kind}: a survey reader does not open where inspect did: {err}")
             return
-        t.records_refused_by_name += len(self.acked & self.dead)
+        t.refused.update((self.seed, k) for k in self.acked & self.dead)
         listed = {c["chunk"]: set(c["records"]) for c in summary["chunks"]["damaged"]}
         dead_chunks = {label(k) for k in chunk_keys if k in self.dead}
         self._agree(kind, "records inspect counts", summary["records"], len(readable))
@@ -478,7 +480,7 @@ def _index_entries(data: bytes) -> list[tuple[str, int, int]]:
 
 # -- bad arguments ---------------------------------------------------------------------------------------
 def edge_inputs(root: Path, totals: Totals) -> None:
-    """Issue 59's bad arguments on both stores: each call must raise a MoeReplayError."""
+    """Bad keys and layers on both stores: each call must raise a MoeReplayError."""
     d = root / "edge"
     shutil.rmtree(d, ignore_errors=True)
     good = item("g0.0", 0)
@@ -497,6 +499,7 @@ def edge_inputs(root: Path, totals: Totals) -> None:
             calls += [("put(a dict)", store.put, ({"key": "x"},)), ("put_many([None])", store.put_many, ([None],))]
             if isinstance(store, DirectoryStore):
                 calls += [(f"record_chunks({k!r})", store.record_chunks, (k,)) for k in bad_keys]
+                calls += [(f"compact_store(keys={k!r})", _compact, (d, root / "edge-copy", k)) for k in ("g00000#0", [5], [None])]
             for what, fn, args in calls:
                 totals.trials["edge_inputs"] += 1
                 try:
@@ -507,6 +510,11 @@ def edge_inputs(root: Path, totals: Totals) -> None:
                     totals.fail("untyped_errors", f"{type(store).__name__}.{what}: {type(err).__name__}: {err}")
                     continue
                 totals.fail("silent_coercions", f"{type(store).__name__}.{what} returned")
+
+
+def _compact(src: Path, dst: Path, keys) -> None:
+    shutil.rmtree(dst, ignore_errors=True)
+    compact_store(src, dst, keys=keys)
 
 
 def _rekeyed(key) -> RolloutTrace:

@@ -17,7 +17,8 @@ index tail; the next writer truncates it. Segment bytes past the last indexed re
 header) are indexed again, and only bytes that are no part of an intact frame are cut; damaged
 bytes followed by an intact frame make the writer refuse to open (UnindexedDamageError) rather than
 delete it, and advise rescue.py's copy. A reader opened with survey=True runs the writer's recovery
-in memory only: what `moe-replay inspect` reports.
+in memory only: what `moe-replay inspect` reports; on a store without index.bin too (a writer
+creates an empty one and indexes every intact frame again).
 
 Damaged index entries and the holes they leave, and the recovery steps above: recovery.py. Record,
 chunk and partial-layer reads, the chunk cache and `stats`: reading.py. The options: options.py.
@@ -29,7 +30,10 @@ earlier one, the first record naming it: a crash never leaves a record whose chu
 Records and chunks are framed, indexed, recovered and salvaged alike; `keys()`, `len()` and
 iteration are the records'. A record is read with the chunks it names (each checked against its
 index entry and the record's geometry) and comes back as the trace that was written; a damaged
-or absent chunk refuses exactly the records naming it, with the chunk's name and theirs. Readers
+or absent chunk refuses exactly the records naming it, with the chunk's name, segment and offset
+and theirs. A writer names a stored chunk only after checking its frame (`check_chunk`, once per
+chunk per writer session), and never a damaged one: the record's rows go to a copy of the chunk
+(chunks.ChunkKey.copy; `chunks_refused`), so every record put_many acknowledges reads back. Readers
 keep recently read chunks decoded (`chunk_cache_bytes`), so the n samples of a prompt decode its
 prefix once. `get(key, layers=...)` reads the routes of some MoE layers only (a pipeline
 stage's): of each chunk only the bytes of those layers are read (`stats`).
@@ -715,7 +719,9 @@ class DirectoryStore(TraceStore):
         return [k for k in self._entries if not k.startswith(CHUNK_KEY_PREFIX)]
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entries and not (self._nchunks and isinstance(key, str) and key.startswith(CHUNK_KEY_PREFIX))
+        if not isinstance(key, str):  # keys are str: anything else is not stored (and may not be hashable)
+            return False
+        return key in self._entries and not (self._nchunks and key.startswith(CHUNK_KEY_PREFIX))
 
     def __len__(self) -> int:
         return len(self._entries) - self._nchunks

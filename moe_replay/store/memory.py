@@ -118,7 +118,7 @@ class MemoryStore(TraceStore):
         return list(self._live())
 
     def __contains__(self, key: object) -> bool:
-        return key in self._live()
+        return isinstance(key, str) and key in self._live()
 
     def __len__(self) -> int:
         return len(self._live())

@@ -23,6 +23,7 @@ from typing import Sequence
 
 from ..errors import MissingKeyError, MoeReplayError, TraceError, Where
 from .directory import DirectoryStore
+from .inputs import check_keys
 
 
 class RescueDestinationError(MoeReplayError, FileExistsError):
@@ -100,7 +101,7 @@ def compact_store(src: str | os.PathLike, dst: str | os.PathLike, *, keys: Seque
     dst_path = _check_destination(dst)
     report = CompactReport(str(src), str(dst_path))
     with DirectoryStore(src, readonly=True) as source:
-        wanted = source.keys() if keys is None else list(keys)
+        wanted = source.keys() if keys is None else check_keys(keys, str(source.path))
         missing = [k for k in wanted if k not in source]
         if missing:
             raise MissingKeyError(Where(file=str(source.path), record=missing[0]), "records of the source store", "absent",
