@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.moe_replay-installed
 DEMO_OUT ?= runs/demo
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast docs bench clean
+.PHONY: install demo test test-fast docs bench clean sglang-bed
 
 # bootstrap.py is idempotent and keyed by a hash of its inputs: a no-op when up to date.
 install:
@@ -17,8 +17,13 @@ demo: install
 
 # Every test (what CI runs: ~69 min on a 2-core CPU, docs/benchmarks.md). test-fast: the tier without engines and
 # multi-process runs (no vLLM engine, nothing marked slow), for a quick check while editing.
-test: install
+test: install sglang-bed
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The SGLang CPU test bed (tests/sglang_bed: SGLang 0.5.23 in its own venv, .venv/sglang; a no-op when its
+# stamp is current): the tests marked `sglang` talk to it. A test bed, not a user install (docs/sglang.md).
+sglang-bed:
+	@$(PYTHON) scripts/sglang_bed.py
 
 test-fast: install
 	$(PY) -m pytest -m "not vllm and not slow" $(PYTEST_ARGS)

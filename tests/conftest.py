@@ -87,3 +87,16 @@ def vllm_llm() -> Iterator[Callable[..., Any]]:
     yield make
     while engines:
         shutdown_llm(engines.pop())
+
+
+@pytest.fixture(scope="session")
+def sglang_server(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One SGLang server of the CPU test bed (tests/sglang_bed/bed.py: its own venv, launch_server as a
+    subprocess) on the tiny qwen3_moe, for the session; `.url`, `.model_dir`. Skips where the bed is not
+    built (`make test` builds it: scripts/sglang_bed.py)."""
+    from tests.sglang_bed import bed
+
+    if not bed.available():
+        pytest.skip(f"the SGLang test bed is not built ({bed.PYTHON}): python3 scripts/sglang_bed.py")
+    with bed.server(tiny_model("qwen3_moe"), tmp_path_factory.mktemp("sglang") / "server.log") as server:
+        yield server
