@@ -2,6 +2,7 @@
 
     import moe_replay
     mr = moe_replay.enable("r3_support", llm=llm, model=model)   # see moe_replay.enablement
+    moe_replay.audit(model, routes, token_ids, format="vllm").raise_if_misaligned()   # see moe_replay.audit
 
 `import moe_replay` needs only torch, numpy and msgpack; adapters load their framework lazily.
 """
@@ -14,4 +15,8 @@ def __getattr__(name: str):
         from . import enablement as _enable_module
 
         return getattr(_enable_module, name)
+    if name == "audit":  # the package, callable as the function (moe_replay/audit/__init__.py)
+        import importlib
+
+        return importlib.import_module(f"{__name__}.audit")
     raise AttributeError(f"module 'moe_replay' has no attribute {name!r}")

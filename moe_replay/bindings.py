@@ -60,6 +60,9 @@ class TrainerBinding:
     paths: tuple[str, ...] = ("project",)
     """The replay paths it offers, for the preset's `replay.trainer_path` (besides "auto", which
     lets the binding choose: integrations/megatron/paths.py states Megatron's rule)."""
+    free_routes: Callable[..., Any] | None = None
+    """(model, token ids per sample, context) -> moe_replay.audit.FreeRoutes: one forward without gradients
+    and with free routing, inside `context()`, recording the model's own top-k (`moe_replay.audit`)."""
 
     def check_path(self, path: str) -> None:
         """ValueError unless `path` is "auto" or one this binding offers."""

@@ -35,7 +35,7 @@ def test_every_package_is_declared_in_pyproject():
 
 def test_core_imports_only_torch_numpy_msgpack():
     code = (
-        "import sys, moe_replay, moe_replay.trace, moe_replay.codec, moe_replay.store, moe_replay.models, "
+        "import sys, moe_replay, moe_replay.trace, moe_replay.audit, moe_replay.codec, moe_replay.store, moe_replay.models, "
         "moe_replay.estimator, moe_replay.estimator.service, moe_replay.replay, moe_replay.metrics, "
         "moe_replay.corrections, moe_replay.presets, moe_replay.enablement, moe_replay.demo, moe_replay.cli, "
         "moe_replay.integrations.vllm, moe_replay.integrations.hf, moe_replay.integrations.megatron\n"

@@ -30,5 +30,11 @@ def _replay(model: Any, plan: Any, track_flips: bool, path: str = "project") -> 
         yield session, session.plan
 
 
+def _free_routes(model: Any, token_ids: Any, context: Any) -> Any:
+    from .audit import free_routes
+
+    return free_routes(model, token_ids, context)
+
+
 TRAINER_BINDINGS.add("hf", TrainerBinding(100, lambda o: isinstance(o, torch.nn.Module), _geometry, _replay,
-                                          lambda plan: plan.model_inputs(), score_tokens))
+                                          lambda plan: plan.model_inputs(), score_tokens, free_routes=_free_routes))

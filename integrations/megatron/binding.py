@@ -51,5 +51,11 @@ def _score(logits_BSV: torch.Tensor, plan: Any, *, entropy: bool = True, **kw: A
     return scores
 
 
+def _free_routes(model: Any, token_ids: Any, context: Any) -> Any:
+    from .audit import free_routes
+
+    return free_routes(model, token_ids, context)
+
+
 TRAINER_BINDINGS.add("megatron", TrainerBinding(0, _is_megatron, _geometry, _replay, _inputs, _score,
-                                                paths=("project", "megatron_native")))
+                                                paths=("project", "megatron_native"), free_routes=_free_routes))

@@ -1,0 +1,379 @@
+"""Given routes against the model's own routing of their tokens: agreement, then the cause.
+
+1. Agreement as given (every audit): row p of a sample against the model's route of position
+   start + p, at each model MoE layer through the column that claims it. A sample is ALIGNED when its
+   mean over rows and layers reaches `Thresholds.aligned` and it holds the rows its tokens call for
+   (S - 1 - start, or one more: the last token's row); the batch when every sample and every layer
+   (pooled over samples) is.
+2. Otherwise, in this order, the first explanation that holds:
+   * another reading of the payload lines up (a Megatron list written batch-first): OTHER_SAMPLE;
+   * some layers line up and others do not, or a column lines up with another layer than it claims:
+     LAYERS (offset, swapped, foreign: matching no layer, missing);
+   * the rows of each misaligned sample are searched for in the whole batch: a row is traced to a
+     model row when at least `match_layers` of the layers hold equal expert sets and `min_run`
+     consecutive rows follow the same offset in the batch's flat order. One offset within the sample:
+     SHIFTED; rows of another sample: OTHER_SAMPLE; offsets that step (rows dropped or repeated, or
+     rows missing or extra with the rest in place): ROWS;
+   * nothing traced: OTHER_WEIGHTS when the rows agree above chance by `chance_margin` or are
+     token-consistent (`token_consistency`: real routers route one token alike), else RANDOM.
+
+Legend: B samples, S a sample's tokens, T its rows, C columns, L model MoE layers, K top-k, W words
+per expert set, N flat given rows, M flat model rows.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import TraceFormatError, Where
+from .compare import chance_agreement, codes, masks, overlap, token_consistency
+from .free import FreeRoutes
+from .routes import RoutesBatch
+from .thresholds import THRESHOLDS, Thresholds
+from .verdict import (Aligned, AuditReport, Cause, LayerMismatch, OtherSample, RowEdits, SampleVerdict, Shifted,
+                      Unexplained, Verdict)
+
+PAIR_BUDGET = 8_000_000
+"""Most candidate row pairs the row search forms (equal expert sets at one layer); a layer whose pairs
+would pass it is skipped (8 experts top-2 has 28 sets: a 4,096-row batch pairs ~600k rows per layer)."""
+MAX_LISTED = 64
+"""Positions a RowEdits verdict lists at most."""
+
+
+@dataclass
+class _Side:
+    """One reading's masks and identity agreement."""
+
+    given_TLW: list[np.ndarray]
+    """Per sample, the rows through the columns claiming each model layer (no column: an empty set)."""
+    overlap_BL: np.ndarray
+    """Experts shared, summed over each sample's compared rows, per layer."""
+    rows_B: np.ndarray
+    """Rows compared per sample (those whose position the model has)."""
+    rows_ok_B: np.ndarray
+
+    def cells(self, k: int) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self.overlap_BL / (k * self.rows_B[:, None])
+
+    def sample_agreement(self, k: int) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.rows_B > 0, self.overlap_BL.sum(1) / (k * self.rows_B * self.overlap_BL.shape[1]), 0.0)
+
+    def layer_agreement(self, k: int) -> np.ndarray:
+        total = max(int(self.rows_B.sum()), 1)
+        return self.overlap_BL.sum(0) / (k * total)
+
+    def aligned(self, k: int, t: Thresholds) -> bool:
+        return bool((self.sample_agreement(k) >= t.aligned).all() and (self.layer_agreement(k) >= t.aligned).all()
+                    and self.rows_ok_B.all())
+
+
+def _side(batch: RoutesBatch, own: list[np.ndarray], col_of: list[int], num_experts: int) -> _Side:
+    given, ov, rows, ok = [], [], [], []
+    for s, own_SLW in zip(batch.samples, own):
+        all_TCW = masks(s.routes_TCK, num_experts)
+        g_TLW = np.zeros((len(all_TCW), len(col_of), own_SLW.shape[-1]), dtype=np.uint64)
+        for j, c in enumerate(col_of):
+            if c >= 0:
+                g_TLW[:, j] = all_TCW[:, c]
+        n = max(min(len(g_TLW), len(own_SLW) - s.start), 0)
+        given.append(g_TLW)
+        ov.append(overlap(g_TLW[:n], own_SLW[s.start: s.start + n]).sum(0))
+        rows.append(n)
+        ok.append(s.rows_expected <= len(g_TLW) <= s.rows_expected + 1)
+    return _Side(given, np.array(ov, dtype=np.float64).reshape(len(own), len(col_of)), np.array(rows), np.array(ok))
+
+
+def diagnose(batch: RoutesBatch, free: FreeRoutes, thresholds: Thresholds = THRESHOLDS) -> AuditReport:
+    """The AuditReport of `batch` against the model's own routing `free` of the same samples."""
+    t0 = time.perf_counter()
+    g, t = free.geometry, thresholds
+    k, e = g.top_k, g.num_experts
+    batch.check_top_k(k)
+    if len(free.ids_SLK) != len(batch.samples):
+        raise TraceFormatError(Where(field="free routes"), f"{len(batch.samples)} samples", len(free.ids_SLK))
+    for s, ids in zip(batch.samples, free.ids_SLK):
+        if len(ids) != len(s.token_ids_S):
+            raise TraceFormatError(Where(record=s.key, field="free routes"), f"{len(s.token_ids_S)} positions", len(ids))
+    claims = batch.claimed_layers(g.num_layers, g.moe_layer_ids)
+    col_of = [claims.index(lid) if lid in claims else -1 for lid in g.moe_layer_ids]
+    own = [masks(ids, e) for ids in free.ids_SLK]
+    side = _side(batch, own, col_of, e)
+    agree_B, layer_L = side.sample_agreement(k), side.layer_agreement(k)
+    ok_B = (agree_B >= t.aligned) & side.rows_ok_B
+
+    verdicts: list[Verdict] = [Verdict(Cause.ALIGNED, Aligned(float(a))) for a in agree_B]
+    batch_verdict: Verdict | None = None
+    if not side.aligned(k, t):
+        batch_verdict = _reading(batch, own, col_of, e, k, t, agree_B, ok_B, verdicts)
+        if batch_verdict is None:
+            batch_verdict = _layers(batch, own, claims, col_of, g.moe_layer_ids, side, k, e, t, ok_B, verdicts)
+        if batch_verdict is None:
+            _rows(batch, own, side, k, e, t, ok_B, verdicts)
+            batch_verdict = _batch_of(verdicts)
+    if batch_verdict is None:
+        batch_verdict = Verdict(Cause.ALIGNED, Aligned(float(layer_L.mean())))
+    samples = tuple(SampleVerdict(b, s.key, float(agree_B[b]), s.rows_expected, len(s.routes_TCK), verdicts[b])
+                    for b, s in enumerate(batch.samples))
+    return AuditReport(batch.format, batch_verdict, samples, g.moe_layer_ids, tuple(float(a) for a in layer_L),
+                       side.cells(k), t, free.forward_s, time.perf_counter() - t0)
+
+
+def _reading(batch, own, col_of, e, k, t, agree_B, ok_B, verdicts) -> Verdict | None:
+    """OTHER_SAMPLE when another reading of the payload lines up (rows traced through the payload's order)."""
+    for name, other in batch.readings:
+        alt = _side(other, own, col_of, e)
+        if not alt.aligned(k, t):
+            continue
+        alt_agree = alt.sample_agreement(k)
+        first = None
+        for b in np.flatnonzero(~ok_B):
+            src = _reading_sources(batch, other, b)
+            counts = Counter(src.tolist())
+            best = max(counts, key=lambda j: (counts[j], j != b)) if counts else int(b)
+            ev = OtherSample(int(best), batch.samples[best].key, float(alt_agree[best]), float(np.mean(src != b)) if len(src) else 0.0,
+                             float(agree_B[b]), name)
+            verdicts[b] = Verdict(Cause.OTHER_SAMPLE, ev)
+            first = first or verdicts[b]
+        return first or Verdict(Cause.OTHER_SAMPLE, OtherSample(0, batch.samples[0].key, float(alt_agree.mean()), 0.0,
+                                                                 float(agree_B.mean()), name))
+    return None
+
+
+def _reading_sources(batch: RoutesBatch, other: RoutesBatch, b: int) -> np.ndarray:
+    """int64 [T]: which sample of the other reading each row of sample b belongs to, by the rows' payload
+    slots (a row no slot names: its own sample)."""
+    owner = {int(slot): j for j, s in enumerate(other.samples) if s.slots_T is not None for slot in s.slots_T}
+    slots = batch.samples[b].slots_T
+    if slots is None:
+        return np.full(len(batch.samples[b].routes_TCK), b, dtype=np.int64)
+    return np.array([owner.get(int(x), b) for x in slots], dtype=np.int64)
+
+
+def _layers(batch, own, claims, col_of, layer_ids, side, k, e, t, ok_B, verdicts) -> Verdict | None:
+    """LAYERS when the rows line up at some layers (or through another column) and not at others.
+
+    Judged per column: a column whose claimed layer does not line up holds another model layer's routes
+    (remapped: its best match reaches `aligned`) or no model layer's (foreign); a column claiming a dense
+    layer or nothing that lines up with a model layer whose own column does not is remapped too."""
+    layer_L = side.layer_agreement(k)
+    claimed_ok = layer_L >= t.aligned
+    if claimed_ok.all() and all(c >= 0 for c in col_of):
+        return None
+    a_CL = _column_matrix(batch, own, side, k, e)
+    index = {lid: j for j, lid in enumerate(layer_ids)}
+    remapped, foreign, covered = [], [], {j for j in range(len(layer_ids)) if claimed_ok[j]}
+    for c, claim in enumerate(claims):
+        j_claim = index.get(claim)
+        if j_claim is not None and claimed_ok[j_claim] and col_of[j_claim] == c:
+            continue
+        j_best = int(a_CL[c].argmax())
+        if a_CL[c, j_best] >= t.aligned and not claimed_ok[j_best] and claim is not None:
+            remapped.append((int(claim), int(layer_ids[j_best]), float(a_CL[c, j_best])))
+            covered.add(j_best)
+        elif j_claim is not None and col_of[j_claim] == c:
+            foreign.append((int(claim), float(layer_L[j_claim])))
+    missing = [int(lid) for j, lid in enumerate(layer_ids) if col_of[j] < 0 and j not in covered]
+    if not claimed_ok.any() and not remapped:
+        return None  # no layer lines up anywhere: the rows are off, not the layers
+    offsets = {model - claimed for claimed, model, _ in remapped}
+    kind = ("offset" if len(offsets) == 1 else "swapped") if remapped else ("foreign" if foreign else "missing")
+    ev = LayerMismatch(kind, tuple(sorted(remapped)), tuple(foreign), tuple(missing),
+                       next(iter(offsets)) if kind == "offset" else None)
+    verdict = Verdict(Cause.LAYERS, ev)
+    for b in np.flatnonzero(~ok_B):
+        verdicts[b] = verdict
+    return verdict
+
+
+def _column_matrix(batch, own, side, k, num_experts: int, max_rows: int = 8192) -> np.ndarray:
+    """float [C, L]: agreement of each given column with each model layer over the rows as they stand
+    (the first `max_rows` compared rows: enough to tell a layer's routes from another's)."""
+    g_parts, o_parts = [], []
+    for s, own_SLW, n in zip(batch.samples, own, side.rows_B):
+        if n:
+            g_parts.append(s.routes_TCK[:n])
+            o_parts.append(own_SLW[s.start: s.start + n])
+    if not g_parts:
+        return np.zeros((batch.num_columns, own[0].shape[1]))
+    g_NCW = masks(np.concatenate(g_parts)[:max_rows], num_experts)
+    o_NLW = np.concatenate(o_parts)[:max_rows]
+    return np.stack([overlap(g_NCW[:, c: c + 1], o_NLW).sum(0) for c in range(g_NCW.shape[1])]) / (k * len(g_NCW))
+
+
+def _rows(batch, own, side, k, e, t, ok_B, verdicts) -> None:
+    """Trace each misaligned sample's rows through the batch and name the pattern (module docstring)."""
+    agree_B = side.sample_agreement(k)
+    own_base = np.concatenate([[0], np.cumsum([len(o) for o in own])])
+    count_only = [int(b) for b in np.flatnonzero(~ok_B) if agree_B[b] >= t.aligned]  # rows in place, too few or many
+    for b in count_only:
+        s = batch.samples[b]
+        verdicts[b] = _row_edits(s, side.given_TLW[b], s.start + np.arange(len(side.given_TLW[b])), own[b], k, float(agree_B[b]))
+    bad = [int(b) for b in np.flatnonzero(~ok_B) if agree_B[b] < t.aligned]
+    if not bad:
+        return
+    given = [side.given_TLW[b] for b in bad]
+    expected = np.concatenate([own_base[b] + batch.samples[b].start + np.arange(len(side.given_TLW[b])) for b in bad])
+    src_N = _row_sources(given, own, expected, t)
+    unexplained, at = [], 0
+    for b, g_TLW in zip(bad, given):
+        src = src_N[at: at + len(g_TLW)]
+        at += len(g_TLW)
+        v = _classify(b, batch, g_TLW, src, own, own_base, k, t, float(agree_B[b]))
+        if v is None:
+            unexplained.append(b)
+        else:
+            verdicts[b] = v
+    if unexplained:
+        _unexplained(batch, own, side, unexplained, k, e, t, verdicts)
+
+
+def _row_sources(given: list[np.ndarray], own: list[np.ndarray], expected_N: np.ndarray, t: Thresholds) -> np.ndarray:
+    """int64 [N]: for each given row (samples concatenated), the flat model row it was traced to, or -1.
+
+    Candidate pairs share the expert set at a layer; a pair holding equal sets at >= `match_layers` of
+    the layers is a match; matches on one offset (model row - the row's own position, flat) that follow
+    each other (a gap of one row allowed) form runs, and a row keeps the match of its longest run of at
+    least `min_run` rows (ties: the offset nearest 0)."""
+    if not given or not sum(len(x) for x in given):
+        return np.full(0, -1, dtype=np.int64)
+    g_NLW, o_MLW = np.concatenate(given), np.concatenate(own)
+    n, m, l_count = len(g_NLW), len(o_MLW), g_NLW.shape[1]
+    cg_NL, co_ML = codes(g_NLW), codes(o_MLW)
+    keys, used = [], 0
+    for layer in range(l_count):
+        order = np.argsort(co_ML[:, layer], kind="stable")
+        sorted_codes = co_ML[order, layer]
+        lo = np.searchsorted(sorted_codes, cg_NL[:, layer], "left")
+        hi = np.searchsorted(sorted_codes, cg_NL[:, layer], "right")
+        counts = hi - lo
+        total = int(counts.sum())
+        if total > PAIR_BUDGET:
+            continue  # too few distinct sets at this layer to tell rows apart
+        used += 1
+        g_idx = np.repeat(np.arange(n, dtype=np.int64), counts)
+        starts = np.repeat(lo - (np.cumsum(counts) - counts), counts)
+        keys.append(g_idx * m + order[starts + np.arange(total)])
+    src = np.full(n, -1, dtype=np.int64)
+    if not keys:
+        return src
+    pair, hits = np.unique(np.concatenate(keys), return_counts=True)
+    pair = pair[hits >= _layers_needed(t, used)]
+    if not len(pair):
+        return src
+    g_P, o_P = np.divmod(pair, m)
+    d_P = o_P - expected_N[g_P]
+    order = np.lexsort((g_P, d_P))
+    g_s, d_s = g_P[order], d_P[order]
+    brk = np.ones(len(g_s), dtype=bool)
+    brk[1:] = (d_s[1:] != d_s[:-1]) | (g_s[1:] - g_s[:-1] > 2)
+    run_id = np.cumsum(brk) - 1
+    run_len = np.bincount(run_id)[run_id]
+    keep = run_len >= t.min_run
+    g_k, d_k, len_k, o_k = g_s[keep], d_s[keep], run_len[keep], o_P[order][keep]
+    pick = np.lexsort((np.abs(d_k), -len_k, g_k))
+    g_k, o_k = g_k[pick], o_k[pick]
+    first = np.ones(len(g_k), dtype=bool)
+    first[1:] = g_k[1:] != g_k[:-1]
+    src[g_k[first]] = o_k[first]
+    return src
+
+
+def _layers_needed(t: Thresholds, layers: int) -> int:
+    """Layers of equal sets a pair needs: `match_layers` of them, and every layer up to 3 (two layers of 8
+    experts top-2 have 784 joint sets: one equal layer of two pairs random rows ~1 time in 10)."""
+    return max(math.ceil(t.match_layers * layers), min(layers, 3))
+
+
+def _classify(b, batch, g_TLW, src_T, own, own_base, k, t, agree) -> Verdict | None:
+    """A misaligned sample's verdict from where its rows were traced (None: too few rows traced)."""
+    s, t_count = batch.samples[b], len(g_TLW)
+    found = src_T >= 0
+    if t_count == 0 or found.mean() < t.pattern:
+        return None
+    j_T = np.searchsorted(own_base, np.maximum(src_T, 0), side="right") - 1
+    mine, others = found & (j_T == b), found & (j_T != b)
+    d_T = src_T - own_base[b] - (s.start + np.arange(t_count))
+    counts = Counter(d_T[mine].tolist())
+    steps = [d for d, n in counts.items() if n >= max(t.min_run, t.pattern * 0.2 * t_count)]
+    if len(steps) == 1 and steps[0] != 0 and counts[steps[0]] >= t.pattern * t_count:
+        shifted = _dense(g_TLW, own[b], s.start + int(steps[0]), k)
+        if shifted >= t.aligned:
+            return Verdict(Cause.SHIFTED, Shifted(int(steps[0]), shifted, agree))
+    if others.sum() >= t.pattern * found.sum():
+        j_best = Counter(j_T[others].tolist()).most_common(1)[0][0]
+        traced = _traced(g_TLW, own, src_T, found, k)
+        ev = OtherSample(int(j_best), batch.samples[j_best].key, _traced(g_TLW, own, src_T, others & (j_T == j_best), k),
+                         float(others.mean()), agree)
+        return Verdict(Cause.OTHER_SAMPLE, ev) if traced >= t.aligned else None
+    v = _row_edits(s, g_TLW, np.where(mine, src_T - own_base[b], -1), own[b], k, agree)
+    return v if v.evidence.agreement >= t.aligned else None
+
+
+def _row_edits(s, g_TLW, q_T, own_S, k, agree) -> Verdict:
+    """ROWS: positions no row holds (dropped) and positions two rows hold (duplicated), from `q_T`, the
+    position each row holds the route of (-1: a row traced nowhere, covering nothing)."""
+    held = (q_T >= 0) & (q_T < len(own_S))
+    q_in = q_T[held]
+    positions = np.arange(s.start, s.start + s.rows_expected)
+    covered = np.bincount(q_in, minlength=len(own_S))
+    dropped = tuple(int(p) for p in positions[covered[positions] == 0][:MAX_LISTED])
+    duplicated = tuple(int(p) for p in np.flatnonzero(covered >= 2)[:MAX_LISTED])
+    traced = float(overlap(g_TLW[held], own_S[q_in]).mean() / k) if held.any() else 0.0
+    return Verdict(Cause.ROWS, RowEdits(s.rows_expected, len(g_TLW), dropped, duplicated, traced, agree))
+
+
+def _dense(g_TLW: np.ndarray, own_SLW: np.ndarray, first: int, k: int) -> float:
+    """Agreement of the rows read from position `first` on (rows outside the sample left out)."""
+    lo = max(0, -first)
+    hi = min(len(g_TLW), len(own_SLW) - first)
+    if hi <= lo:
+        return 0.0
+    return float(overlap(g_TLW[lo:hi], own_SLW[first + lo: first + hi]).mean() / k)
+
+
+def _traced(g_TLW, own, src_T, sel, k) -> float:
+    o = np.concatenate(own)
+    return float(overlap(g_TLW[sel], o[src_T[sel]]).mean() / k) if sel.any() else 0.0
+
+
+def _unexplained(batch, own, side, bad, k, e, t, verdicts) -> None:
+    """OTHER_WEIGHTS or RANDOM for samples whose rows were traced nowhere (module docstring)."""
+    g_parts, o_parts, tok_parts = [], [], []
+    for b in bad:
+        s, n = batch.samples[b], int(side.rows_B[b])
+        g_parts.append(side.given_TLW[b][:n])
+        o_parts.append(own[b][s.start: s.start + n])
+        tok_parts.append(s.token_ids_S[s.start: s.start + n])
+    g_NLW, o_NLW, tok_N = np.concatenate(g_parts), np.concatenate(o_parts), np.concatenate(tok_parts)
+    cap = 16384  # token consistency counts pairs per token id: a sample of rows is enough
+    tc = token_consistency(g_NLW[:cap], tok_N[:cap], e, k)
+    tc_model = token_consistency(o_NLW[:cap], tok_N[:cap], e, k)
+    agree_B = side.sample_agreement(k)
+    for b, g_TLW, o_TLW in zip(bad, g_parts, o_parts):
+        chance = chance_agreement(g_TLW, o_TLW, e, k)
+        s = batch.samples[b]
+        best = max(_dense(side.given_TLW[b], own[b], s.start + d, k) for d in (-2, -1, 1, 2))
+        a = float(agree_B[b])
+        real = a >= chance + t.chance_margin or (tc is not None and tc >= t.token_consistency)
+        verdicts[b] = Verdict(Cause.OTHER_WEIGHTS if real else Cause.RANDOM, Unexplained(a, chance, tc, tc_model, best))
+
+
+_ORDER = {c: i for i, c in enumerate(Cause)}
+
+
+def _batch_of(verdicts: list[Verdict]) -> Verdict:
+    """The batch's verdict: the most common cause among the misaligned samples (ties: Cause order),
+    with the evidence of its first sample."""
+    bad = [v for v in verdicts if not v.ok]
+    if not bad:
+        return verdicts[0]
+    counts = Counter(v.cause for v in bad)
+    cause = min(counts, key=lambda c: (-counts[c], _ORDER[c]))
+    return next(v for v in bad if v.cause is cause)

@@ -1,0 +1,62 @@
+"""The numbers an audit decides with, and the measurements they come from.
+
+Agreement of a route row with the model's own routing of its token, at one layer, is |given ∩ own| / K
+(the expert sets, column order ignored: engines order top-k columns their own way). Every threshold
+here was set from `python benchmarks/audit.py --calibrate` (docs/audit.md), which measures agreement
+on correct routes and on each injected fault over tiny models of five families (qwen3_moe, mixtral,
+olmoe, deepseek_v3 with a dense first layer, qwen3_moe with 64 and 128 experts top-8), routes recorded
+in fp32 and in bf16 against an audit forward in fp32 and in bf16, with router weights spread wide
+(std 2.5, the project's default) and narrow (std 0.1-0.25: many near-ties). A report prints every
+number it used (`AuditReport.summary()`, `to_dict()`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Decision thresholds of the audit (defaults: the calibrated values; see each field's measurement)."""
+
+    aligned: float = 0.80
+    """Least mean agreement of a layer (over the batch) and of a sample (over its layers) for ALIGNED.
+    Measured on correct routes: lowest sample 0.930, lowest layer 0.959 (qwen3_moe tiny, router std 2.5,
+    bf16 routes vs an fp32 forward, 8 samples of 43-64 tokens); near-tie models 0.962-0.986. Highest
+    agreement of a misaligned batch: 0.655 (deepseek_v3 tiny, rows shifted by one token: adjacent
+    tokens route alike in a random-init model). 0.80 sits between, 0.13 below the lowest correct."""
+    match_layers: float = 0.5
+    """Fraction of the model's MoE layers whose expert sets must be equal for two rows to count as one
+    token's route when the audit searches the batch for where misaligned rows came from. Correct rows
+    in bf16 vs fp32 keep equal sets at 0.86-0.99 of token-layers (128 experts top-8 lowest)."""
+    min_run: int = 3
+    """Consecutive rows that must follow one source offset before the row search believes it (random
+    equal rows of a tiny model, 8 experts top-2 over 2 layers, come one at a time)."""
+    pattern: float = 0.5
+    """Fraction of a sample's rows one explanation (shift, other sample, row edits) must cover."""
+    chance_margin: float = 0.15
+    """Agreement above chance (the agreement of independent routings with these expert frequencies)
+    from which unexplained routes count as another model's or weights version's rather than random."""
+    token_consistency: float = 0.10
+    """Least token consistency (mean agreement of rows of one token id, minus chance) of routes a real
+    router chose: random routes measure 0.00 +- 0.02; the tiny models' own routes 0.25-0.6."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "min_run":
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ValueError(f"Thresholds.min_run must be an int >= 1, got {v!r}")
+            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= 1:
+                raise ValueError(f"Thresholds.{f.name} must be a number in [0, 1], got {v!r}")
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.to_dict().items())
+
+
+THRESHOLDS = Thresholds()
+"""The calibrated thresholds every audit uses unless given others."""
