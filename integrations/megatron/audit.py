@@ -57,6 +57,8 @@ def free_routes(model: Any, token_ids: Sequence[np.ndarray],
     plan = token_batch(token_ids, geometry)
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in megatron_inputs(plan).items()}
+    if getattr(next(iter(sites.values())).module.config, "mtp_num_layers", None):
+        inputs["labels"] = inputs["input_ids"]  # GPTModel's MTP block reads labels; its routers are not audited
     maps: dict[int, torch.Tensor] = {}
 
     def hook(lid: int):
