@@ -25,7 +25,7 @@ from .errors import ConfigFileError, ConfigFileNotFoundError, Where
 from .estimator import EstimatorConfig
 from .replay import PlanConfig
 
-SECTIONS = ("name", "description", "capture", "replay", "estimator", "corrections")
+SECTIONS = ("name", "description", "capture", "replay", "estimator", "corrections", "audit")
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,32 @@ class EstimatorSettings:
 
 
 @dataclass(frozen=True)
+class AuditSettings:
+    """When a trainer preset (TRL's `MoeReplayGRPOTrainer`, verl's FSDP engine) audits a batch's routes
+    against the model's own routing before training on it (`moe_replay.audit`: one forward without
+    gradients), stopping with the audit's verdict (RouteAlignmentError) where they do not line up."""
+
+    first_batch: bool = False
+    """Audit the first batch."""
+    every: int = 0
+    """Audit every N-th batch (batches 0, N, 2N, ...); 0 = only the first, if `first_batch`."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.first_batch, bool):
+            raise ValueError(f"audit.first_batch: expected true/false, found {self.first_batch!r}")
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
+            raise ValueError(f"audit.every: expected an int >= 0 (0 = never after the first batch), found {self.every!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.first_batch or self.every > 0
+
+    def due(self, batch: int) -> bool:
+        """Whether batch number `batch` (0 = the first) is audited."""
+        return (self.first_batch and batch == 0) or (self.every > 0 and batch % self.every == 0)
+
+
+@dataclass(frozen=True)
 class Preset:
     name: str
     description: str
@@ -69,6 +95,7 @@ class Preset:
     replay: ReplaySettings = field(default_factory=ReplaySettings)
     estimator: EstimatorSettings = field(default_factory=EstimatorSettings)
     corrections: tuple[CorrectionConfig, ...] = ()
+    audit: AuditSettings = field(default_factory=AuditSettings)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data, for logs and report.json."""
@@ -134,7 +161,12 @@ def preset_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Preset:
             corrections.append(build_correction(spec))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where} corrections[{i}]: {e}") from None
-    return Preset(name, str(data.get("description", "")), capture, replay, estimator, tuple(corrections))
+    audit_d = data.get("audit", {}) or {}
+    _split(f"{where} audit", audit_d, set(), AuditSettings)
+    audit = _build(f"{where} audit", AuditSettings, dict(audit_d))
+    if audit.enabled and not capture.routes:
+        raise ValueError(f"{where}: audit checks the captured routes; set capture.routes to true (or drop audit)")
+    return Preset(name, str(data.get("description", "")), capture, replay, estimator, tuple(corrections), audit)
 
 
 def preset_names() -> list[str]:

@@ -140,3 +140,19 @@ def test_fault_is_named_with_its_evidence(zoo, fault, fmt):
     elif fault == "random":
         assert isinstance(ev, Unexplained) and ev.agreement < ev.chance + THRESHOLDS.chance_margin
         assert ev.token_consistency is None or ev.token_consistency < THRESHOLDS.token_consistency
+
+
+def test_a_sibling_swap_in_a_grpo_group_is_caught_in_its_completion(zoo):
+    """GRPO samples of one prompt share its routes; a sibling's routes handed to a sample agree at every
+    prompt row and disagree only over the completion. The sample's mean can pass the threshold (the prompt
+    outweighs the completion); the window of consecutive rows cannot."""
+    name, model, g, _, _, _ = zoo
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, g.vocab_size, 24) for _ in range(2)]
+    tokens = [np.concatenate([prompts[b // 3], rng.integers(3, g.vocab_size, 8)]) for b in range(6)]
+    samples = _routes(model, tokens)
+    assert moe_replay.audit(model, *write(samples, "trace", g)[:2], format="trace").ok
+    routes, ids, kw = inject(FAULTS["other_sample"], samples, "vllm", g)
+    report = moe_replay.audit(model, routes, ids, format="vllm", **kw)
+    assert report.verdict.cause is Cause.OTHER_SAMPLE, report.summary()
+    assert any(s.agreement >= THRESHOLDS.aligned for s in report.misaligned)  # caught by its window alone

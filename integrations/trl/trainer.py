@@ -17,6 +17,9 @@ What changes against TRL's own trainer (everything else is TRL's code, unchanged
     logprobs fill TRL's importance-sampling slot (`importance_sampling_ratio`) in place of TRL's
     own ratio. A token a correction rejects gets weight 0 there and, as in TRL, stays in the loss
     denominator;
+  * audit: a preset with an `audit` section audits the first generation's traces (and every N-th) against
+    the trainer's own routing in TRL's precision (`moe_replay.audit`) before training on them; routes that do
+    not line up stop the run with RouteAlignmentError naming the cause;
   * metrics: verl-named `rollout_corr/*` and `moe_replay/*` (route flips, corrections) go into
     TRL's own metric log, measured once per generation on the π_old pass (or the first training
     micro-batch when TRL computes no π_old).
@@ -34,6 +37,7 @@ import torch
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
+from ...audit.schedule import AuditSchedule, audit_metrics
 from ...corrections import apply_corrections
 from ...enablement import enable
 from ...presets import Preset, load_preset
@@ -66,6 +70,7 @@ class MoeReplayGRPOTrainer(GRPOTrainer):
         self._mr_rows: list | None = None  # traces of the batch being scored, row order
         self._mr_generating = False
         self._mr_measure_next = False
+        self._mr_audit = AuditSchedule(preset.audit)
 
     # -- rollout ---------------------------------------------------------------------------------
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -87,6 +92,10 @@ class MoeReplayGRPOTrainer(GRPOTrainer):
         traces = self._mr_rows if self._mr_rows is not None else self._mr_llm.take()
         self._mr_rows = None
         _check_count(traces, out["completion_ids"].shape[0])
+        if self._mr_audit.next_batch():  # the preset's audit: stop before training on misaligned routes
+            hf = self._mr_hf(self.model)
+            self._mr_log(audit_metrics(self._mr_audit.run(hf, traces, context=self.accelerator.autocast,
+                                                          device=next(hf.parameters()).device)))
         out[TRACES_KEY] = traces
         stale = _mask_stale(out["completion_mask"], traces)
         if stale:

@@ -13,7 +13,11 @@ What changes against verl's `FSDPEngineWithLMHead` (everything else is verl's co
     each generated token's kept set when the preset replays supports, at the trace's temperature,
     which must be verl's;
   * moe_replay's metrics (verl's `rollout_corr/*` names, `moe_replay/route_*`) join the
-    micro-batch metrics verl already aggregates.
+    micro-batch metrics verl already aggregates;
+  * a preset with an `audit` section audits the batch's traces against the actor's own routing (in verl's
+    precision, before its first micro-batch runs) on the first batch (`forward_backward_batch` call:
+    compute_log_prob, each update mini-batch) and every N-th; misaligned routes stop the step with
+    RouteAlignmentError, on every data-parallel rank (moe_replay/audit/schedule.py).
 
 A replay session stays open from its micro-batch's forward until the next micro-batch starts (or
 the batch ends): verl runs the backward in between, so activation recompute inside backward gets
@@ -37,6 +41,7 @@ from verl.utils.device import get_device_id, get_device_name
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree
 
+from ...audit.schedule import AuditSchedule, audit_metrics
 from ...enablement import TrainBatch
 from ...presets import Preset, load_preset
 from ...replay import build_plan
@@ -69,6 +74,8 @@ class MoeReplayFSDPEngine(FSDPEngineWithLMHead):
         self._mr_open: contextlib.ExitStack | None = None
         self._mr_decoded: dict[bytes, Any] = {}
         """Decoded traces of the current batch by encoded record (batch.traces_of's cache)."""
+        self._mr_audit = AuditSchedule(self.moe_replay_preset.audit) if self.moe_replay_preset is not None else None
+        self._mr_audit_metrics: dict[str, float] = {}
 
     def initialize(self) -> None:
         super().initialize()
@@ -85,6 +92,10 @@ class MoeReplayFSDPEngine(FSDPEngineWithLMHead):
         # keep the decoded traces this batch shares with the last one (π_old, then the update)
         kept = [bytes(e) for e in entries if isinstance(e, (bytes, bytearray))]
         self._mr_decoded = {rec: self._mr_decoded[rec] for rec in kept if rec in self._mr_decoded}
+        if self._mr_audit.next_batch():  # the preset's audit: stop before this batch trains on misaligned routes
+            report = self._mr_audit.run(self.module, traces_of(data, cache=self._mr_decoded), context=self._mr_autocast,
+                                        group=self.get_data_parallel_group(), device=get_device_id())
+            self._mr_audit_metrics = audit_metrics(report)
         try:
             out = super().forward_backward_batch(data, loss_function, forward_only)
         except BaseException:
@@ -92,6 +103,11 @@ class MoeReplayFSDPEngine(FSDPEngineWithLMHead):
             raise
         self._close_session()
         return out
+
+    def _mr_autocast(self) -> Any:
+        """verl's forward precision: bf16 autocast unless the engine runs fp32 (`_autocast_dtype`)."""
+        dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        return nullcontext() if dtype == torch.float32 else torch.autocast(device_type=get_device_name(), dtype=dtype)
 
     def _close_session(self, *exc: Any) -> None:
         """Close the last micro-batch's replay session (its backward has run)."""
@@ -137,10 +153,7 @@ class MoeReplayFSDPEngine(FSDPEngineWithLMHead):
 
             free = stack.enter_context(capture_routes(self.module))
 
-        autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
-        autocast_ctx = (nullcontext() if autocast_dtype == torch.float32
-                        else torch.autocast(device_type=get_device_name(), dtype=autocast_dtype))
-        with autocast_ctx:
+        with self._mr_autocast():
             raw_output = self.module(**model_inputs, use_cache=False)
             # verl's prepare_model_outputs is not called: moe_replay scores once, where verl reads (scoring.py)
             model_output, scores = verl_outputs(
@@ -158,6 +171,8 @@ class MoeReplayFSDPEngine(FSDPEngineWithLMHead):
         ran = session.routes.used_ids if session is not None else free
         metrics = dict(metrics)
         metrics.update(TrainBatch(preset, plan, traces).mismatch_metrics(scores.logprobs_G.detach(), ran))
+        metrics.update(self._mr_audit_metrics)  # the last audit's figures, with the batch it checked
+        self._mr_audit_metrics = {}
         return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
 
 

@@ -56,6 +56,8 @@ class _Side:
     rows_B: np.ndarray
     """Rows compared per sample (those whose position the model has)."""
     rows_ok_B: np.ndarray
+    window_B: np.ndarray
+    """Per sample, the least mean agreement of `Thresholds.window` consecutive rows (over the model's layers)."""
 
     def cells(self, k: int) -> np.ndarray:
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -69,13 +71,16 @@ class _Side:
         total = max(int(self.rows_B.sum()), 1)
         return self.overlap_BL.sum(0) / (k * total)
 
+    def aligned_B(self, k: int, t: Thresholds) -> np.ndarray:
+        """bool [B]: samples whose rows line up on average and in every window, and number what the tokens call for."""
+        return (self.sample_agreement(k) >= t.aligned) & (self.window_B >= t.aligned) & self.rows_ok_B
+
     def aligned(self, k: int, t: Thresholds) -> bool:
-        return bool((self.sample_agreement(k) >= t.aligned).all() and (self.layer_agreement(k) >= t.aligned).all()
-                    and self.rows_ok_B.all())
+        return bool(self.aligned_B(k, t).all() and (self.layer_agreement(k) >= t.aligned).all())
 
 
-def _side(batch: RoutesBatch, own: list[np.ndarray], col_of: list[int], num_experts: int) -> _Side:
-    given, ov, rows, ok = [], [], [], []
+def _side(batch: RoutesBatch, own: list[np.ndarray], col_of: list[int], num_experts: int, k: int, window: int) -> _Side:
+    given, ov, rows, ok, win = [], [], [], [], []
     for s, own_SLW in zip(batch.samples, own):
         all_TCW = masks(s.routes_TCK, num_experts)
         g_TLW = np.zeros((len(all_TCW), len(col_of), own_SLW.shape[-1]), dtype=np.uint64)
@@ -84,10 +89,23 @@ def _side(batch: RoutesBatch, own: list[np.ndarray], col_of: list[int], num_expe
                 g_TLW[:, j] = all_TCW[:, c]
         n = max(min(len(g_TLW), len(own_SLW) - s.start), 0)
         given.append(g_TLW)
-        ov.append(overlap(g_TLW[:n], own_SLW[s.start: s.start + n]).sum(0))
+        ov_TL = overlap(g_TLW[:n], own_SLW[s.start: s.start + n])
+        ov.append(ov_TL.sum(0))
         rows.append(n)
         ok.append(s.rows_expected <= len(g_TLW) <= s.rows_expected + 1)
-    return _Side(given, np.array(ov, dtype=np.float64).reshape(len(own), len(col_of)), np.array(rows), np.array(ok))
+        win.append(_least_window(ov_TL.mean(1) / k, window))
+    return _Side(given, np.array(ov, dtype=np.float64).reshape(len(own), len(col_of)), np.array(rows), np.array(ok),
+                 np.array(win))
+
+
+def _least_window(row_T: np.ndarray, window: int) -> float:
+    """The least mean of `window` consecutive values (of all of them when fewer; 0 when none)."""
+    if not len(row_T):
+        return 0.0
+    if len(row_T) <= window:
+        return float(row_T.mean())
+    c = np.concatenate([[0.0], np.cumsum(row_T)])
+    return float((c[window:] - c[:-window]).min() / window)
 
 
 def diagnose(batch: RoutesBatch, free: FreeRoutes, thresholds: Thresholds = THRESHOLDS) -> AuditReport:
@@ -104,9 +122,9 @@ def diagnose(batch: RoutesBatch, free: FreeRoutes, thresholds: Thresholds = THRE
     claims = batch.claimed_layers(g.num_layers, g.moe_layer_ids)
     col_of = [claims.index(lid) if lid in claims else -1 for lid in g.moe_layer_ids]
     own = [masks(ids, e) for ids in free.ids_SLK]
-    side = _side(batch, own, col_of, e)
+    side = _side(batch, own, col_of, e, k, t.window)
     agree_B, layer_L = side.sample_agreement(k), side.layer_agreement(k)
-    ok_B = (agree_B >= t.aligned) & side.rows_ok_B
+    ok_B = side.aligned_B(k, t)
 
     verdicts: list[Verdict] = [Verdict(Cause.ALIGNED, Aligned(float(a))) for a in agree_B]
     batch_verdict: Verdict | None = None
@@ -128,7 +146,7 @@ def diagnose(batch: RoutesBatch, free: FreeRoutes, thresholds: Thresholds = THRE
 def _reading(batch, own, col_of, e, k, t, agree_B, ok_B, verdicts) -> Verdict | None:
     """OTHER_SAMPLE when another reading of the payload lines up (rows traced through the payload's order)."""
     for name, other in batch.readings:
-        alt = _side(other, own, col_of, e)
+        alt = _side(other, own, col_of, e, k, t.window)
         if not alt.aligned(k, t):
             continue
         alt_agree = alt.sample_agreement(k)
@@ -211,11 +229,12 @@ def _rows(batch, own, side, k, e, t, ok_B, verdicts) -> None:
     """Trace each misaligned sample's rows through the batch and name the pattern (module docstring)."""
     agree_B = side.sample_agreement(k)
     own_base = np.concatenate([[0], np.cumsum([len(o) for o in own])])
-    count_only = [int(b) for b in np.flatnonzero(~ok_B) if agree_B[b] >= t.aligned]  # rows in place, too few or many
+    in_place = (agree_B >= t.aligned) & (side.window_B >= t.aligned)
+    count_only = [int(b) for b in np.flatnonzero(~ok_B) if in_place[b]]  # rows in place, too few or many
     for b in count_only:
         s = batch.samples[b]
         verdicts[b] = _row_edits(s, side.given_TLW[b], s.start + np.arange(len(side.given_TLW[b])), own[b], k, float(agree_B[b]))
-    bad = [int(b) for b in np.flatnonzero(~ok_B) if agree_B[b] < t.aligned]
+    bad = [int(b) for b in np.flatnonzero(~ok_B) if not in_place[b]]
     if not bad:
         return
     given = [side.given_TLW[b] for b in bad]
@@ -306,7 +325,8 @@ def _classify(b, batch, g_TLW, src_T, own, own_base, k, t, agree) -> Verdict | N
         shifted = _dense(g_TLW, own[b], s.start + int(steps[0]), k)
         if shifted >= t.aligned:
             return Verdict(Cause.SHIFTED, Shifted(int(steps[0]), shifted, agree))
-    if others.sum() >= t.pattern * found.sum():
+    off = found & ~(mine & (d_T == 0))  # rows traced anywhere but to their own position
+    if others.any() and others.sum() >= t.pattern * off.sum():
         j_best = Counter(j_T[others].tolist()).most_common(1)[0][0]
         traced = _traced(g_TLW, own, src_T, found, k)
         ev = OtherSample(int(j_best), batch.samples[j_best].key, _traced(g_TLW, own, src_T, others & (j_T == j_best), k),

@@ -26,6 +26,9 @@ class Thresholds:
     bf16 routes vs an fp32 forward, 8 samples of 43-64 tokens); near-tie models 0.962-0.986. Highest
     agreement of a misaligned batch: 0.655 (deepseek_v3 tiny, rows shifted by one token: adjacent
     tokens route alike in a random-init model). 0.80 sits between, 0.13 below the lowest correct."""
+    window: int = 8
+    """Consecutive rows whose mean agreement must reach `aligned` too, so a short misaligned stretch (a GRPO
+    sample given a sibling's routes: the shared prompt agrees, the completion does not) is not averaged away."""
     match_layers: float = 0.5
     """Fraction of the model's MoE layers whose expert sets must be equal for two rows to count as one
     token's route when the audit searches the batch for where misaligned rows came from. Correct rows
@@ -45,9 +48,9 @@ class Thresholds:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name == "min_run":
+            if f.name in ("min_run", "window"):
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise ValueError(f"Thresholds.min_run must be an int >= 1, got {v!r}")
+                    raise ValueError(f"Thresholds.{f.name} must be an int >= 1, got {v!r}")
             elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= 1:
                 raise ValueError(f"Thresholds.{f.name} must be a number in [0, 1], got {v!r}")
 
