@@ -20,13 +20,15 @@ from moe_replay.store import DirectoryStore
 from .sglang_bed import bed
 from .sglang_bed.compare import compare_hf
 
-SERVED = ("qwen2_moe", "mixtral")
+SERVED = ("qwen2_moe", "mixtral", "glm4_moe")
 """Families of build_tiny_model SGLang 0.5.23 serves on this CPU (qwen3_moe: the server's tests)."""
 SGLANG_CPU = {
     "olmoe": "engine_fails: SGLang's OLMoE sizes q_norm / k_norm by hidden_size, the checkpoint by heads x head_dim "
              "(load: 'Attempted to load weight (torch.Size([64])) into parameter (torch.Size([128]))')",
     "deepseek_v3": "engine_fails: SGLang's CPU rotary embedding for MLA takes YaRN rope_scaling only "
                    "(get_rope_cpu: assert rope_scaling is not None)",
+    "gpt_oss": "engine_fails: SGLang's GptOss takes a triton / trtllm_mha / fa3 / fa4 / intel_amx / ... attention backend "
+               "(its sinks), not torch_native",
     "qwen3_moe_sparse": "refused: SGLang's qwen3_moe ignores mlp_only_layers (SglangServedError, before any rollout)",
 }
 """Families of build_tiny_model SGLang 0.5.23 does not serve as HF computes them here, with the reason."""

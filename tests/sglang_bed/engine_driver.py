@@ -5,7 +5,8 @@
 Builds the engine with the bed's arguments, attaches the `r3_support` preset (`enable(preset, llm=engine)`:
 the `sglang.Engine` binding), generates the scenario's requests (SAMPLING: truncations and greedy) into a
 DirectoryStore at OUT_DIR/<model dir name>/store, and writes summary.json beside it: the binding, the
-geometry, the keys, the times and what an estimator preset raised. Errors go to summary["error"] (exit 1). The work sits under `__main__`: SGLang's spawned scheduler
+geometry, the keys, the times, what an estimator preset raised and the bytes of SGLang's route payloads
+(`wire`: base64 characters of `routed_experts` and the token-layers they hold, dense layers included). Errors go to summary["error"] (exit 1). The work sits under `__main__`: SGLang's spawned scheduler
 imports this file again.
 """
 
@@ -54,7 +55,10 @@ def run_one(model_dir: str, out: Path, max_new_tokens: int) -> dict:
         params = [dict(p, max_new_tokens=max_new_tokens, ignore_eos=True) for p in SAMPLING]
         t1 = time.monotonic()
         with DirectoryStore(out / "store") as store:
-            _, traces = mr.generate(PROMPTS, params, store=store)
+            outputs, traces = mr.generate(PROMPTS, params, store=store)
+        g = mr.capture.geometry
+        summary["wire"] = {"routed_experts_bytes": sum(len(o["meta_info"]["routed_experts"]) for o in outputs),
+                           "token_layers": sum(t.num_route_rows for t in traces) * g.num_layers}
         summary.update(engine_kind=mr.engine_kind, geometry=mr.capture.geometry.to_dict(), keys=[t.key for t in traces],
                        generate_s=round(time.monotonic() - t1, 2), engine=mr.capture.engine_info.to_dict())
         mr.close()
