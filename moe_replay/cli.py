@@ -624,6 +624,24 @@ def bench(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# audit: routes from any pipeline against the trainer's model (moe_replay/audit/command.py)
+
+
+def _configure_audit(p: argparse.ArgumentParser) -> None:
+    from .audit.command import configure
+
+    configure(p)
+
+
+@command("audit", "check that routes (a trace store, vLLM/SGLang outputs as JSON Lines, verl's batch .npz) line up with "
+                  "their tokens on a model, and name the cause where they do not (exit status 1)", _configure_audit)
+def audit(args: argparse.Namespace) -> int:
+    from .audit.command import run
+
+    return run(args)
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:

@@ -47,6 +47,9 @@ TABLE = [
     ("bench", ["--benchmarks-dir", "{tmp}/benchmarks", "--out", "{bad}"], ["directory", "file_in_path"]),
     ("rescue", ["{bad}", "{tmp}/copy"], ["random_bytes", "empty", "missing", "foreign_dir", "random_index"]),
     ("rescue", ["{tmp}/store", "{bad}"], ["random_bytes", "foreign_dir", "file_in_path"]),
+    ("audit", ["{tmp}/no_model", "{bad}"], ["random_bytes", "empty", "missing", "directory", "foreign_dir", "random_index",
+                                           "file_in_path"]),
+    ("audit", ["{bad}", "{tmp}/routes.jsonl"], ["random_bytes", "missing", "foreign_dir", "file_in_path"]),
 ]
 CASES = [pytest.param(cmd, argv, kind, id=f"{cmd}-{'-'.join(a for a in argv if a.startswith('--'))}-{kind}")
          for cmd, argv, kinds in TABLE for kind in kinds]
@@ -71,6 +74,7 @@ def _good_inputs(tmp: Path) -> None:
     with DirectoryStore(tmp / "store", durable=False):
         pass
     _write(_mkdir(tmp / "benchmarks") / "noop.py", b"print('{}')\n")
+    _write(tmp / "routes.jsonl", b'{"token_ids": [5, 6, 7], "routed_experts": [[[0, 1]], [[2, 3]]]}\n')
 
 
 def test_the_table_covers_every_subcommand():

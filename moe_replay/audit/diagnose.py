@@ -2,9 +2,9 @@
 
 1. Agreement as given (every audit): row p of a sample against the model's route of position
    start + p, at each model MoE layer through the column that claims it. A sample is ALIGNED when its
-   mean over rows and layers reaches `Thresholds.aligned` and it holds the rows its tokens call for
-   (S - 1 - start, or one more: the last token's row); the batch when every sample and every layer
-   (pooled over samples) is.
+   mean over rows and layers reaches `Thresholds.aligned`, every `window` consecutive rows reach
+   `window_aligned`, and it holds the rows its tokens call for (S - 1 - start, or one more: the last
+   token's row); the batch when every sample and every layer (pooled over samples) is.
 2. Otherwise, in this order, the first explanation that holds:
    * another reading of the payload lines up (a Megatron list written batch-first): OTHER_SAMPLE;
    * some layers line up and others do not, or a column lines up with another layer than it claims:
@@ -73,7 +73,7 @@ class _Side:
 
     def aligned_B(self, k: int, t: Thresholds) -> np.ndarray:
         """bool [B]: samples whose rows line up on average and in every window, and number what the tokens call for."""
-        return (self.sample_agreement(k) >= t.aligned) & (self.window_B >= t.aligned) & self.rows_ok_B
+        return (self.sample_agreement(k) >= t.aligned) & (self.window_B >= t.window_aligned) & self.rows_ok_B
 
     def aligned(self, k: int, t: Thresholds) -> bool:
         return bool(self.aligned_B(k, t).all() and (self.layer_agreement(k) >= t.aligned).all())
@@ -137,8 +137,8 @@ def diagnose(batch: RoutesBatch, free: FreeRoutes, thresholds: Thresholds = THRE
             batch_verdict = _batch_of(verdicts)
     if batch_verdict is None:
         batch_verdict = Verdict(Cause.ALIGNED, Aligned(float(layer_L.mean())))
-    samples = tuple(SampleVerdict(b, s.key, float(agree_B[b]), s.rows_expected, len(s.routes_TCK), verdicts[b])
-                    for b, s in enumerate(batch.samples))
+    samples = tuple(SampleVerdict(b, s.key, float(agree_B[b]), s.rows_expected, len(s.routes_TCK), verdicts[b],
+                                  float(side.window_B[b])) for b, s in enumerate(batch.samples))
     return AuditReport(batch.format, batch_verdict, samples, g.moe_layer_ids, tuple(float(a) for a in layer_L),
                        side.cells(k), t, free.forward_s, time.perf_counter() - t0)
 
@@ -229,7 +229,7 @@ def _rows(batch, own, side, k, e, t, ok_B, verdicts) -> None:
     """Trace each misaligned sample's rows through the batch and name the pattern (module docstring)."""
     agree_B = side.sample_agreement(k)
     own_base = np.concatenate([[0], np.cumsum([len(o) for o in own])])
-    in_place = (agree_B >= t.aligned) & (side.window_B >= t.aligned)
+    in_place = (agree_B >= t.aligned) & (side.window_B >= t.window_aligned)
     count_only = [int(b) for b in np.flatnonzero(~ok_B) if in_place[b]]  # rows in place, too few or many
     for b in count_only:
         s = batch.samples[b]

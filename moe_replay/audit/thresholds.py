@@ -27,8 +27,11 @@ class Thresholds:
     agreement of a misaligned batch: 0.655 (deepseek_v3 tiny, rows shifted by one token: adjacent
     tokens route alike in a random-init model). 0.80 sits between, 0.13 below the lowest correct."""
     window: int = 8
-    """Consecutive rows whose mean agreement must reach `aligned` too, so a short misaligned stretch (a GRPO
+    """Consecutive rows whose mean agreement must reach `window_aligned`, so a short misaligned stretch (a GRPO
     sample given a sibling's routes: the shared prompt agrees, the completion does not) is not averaged away."""
+    window_aligned: float = 0.6
+    """Least mean agreement of any `window` consecutive rows. Correct routes' least window: 0.875 (2 layers of
+    top-2: two token-layers of sixteen moved by a near-tie); a sibling's completion in a window: 0.3-0.55."""
     match_layers: float = 0.5
     """Fraction of the model's MoE layers whose expert sets must be equal for two rows to count as one
     token's route when the audit searches the batch for where misaligned rows came from. Correct rows
