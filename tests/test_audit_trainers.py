@@ -1,6 +1,6 @@
-"""The presets' audit in the trainers: verl's real FSDP2 engine on CPU (world size 1, gloo, verl's default
-bf16 mixed precision) audits the batches its preset names before training on them, and stops with the
-verdict; the schedule and its config are data (presets.AuditSettings). Traces are the project's own
+"""The presets' audit in the trainers: verl's real FSDP2 engine on CPU (an FSDP2-sharded model, world size 1,
+gloo, verl's default bf16 mixed precision) audits the batches its preset names before training on them, and
+stops with the verdict; TRL's real GRPOTrainer does the same on its generations; the schedule and its config are data (presets.AuditSettings). Traces are the project's own
 HF-side capture of a tiny qwen3_moe (`self_routed_trace`, fp32: the engine runs bf16, so correct routes
 differ at near-ties and must still pass).
 """
@@ -63,6 +63,9 @@ def test_verl_engine_audits_each_batch_and_stops_on_shifted_routes(verl_setup):
 
     model_dir, traces, preset = verl_setup
     engine = build_engine(str(model_dir), preset)
+    from moe_replay.integrations.hf.fsdp import is_sharded
+
+    assert all(is_sharded(p) for p in engine.module.parameters())  # the audit's forward gathers FSDP2's shards
     _, metrics = old_log_prob(engine, to_dataproto(traces, pad_token_id=2))
     assert engine._mr_audit.batches == 1 and engine._mr_audit.reports[0].ok
     assert min(metrics["moe_replay/audit_min_layer_agreement"]) >= 0.8
