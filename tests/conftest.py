@@ -13,6 +13,12 @@ vllm_llm(model_dir, **llm_overrides) -> vllm.LLM
     settings (VLLM_TEST_ARGS: fp32, eager, max_model_len 512, seed 0, "uni" executor). Every
     engine it made is shut down at teardown, so families can follow one another in a process.
     Skips the test when vLLM is not installed.
+
+Model runners
+-------------
+A session runs vLLM's V1 runner unless MOE_REPLAY_TEST_RUNNER=mrv2, which activates the Model
+Runner V2 test bed (tests/runners.py, tests/mrv2_bed/) before anything imports vLLM and keeps only
+the tests marked `mrv2` (`make test` runs both sessions). `runner` (a fixture) is "v1" or "mrv2".
 """
 
 from __future__ import annotations
@@ -24,6 +30,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in t
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub at run time, ever
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from .runners import RUNNER, activate_mrv2  # noqa: E402
+
+if RUNNER == "mrv2":
+    activate_mrv2()
 
 import gc  # noqa: E402
 import json  # noqa: E402
@@ -87,6 +98,23 @@ def vllm_llm() -> Iterator[Callable[..., Any]]:
     yield make
     while engines:
         shutdown_llm(engines.pop())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under MOE_REPLAY_TEST_RUNNER=mrv2 only the tests marked `mrv2` run (the rest were run by the V1 session)."""
+    if RUNNER != "mrv2":
+        return
+    keep = [item for item in items if item.get_closest_marker("mrv2") is not None]
+    dropped = [item for item in items if item.get_closest_marker("mrv2") is None]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def runner() -> str:
+    """The vLLM model runner this session's engines run: "v1" or "mrv2" (tests/runners.py)."""
+    return RUNNER
 
 
 @pytest.fixture(scope="session")

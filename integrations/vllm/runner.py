@@ -34,10 +34,11 @@ class RunnerState:
     """noise.WorkerNoise, while the engine-noise model is installed."""
     watch: Any = None
     """capture.preemption.PreemptionWatch, while a capture reads routes from the engine's outputs."""
-    views: Any = None
-    """step.StepViews of the runner, kept from one StepBracket to the next: binding it (buffer views,
-    host rings, their first page touches) was ~85 us inside the first step after each install
-    (bench model, compiled; benchmarks/capture.py attaches capture every round)."""
+    port: Any = None
+    """runners.RunnerPort of the runner (its step layout, hook points, requests), kept from one
+    StepBracket to the next: binding the V1 port (buffer views, host rings, their first page
+    touches) was ~85 us inside the first step after each install (bench model, compiled;
+    benchmarks/capture.py attaches capture every round)."""
 
 
 def runner_state(runner: Any) -> RunnerState:

@@ -24,7 +24,7 @@ from ....geometry import EngineInfo, ModelGeometry
 from ....trace import RolloutTrace, Sampling, validate_traces
 from ..errors import CaptureHookError, CollectError, UnknownRequestError
 from ..link import AsyncLink, SyncLink
-from ..model import refuse_model_runner_v2, refuse_pipeline_parallel, runner_path
+from ..model import refuse_pipeline_parallel, runner_path
 from ..versions import check_release
 from ..timings import PartTimes, client_view
 from ..wire import CaptureRecord, InstallReply
@@ -126,19 +126,17 @@ class _CaptureBase:
 
     def _plan(self, vllm_config: Any) -> dict[str, Any] | None:
         """Decide each part's source; returns the hooks' config dict, or None when every part is native.
-        Hooks read the V1 runner; on Model Runner V2 every part comes from the engine's outputs
-        (plan_sources refuses by name what they cannot give), and the release is checked for the
-        runner path it will run (versions.check_release, VllmReleaseError naming what it lacks)."""
+        Hooks read either model runner (runners/: V1 or Model Runner V2); the release is checked for
+        the runner path the engine runs (versions.check_release, VllmReleaseError naming what it lacks)."""
         self.runner_path = runner_path(vllm_config)
         """"v1" or "mrv2": the model runner the engine runs (model.runner_path)."""
         check_release(runner=self.runner_path)
-        self.plan = plan_sources(self.config, EngineFlags.of(vllm_config), self.runner_path)
+        self.plan = plan_sources(self.config, EngineFlags.of(vllm_config))
         self.engine_adjusted = engine_logits_processors(vllm_config)
         """The engine's custom logits processors, named in every trace's `sampling.adjusted`."""
         self._hooks_config = self.plan.hooks_config(self.config)
         if self._hooks_config is not None:
             refuse_pipeline_parallel(vllm_config, f"capture of {sorted(self.plan.hooks)} by hooks")
-            refuse_model_runner_v2(vllm_config, f"capture of {sorted(self.plan.hooks)} by hooks")
             return self._hooks_config.to_dict()
         from ....models.layout import geometry_of
 
@@ -197,9 +195,9 @@ class _CaptureBase:
                         Where(record=key, field="routed_experts"), "routes of one forward per token",
                         "a request the scheduler preempted and recomputed",
                         "vLLM's routed experts keep the re-prefill's routes, and the tokens sampled before it were "
-                        "computed with the earlier ones; the output does not say where they differ. Capture it on "
-                        "the V1 runner's hooks (VLLM_USE_V2_MODEL_RUNNER=0; CaptureConfig(source='hooks')), which "
-                        "name every rerouted position, or give the KV cache room (no preemption)")
+                        "computed with the earlier ones; the output does not say where they differ. Capture it by "
+                        "hooks (an engine built with capture_engine_kwargs(), without enable_return_routed_experts), "
+                        "which name every rerouted position, or give the KV cache room (no preemption)")
                 staged.append(trace)
             except Exception as e:  # one bad request never costs the others their traces
                 staged.append(e)

@@ -31,6 +31,7 @@ from ....geometry import EngineInfo, ModelGeometry
 from ....trace import RolloutTrace, SamplingSupport
 from ..engine_kwargs import NATIVE_FLAGS, capture_engine_kwargs, config_refusal, engine_config
 from ..errors import CaptureError, CaptureHookError
+from ..model import EngineFlags
 from .assemble import support_overflow
 
 PARTS = ("routes", "support", "logprobs")
@@ -57,31 +58,6 @@ class PreemptedRoutesError(NativeOutputError):
 
 
 @dataclass(frozen=True)
-class EngineFlags:
-    """Which native outputs an engine was built to return (read from its VllmConfig)."""
-
-    routed_experts: bool = False
-    sampling_mask: bool = False
-    logprobs_mode: str = "raw_logprobs"
-
-    @classmethod
-    def of(cls, vllm_config: Any) -> "EngineFlags":
-        """0.32 keeps the routes flag in `aux_output_config`, 0.26 in `model_config`; 0.26 has no mask."""
-        mc = vllm_config.model_config
-        aux = getattr(vllm_config, "aux_output_config", None)
-        routed = getattr(aux, "enable_return_routed_experts", False) or getattr(mc, "enable_return_routed_experts", False)
-        return cls(bool(routed), bool(getattr(mc, "return_sampling_mask", False)),
-                   str(getattr(mc, "logprobs_mode", "raw_logprobs")))
-
-    def has(self, part: str) -> bool:
-        if part == "routes":
-            return self.routed_experts
-        if part == "support":
-            return self.sampling_mask
-        return self.logprobs_mode == "processed_logprobs"
-
-
-@dataclass(frozen=True)
 class SourcePlan:
     """Where each wanted part comes from; a part in neither set is not captured."""
 
@@ -95,25 +71,13 @@ class SourcePlan:
         return dataclasses.replace(config, source="hooks", **{p: p in self.hooks for p in PARTS})
 
 
-def plan_sources(config: CaptureConfig, flags: EngineFlags, runner: str = "v1") -> SourcePlan:
-    """Per part: native where `config.source` allows and the engine returns it, hooks otherwise.
+def plan_sources(config: CaptureConfig, flags: EngineFlags) -> SourcePlan:
+    """Per part: native where `config.source` allows and the engine returns it, hooks otherwise (on
+    either model runner: runners/).
 
     `source="native"` on an engine without a flag a wanted part needs raises NativeSourceError naming it.
-    On Model Runner V2 (`runner="mrv2"`) hooks have nothing to read, so every wanted part must be
-    native: a part the engine does not return, or `source="hooks"`, is refused by name, with the two
-    ways out (the flags, which capture_engine_kwargs() sets on MRV2; or the V1 runner).
     """
     wanted = [p for p in PARTS if getattr(config, p)]
-    if runner == "mrv2":
-        missing = wanted if config.source == "hooks" else [p for p in wanted if not flags.has(p)]
-        if missing:
-            why = ("CaptureConfig(source='hooks')" if config.source == "hooks" else
-                   "it was built without " + ", ".join(ENGINE_FLAG[p] for p in missing) + f" (found {flags})")
-            raise NativeSourceError(
-                f"this engine runs Model Runner V2, where capture reads {missing} from the engine's own outputs, but "
-                f"{why}: build it with capture_engine_kwargs(...) (which sets them where MRV2 runs) or "
-                "native_engine_kwargs(...), or set VLLM_USE_V2_MODEL_RUNNER=0 to run the V1 runner, which capture hooks")
-        return SourcePlan(frozenset(wanted), frozenset())
     if config.source == "hooks":
         native: list[str] = []
     elif config.source == "native":
@@ -144,7 +108,7 @@ def native_engine_kwargs(*, support: bool = True, **engine_kwargs: Any) -> dict[
     clash = {k: engine_kwargs[k] for k in flags if k in engine_kwargs and engine_kwargs[k] != flags[k]}
     if clash:
         raise ValueError(f"native_engine_kwargs sets {flags}; the caller's kwargs disagree: {clash}")
-    engine_kwargs = capture_engine_kwargs(native=False, **engine_kwargs)
+    engine_kwargs = capture_engine_kwargs(**engine_kwargs)
     engine_config(engine_kwargs, "the engine without native flags")  # must build, so a refusal below is theirs
     kw = {**engine_kwargs, **flags}
     try:

@@ -10,10 +10,9 @@ preempted, per worker, and the client refuses their native routes by name (captu
 request the KV cache never preempted, the usual case, is unaffected; a preempted one is captured
 exactly on the V1 runner's hooks (VLLM_USE_V2_MODEL_RUNNER=0) or with room in the KV cache.
 
-Where it listens: on the V1 runner the step bracket's before_step hook (patch.StepBracket, shared
-with capture's hooks and scoring); on Model Runner V2, whose step nothing else of moe_replay wraps,
-the runner instance's `execute_model`, whose first argument is the scheduler output on both
-runners (surface/needs.py). Hooks capture records the same per request itself (worker.py `_file`).
+Where it listens: the step bracket's before_step hook (patch.StepBracket, on either model runner,
+shared with capture's hooks and scoring). Hooks capture records the same per request itself
+(worker.py `_file`).
 """
 
 from __future__ import annotations
@@ -40,20 +39,8 @@ class PreemptionWatch:
         self.ids: dict[str, None] = {}
         """Preempted engine request ids, oldest first (a dict: ordered, O(1) membership)."""
         self._patches = InstancePatches()
-        if path == "v1":
-            self._bracket = step_bracket(runner, self)
-            self._patches.on_undo(lambda: self._bracket.remove(self))
-        else:
-            self._bracket = None
-
-            def make(orig):
-                def execute_model(scheduler_output, *args, **kwargs):
-                    self.before_step(scheduler_output)
-                    return orig(scheduler_output, *args, **kwargs)
-
-                return execute_model
-
-            self._patches.wrap(runner, "execute_model", make)
+        self._bracket = step_bracket(runner, self)
+        self._patches.on_undo(lambda: self._bracket.remove(self))
 
     def before_step(self, scheduler_output: Any) -> None:
         preempted = getattr(scheduler_output, "preempted_req_ids", None)

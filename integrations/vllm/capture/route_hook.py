@@ -37,7 +37,7 @@ import torch
 
 from ....geometry import ModelGeometry
 from ..errors import CaptureHookError
-from ..model import find_moe_layers, forward_is_traced
+from ..model import EngineFlags, find_moe_layers, forward_is_traced
 from ..patch import CAPTURE_FLAG, LOAD_STEPS, LoadStep
 from ..step import byte_view, copy_from_addresses
 
@@ -189,9 +189,12 @@ class StepRoutes:
 def bind_at_load(model: torch.nn.Module, vllm_config: Any) -> StepRoutes | None:
     """Give a freshly loaded model its StepRoutes, before its first (compiling) forward.
 
-    CAPTURE_FLAG's load step (patch.py's load hook runs it); no-op for models without MoE layers."""
+    CAPTURE_FLAG's load step (patch.py's load hook runs it); no-op for models without MoE layers,
+    and for engines that capture routes themselves (enable_return_routed_experts: vLLM sets the
+    routers' capture function after load, over any set here; capture reads their routes from the
+    outputs, capture/native.py)."""
     layers = find_moe_layers(model)
-    if not layers:
+    if not layers or EngineFlags.of(vllm_config).routed_experts:
         return None
     rows = max(int(vllm_config.scheduler_config.max_num_batched_tokens),
                int(getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0))

@@ -185,22 +185,18 @@ class SupportStage:
         tally.calls += 1
 
     # -- called by the worker after the Sampler ran -------------------------------------------
-    def commit(self, sampled_B1: torch.Tensor, sampling_metadata) -> int:
-        """Record this step's sampled tokens; returns the first stage row of the step.
-
-        Per step: references to the ids and (host samplers) the truncated logits, and a tuple.
-        """
-        if self._pending is None:  # all greedy: top-k/top-p never ran
-            temps = 0.0
-        elif sampling_metadata.all_random or sampling_metadata.temperature is None:
-            temps = 1.0
-        else:  # mixed batch: greedy rows are the ones below vLLM's epsilon (a persistent buffer: copy)
-            temps = sampling_metadata.temperature.cpu().numpy().copy()
-        return self.commit_rows(sampled_B1, temps)
+    @property
+    def staged(self) -> bool:
+        """Whether the truncation staged rows for the current step (False: every row was greedy, or
+        the runner's sampler skipped truncation)."""
+        return self._pending is not None
 
     def commit_rows(self, sampled_B1: torch.Tensor, temps: "float | np.ndarray") -> int:
-        """`commit` with the rows' temperatures given (a scalar for every row, or one per row; below
-        vLLM's epsilon: greedy); a speculative step commits its emitted tokens so (speculation.py)."""
+        """Record a step's sampled tokens [B, 1] and their rows' temperatures (a scalar for every
+        row, or one per row; below vLLM's epsilon: greedy, a point mass at the token); returns the
+        first stage row of the step. The runner's port computes the temperatures (runners/); a
+        speculative step commits its emitted tokens so (speculation.py). Per step: references to
+        the ids and (host samplers) the truncated logits, and a tuple."""
         shape = sampled_B1.shape
         B = shape[0]
         r0 = self.rows

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from ..errors import CaptureHookError
+from ..step import SpecRows
 from ..versions import check_release
 
 LOSSLESS_METHODS = ("standard",)
@@ -61,13 +62,14 @@ class SpecInfo:
                 "draft_moe_layers": list(self.draft_moe_layers)}
 
 
-def spec_info(runner: Any) -> SpecInfo | None:
+def spec_info(runner: Any, path: str = "v1") -> SpecInfo | None:
     """The runner's speculative decoding, or None; refuses (CaptureHookError, by name) what capture
-    cannot record exactly. Runs at install, before any wrapper is set."""
+    cannot record exactly. Runs at install, before any wrapper is set; `path` is the runner's
+    ("v1" or "mrv2": runners/, whose port wraps its rejection sampler)."""
     spec = getattr(runner, "speculative_config", None)
     if spec is None:
         return None
-    check_release(runner="v1", parts=("speculative",))  # the names this module and patch.py read
+    check_release(runner=path, parts=("speculative",))  # the names this module and the runner's port read
     method = str(getattr(spec, "method", None))
     rsm = str(getattr(spec, "rejection_sample_method", "standard"))
     if rsm not in LOSSLESS_METHODS:
@@ -75,7 +77,7 @@ def spec_info(runner: Any) -> SpecInfo | None:
             f"speculative decoding ({method}) with rejection_sample_method={rsm!r}: expected one of "
             f"{list(LOSSLESS_METHODS)}; {rsm!r} does not accept draft tokens by the target probabilities, so the "
             "emitted tokens are not drawn from the distribution whose kept set capture records")
-    if getattr(runner, "rejection_sampler", None) is None or not hasattr(runner.rejection_sampler, "forward"):
+    if getattr(runner, "rejection_sampler", None) is None:
         raise CaptureHookError(f"speculative decoding ({method}) but runner {type(runner).__name__} has no "
                                "rejection_sampler to hook: capture reads draft rows' target distribution there")
     return SpecInfo(method, int(getattr(spec, "num_speculative_tokens", 0) or 0), _draft_moe_layers(runner))
@@ -83,23 +85,13 @@ def spec_info(runner: Any) -> SpecInfo | None:
 
 def _draft_moe_layers(runner: Any) -> tuple[str, ...]:
     """Qualified names of MoE layers inside the drafter (EAGLE / MTP heads, a draft model)."""
-    drafter = getattr(runner, "drafter", None)
+    drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)  # V1 / Model Runner V2
     model = getattr(drafter, "model", None)
     if not isinstance(model, torch.nn.Module):
         return ()
     from vllm.model_executor.layers.fused_moe.layer import MoERunner
 
     return tuple(f"drafter.{name}" for name, m in model.named_modules() if isinstance(m, MoERunner))
-
-
-@dataclass(frozen=True)
-class SpecRows:
-    """One speculative step's outcome per request row, in batch order."""
-
-    drafts_B: np.ndarray
-    """int64 draft tokens forwarded after the row's last sampled token (n_b)."""
-    emitted_B: np.ndarray
-    """int64 tokens emitted (a_b + 1: accepted drafts, then one recovered or bonus token)."""
 
 
 def spec_rows(sampled_BJ: torch.Tensor, num_draft_tokens: list[int]) -> tuple[SpecRows, np.ndarray]:

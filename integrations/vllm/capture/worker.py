@@ -53,6 +53,7 @@ from ..errors import CaptureHookError
 from ..model import geometry_from_runner
 from ..patch import patch_runner
 from ..runner import OPS, RunnerState, installed, register_part_ops, runner_state
+from ..runners import port_of
 from ..step import RingRows, StepLayout, join_rows
 from ..timings import PartTimes, Tally
 from ..versions import check_release
@@ -159,8 +160,10 @@ class WorkerCapture:
 
     def __init__(self, runner: Any, config: CaptureConfig) -> None:
         self.runner, self.config = runner, config
-        _check_runner(runner)
-        self.spec = spec_info(runner)
+        self.port = port_of(runner)
+        """The runner's port (runners/): what differs between the V1 runner and Model Runner V2."""
+        self.port.check_capture(speculative=getattr(runner, "speculative_config", None) is not None)
+        self.spec = spec_info(runner, self.port.path)
         """The engine's speculative decoding (speculation.py), None without."""
         self.geometry = geometry_from_runner(runner)
         self.book = RecordBook(config.max_unclaimed, RowLog(self.geometry.num_moe_layers, self.geometry.top_k,
@@ -171,17 +174,16 @@ class WorkerCapture:
         self.kv_group = 0
         """KV-cache group whose block table and slot mapping key the slot route cache."""
         if self.routes is not None and config.prefix_cache_routes and runner.cache_config.enable_prefix_caching:
-            self.kv_group, spec = route_kv_group(runner.kv_cache_config,
-                                                 len(runner.input_batch.block_table.block_tables))
-            bt = runner.input_batch.block_table.block_tables[self.kv_group]
+            self.kv_group, spec = route_kv_group(runner.kv_cache_config, self.port.num_block_tables())
+            block_size = self.port.block_size(self.kv_group)
             self.slot_cache = SlotRouteCache(
-                runner.kv_cache_config.num_blocks * (int(spec.block_size) // bt.block_size),
-                bt.block_size,
+                runner.kv_cache_config.num_blocks * (int(spec.block_size) // block_size),
+                block_size,
                 self.geometry.num_moe_layers,
                 self.geometry.top_k,
                 self.routes.dtype,
             )
-        self.max_rows = int(runner.input_batch.max_num_reqs) * (1 + (self.spec.num_speculative_tokens if self.spec else 0))
+        self.max_rows = self.port.max_num_reqs * (1 + (self.spec.num_speculative_tokens if self.spec else 0))
         """The most sampled tokens one step commits (every request emits 1 + its drafts under speculation)."""
         self.support = SupportStage(config.max_support, config.support, config.logprobs,
                                     config.flush_bytes, self.max_rows)
@@ -234,7 +236,11 @@ class WorkerCapture:
         try:
             self._patches, self._bracket = patch_runner(runner, self)
             self.views = self._bracket.views
+            if self.slot_cache is not None:
+                self.port.enable_slots(self._patches, self.kv_group)
         except Exception:
+            if hasattr(self, "_patches"):
+                self._patches.undo()
             if self.routes is not None:
                 self.routes.uninstall()
             raise
@@ -247,8 +253,14 @@ class WorkerCapture:
         self.routes.arm(scheduler_output.total_num_scheduled_tokens)
         self.times.add("step.arm", time.perf_counter() - t0)
 
-    def after_sample(self, sampled_B1: Any, sampling_metadata: Any) -> None:
-        """The step's one hook where a sampler wrapper runs (support or logprobs captured): file the
+    @property
+    def stepping(self) -> bool:
+        """Inside an engine step whose sampler has not run yet (False in dummy / warm-up sampler runs)."""
+        return self._bracket.scheduled is not None
+
+    def after_sample(self, sampled_B1: Any, temps: "float | np.ndarray") -> None:
+        """The step's one hook where a sampler wrapper runs (support or logprobs captured), given the
+        step's sampled tokens [B, 1] and the rows' temperatures (the port's: runners/): file the
         step (`_file`), commit its samples, then flush if the support stage could not take another
         full batch (its next truncation runs before this hook)."""
         t0 = time.perf_counter()
@@ -264,7 +276,7 @@ class WorkerCapture:
             self.support.drop_pending()
         else:
             support = self.support
-            step.sample_row = support.commit(sampled_B1, sampling_metadata)
+            step.sample_row = support.commit_rows(sampled_B1, temps)
             if support.rows + self.max_rows > support.capacity:
                 t1 = time.perf_counter()
                 self.flush()  # timed as flush.*; the step is filed and sampled, its route rows re-armed
@@ -273,13 +285,34 @@ class WorkerCapture:
         tally.calls += 1
 
     def after_spec_sample(self, sampled_BJ: Any, metadata: Any, target_DV: Any, sampling_metadata: Any) -> None:
-        """The step's one hook on a speculative step (the rejection sampler's wrapper, patch.py): file
-        the step, stage each emitted token's target row (its draft row, or the bonus row the sampler
-        truncated) and commit the emitted tokens (speculation.py)."""
+        """A speculative step on the V1 runner (its rejection sampler's wrapper, runners/v1.py): each
+        emitted token's target row is its draft row or the bonus row the sampler truncated
+        (speculation.py); then `after_spec_step`."""
+        support = self.support
+        bonus, support.spec_bonus = support.spec_bonus, None
+        if not self.stepping:  # a dummy/profile run: no engine step
+            support.drop_pending()
+            return
+        spec, row_X = spec_rows(sampled_BJ, metadata.num_draft_tokens)
+        rows_XV, temps = None, 0.0
+        if bonus:  # random rows exist: the sampler truncated the bonus rows (else every row is greedy)
+            if target_DV is None:
+                raise CaptureHookError("a speculative step sampled at random but its draft rows' target logits "
+                                       "were not seen (rejection_sample not reached through capture's wrapper)")
+            rows_XV = torch.cat([target_DV.to(bonus[0].dtype), bonus[0]])[torch.from_numpy(row_X).to(bonus[0].device)]
+            if sampling_metadata.all_random or sampling_metadata.temperature is None:
+                temps = 1.0
+            else:
+                temps = np.repeat(sampling_metadata.temperature.cpu().numpy(), spec.emitted_B)
+        self.after_spec_step(spec, rows_XV, emitted_tokens(sampled_BJ), temps)
+
+    def after_spec_step(self, spec: SpecRows, rows_XV: Any, tokens_X1: Any, temps: "float | np.ndarray") -> None:
+        """The step's one hook on a speculative step, either runner: file the step, stage each
+        emitted token's target row (rows_XV: the truncated target logits of the X emitted tokens in
+        batch order, None when every row is greedy) and commit the emitted tokens [X, 1] with their
+        temperatures."""
         t0 = time.perf_counter()
         support, bracket = self.support, self._bracket
-        bonus = support.spec_bonus
-        support.spec_bonus = None
         scheduler_output = bracket.scheduled
         if scheduler_output is None:  # a dummy/profile run: no engine step
             support.drop_pending()
@@ -290,21 +323,12 @@ class WorkerCapture:
         if step is None:
             support.drop_pending()
         else:
-            step.spec, row_X = spec_rows(sampled_BJ, metadata.num_draft_tokens)
-            self.spec_drafts += int(step.spec.drafts_B.sum())
-            self.spec_accepted += int((step.spec.emitted_B - 1).sum())
-            temps: float | np.ndarray = 0.0
-            if bonus:  # random rows exist: the sampler truncated the bonus rows (else every row is greedy)
-                if target_DV is None:
-                    raise CaptureHookError("a speculative step sampled at random but its draft rows' target logits "
-                                           "were not seen (rejection_sample not reached through capture's wrapper)")
-                rows_XV = torch.cat([target_DV.to(bonus[0].dtype), bonus[0]])[torch.from_numpy(row_X).to(bonus[0].device)]
+            step.spec = spec
+            self.spec_drafts += int(spec.drafts_B.sum())
+            self.spec_accepted += int((spec.emitted_B - 1).sum())
+            if rows_XV is not None:
                 support.stage(rows_XV)
-                if sampling_metadata.all_random or sampling_metadata.temperature is None:
-                    temps = 1.0
-                else:
-                    temps = np.repeat(sampling_metadata.temperature.cpu().numpy(), step.spec.emitted_B)
-            step.sample_row = support.commit_rows(emitted_tokens(sampled_BJ), temps)
+            step.sample_row = support.commit_rows(tokens_X1, temps)
             if support.rows + self.max_rows > support.capacity:
                 t1 = time.perf_counter()
                 self.flush()
@@ -359,7 +383,7 @@ class WorkerCapture:
         batch, reads = self._batch, _NO_READS
         if batch is None or batch.req_ids != layout.req_ids:
             reads = []
-            batch = self._batch = self._resolve_batch(layout, reads)
+            batch = self._batch = self._resolve_batch(layout, reads, scheduler_output)
         step = _Step(batch, layout, row0, slots_T, problem, reads, index=self.steps)
         self.pending.append(step)
         self.steps += 1
@@ -386,7 +410,8 @@ class WorkerCapture:
             tokens = min(tokens, self.routes.capacity - self._arena_row)
         self._tokens_left = tokens
 
-    def _resolve_batch(self, layout: StepLayout, reads: list[tuple[RequestRecord, np.ndarray, int, int]]) -> _Batch:
+    def _resolve_batch(self, layout: StepLayout, reads: list[tuple[RequestRecord, np.ndarray, int, int]],
+                       scheduler_output: Any) -> _Batch:
         """Records of a new batch composition; new requests get a record (and a queued prefix read)."""
         scoring = runner_state(self.runner).scoring
         records: list[RequestRecord | None] = []
@@ -398,18 +423,15 @@ class WorkerCapture:
                 continue
             if rec is None:
                 first = int(pos_T[qsl[i]]) if qsl[i + 1] > qsl[i] else 0
-                rec = self._new_record(rid, i, first, reads)
+                rec = self._new_record(rid, i, first, reads, scheduler_output)
             records.append(rec)
         uid_B = np.array([-1 if rec is None else rec.uid for rec in records], dtype=np.int64)
         prompt_B = np.array([0 if rec is None else rec.prompt_len for rec in records], dtype=np.int64)
         return _Batch(list(layout.req_ids), records, uid_B, prompt_B)
 
-    def _new_record(self, rid: str, row: int, first_pos: int,
-                    reads: list[tuple[RequestRecord, np.ndarray, int, int]]) -> RequestRecord | None:
-        state = self.runner.requests[rid]
-        prompt_len = int(state.num_prompt_tokens)
-        sp = state.sampling_params
-        route_start = int(getattr(sp, "routed_experts_prompt_start", 0) or 0) if sp is not None else 0
+    def _new_record(self, rid: str, row: int, first_pos: int, reads: list[tuple[RequestRecord, np.ndarray, int, int]],
+                    scheduler_output: Any) -> RequestRecord | None:
+        prompt_len, route_start = self.port.request(rid, scheduler_output)
         g = self.geometry
         rec = self.book.add(RequestRecord(rid, prompt_len, route_start, g.num_moe_layers, g.top_k, g.route_dtype))
         if rec is None or self.routes is None or first_pos <= route_start:
@@ -421,7 +443,7 @@ class WorkerCapture:
                 "(prefix_cache_routes=False or prefix caching off): routes before it are missing"
             )
             return rec
-        block_ids = self.runner.input_batch.block_table.block_tables[self.kv_group].block_table.np[row].copy()
+        block_ids = self.port.block_ids(rid, row, self.kv_group, scheduler_output)
         reads.append((rec, block_ids, route_start, first_pos))
         return rec
 
@@ -649,23 +671,10 @@ def _records_of(steps: list[_Step]) -> dict[int, RequestRecord]:
     return out
 
 
-def _check_runner(runner: Any) -> None:
-    needed = ("model", "input_batch", "query_start_loc", "positions", "discard_request_mask", "requests", "sampler")
-    missing = [a for a in needed if not hasattr(runner, a)]
-    if missing:
-        raise CaptureHookError(
-            f"model runner {type(runner).__name__} lacks {missing}: capture hooks the V1 CPU/GPU model runner "
-            "(GPU Model Runner V2 has its own routed-expert output, RequestOutput routed_experts with "
-            "enable_return_routed_experts; moe_replay does not read it yet: it needs a GPU vLLM build to test)"
-        )
-    if not hasattr(runner.sampler, "topk_topp_sampler"):
-        raise CaptureHookError(f"sampler {type(runner.sampler).__name__} has no topk_topp_sampler to hook")
-
-
 # -- ops (endpoint.py) ----------------------------------------------------------------------------
 @OPS.register("capture.install")
 def _capture_install(runner: Any, st: RunnerState, config: dict[str, Any]) -> dict[str, Any]:
-    check_release(runner="v1")  # the hooks read the V1 runner (surface/needs.py)
+    check_release(runner=port_of(runner).path)  # the names the hooks read on this runner (surface/needs.py)
     if st.capture is not None:
         raise CaptureHookError("capture is already installed on this engine; uninstall() it first")
     st.capture = WorkerCapture(runner, CaptureConfig.from_dict(config))

@@ -336,8 +336,8 @@ class WorkerScoring:
                     if job.routes_TLK is not None:
                         job.problems.append(f"engine step {self.steps}: MoE layers {missed} did not force the "
                                             "registered rows (routes not forced)")
-        r = self.runner
-        ids_T = r.input_ids.cpu[:n].numpy()
+        port = self._bracket.views
+        ids_T = port.step_token_ids(n)
         rows, targets, g_idx = [], [], []
         # (job, its scored rows) in row order: one entry per job, not one per row (the per-row Python
         # passes took 1.6 ms a step of 8,192 scored rows, ~0.19 us a row)
@@ -357,14 +357,14 @@ class WorkerScoring:
                 runs.append((job, len(p)))
         if not rows:
             return
-        state = getattr(r, "execute_model_state", None)
-        if state is None or not isinstance(getattr(state, "hidden_states", None), torch.Tensor):
+        hidden_TH = port.hidden_states()
+        if hidden_TH is None:
             for job, *_ in plan.jobs:
                 job.problems.append("the runner kept no hidden states for this step (execute_model_state)")
             return
-        rows_R = torch.from_numpy(np.concatenate(rows))
+        rows_R = torch.from_numpy(np.concatenate(rows)).to(hidden_TH.device)
         g_R = np.concatenate(g_idx)
-        lp_R = self._score_rows(state.hidden_states[rows_R], torch.from_numpy(np.concatenate(targets)), runs, g_R)
+        lp_R = self._score_rows(hidden_TH[rows_R], torch.from_numpy(np.concatenate(targets)), runs, g_R)
         self.scored_rows += len(g_R)
         start = 0
         for job, cnt in runs:

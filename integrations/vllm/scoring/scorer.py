@@ -38,7 +38,7 @@ from ....trace import RolloutTrace
 from ..engine_kwargs import capture_engine_kwargs
 from ..errors import ForceRouteError, PrefixCacheMissError, ScoreAlignmentError, ScoringError
 from ..link import MERGES, AsyncLink, SyncLink, engine_count
-from ..model import refuse_model_runner_v2, refuse_pipeline_parallel
+from ..model import refuse_pipeline_parallel
 from ..patch import FORCE_FLAG, flag_value
 from ..wire import InstallReply, ScoreRequest, ScoreResult
 from .force import data_parallel_force_refusal
@@ -155,7 +155,6 @@ class _ScorerBase:
     def _prepare(self, vllm_config: Any, engines: int = 1) -> None:
         """Client-side state, checked before anything is installed on the engine."""
         refuse_pipeline_parallel(vllm_config, "forced scoring")
-        refuse_model_runner_v2(vllm_config, "scoring (forced or free: it registers its rows in the runner's step)")
         self._force_block = data_parallel_force_refusal(vllm_config)
         """None if this engine can force routes, else why not (free scoring works regardless)."""
         self._check_force(self.config)

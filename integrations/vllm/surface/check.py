@@ -5,11 +5,11 @@ A row (what `scripts/vllm_surface.py --json` prints per release):
   v1_missing, mrv2_missing  every name the release lacks, per runner path, as dotted names
                             (module.Class.attr; "module (module)" for a missing module;
                             "fn(param)" for a parameter; "A | B" where neither spelling exists);
-  v1_parts, mrv2_parts      part -> its missing names ([] = complete); v1: engine, capture,
-                            scoring, weights, data_parallel, coverage; mrv2: engine, data_parallel,
-                            runner, routes, support, logprobs;
+  v1_parts, mrv2_parts      part -> its missing names ([] = complete); both: engine, capture,
+                            scoring, speculative, weights, data_parallel, coverage; mrv2 also
+                            runner and the native outputs routes, support, logprobs;
   runners                   the paths whose REQUIRED_PARTS are complete (v1: engine + capture;
-                            mrv2: engine + runner + routes + support + logprobs);
+                            mrv2: engine + runner + capture);
   accepted                  `runners` is not empty (ACCEPTED_RULE);
   via_alt                   Needs held under another release's spelling ("A -> B": B is there);
   cpu_build                 the row is of a vLLM-CPU build (its cpu_only Needs were checked too).
@@ -25,15 +25,16 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from .needs import REQUIRED_PARTS, RUNNERS, SURFACE, Need, surface_hash
+from .needs import MATRIX_PARTS, REQUIRED_PARTS, RUNNERS, SURFACE, Need, surface_hash
 from .source import DirTree, Found, Index, Module, Tree, signature, used_names
 
 TABLE = Path(__file__).with_name("table.json")
 """The committed table (scripts/vllm_surface.py --write), installed with the package."""
 
 ACCEPTED_RULE = ("accepted: some runner path has every Need of its required parts (v1: engine, capture; mrv2: "
-                 "engine, runner, routes, support, logprobs); `runners` lists those paths. A missing name of "
-                 "another part (scoring, weights, data_parallel, coverage) refuses that feature where it starts")
+                 "engine, runner, capture); `runners` lists those paths. A missing name of another part (scoring, "
+                 "speculative, weights, data_parallel, coverage; MRV2's native routes, support, logprobs) refuses "
+                 "that feature where it starts")
 """What `accepted` means, written into the table."""
 
 
@@ -249,9 +250,9 @@ MATRIX_END = "<!-- end of surface matrix -->"
 
 def matrix_markdown(doc: dict[str, Any]) -> str:
     """The support matrix of a table document: per release, the runner paths it is accepted on, each
-    required part ("yes", or "no (n)": n names missing, listed in the table's row), and the
-    features it lacks."""
-    cols = [("v1", p) for p in REQUIRED_PARTS["v1"]] + [("mrv2", p) for p in REQUIRED_PARTS["mrv2"] if p != "engine"]
+    part of MATRIX_PARTS ("yes", or "no (n)": n names missing, listed in the table's row), and the
+    other features it lacks."""
+    cols = [(r, p) for r in RUNNERS for p in MATRIX_PARTS[r]]
     head = ["release", "accepted on"] + [p if p == "engine" else f"{r.upper()} {p}" for r, p in cols] + ["features lacking"]
     lines = [MATRIX_START, "| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
     for v, row in doc["releases"].items():
@@ -259,8 +260,8 @@ def matrix_markdown(doc: dict[str, Any]) -> str:
         for r, p in cols:
             names = row[f"{r}_parts"].get(p, [])
             cells.append("yes" if not names else f"no ({len(names)})")
-        lacking = sorted({p for r in RUNNERS for p, names in row[f"{r}_parts"].items()
-                          if names and p not in REQUIRED_PARTS[r]})
+        lacking = sorted({f"{r} {p}" for r in RUNNERS for p, names in row[f"{r}_parts"].items()
+                          if names and p not in REQUIRED_PARTS[r] and p not in MATRIX_PARTS[r]})
         lines.append("| " + " | ".join([v, ", ".join(row["runners"]) or "refused", *cells, ", ".join(lacking) or "-"])
                      + " |")
     lines.append(MATRIX_END)

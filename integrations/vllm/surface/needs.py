@@ -7,17 +7,23 @@ says, per Need, whether the release has it; `table.json` holds the result for ev
 there. A Need changed or added here changes `surface_hash()`, so a stale table fails its test
 (tests/test_vllm_surface.py) until the script is run again.
 
-Runner paths:
-  v1    the hooks path of today: vLLM's V1 model runner (`GPUModelRunner` and vLLM-CPU's
-        `CPUModelRunner` on it), its sampler and input batch, the routers' capture function and
-        the loader (part capture); forced scoring and the scheduler patches of prompt reuse
-        (scoring); weight sync (weights); the coverage benchmark's model registry (coverage).
-  mrv2  Model Runner V2 (`vllm/v1/worker/gpu/`) and the engine's native outputs, in parts:
-        runner (selecting MRV2 and its hook points), routes (routed experts), support (the
-        sampling mask), logprobs (processed logprobs).
+Runner paths (capture's hooks read either runner through its port, runners/):
+  v1    vLLM's V1 model runner (`GPUModelRunner` of gpu_model_runner.py, vLLM-CPU's
+        `CPUModelRunner` on it): its input batch, step buffers, request states and sampler
+        (part capture), its forward point and step values (scoring), its rejection sampler
+        (speculative), its weight reload (weights); runners/v1.py.
+  mrv2  Model Runner V2 (`vllm/v1/worker/gpu/`): selecting it (runner); its per-step InputBatch,
+        request state, block tables and sampler (capture), hidden states and input ids
+        (scoring), its rejection sampler's verification (speculative), its weight reload
+        (weights); runners/mrv2.py. And the engine's native outputs, features a user asks for
+        with native_engine_kwargs: routes (routed experts), support (the sampling mask),
+        logprobs (processed logprobs).
   both  what either path needs: the LLM / AsyncLLM front ends and their RPC to the workers,
-        SamplingParams and the output classes (part engine), and the RPC to every engine core
-        of a data-parallel AsyncLLM (part data_parallel).
+        SamplingParams and the output classes (part engine); the MoE layers, routers, loader,
+        KV-cache layout and configs the hooks read on any runner (capture); forcing at the
+        routers, compute_logits and the scheduler patches of prompt reuse (scoring); the
+        checkpoint loading of weight sync (weights); the RPC to every engine core of a
+        data-parallel AsyncLLM (data_parallel); the coverage benchmark's model registry (coverage).
 
 How to add one: a `Need` names the module and the object as vLLM spells them in that release
 (`name` "Class", "Class.method", "function" or "CONSTANT"; "" for the module itself) and what must
@@ -37,12 +43,18 @@ RUNNERS = ("v1", "mrv2")
 
 REQUIRED_PARTS: dict[str, tuple[str, ...]] = {
     "v1": ("engine", "capture"),
-    "mrv2": ("engine", "runner", "routes", "support", "logprobs"),
+    "mrv2": ("engine", "runner", "capture"),
 }
-"""The parts a runner path needs for a release to be accepted on it. The others (v1: scoring,
-weights, coverage; both: data_parallel) are features: a release lacking one is
-accepted and that feature is refused by name where it starts (versions.check_release(...,
-parts=(...)))."""
+"""The parts a runner path needs for a release to be accepted on it. The others (scoring,
+speculative, weights, coverage, data_parallel; on MRV2 the native outputs routes, support,
+logprobs) are features: a release lacking one is accepted and that feature is refused by name where
+it starts (versions.check_release(..., parts=(...)))."""
+
+MATRIX_PARTS: dict[str, tuple[str, ...]] = {
+    "v1": ("engine", "capture", "scoring"),
+    "mrv2": ("runner", "capture", "scoring", "routes", "support", "logprobs"),
+}
+"""The parts the docs' support matrix shows a column for (surface.check.matrix_markdown)."""
 
 
 @dataclass(frozen=True)
@@ -132,9 +144,9 @@ V1: tuple[Need, ...] = (
     Need("vllm.v1.utils", "CpuGpuBuffer", part="capture", attrs=("np", "cpu", "gpu"),
          why="step.py: query_start_loc.np, discard_request_mask.np, slot_mapping.gpu, block_table.np; "
              "scoring/force.py input_ids.cpu"),
-    Need("vllm.v1.worker.gpu_worker", "Worker", part="capture", attrs=("model_runner",),
+    Need("vllm.v1.worker.gpu_worker", "Worker", runner="both", part="capture", attrs=("model_runner",),
          why="endpoint.py _runner_of: worker.model_runner"),
-    Need("vllm.v1.worker.cpu_worker", "CPUWorker", part="capture", cpu_only=True, attrs=("model_runner",),
+    Need("vllm.v1.worker.cpu_worker", "CPUWorker", runner="both", part="capture", cpu_only=True, attrs=("model_runner",),
          why="endpoint.py _runner_of on vLLM-CPU"),
     # -- input batch and request state: step.py, capture/worker.py
     Need("vllm.v1.worker.gpu_input_batch", "InputBatch", part="capture",
@@ -149,7 +161,7 @@ V1: tuple[Need, ...] = (
     Need("vllm.v1.worker.block_table", "BlockTable", part="capture", attrs=("block_size", "block_table", "slot_mapping"),
          why="step.py slots / _slot_source, capture/worker.py prefix-cache reads"),
     # -- scheduler output: capture/worker.py _file, scoring/force.py
-    Need("vllm.v1.core.sched.output", "SchedulerOutput", part="capture",
+    Need("vllm.v1.core.sched.output", "SchedulerOutput", runner="both", part="capture",
          attrs=("total_num_scheduled_tokens", "finished_req_ids", "preempted_req_ids"),
          why="capture/worker.py _file (tokens, finished and preempted requests), scoring/force.py"),
     # -- sampler: patch.py patch_runner, capture/sampler_hook.py
@@ -173,100 +185,100 @@ V1: tuple[Need, ...] = (
     Need("vllm.v1.sample.logits_processor", "BUILTIN_LOGITS_PROCESSORS", part="capture",
          why="capture/api.py engine_logits_processors: vLLM's built-ins are not named on traces"),
     # -- routers and MoE layers: model.py, capture/route_hook.py, scoring/force_step.py, scoring/router_rules.py
-    Need("vllm.model_executor.layers.fused_moe.layer", "MoERunner", part="capture",
+    Need("vllm.model_executor.layers.fused_moe.layer", "MoERunner", runner="both", part="capture",
          why="model.py find_moe_layers imports MoERunner from here"),
-    Need("vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner", part="capture", attrs=("layer_id", "router"),
+    Need("vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner", runner="both", part="capture", attrs=("layer_id", "router"),
          why="model.py find_moe_layers / geometry_from_runner: m.layer_id, m.router"),
-    Need(f"{ROUTER}.base_router", "BaseRouter", part="capture",
+    Need(f"{ROUTER}.base_router", "BaseRouter", runner="both", part="capture",
          attrs=("set_capture_fn", "capture_fn", "_compute_routing", "top_k", "global_num_experts"),
          why="capture/route_hook.py: set_capture_fn, capture_fn; model.py geometry: top_k, global_num_experts"),
-    Need(f"{ROUTER}.base_router", "BaseRouter._compute_routing", part="scoring",
+    Need(f"{ROUTER}.base_router", "BaseRouter._compute_routing", runner="both", part="scoring",
          params=("hidden_states", "router_logits", "indices_type"), leading=3,
          why="patch.py patch_routers: the forcing point, _compute_routing(hidden_states, router_logits, indices_type)"),
-    Need(f"{ROUTER}.cpu_router", "CPURouter", part="scoring", cpu_only=True,
+    Need(f"{ROUTER}.cpu_router", "CPURouter", runner="both", part="scoring", cpu_only=True,
          attrs=("use_grouped_topk", "scoring_func", "top_k", "renormalize", "routed_scaling_factor",
                 "custom_routing_function", "num_expert_group", "topk_group"),
          why="scoring/router_rules.py ROUTER_GATES['CPURouter']"),
-    Need(f"{ROUTER}.fused_topk_router", "FusedTopKRouter", part="scoring", attrs=("scoring_func", "top_k", "renormalize"),
+    Need(f"{ROUTER}.fused_topk_router", "FusedTopKRouter", runner="both", part="scoring", attrs=("scoring_func", "top_k", "renormalize"),
          why="scoring/router_rules.py ROUTER_GATES['FusedTopKRouter']"),
-    Need(f"{ROUTER}.grouped_topk_router", "GroupedTopKRouter", part="scoring",
+    Need(f"{ROUTER}.grouped_topk_router", "GroupedTopKRouter", runner="both", part="scoring",
          attrs=("scoring_func", "top_k", "renormalize", "routed_scaling_factor", "num_expert_group", "topk_group"),
          why="scoring/router_rules.py ROUTER_GATES['GroupedTopKRouter']"),
-    Need(f"{ROUTER}.fused_topk_bias_router", "FusedTopKBiasRouter", part="scoring",
+    Need(f"{ROUTER}.fused_topk_bias_router", "FusedTopKBiasRouter", runner="both", part="scoring",
          attrs=("scoring_func", "top_k", "renormalize", "routed_scaling_factor"),
          why="scoring/router_rules.py ROUTER_GATES['FusedTopKBiasRouter']"),
-    Need("vllm.model_executor.models.interfaces_base", "VllmModelForTextGeneration.compute_logits", part="scoring",
+    Need("vllm.model_executor.models.interfaces_base", "VllmModelForTextGeneration.compute_logits", runner="both", part="scoring",
          params=("hidden_states",), leading=1,
          why="scoring/force.py scores hidden states through model.compute_logits; noise.py wraps it"),
-    Need("vllm.forward_context", "get_forward_context", part="capture",
+    Need("vllm.forward_context", "get_forward_context", runner="both", part="capture",
          why="capture/route_hook.py DataParallelRows: the forward's DP metadata"),
-    Need("vllm.forward_context", "ForwardContext", part="capture", attrs=("dp_metadata",),
+    Need("vllm.forward_context", "ForwardContext", runner="both", part="capture", attrs=("dp_metadata",),
          why="capture/route_hook.py DataParallelRows"),
-    Need("vllm.forward_context", "DPMetadata", part="capture", attrs=("num_tokens_across_dp_cpu",),
+    Need("vllm.forward_context", "DPMetadata", runner="both", part="capture", attrs=("num_tokens_across_dp_cpu",),
          why="capture/route_hook.py DataParallelRows: each DP rank's rows"),
     # -- KV cache layout: capture/block_cache.py
-    Need("vllm.v1.kv_cache_interface", "FullAttentionSpec", part="capture", attrs=("block_size",),
+    Need("vllm.v1.kv_cache_interface", "FullAttentionSpec", runner="both", part="capture", attrs=("block_size",),
          why="capture/block_cache.py route_kv_group: the group keying the slot route cache"),
-    Need("vllm.v1.kv_cache_interface", "MLAAttentionSpec", part="capture",
+    Need("vllm.v1.kv_cache_interface", "MLAAttentionSpec", runner="both", part="capture",
          why="capture/block_cache.py route_kv_group"),
-    Need("vllm.v1.kv_cache_interface", "KVCacheConfig", part="capture", attrs=("kv_cache_groups", "num_blocks"),
+    Need("vllm.v1.kv_cache_interface", "KVCacheConfig", runner="both", part="capture", attrs=("kv_cache_groups", "num_blocks"),
          why="capture/worker.py, block_cache.py: groups and the number of KV blocks"),
-    Need("vllm.v1.kv_cache_interface", "KVCacheGroupSpec", part="capture", attrs=("kv_cache_spec",),
+    Need("vllm.v1.kv_cache_interface", "KVCacheGroupSpec", runner="both", part="capture", attrs=("kv_cache_spec",),
          why="capture/block_cache.py route_kv_group"),
     # -- loader (patch.py LoadHook) and weight sync (weights.py)
-    Need("vllm.model_executor.model_loader.base_loader", "BaseModelLoader.load_model", part="capture",
+    Need("vllm.model_executor.model_loader.base_loader", "BaseModelLoader.load_model", runner="both", part="capture",
          params=("vllm_config", "model_config"), leading=2,
          why="patch.py LoadHook wraps BaseModelLoader.load_model(loader, vllm_config, model_config)"),
-    Need("vllm.model_executor.model_loader", "get_model_loader", part="weights", params=("load_config",),
+    Need("vllm.model_executor.model_loader", "get_model_loader", runner="both", part="weights", params=("load_config",),
          why="weights.py _checkpoint_weights"),
-    Need("vllm.model_executor.model_loader.default_loader", "DefaultModelLoader.get_all_weights", part="weights",
+    Need("vllm.model_executor.model_loader.default_loader", "DefaultModelLoader.get_all_weights", runner="both", part="weights",
          params=("model_config", "model"), leading=2, why="weights.py _checkpoint_weights"),
-    Need(f"{RELOAD}.layerwise", "LAYERWISE_INFO", part="weights", why="weights.py _reload_open / _unloaded_layers"),
-    Need(f"{RELOAD}.layerwise", "initialize_layerwise_reload", part="weights", params=("model",),
+    Need(f"{RELOAD}.layerwise", "LAYERWISE_INFO", runner="both", part="weights", why="weights.py _reload_open / _unloaded_layers"),
+    Need(f"{RELOAD}.layerwise", "initialize_layerwise_reload", runner="both", part="weights", params=("model",),
          why="weights.py begin_on_worker"),
-    Need(f"{RELOAD}.layerwise", "finalize_layerwise_reload", part="weights",
+    Need(f"{RELOAD}.layerwise", "finalize_layerwise_reload", runner="both", part="weights",
          why="weights.py end_on_worker: finalize_layerwise_reload(model, model_config)"),
-    Need(f"{RELOAD}.types", "LayerReloadingInfo", part="weights",
+    Need(f"{RELOAD}.types", "LayerReloadingInfo", runner="both", part="weights",
          attrs=("can_load", "kernel_tensors", "load_numel", "restore_metadata"),
          why="weights.py _unloaded_layers / _checkpoint_params"),
-    Need(f"{RELOAD}.meta", "SKIP_LOAD_TENSORS", part="weights", alt=(_also(f"{RELOAD}.meta", "SKIP_TENSORS"),),
+    Need(f"{RELOAD}.meta", "SKIP_LOAD_TENSORS", runner="both", part="weights", alt=(_also(f"{RELOAD}.meta", "SKIP_TENSORS"),),
          why="weights.py _checkpoint_params: 0.26 names the same set SKIP_TENSORS (0.32's SKIP_TENSORS adds 'bias')"),
-    Need("vllm._custom_ops", "cpu_prepack_moe_weight", part="weights", cpu_only=True, why="weights.py _repack_cpu_moe (vLLM-CPU)"),
-    Need("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts", part="weights", cpu_only=True,
+    Need("vllm._custom_ops", "cpu_prepack_moe_weight", runner="both", part="weights", cpu_only=True, why="weights.py _repack_cpu_moe (vLLM-CPU)"),
+    Need("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts", runner="both", part="weights", cpu_only=True,
          attrs=("_padded_intermediate_size", "moe_config", "isa"), why="weights.py _repack_cpu_moe (vLLM-CPU)"),
     # -- scheduler patches of prompt-reuse scoring: scoring/prefix.py, patch.py patch_cache_*
-    Need("vllm.v1.core.sched.scheduler", "Scheduler", part="scoring", attrs=("kv_cache_manager",),
+    Need("vllm.v1.core.sched.scheduler", "Scheduler", runner="both", part="scoring", attrs=("kv_cache_manager",),
          why="scoring/prefix.py ScoringScheduler"),
-    Need("vllm.v1.core.sched.async_scheduler", "AsyncScheduler", part="scoring", why="scoring/prefix.py ScoringScheduler"),
-    Need("vllm.v1.core.kv_cache_manager", "KVCacheManager", part="scoring", attrs=("coordinator", "get_computed_blocks"),
+    Need("vllm.v1.core.sched.async_scheduler", "AsyncScheduler", runner="both", part="scoring", why="scoring/prefix.py ScoringScheduler"),
+    Need("vllm.v1.core.kv_cache_manager", "KVCacheManager", runner="both", part="scoring", attrs=("coordinator", "get_computed_blocks"),
          why="patch.py patch_cache_reads"),
-    Need("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_computed_blocks", part="scoring", params=("request",),
+    Need("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_computed_blocks", runner="both", part="scoring", params=("request",),
          leading=1, why="patch.py patch_cache_reads: get_computed_blocks(request)"),
-    Need("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.cache_blocks", part="scoring",
+    Need("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.cache_blocks", runner="both", part="scoring",
          params=("request", "num_computed_tokens"), leading=2, why="patch.py patch_cache_writes"),
-    Need("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.find_longest_cache_hit", part="scoring",
+    Need("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.find_longest_cache_hit", runner="both", part="scoring",
          params=("block_hashes", "max_cache_hit_length"), leading=2, why="patch.py patch_cache_reads"),
-    Need("vllm.v1.request", "Request", part="scoring", attrs=("sampling_params",), why="scoring/prefix.py read_upto / cache_upto"),
+    Need("vllm.v1.request", "Request", runner="both", part="scoring", attrs=("sampling_params",), why="scoring/prefix.py read_upto / cache_upto"),
     # -- configs the hooks path reads: model.py, capture/route_hook.py, scoring/*, weights.py, engine_kwargs.py
-    Need("vllm.config.compilation", "CompilationConfig", part="capture",
+    Need("vllm.config.compilation", "CompilationConfig", runner="both", part="capture",
          attrs=("mode", "cudagraph_mode", "max_cudagraph_capture_size"),
          why="model.py forward_is_traced; route_hook.py / force_step.py bind_at_load buffer rows"),
-    Need("vllm.config.scheduler", "SchedulerConfig", part="capture",
+    Need("vllm.config.scheduler", "SchedulerConfig", runner="both", part="capture",
          attrs=("max_num_batched_tokens", "async_scheduling", "scheduler_cls"),
          why="route_hook.py bind_at_load; scoring/prefix.py (async scheduler, scheduler_cls)"),
-    Need("vllm.config.parallel", "ParallelConfig", part="capture",
+    Need("vllm.config.parallel", "ParallelConfig", runner="both", part="capture",
          attrs=("data_parallel_rank", "data_parallel_size", "pipeline_parallel_size", "worker_extension_cls"),
          why="route_hook.py DataParallelRows, model.py refuse_pipeline_parallel, engine_kwargs.py"),
-    Need("vllm.config.cache", "CacheConfig", part="capture", attrs=("enable_prefix_caching", "block_size"),
+    Need("vllm.config.cache", "CacheConfig", runner="both", part="capture", attrs=("enable_prefix_caching", "block_size"),
          why="capture/worker.py slot route cache, scoring/scorer.py block size"),
-    Need("vllm.config.load", "LoadConfig", part="weights", attrs=("use_tqdm_on_load",), why="weights.py _checkpoint_weights"),
-    Need("vllm.config.model", "ModelConfig", part="weights", attrs=("model_weights", "revision"),
+    Need("vllm.config.load", "LoadConfig", runner="both", part="weights", attrs=("use_tqdm_on_load",), why="weights.py _checkpoint_weights"),
+    Need("vllm.config.model", "ModelConfig", runner="both", part="weights", attrs=("model_weights", "revision"),
          why="weights.py _checkpoint_weights points the model config at the checkpoint"),
-    Need("vllm.platforms", "current_platform", part="capture", why="engine_kwargs.py cpu_env_defaults"),
-    Need("vllm.platforms.interface", "Platform", part="capture", attrs=("is_cpu",), why="engine_kwargs.py cpu_env_defaults"),
-    Need("vllm.model_executor.models.registry", "ModelRegistry", part="coverage",
+    Need("vllm.platforms", "current_platform", runner="both", part="capture", why="engine_kwargs.py cpu_env_defaults"),
+    Need("vllm.platforms.interface", "Platform", runner="both", part="capture", attrs=("is_cpu",), why="engine_kwargs.py cpu_env_defaults"),
+    Need("vllm.model_executor.models.registry", "ModelRegistry", runner="both", part="coverage",
          why="coverage.py served_architectures: ModelRegistry.get_supported_archs()"),
-    Need("vllm.model_executor.models.registry", "_ModelRegistry", part="coverage", attrs=("get_supported_archs",),
+    Need("vllm.model_executor.models.registry", "_ModelRegistry", runner="both", part="coverage", attrs=("get_supported_archs",),
          why="coverage.py served_architectures"),
     # -- speculative decoding on the V1 runner (capture/speculation.py, patch.py _make_rejection)
     Need(GMR, "GPUModelRunner", part="speculative", attrs=("rejection_sampler", "speculative_config", "drafter"),
@@ -282,7 +294,7 @@ V1: tuple[Need, ...] = (
          why="patch.py _make_rejection: the draft rows' constrained target logits"),
     Need("vllm.v1.spec_decode.metadata", "SpecDecodeMetadata", part="speculative", attrs=("num_draft_tokens",),
          why="capture/speculation.py spec_rows: drafts per request row, in batch order"),
-    Need("vllm.config.speculative", "SpeculativeConfig", part="speculative", attrs=("method", "num_speculative_tokens"),
+    Need("vllm.config.speculative", "SpeculativeConfig", runner="both", part="speculative", attrs=("method", "num_speculative_tokens"),
          why="capture/speculation.py spec_info (rejection_sample_method is read where it exists)"),
 )
 """The V1 hooks path (runner "v1")."""
@@ -357,6 +369,70 @@ MRV2_NEEDS: tuple[Need, ...] = (
              "runner module runs MRV2 only"),
     Need(MRV2, "GPUModelRunner", runner="mrv2", part="runner", attrs=("model", "sampler", "execute_model"),
          why="MRV2's runner (vllm/v1/worker/gpu/model_runner.py): the model and sampler hooks reach"),
+    # -- capture's hooks on MRV2: runners/mrv2.py (Mrv2Port), patch.py StepBracket, capture/worker.py
+    Need(MRV2, "GPUModelRunner", runner="mrv2", part="capture",
+         attrs=("model", "sampler", "execute_model", "prepare_inputs", "sample", "req_states", "block_tables",
+                "max_num_reqs", "max_num_tokens", "vllm_config", "model_config", "cache_config", "kv_cache_config",
+                "device", "get_model"),
+         why="runners/mrv2.py: the step's InputBatch (prepare_inputs), the sampler, request state, block tables"),
+    Need(MRV2, "GPUModelRunner.execute_model", runner="mrv2", part="capture", params=("scheduler_output",), leading=1,
+         why="patch.py StepBracket wraps execute_model(scheduler_output, ...)"),
+    Need(MRV2, "GPUModelRunner.prepare_inputs", runner="mrv2", part="capture", params=("scheduler_output",), leading=1,
+         why="runners/mrv2.py bind: the InputBatch it returns is the step's layout; the forward point"),
+    Need(MRV2, "GPUModelRunner.sample", runner="mrv2", part="capture", params=("hidden_states", "input_batch"),
+         leading=2, why="runners/mrv2.py make_sample: sample(hidden_states, input_batch, ...) -> (SamplerOutput, num_sampled, ...)"),
+    Need(MRV2, "ExecuteModelState", runner="mrv2", part="scoring", attrs=("hidden_states", "input_batch"),
+         why="runners/base.py hidden_states: the step's hidden states, scored through compute_logits"),
+    Need(MRV2, "GPUModelRunner", runner="mrv2", part="scoring", attrs=("execute_model_state",),
+         why="runners/base.py hidden_states"),
+    Need("vllm.v1.worker.gpu.input_batch", "InputBatch", runner="mrv2", part="capture",
+         attrs=("req_ids", "num_reqs", "idx_mapping_np", "query_start_loc_np", "num_computed_tokens_np",
+                "prefill_len_np", "num_tokens", "num_draft_tokens"),
+         why="runners/mrv2.py layout: request ids, query starts, positions (num_computed + offset), discarded rows"),
+    Need("vllm.v1.worker.gpu.input_batch", "InputBatch", runner="mrv2", part="scoring", attrs=("input_ids",),
+         why="runners/mrv2.py step_token_ids: the forwarded token ids"),
+    Need("vllm.v1.worker.gpu.states", "RequestState", runner="mrv2", part="capture",
+         attrs=("prompt_len", "req_id_to_index"), why="runners/mrv2.py request: a new request's prompt length"),
+    Need("vllm.v1.worker.gpu.block_table", "BlockTables", runner="mrv2", part="capture",
+         attrs=("block_tables", "block_sizes", "num_blocks", "append_block_ids"),
+         why="runners/mrv2.py enable_slots: the host mirror of the block tables (slot route cache)"),
+    Need("vllm.v1.worker.gpu.block_table", "BlockTables.append_block_ids", runner="mrv2", part="capture",
+         params=("req_index", "new_block_ids", "overwrite"), leading=3,
+         why="runners/mrv2.py enable_slots wraps append_block_ids(req_index, new_block_ids, overwrite)"),
+    Need("vllm.v1.worker.gpu.buffer_utils", "StagedWriteTensor", runner="mrv2", part="capture", attrs=("gpu",),
+         why="runners/mrv2.py enable_slots: the block tables' current contents, copied once"),
+    Need("vllm.v1.worker.gpu.buffer_utils", "UvaBackedTensor", runner="mrv2", part="capture", attrs=("np",),
+         why="runners/mrv2.py: req_states.prompt_len.np, block_tables.num_blocks.np, sampling_states.temperature.np"),
+    Need("vllm.v1.worker.gpu.sample.sampler", "Sampler", runner="mrv2", part="capture",
+         attrs=("sampling_states", "_sample_random"), why="runners/mrv2.py wrap_sampler"),
+    Need("vllm.v1.worker.gpu.sample.sampler", "Sampler._sample_random", runner="mrv2", part="capture",
+         params=("processed_logits", "use_fused_sampler"), leading=1,
+         alt=(_also("vllm.v1.worker.gpu.sample.sampler", "Sampler._sample_random", params=("processed_logits",
+                                                                                           "use_flashinfer"), leading=1),),
+         why="runners/mrv2.py: the call that truncates and draws, returning (sampled, truncated logits); its "
+             "fused-sampler flag (FUSED_FLAGS, found by name) set False"),
+    Need("vllm.v1.worker.gpu.sample.states", "SamplingStates", runner="mrv2", part="capture", attrs=("temperature",),
+         why="runners/mrv2.py: each row's temperature (0.0: greedy)"),
+    Need("vllm.v1.worker.gpu.sample.output", "SamplerOutput", runner="mrv2", part="capture", attrs=("sampled_token_ids",),
+         why="runners/mrv2.py make_sample: the step's tokens, after trace replay's overwrite"),
+    Need("vllm.v1.core.sched.output", "SchedulerOutput", runner="mrv2", part="capture", attrs=("scheduled_new_reqs",),
+         why="runners/mrv2.py request: a new request's routed_experts_prompt_start"),
+    Need("vllm.v1.core.sched.output", "NewRequestData", runner="mrv2", part="capture", attrs=("req_id", "sampling_params"),
+         why="runners/mrv2.py request"),
+    Need("vllm.v1.worker.cpu.model_runner", "CPUModelRunner", runner="mrv2", part="capture", cpu_only=True,
+         why="vLLM-CPU's MRV2 runner (a GPUModelRunner of vllm/v1/worker/gpu/): what the MRV2 test bed runs"),
+    # -- speculative decoding on MRV2: runners/mrv2.py _file_spec_step
+    Need(MRV2, "GPUModelRunner", runner="mrv2", part="speculative", attrs=("rejection_sampler", "speculative_config"),
+         why="capture/speculation.py spec_info; runners/mrv2.py wraps rejection_sampler._verify"),
+    Need("vllm.v1.worker.gpu.spec_decode.rejection_sampler", "RejectionSampler", runner="mrv2", part="speculative",
+         attrs=("_verify",), why="runners/mrv2.py make_verify: (truncated target rows, sampled, num_sampled)"),
+    Need("vllm.v1.worker.gpu.input_batch", "InputBatch", runner="mrv2", part="speculative",
+         attrs=("num_draft_tokens_per_req", "cu_num_logits_np"),
+         why="runners/mrv2.py _file_spec_step: drafts per row, each row's logits rows"),
+    # -- weight sync on MRV2: weights.py
+    Need(MRV2, "GPUModelRunner.reload_weights", runner="mrv2", part="weights",
+         params=("weights_iterator", "is_checkpoint_format"),
+         why="weights.py update_on_worker: runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)"),
     # -- routes: AuxOutputConfig.enable_return_routed_experts, served by MRV2 through the aux output connector
     Need("vllm.config.aux_output", "AuxOutputConfig", runner="mrv2", part="routes", attrs=("enable_return_routed_experts",),
          alt=(_also("vllm.config.model", "ModelConfig", attrs=("enable_return_routed_experts",)),),

