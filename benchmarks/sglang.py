@@ -14,7 +14,9 @@ Per family (`families`): engine "sglang", status (served / engine_fails / refuse
 of the sampled tokens over the recorded kept sets), kept_sets_equal_hf (each kept set equals SGLang's rule over
 HF's logits), wire_bytes_per_token_layer (SGLang's `routed_experts`: base64 of int32, dense layers included, as
 it crosses HTTP), store_bytes_per_token_layer (the same routes in the project's codec, MoE layers only),
-estimator (π_old on SGLang: the refusal and its reason; no cost against the recompute to report).
+estimator (π_old on SGLang, forced through the hook at its top-k selection: its scores against HF's replay of the
+same routes and of shifted routes, π_old's seconds at n = 4 against one HF recompute, `cost_vs_recompute`; or
+the refusal and its reason).
 Targets (issue 56): flips 0 and kept sets equal on every served family.
 """
 
@@ -57,17 +59,51 @@ def last_error(text: str) -> str:
     return (lines[i] if ":" in lines[i] or i == 0 else f"{lines[i]} ({lines[i - 1]})")[:600]
 
 
+def estimator(family: str, model_dir: Path, work: Path, run: bool) -> dict:
+    """π_old on SGLang for one family: forced scoring (tests/sglang_bed/score_driver.py) against HF's replay, and its
+    cost against HF's recompute; or why it is refused (families whose router the force hook does not replace)."""
+    from moe_replay.integrations.sglang.scoring import FORCEABLE
+    from moe_replay.store import DirectoryStore
+    from tests.sglang_bed import bed
+    from tests.sglang_bed.compare import compare_scores
+
+    if family not in FORCEABLE:
+        return {"status": "refused", "reason": f"SglangScoringError: SGLang routes {family} by another path than the "
+                                               f"torch-native top-k the force hook replaces (forceable: {list(FORCEABLE)})"}
+    if not run:
+        return {"status": "not_run"}
+    out = work / "score" / family
+    proc = bed.run_driver(bed.BED / "score_driver.py", out, model_dir, timeout_s=900)
+    path = out / "summary.json"
+    s = json.loads(path.read_text()) if path.exists() else {"error": last_error(proc.stderr)}
+    if "error" in s:
+        return {"status": "error", "reason": last_error(s["error"])}
+    with DirectoryStore(out / "store", readonly=True) as store:
+        traces = store.get_many(s["keys"])
+    import numpy as np
+
+    got = compare_scores(model_dir, traces, dict(np.load(out / "scores.npz")))
+    return {"status": "exact" if max(got["own_max_abs_vs_hf"], got["shifted_max_abs_vs_hf"]) <= 2e-5 else "inexact",
+            "forced_max_abs_dlogprob_vs_replay": got["own_max_abs_vs_hf"],
+            "shifted_routes_max_abs_dlogprob_vs_replay": got["shifted_max_abs_vs_hf"],
+            "shift_moves_scores_by": round(got["shift_moves_scores_by"], 3), "n": s["n"], "tokens": s["tokens"],
+            "pi_old_s": s["pi_old_s"], "hf_recompute_s": round(got["hf_recompute_s"], 4),
+            "cost_vs_recompute": round(s["pi_old_s"] / got["hf_recompute_s"], 1),
+            "no_hook_refused": s["refusals"]["no_hook"].startswith("SglangScoringError")}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the JSON summary (the default output)")
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--max-new-tokens", type=int, default=12)
+    ap.add_argument("--estimator-families", default="qwen3_moe,qwen2_moe,mixtral",
+                    help="served families whose π_old is measured (an engine each, with the force hook); '' for none")
     args = ap.parse_args(argv)
     import warnings
 
     warnings.filterwarnings("ignore")
     from moe_replay.integrations.sglang import SglangServedError, check_served
-    from moe_replay.integrations.sglang.scoring import REASON
     from moe_replay.models import build_tiny_model
     from moe_replay.models.layout import read_config
     from moe_replay.store import DirectoryStore
@@ -115,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                        "kept_rows": got["kept_rows"],
                        "wire_bytes_per_token_layer": round(s["wire"]["routed_experts_bytes"] / s["wire"]["token_layers"], 3),
                        "store_bytes_per_token_layer": round(store_bytes_per_token_layer(traces), 3),
-                       "estimator": {"status": "refused", "reason": REASON},
+                       "estimator": estimator(f, models[f], work, f in args.estimator_families.split(",")),
                        "engine_start_s": s["engine_start_s"], "generate_s": s["generate_s"],
                        "geometry": s["geometry"]}
     served = [f for f, r in rows.items() if r["status"] == "served"]

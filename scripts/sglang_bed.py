@@ -8,7 +8,7 @@ one; here torch is the project's CPU 2.13.0 build, held by a constraints file, s
 with `--no-deps` (its metadata asks for flashinfer, deep-gemm, cutlass, cuda-python, none used on
 CPU), then exactly the packages its imports need (SGLANG_DEPS; NO_DEPS_PINS with `--no-deps`), and
 moe_replay itself (`-e . --no-deps`), so `moe_replay.enable(preset, llm=<sglang.Engine>)` runs in it.
-A stamp keyed by the hash of this file and pyproject.toml makes a second run a no-op (~0.1 s).
+A stamp keyed by the pins, the interpreter and pyproject.toml makes a second run a no-op (~0.1 s).
 
 Usage: python3 scripts/sglang_bed.py [--venv .venv/sglang] [--force]
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -50,11 +51,10 @@ def _run(cmd: list[str]) -> None:
 
 
 def _inputs_hash() -> str:
-    h = hashlib.sha256()
-    for path in (ROOT / "pyproject.toml", Path(__file__).resolve()):
-        h.update(path.read_bytes())
-    h.update(sys.version.encode())
-    return h.hexdigest()[:16]
+    """What the venv is made of: the pins, this interpreter, and pyproject.toml (moe_replay's entry points,
+    which `-e .` installs from it)."""
+    pins = json.dumps([TORCH, SGLANG, SGLANG_DEPS, NO_DEPS_PINS, sys.version]).encode()
+    return hashlib.sha256(pins + (ROOT / "pyproject.toml").read_bytes()).hexdigest()[:16]
 
 
 def check_no_cuda(py: str) -> None:

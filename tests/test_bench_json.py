@@ -45,7 +45,8 @@ CASES: dict[str, tuple[list[str], str, tuple]] = {
     "megatron_native": (["--no-ranks", "--rounds", "1", "--hidden", "16", "--tokens", "8", "--batch", "2"], "configs", (slow,)),
     "audit": (["--families", "qwen3_moe", "--samples", "4", "--tokens", "24", "--engines", "hf", "--repeats", "1",
                "--cost-size", "tiny", "--cost-batch", "2", "--cost-tokens", "32"], "faults", (slow,)),
-    "sglang": (["--families", "qwen3_moe", "--max-new-tokens", "4"], "families", (slow, pytest.mark.sglang)),  # the bed's venv
+    "sglang": (["--families", "qwen3_moe", "--max-new-tokens", "4", "--estimator-families", ""], "families",
+               (slow, pytest.mark.sglang)),  # the SGLang test bed's venv
 }
 
 

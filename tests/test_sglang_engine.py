@@ -56,7 +56,7 @@ def test_enable_on_sglang_engine_is_exact_in_hf(engine_runs, family):
     model, out, summary = engine_runs[family]
     assert "error" not in summary, summary["error"]
     assert summary["engine_kind"] == "sglang.Engine" and summary["geometry"]["family"] == family
-    assert summary["refusals"]["estimator"].startswith("SglangScoringError") and "select_experts" in \
+    assert summary["refusals"]["estimator"].startswith("SglangScoringError") and "radix cache" in \
         summary["refusals"]["estimator"]
     with DirectoryStore(out / "store", readonly=True) as store:
         traces = store.get_many(summary["keys"])

@@ -47,6 +47,9 @@ class Transport(Protocol):
     def engine_info(self) -> EngineInfo:
         """name "sglang", its version and compute dtype."""
 
+    def radix_cache_disabled(self) -> bool:
+        """Whether the engine runs without its radix (prefix) cache (forced scoring needs it off)."""
+
 
 def transport_for(engine: Any, model: Any = None, timeout_s: float = 600.0) -> Transport:
     """An `sglang.Engine`, or a server's base URL (str)."""

@@ -34,6 +34,9 @@ class EngineTransport:
     def model_config(self) -> Any:
         return self.engine.tokenizer_manager.model_config.hf_config
 
+    def radix_cache_disabled(self) -> bool:
+        return bool(self.engine.server_args.disable_radix_cache)
+
     def engine_info(self) -> EngineInfo:
         import sglang
 

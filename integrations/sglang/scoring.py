@@ -1,36 +1,144 @@
-"""π_old on SGLang: refused by name, with the reason (moe_replay.enable with an estimator preset).
+"""π_old on SGLang: re-score rollouts under their recorded routes and kept sets (forced-route scoring).
 
-The estimator re-scores each rollout n times under its recorded routes and kept sets. SGLang 0.5.23 has
-no input that forces experts, so forcing means a hook at its top-k selection (`select_experts`) in the
-scheduler process. What that hook would need and SGLang does not give it, each of which would make a
-forced score silently free:
-  * which request each row of the batch is: `select_experts(hidden_states, router_logits, topk_config)`
-    sees the flat token rows of a batch that mixes requests, chunked prefills and decodes; the map from
-    rows to (request, position) lives in the scheduler's ScheduleBatch, two calls up, on another path
-    per attention backend;
-  * KV computed under the forced routes: the radix cache serves a prompt's prefix from whatever request
-    computed it first (a rollout routed freely), so a cache hit scores the completion on free-routed
-    context;
-  * the recorded routes in the scheduler: nothing in a generate request carries [T, L, K] ids to it
-    except `custom_params`, which the sampler reads after the forward, not the MoE layers during it.
-Until a hook closes all three (and is proven exact against the trainer's replay), π_old on SGLang is
-refused here, before capture attaches: re-score on vLLM (VllmScorer) or the trainer (recompute).
+    # the scoring engine: the force hook in its scheduler (PYTHONPATH=SITE_DIR), no radix cache
+    scorer = SglangScorer(engine_or_url)                   # or moe_replay.enable(estimator preset, llm=engine)
+    estimates = estimate(traces, scorer, EstimatorConfig(n=4))
+
+Each trace becomes one request: its token ids as the prompt, one new token, `return_logprob` from the
+last prompt position with `token_ids_logprob` = the ids of its kept sets, and its routes in
+`custom_params` (force.ROUTES_KEY), which the hook in SGLang's scheduler process (force.py) forces at every
+MoE layer of that request's rows. SGLang returns, per position, the logprobs (temperature 1, fp32) of the
+asked ids; the score of generated token g is x[token] - logsumexp(x[kept]) with x = logprob / temperature
+(the log-partition cancels in the renormalisation), what the trainer's replay computes (replay/scoring.py).
+
+Refused by name at attach, before any rollout is scored: an engine whose scheduler does not force (the
+hook is not loaded: a probe scores one sequence under two routings and must see them differ), an engine
+with the radix cache on (a prefix hit scores on KV computed under free routing), `force_routes=False` or
+`use_support=False` (free routing, full-vocabulary scores: not built), families whose SGLang router is not
+the torch-native top-k the hook replaces (grouped top-k: glm4_moe, deepseek), multi-span records.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
 
-from .errors import SglangScoringError
+import numpy as np
 
-REASON = ("SGLang 0.5.23 cannot force experts: a hook at select_experts sees no request or position per row, the radix "
-          "cache serves prefixes whose KV was computed under free routing, and no request field reaches the MoE layers; "
-          "a forced score would silently be a free one (integrations/sglang/scoring.py)")
+from ...errors import Where
+from ...trace import RolloutTrace
+from .capture import transport_for
+from .errors import SglangPayloadError, SglangScoringError
+from .force import ROUTES_KEY, routes_param
+from .served import served_geometry
+
+SITE_DIR = Path(__file__).resolve().parent / "site"
+"""Put it on the PYTHONPATH of the scoring engine's processes: its sitecustomize.py loads force.py's hook
+in each of them (SGLang spawns its scheduler), before the model is built."""
+FORCEABLE = ("qwen2_moe", "qwen3_moe", "mixtral")
+"""Families whose SGLang 0.5.23 router is the torch-native top-k (softmax, no groups) the hook replaces."""
 
 
-def scorer_for(engine: Any, estimator: Any) -> Any:
-    """The π_old scorer of a preset's estimator on `engine`: refused (SglangScoringError) with REASON."""
-    raise SglangScoringError(
-        f"the preset's estimator (force_routes={estimator.force_routes}) on SGLang: refused: {REASON}. Use a preset "
-        "without the estimator "
-        "on SGLang, and estimate π_old on vLLM (VllmScorer) or by the trainer's recompute")
+@dataclass(frozen=True)
+class SglangScorerConfig:
+    force_routes: bool = True
+    """Force each trace's recorded expert ids (the only mode built)."""
+    use_support: bool = True
+    """Renormalise over each token's recorded kept set (the only mode built)."""
+
+
+class SglangScorer:
+    """One π_old replica per `score_batch` call on an SGLang engine or server (estimator.BatchScorer)."""
+
+    def __init__(self, engine: Any, config: SglangScorerConfig | None = None, *, model: Any = None,
+                 timeout_s: float = 600.0, probe: bool = True) -> None:
+        self.config = config or SglangScorerConfig()
+        if not (self.config.force_routes and self.config.use_support):
+            raise SglangScoringError(f"{self.config}: only forced routes over recorded kept sets are built on SGLang")
+        self.transport = transport_for(engine, model, timeout_s)
+        self.geometry = served_geometry(self.transport.model_config(), self.transport.where)
+        if self.geometry.family not in FORCEABLE:
+            raise SglangScoringError(
+                f"{self.transport.where}: family {self.geometry.family!r}: SGLang routes it by another path than the "
+                f"torch-native top-k the force hook replaces (forceable: {list(FORCEABLE)}); refusing to score it freely")
+        if not self.transport.radix_cache_disabled():
+            raise SglangScoringError(
+                f"{self.transport.where} runs with the radix cache on: a cached prefix's KV was computed under whatever "
+                "routes its first request took, so a forced score would read free-routed context. Start the scoring "
+                "engine with disable_radix_cache=True (--disable-radix-cache)")
+        if probe:
+            self._probe()
+
+    def _probe(self) -> None:
+        """Score one sequence under two routings (experts 0..K-1 everywhere, then K..2K-1): the hook is active
+        only if the scores differ."""
+        g = self.geometry
+        S, P = 6, 3
+        tokens = (np.arange(S) + 3) % g.vocab_size
+        a_TLK = np.broadcast_to(np.arange(g.top_k), (S - 1, g.num_moe_layers, g.top_k))
+        b_TLK = (a_TLK + g.top_k) % g.num_experts
+        ids = [int(x) for x in tokens[P:]]
+        if self._raw(tokens, P, a_TLK, ids) == self._raw(tokens, P, b_TLK, ids):
+            raise SglangScoringError(
+                f"{self.transport.where} does not force routes: two routings of one sequence scored the same. Start it "
+                f"with the force hook in its processes (PYTHONPATH={SITE_DIR}), before the model is built")
+
+    def _raw(self, tokens_S: np.ndarray, prompt_len: int, routes_TLK: np.ndarray, ids: list[int],
+             route_start: int = 0, key: str = "probe") -> list[dict[int, float]]:
+        """Per generated position, {id: logprob at temperature 1} of `ids`, under forced `routes_TLK`."""
+        g = self.geometry
+        fields = {"input_ids": [[int(t) for t in tokens_S]], "return_logprob": True,
+                  "logprob_start_len": prompt_len - 1, "token_ids_logprob": [sorted(set(ids))],
+                  "sampling_params": [{"max_new_tokens": 1, "temperature": 0.0,
+                                       "custom_params": {ROUTES_KEY: routes_param(
+                                           routes_TLK.astype(g.route_dtype), route_start, g.moe_layer_ids)}}]}
+        out = self.transport.generate(fields)[0]
+        rows = (out.get("meta_info") or {}).get("input_token_ids_logprobs")
+        G = len(tokens_S) - prompt_len
+        if not isinstance(rows, list) or len(rows) != G + 1:
+            raise SglangPayloadError(Where(record=key, field="meta_info.input_token_ids_logprobs"),
+                                     f"{G + 1} entries (positions {prompt_len - 1}..{len(tokens_S) - 1})",
+                                     None if rows is None else f"{len(rows)} entries")
+        return [{int(t): float(lp) for lp, t, *_ in row} for row in rows[1:]]
+
+    def score_batch(self, traces: Sequence[RolloutTrace]) -> list[np.ndarray]:
+        """Logprobs [G] of each trace's generated tokens over its kept sets, under its forced routes."""
+        out = []
+        for t in traces:
+            w = Where(record=t.key)
+            t.require_single_span("SGLang forced scoring")
+            t.require_all_layers("SGLang forced scoring")
+            self.geometry.check_matches(t.geometry, w, "the scoring engine vs the trace")
+            if t.routes_TLK is None or t.support is None:
+                raise SglangScoringError(f"{t.key!r}: forced scoring over kept sets needs the trace's routes and kept "
+                                         f"sets (routes: {t.routes_TLK is not None}, kept sets: {t.support is not None})")
+            raw = self._raw(t.token_ids_S, t.prompt_len, t.routes_TLK, t.support.ids_N.tolist(), t.route_start, t.key)
+            gen = t.token_ids_S[t.prompt_len:]
+            temp = t.sampling.temperature
+            scores = np.empty(len(gen), dtype=np.float64)
+            for g, (row, tok) in enumerate(zip(raw, gen)):
+                kept = t.support.row(g)
+                if temp == 0:
+                    scores[g] = 0.0 if len(kept) == 1 and kept[0] == tok else -math.inf
+                    continue
+                x = np.array([row[int(i)] for i in kept]) / temp
+                m = x.max()
+                scores[g] = row[int(tok)] / temp - (m + math.log(np.exp(x - m).sum()))
+            out.append(scores)
+        return out
+
+    def recorded_logprobs_problem(self, trace: RolloutTrace) -> str | None:
+        """Why the trace's recorded logprobs are not one replica of this scorer (EstimatorConfig.rollout_replica):
+        SGLang's sampler and its logprob path are different computations (measured within ~1e-5, not bit for bit)."""
+        return "SGLang's sampler logprobs and its prompt logprobs come from different kernels (equal within ~1e-5, " \
+               "not bit for bit)"
+
+    def uninstall(self) -> None:
+        """Nothing to undo on the client (the hook lives in the scoring engine's processes)."""
+
+
+def scorer_for(engine: Any, estimator: Any) -> SglangScorer:
+    """The π_old scorer of a preset's estimator on `engine` (refusals: SglangScorer's)."""
+    return SglangScorer(engine, SglangScorerConfig(force_routes=estimator.force_routes, use_support=estimator.use_support))

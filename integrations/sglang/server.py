@@ -51,6 +51,9 @@ class HttpTransport:
             raise SglangRequestError(f"{self.where} serves {path!r}, whose config.json is not readable here ({e}); "
                                      "pass model= (a checkpoint directory or its config dict)") from None
 
+    def radix_cache_disabled(self) -> bool:
+        return bool(self.call("/server_info").get("disable_radix_cache"))
+
     def engine_info(self) -> EngineInfo:
         info = self.call("/server_info")
         return EngineInfo(name="sglang", version=str(info.get("version", "")), dtype=str(info.get("dtype", "")),

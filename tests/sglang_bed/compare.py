@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -65,3 +67,34 @@ def compare_hf(model_dir: str | os.PathLike, traces: Sequence[Any]) -> dict[str,
     return dict(flips=int(sum(session.flips.flips.values())), positions=int(sum(session.flips.positions.values())),
                 max_abs_dlogprob=float(delta_G.max()), kept_sets_equal_hf=bool(equal), kept_rows=rows,
                 tokens=int(delta_G.numel()))
+
+
+def shifted(trace: Any) -> Any:
+    """The trace with every expert id moved by one (mod E): distinct ids per row, experts neither engine chose."""
+    g = trace.geometry
+    return dataclasses.replace(trace, key=trace.key + "-shifted",
+                               routes_TLK=((trace.routes_TLK.astype(np.int64) + 1) % g.num_experts).astype(g.route_dtype))
+
+
+def compare_scores(model_dir: str | os.PathLike, traces: Sequence[Any], scores: dict[str, np.ndarray]) -> dict[str, Any]:
+    """SGLang's forced scores (tests/sglang_bed/score_driver.py: `own` routes, `shifted` routes, flat [G]) against
+    HF's replay of the same routes over the same kept sets: max |Δ| each, how far shifting moved the scores, and
+    HF's recompute time (one fp32 forward of the batch under replay: what the estimator's cost is set against)."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_replay.integrations.hf.replay import model_geometry, output_tensor, replay
+    from moe_replay.replay import build_plan, score_tokens
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out: dict[str, Any] = {}
+    seconds = []
+    for name, batch in (("own", list(traces)), ("shifted", [shifted(t) for t in traces]), ("own", list(traces))):
+        plan = build_plan(batch, model_geometry(model))
+        t0 = time.perf_counter()
+        with torch.no_grad(), replay(model, plan) as session:
+            hf_G = score_tokens(output_tensor(model(**session.model_inputs())), plan).logprobs_G.double().numpy()
+        seconds.append(time.perf_counter() - t0)
+        out[f"{name}_max_abs_vs_hf"] = float(np.abs(hf_G - scores[name]).max())
+    out["hf_recompute_s"] = seconds[-1]  # warm: the first forward also probes the routers' rule
+    out["shift_moves_scores_by"] = float(np.abs(scores["own"] - scores["shifted"]).max())
+    return out

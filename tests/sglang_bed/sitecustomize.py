@@ -135,12 +135,21 @@ class _BedFinder(importlib.abc.MetaPathFinder):
         return None
 
 
+FORCE_ENV = "MOE_REPLAY_SGLANG_FORCE"
+"""=1: also load moe_replay's force hook (integrations/sglang/force.py: π_old scoring), as a scoring engine's
+PYTHONPATH=SITE_DIR does outside the bed (one sitecustomize per process: this one chains it)."""
+
+
 def install() -> None:
-    """Once per process: the finder first on sys.meta_path, SGLANG_USE_CPU_ENGINE on."""
+    """Once per process: the finder first on sys.meta_path, SGLANG_USE_CPU_ENGINE on; the force hook on request."""
     if any(isinstance(f, _BedFinder) for f in sys.meta_path) or importlib.util.find_spec("sglang") is None:
         return
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     sys.meta_path.insert(0, _BedFinder())
+    if os.environ.get(FORCE_ENV) == "1":
+        from moe_replay.integrations.sglang.force import install_on_import
+
+        install_on_import()
 
 
 install()
