@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import importlib.abc
-import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from .import_hook import patch_on_import, wrap_method
 
 ROUTES_KEY = "moe_replay_routes"
 """custom_params key of a request's forced routes (a dict of JSON scalars: see `routes_param`)."""
@@ -137,31 +137,25 @@ def _forward_rows(forward_batch: Any):
 
 
 def _patch_model_runner(module: Any) -> None:
-    cls = module.ModelRunner
-    if getattr(cls.forward, "_moe_replay", False):
-        return
-    inner = cls.forward
+    def make(inner):
+        def forward(self, forward_batch, *args, **kwargs):
+            with _forward_rows(forward_batch):
+                return inner(self, forward_batch, *args, **kwargs)
 
-    def forward(self, forward_batch, *args, **kwargs):
-        with _forward_rows(forward_batch):
-            return inner(self, forward_batch, *args, **kwargs)
+        return forward
 
-    forward._moe_replay = True
-    cls.forward = forward
+    wrap_method(module.ModelRunner, "forward", make)
 
 
 def _patch_req(module: Any) -> None:
-    cls = module.Req
-    if getattr(cls.__init__, "_moe_replay", False):
-        return
-    inner = cls.__init__
+    def make(inner):
+        def __init__(self, *args, **kwargs):
+            inner(self, *args, **kwargs)
+            _register(self)
 
-    def __init__(self, *args, **kwargs):
-        inner(self, *args, **kwargs)
-        _register(self)
+        return __init__
 
-    __init__._moe_replay = True
-    cls.__init__ = __init__
+    wrap_method(module.Req, "__init__", make)
 
 
 def _patch_topk(module: Any) -> None:
@@ -215,39 +209,8 @@ PATCHES = {
 """Module -> the patch applied when it is first imported (or at once, if it already is)."""
 
 
-class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: Any, patch: Any) -> None:
-        self.inner, self.patch = inner, patch
-
-    def create_module(self, spec):
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.inner.exec_module(module)
-        self.patch(module)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        patch = PATCHES.get(name)
-        if patch is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                spec.loader = _Loader(spec.loader, patch)
-                return spec
-        return None
-
-
 def install_on_import() -> None:
     """Patch SGLang's modules as they are imported (and those already imported, now). Run it in every
     SGLang process, the scheduler included, before the model is built: from a sitecustomize on the
-    processes' PYTHONPATH (`SITE_DIR`), which Python imports at start-up in each of them."""
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
-    for name, patch in PATCHES.items():
-        if name in sys.modules:
-            patch(sys.modules[name])
+    processes' PYTHONPATH (scoring.SITE_DIR), which Python imports at start-up in each of them."""
+    patch_on_import(PATCHES)

@@ -12,7 +12,8 @@ torch-native paths run once four things are taken care of (measured: ../shared/n
 
 SGLang spawns its scheduler and detokenizer: Python imports this file at start-up in every process whose
 PYTHONPATH holds this folder (scripts/sglang_bed.py `bed_env()`), so each gets the same stand-ins and
-fixes, applied by a meta-path hook when the module they fix is first imported. `SGLANG_USE_CPU_ENGINE=1`
+fixes, applied when the module they fix is first imported (moe_replay's import hook, the one that loads its
+force hook in a scoring engine: integrations/sglang/import_hook.py). `SGLANG_USE_CPU_ENGINE=1`
 is set here too (without it `is_cpu()` is false and RoPE imports vLLM's ops). Nothing here runs
 outside the test bed's venv: it does nothing unless `sglang` is importable.
 """
@@ -99,39 +100,23 @@ FIXES = {
     "sglang.srt.mem_cache.pool_host.common": _fix_host_buffer,
     "sglang.srt.models.qwen2_moe": _fix_qwen2_moe,
 }
-"""Module -> the fix applied right after it is first imported."""
+"""Module -> the fix applied right after it is first imported (in every process: patch_on_import)."""
 
 
-class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader | None, fix) -> None:
-        self.inner, self.fix = inner, fix
-
+class _StandInLoader(importlib.abc.Loader):
     def create_module(self, spec):
-        return self.inner.create_module(spec) if self.inner is not None else _StandIn(spec.name)
+        return _StandIn(spec.name)
 
     def exec_module(self, module) -> None:
-        if self.inner is not None:
-            self.inner.exec_module(module)
-        if self.fix is not None:
-            self.fix(module)
+        pass
 
 
-class _BedFinder(importlib.abc.MetaPathFinder):
-    """Stand-ins for STAND_INS, and FIXES applied after their modules execute."""
+class _StandInFinder(importlib.abc.MetaPathFinder):
+    """STAND_INS and their submodules, before any other finder looks."""
 
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in STAND_INS:
-            return importlib.machinery.ModuleSpec(name, _Loader(None, None), is_package=True)
-        fix = FIXES.get(name)
-        if fix is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                spec.loader = _Loader(spec.loader, fix)
-                return spec
+            return importlib.machinery.ModuleSpec(name, _StandInLoader(), is_package=True)
         return None
 
 
@@ -141,11 +126,15 @@ PYTHONPATH=SITE_DIR does outside the bed (one sitecustomize per process: this on
 
 
 def install() -> None:
-    """Once per process: the finder first on sys.meta_path, SGLANG_USE_CPU_ENGINE on; the force hook on request."""
-    if any(isinstance(f, _BedFinder) for f in sys.meta_path) or importlib.util.find_spec("sglang") is None:
+    """Once per process: the stand-ins first on sys.meta_path, the fixes on import (moe_replay's import hook,
+    integrations/sglang/import_hook.py), SGLANG_USE_CPU_ENGINE on; the force hook on request."""
+    if any(isinstance(f, _StandInFinder) for f in sys.meta_path) or importlib.util.find_spec("sglang") is None:
         return
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-    sys.meta_path.insert(0, _BedFinder())
+    sys.meta_path.insert(0, _StandInFinder())
+    from moe_replay.integrations.sglang.import_hook import patch_on_import
+
+    patch_on_import(FIXES)
     if os.environ.get(FORCE_ENV) == "1":
         from moe_replay.integrations.sglang.force import install_on_import
 
