@@ -66,7 +66,7 @@ def chance_agreement(given_NLW: np.ndarray, own_NLW: np.ndarray, num_experts: in
 
 
 def token_consistency(mask_NLW: np.ndarray, tokens_N: np.ndarray, num_experts: int, top_k: int,
-                      min_pairs: int = 8) -> float | None:
+                      min_pairs: int = 32) -> float | None:
     """How much more rows of one token id agree than chance: mean agreement over pairs of rows with the
     same token (per layer) minus the agreement of random pairs (sum_e f(e)^2 / K). Real routers route a
     token alike wherever it stands (0.25-0.6 on the tiny models); random ids do not (0.00 +- 0.02).

@@ -42,6 +42,10 @@ PAIR_BUDGET = 8_000_000
 """Most candidate row pairs the row search forms (equal expert sets at one layer); a layer whose pairs
 would pass it is skipped (8 experts top-2 has 28 sets: a 4,096-row batch pairs ~600k rows per layer)."""
 MAX_LISTED = 64
+LAYER_WIDE = 0.9
+"""A layer's fault shows in every sample: a failing layer must fail in this share of the samples and a
+passing layer pass in it, else the rows of some samples are off (three of six samples one token late
+fail every layer and leave the layers' pooled agreement either side of `aligned`)."""
 """Positions a RowEdits verdict lists at most."""
 
 
@@ -58,6 +62,9 @@ class _Side:
     rows_ok_B: np.ndarray
     window_B: np.ndarray
     """Per sample, the least mean agreement of `Thresholds.window` consecutive rows (over the model's layers)."""
+    neighbour_B: np.ndarray
+    """Per sample, the most that `window` consecutive rows agree better read one position off (either way)
+    than as they stand: negative for aligned rows, ~ +0.3 over a stretch a dropped or repeated row shifted."""
 
     def cells(self, k: int) -> np.ndarray:
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -73,14 +80,15 @@ class _Side:
 
     def aligned_B(self, k: int, t: Thresholds) -> np.ndarray:
         """bool [B]: samples whose rows line up on average and in every window, and number what the tokens call for."""
-        return (self.sample_agreement(k) >= t.aligned) & (self.window_B >= t.window_aligned) & self.rows_ok_B
+        return ((self.sample_agreement(k) >= t.aligned) & (self.window_B >= t.window_aligned)
+                & (self.neighbour_B < t.window_shift) & self.rows_ok_B)
 
     def aligned(self, k: int, t: Thresholds) -> bool:
         return bool(self.aligned_B(k, t).all() and (self.layer_agreement(k) >= t.aligned).all())
 
 
 def _side(batch: RoutesBatch, own: list[np.ndarray], col_of: list[int], num_experts: int, k: int, window: int) -> _Side:
-    given, ov, rows, ok, win = [], [], [], [], []
+    given, ov, rows, ok, win, nb = [], [], [], [], [], []
     for s, own_SLW in zip(batch.samples, own):
         all_TCW = masks(s.routes_TCK, num_experts)
         g_TLW = np.zeros((len(all_TCW), len(col_of), own_SLW.shape[-1]), dtype=np.uint64)
@@ -93,9 +101,23 @@ def _side(batch: RoutesBatch, own: list[np.ndarray], col_of: list[int], num_expe
         ov.append(ov_TL.sum(0))
         rows.append(n)
         ok.append(s.rows_expected <= len(g_TLW) <= s.rows_expected + 1)
-        win.append(_least_window(ov_TL.mean(1) / k, window))
+        a_T = ov_TL.mean(1) / k
+        win.append(_least_window(a_T, window))
+        nb.append(_neighbour_gain(g_TLW[:n], own_SLW, s.start, a_T, k, window))
     return _Side(given, np.array(ov, dtype=np.float64).reshape(len(own), len(col_of)), np.array(rows), np.array(ok),
-                 np.array(win))
+                 np.array(win), np.array(nb))
+
+
+def _neighbour_gain(g_TLW: np.ndarray, own_SLW: np.ndarray, start: int, a_T: np.ndarray, k: int, window: int) -> float:
+    """The largest gain, over windows of rows 1 .. T-2, of reading the rows one position later or earlier
+    instead of as they stand (rows too few for a window: the whole of them); -1 without such rows."""
+    t_count = len(g_TLW)
+    if t_count < 3 or start + t_count >= len(own_SLW):
+        return -1.0
+    later = overlap(g_TLW[1:-1], own_SLW[start + 2: start + t_count]).mean(1) / k
+    earlier = overlap(g_TLW[1:-1], own_SLW[start: start + t_count - 2]).mean(1) / k
+    here = a_T[1:-1]
+    return max(-_least_window(here - later, window), -_least_window(here - earlier, window))
 
 
 def _least_window(row_T: np.ndarray, window: int) -> float:
@@ -138,7 +160,7 @@ def diagnose(batch: RoutesBatch, free: FreeRoutes, thresholds: Thresholds = THRE
     if batch_verdict is None:
         batch_verdict = Verdict(Cause.ALIGNED, Aligned(float(layer_L.mean())))
     samples = tuple(SampleVerdict(b, s.key, float(agree_B[b]), s.rows_expected, len(s.routes_TCK), verdicts[b],
-                                  float(side.window_B[b])) for b, s in enumerate(batch.samples))
+                                  float(side.window_B[b]), float(side.neighbour_B[b])) for b, s in enumerate(batch.samples))
     return AuditReport(batch.format, batch_verdict, samples, g.moe_layer_ids, tuple(float(a) for a in layer_L),
                        side.cells(k), t, free.forward_s, time.perf_counter() - t0)
 
@@ -184,6 +206,10 @@ def _layers(batch, own, claims, col_of, layer_ids, side, k, e, t, ok_B, verdicts
     claimed_ok = layer_L >= t.aligned
     if claimed_ok.all() and all(c >= 0 for c in col_of):
         return None
+    with np.errstate(invalid="ignore"):
+        fails_L = np.nanmean(side.cells(k) < t.aligned, axis=0)  # share of samples failing at each layer
+    if claimed_ok.any() and ((fails_L[~claimed_ok] < LAYER_WIDE).any() or (fails_L[claimed_ok] > 1 - LAYER_WIDE).any()):
+        return None  # some samples fail at every layer, not every sample at some layers: the rows are off
     a_CL = _column_matrix(batch, own, side, k, e)
     index = {lid: j for j, lid in enumerate(layer_ids)}
     remapped, foreign, covered = [], [], {j for j in range(len(layer_ids)) if claimed_ok[j]}
@@ -229,7 +255,7 @@ def _rows(batch, own, side, k, e, t, ok_B, verdicts) -> None:
     """Trace each misaligned sample's rows through the batch and name the pattern (module docstring)."""
     agree_B = side.sample_agreement(k)
     own_base = np.concatenate([[0], np.cumsum([len(o) for o in own])])
-    in_place = (agree_B >= t.aligned) & (side.window_B >= t.window_aligned)
+    in_place = (agree_B >= t.aligned) & (side.window_B >= t.window_aligned) & (side.neighbour_B < t.window_shift)
     count_only = [int(b) for b in np.flatnonzero(~ok_B) if in_place[b]]  # rows in place, too few or many
     for b in count_only:
         s = batch.samples[b]

@@ -8,8 +8,9 @@
 | `verl` | the batch's `routed_experts`: padded [B, P + R, L, K] aligned with `input_ids` / `attention_mask` (verl's agent loop), or jagged nested [T_b, L, K] per sample with nested `input_ids` | the real tokens' columns but the last | verl's rule (`LayerAxis.AUTO`) |
 | `megatron` | RouterReplay's per-router lists: one [M, K] tensor per entry of the process-global list, M = S * B sequence-first over the padded micro-batch (`layout="sbhd"`), or the packed tokens (`"thd"`) | positions 0 .. S - 2 | the MoE layers in list order, or the ids given |
 
-Every reader keeps the values as they are (no range or distinctness check: those are findings, not
-errors) and refuses only what cannot be read at all (a payload whose length is no whole number of
+Every reader keeps the values as they are (no range, distinctness or row-count check: those are findings,
+not errors; SGLang capture's own strict decoder is integrations/sglang/payload.py) and refuses only what
+cannot be read at all (a payload whose length is no whole number of
 rows, token ids that are not a sequence) with a typed error naming the sample and field.
 
 Legend: B samples, S tokens, P prompt columns, R response columns, T rows, C columns, K top-k, M a
@@ -46,6 +47,19 @@ def _per_sample(value: Any, n: int, name: str, fmt: str) -> list[int]:
     if len(values) != n:
         raise TraceFormatError(Where(field=f"{name} ({fmt})"), f"one value or {n} (one per sample)", len(values))
     return values
+
+
+def _per_request(n: int, token_ids: Any, start: Any, start_name: str, keys: Sequence[str] | None,
+                 fmt: str) -> tuple[list[np.ndarray], list[int], list[str]]:
+    """(tokens, starts, keys) of an engine's n per-request outputs: one token sequence per request (or one
+    sequence for one request), the requests' row starts (one value or one each), their keys."""
+    tokens = [token_ids] if _is_one_sequence(token_ids) else list(token_ids)
+    if len(tokens) != n:
+        raise TraceFormatError(Where(field=f"token_ids ({fmt})"), f"{n} token sequences (one per request's routes)",
+                               len(tokens))
+    names = _keys(keys, n, fmt)
+    return ([as_tokens(t, Where(record=names[b], field="token_ids")) for b, t in enumerate(tokens)],
+            _per_sample(start, n, start_name, fmt), names)
 
 
 def _listed(routes: Any) -> list:
@@ -86,15 +100,9 @@ def from_vllm(routed_experts: Any, token_ids: Any, prompt_start: int | Sequence[
     array for one request) with each request's tokens (prompt_token_ids + the completion's token_ids)
     and its `routed_experts_prompt_start`."""
     arrays = _listed(routed_experts)
-    tokens = [token_ids] if _is_one_sequence(token_ids) else list(token_ids)
-    n = len(arrays)
-    if len(tokens) != n:
-        raise TraceFormatError(Where(field="token_ids (vllm)"), f"{n} token sequences (one per routed_experts)", len(tokens))
-    starts = _per_sample(prompt_start, n, "routed_experts_prompt_start", "vllm")
-    names = _keys(keys, n, "vllm")
-    samples = tuple(SampleRoutes(names[b], as_tokens(tokens[b], Where(record=names[b], field="token_ids")),
-                                 as_rows(arrays[b], Where(record=names[b], field="routed_experts")), starts[b])
-                    for b in range(n))
+    tokens, starts, names = _per_request(len(arrays), token_ids, prompt_start, "routed_experts_prompt_start", keys, "vllm")
+    samples = tuple(SampleRoutes(names[b], tokens[b], as_rows(arrays[b], Where(record=names[b], field="routed_experts")),
+                                 starts[b]) for b in range(len(arrays)))
     return RoutesBatch("vllm", samples, LayerAxis.DECODER)
 
 
@@ -106,14 +114,9 @@ def from_sglang(payload: Any, token_ids: Any, start_len: int | Sequence[int] = 0
     The payload does not carry its shape: `num_layers` (the config's num_hidden_layers) and `top_k` say
     it (`moe_replay.audit` passes the model's)."""
     payloads = [payload] if isinstance(payload, (str, bytes, bytearray)) else list(payload)
-    tokens = [token_ids] if _is_one_sequence(token_ids) else list(token_ids)
-    n = len(payloads)
-    if len(tokens) != n:
-        raise TraceFormatError(Where(field="token_ids (sglang)"), f"{n} token sequences (one per payload)", len(tokens))
-    starts = _per_sample(start_len, n, "routed_experts_start_len", "sglang")
-    names = _keys(keys, n, "sglang")
+    tokens, starts, names = _per_request(len(payloads), token_ids, start_len, "routed_experts_start_len", keys, "sglang")
     samples = []
-    for b in range(n):
+    for b in range(len(payloads)):
         where = Where(record=names[b], field="meta_info['routed_experts']")
         raw = payloads[b]
         try:
@@ -125,7 +128,7 @@ def from_sglang(payload: Any, token_ids: Any, start_len: int | Sequence[int] = 0
             raise TraceFormatError(where, f"a multiple of {row} bytes (int32 x {num_layers} layers x top_k {top_k})",
                                    f"{len(data)} bytes")
         rows = np.frombuffer(data, dtype="<i4").reshape(-1, num_layers, top_k).astype(np.int64)
-        samples.append(SampleRoutes(names[b], as_tokens(tokens[b], where.with_(field="token_ids")), rows, starts[b]))
+        samples.append(SampleRoutes(names[b], tokens[b], rows, starts[b]))
     return RoutesBatch("sglang", tuple(samples), LayerAxis.DECODER)
 
 

@@ -29,6 +29,10 @@ class Thresholds:
     window: int = 8
     """Consecutive rows whose mean agreement must reach `window_aligned`, so a short misaligned stretch (a GRPO
     sample given a sibling's routes: the shared prompt agrees, the completion does not) is not averaged away."""
+    window_shift: float = 0.2
+    """Most that a window's rows may agree better read one position off than as they stand. Correct routes:
+    at most -0.2 (adjacent tokens of a random-init model route alike half the time); a stretch after a
+    repeated or dropped row: +0.3 and more."""
     window_aligned: float = 0.6
     """Least mean agreement of any `window` consecutive rows. Correct routes' least window: 0.875 (2 layers of
     top-2: two token-layers of sixteen moved by a near-tie); a sibling's completion in a window: 0.3-0.55."""
@@ -41,12 +45,15 @@ class Thresholds:
     equal rows of a tiny model, 8 experts top-2 over 2 layers, come one at a time)."""
     pattern: float = 0.5
     """Fraction of a sample's rows one explanation (shift, other sample, row edits) must cover."""
-    chance_margin: float = 0.15
+    chance_margin: float = 0.10
     """Agreement above chance (the agreement of independent routings with these expert frequencies)
-    from which unexplained routes count as another model's or weights version's rather than random."""
-    token_consistency: float = 0.10
-    """Least token consistency (mean agreement of rows of one token id, minus chance) of routes a real
-    router chose: random routes measure 0.00 +- 0.02; the tiny models' own routes 0.25-0.6."""
+    from which unexplained routes count as another model's or weights version's rather than random.
+    Random ids: -0.01 to +0.03 above chance; routes of the same model with its router weights moved by
+    half their spread: +0.17 to +0.34."""
+    token_consistency: float = 0.03
+    """Least token consistency (mean agreement of rows of one token id, minus chance; counted from 32
+    same-token pairs) of routes a real router chose. Random ids: -0.004; the tiny models' own routes of
+    corpus text: 0.047 (deepseek_v3) to 0.15."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

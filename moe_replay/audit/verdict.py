@@ -186,6 +186,8 @@ class SampleVerdict:
     verdict: Verdict
     window: float = 1.0
     """The least mean agreement of `Thresholds.window` consecutive rows (the sample's mean when shorter)."""
+    neighbour: float = -1.0
+    """The most a window of rows agrees better read one position off than as it stands."""
 
 
 @dataclass(frozen=True)
@@ -242,6 +244,7 @@ class AuditReport:
             "format": self.format, "ok": self.ok, "verdict": verdict(self.verdict),
             "layer_ids": list(self.layer_ids), "layer_agreement": [round(a, 6) for a in self.layer_agreement],
             "samples": [{"index": s.index, "key": s.key, "agreement": round(s.agreement, 6), "window": round(s.window, 6),
+                         "neighbour": round(s.neighbour, 6),
                          "rows_expected": s.rows_expected,
                          "rows_found": s.rows_found, "verdict": verdict(s.verdict)} for s in self.samples],
             "thresholds": self.thresholds.to_dict(), "forward_s": self.forward_s, "analysis_s": self.analysis_s,

@@ -11,7 +11,7 @@ holds and says which `Cause` the audit must name:
 | `shift_forward`, `shift_back` | the prompt start or the last row counted otherwise: rows one position off | ms-swift #9799 |
 | `other_sample` | an async data-parallel merge hands each sample the next one's routes | AReno #524 |
 | `rows_dropped` | packed replay keeps 3 of every 5 rows (the rest zero) | a Megatron-LM fork's #217 |
-| `rows_duplicated` | a row written twice: every later row one position late | packing |
+| `rows_duplicated` | a row written twice (three quarters in): every later row one position late | packing |
 | `layers_swapped` | MoE layers in reverse order | |
 | `dense_gap` | MoE column j read from decoder layer j (dense layers not skipped) | |
 | `mtp_collision` | one layer's routes overwritten by another router's (an MTP layer under its id) | NeMo-RL #3903 |
@@ -88,7 +88,7 @@ def _rows_dropped(samples, g, ctx):
 def _rows_duplicated(samples, g, ctx):
     def dup(b, s):
         r = s.routes_TLK
-        at = len(r) // 3
+        at = 3 * len(r) // 4  # late: most rows still line up, the sample's mean passes; its windows do not
         return np.concatenate([r[: at + 1], r[at: -1]])
 
     return _with(samples, dup)
