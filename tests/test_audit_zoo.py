@@ -166,3 +166,14 @@ def test_a_few_misaligned_samples_are_named_and_the_rest_pass(zoo):
     report = moe_replay.audit(model, *write(late, "vllm", g)[:2], format="vllm")
     assert report.verdict.cause is Cause.SHIFTED, report.summary()
     assert [s.verdict.cause for s in report.samples] == [Cause.SHIFTED] * 3 + [Cause.ALIGNED] * 3
+
+
+def test_a_batch_forwarded_in_chunks_gives_the_same_routes(zoo):
+    """The audit's forward splits a large batch (verl's whole mini-batch) into chunks of at most
+    max_batch_tokens padded tokens: the same routes as one forward of the batch."""
+    from moe_replay.integrations.hf.audit import free_routes
+
+    name, model, g, fp32, _, _ = zoo
+    tokens = [s.token_ids_S[: 20 + 3 * b] for b, s in enumerate(fp32)]
+    whole, parts = free_routes(model, tokens), free_routes(model, tokens, max_batch_tokens=50)
+    assert all(np.array_equal(np.sort(a, -1), np.sort(b, -1)) for a, b in zip(whole.ids_SLK, parts.ids_SLK))
