@@ -108,6 +108,10 @@ def _configure_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true",
                    help="show every log line, also the vLLM warnings the demo expects and drops by default "
                         "(same as MOE_REPLAY_VERBOSE=1)")
+    p.add_argument("--runner", choices=("auto", "v1", "mrv2"), default="auto",
+                   help="vLLM model runner of the rollout engine: auto = vLLM's choice (vLLM-CPU: V1; GPU builds: Model "
+                        "Runner V2), v1, or mrv2 (on vLLM-CPU: the CPU test bed of a source checkout, Triton's "
+                        "interpreter, slow)")
 
 
 def _parse_arms(text: str) -> dict[str, str]:
@@ -147,6 +151,12 @@ def demo(args: argparse.Namespace) -> int:
         from .expected_logs import VERBOSE_ENV
 
         os.environ[VERBOSE_ENV] = "1"
+    from .integrations.vllm.runner_env import RunnerChoiceError, choose_runner
+
+    try:
+        _log(f"moe-replay demo: rollouts on {choose_runner(args.runner)}")
+    except RunnerChoiceError as e:
+        return _fail("demo", str(e))
     _log(f"moe-replay demo: {len(cfg.arms)} arms x {cfg.steps} steps, {cfg.prompts_per_step}x{cfg.samples_per_prompt} "
          f"rollouts per step, vLLM {cfg.engine_dtype} rollouts -> HF {cfg.trainer_dtype} training"
          + ("; then π_old vs n under the engine-noise instrument (--no-noise skips it)" if cfg.noise else "")

@@ -187,7 +187,7 @@ def test_support_round_trip(rows, vocab, seed):
     sup = random_support(np.random.default_rng(seed), rows, vocab)
     data, params = support_codec.encode(sup, vocab)
     out = support_codec.decode(data, vocab, params)
-    assert out.equals(sup)
+    assert out.equals(sup.canonical(vocab))  # a row of every id comes back kept whole
 
 
 def test_untruncated_rows_cost_almost_nothing():

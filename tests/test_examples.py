@@ -23,6 +23,7 @@ def run(script: str, *args: str) -> str:
 STEP_LINE = re.compile(r"step (\d+): reward (\S+)  mean \|A\| (\S+)  loss (.+?)  grad norm (.+?)  train/rollout k3-KL (\S+)")
 
 
+@pytest.mark.mrv2
 def test_grpo_loop_learns_from_non_zero_advantages():
     """Every step has advantages, a gradient, and (on the second update, ratio != 1) a loss that are not 0."""
     out = run("grpo_loop.py", "--steps", "2", "--preset", "r3_support")
@@ -40,6 +41,7 @@ def test_verl_style_preset():
     assert "'loss'" in run("verl_style_preset.py")
 
 
+@pytest.mark.mrv2
 def test_capture_to_store(tmp_path):
     out = run("capture_to_store.py", str(tmp_path / "traces"))
     assert "6 traces in" in out and (tmp_path / "traces" / "index.bin").exists()

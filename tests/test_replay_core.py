@@ -271,7 +271,7 @@ def test_score_tokens_uses_plan_positions():
     per_row = scores.split(plan)
     t = traces[0]
     for g in range(t.num_generated):
-        row = torch.from_numpy(t.support.row(g).astype(np.int64))
+        row = torch.from_numpy(t.support.kept(g, t.geometry.vocab_size).astype(np.int64))
         x = logits[0, t.prompt_len + g - 1]
         ref = x[t.token_ids_S[t.prompt_len + g]] - torch.logsumexp(x[row], 0)
         torch.testing.assert_close(per_row[0][g], ref)

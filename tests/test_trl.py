@@ -282,7 +282,7 @@ def test_sampled_tokens_inside_their_supports(runs):
         comp = batch["completion_ids"][b][batch["completion_mask"][b].bool()].tolist()
         assert comp == gen.tolist()  # TRL's row b is trace b's completion
         for g, tok in enumerate(gen):
-            row = t.support.row(g)
+            row = t.support.kept(g, t.geometry.vocab_size)
             assert tok in row
             sizes.append(len(row))
     assert min(sizes) < vocab and np.mean(sizes) < vocab  # top_p 0.9 truncated: the support is not the vocab

@@ -126,7 +126,7 @@ def test_old_log_prob_replays_routes_and_support(rollouts, engines):
     for b, t in enumerate(rollouts["traces"]):
         gen = t.token_ids_S[t.prompt_len:]
         for g, tok in enumerate(gen):  # every sampled token lies in its recorded kept set
-            assert tok in t.support.row(g)
+            assert tok in t.support.kept(g, t.geometry.vocab_size)
         lp = old[b, :len(gen)]
         assert torch.isfinite(lp).all() and (lp <= 0).all()
         # renormalised over the kept set: closer to the engine's processed logprobs than full-vocab scoring
@@ -216,7 +216,7 @@ def test_multi_turn_keeps_every_turns_routes(rollouts, engines):
     lp = out.batch["old_log_probs"][0, : n - p1]
     want = full[torch.arange(n - p1), ids].clone()
     for g, p in enumerate(multi.generated_positions()):
-        kept = torch.from_numpy(multi.support.row(g)).long()
+        kept = torch.from_numpy(multi.support.kept(g, multi.geometry.vocab_size)).long()
         want[p - p1] = full[p - p1, ids[p - p1]] - torch.logsumexp(full[p - p1, kept], 0)
     turn1 = torch.arange(t1.num_tokens - p1)  # top_p < 1: turn 1's kept sets change its values too
     assert (want[turn1] != full[turn1, ids[turn1]]).any()
@@ -384,7 +384,7 @@ def test_actor_scores_once_and_the_loss_sees_moe_replays_values(rollouts, engine
         for b, t in enumerate(traces_of(data)):
             gen = torch.from_numpy(t.token_ids_S[t.prompt_len:]).long()
             full = torch.log_softmax(logits_BSV[b, t.prompt_len - 1: t.num_tokens - 1], -1)
-            ref = torch.stack([full[g, tok] - torch.logsumexp(full[g, torch.from_numpy(t.support.row(g)).long()], 0)
+            ref = torch.stack([full[g, tok] - torch.logsumexp(full[g, torch.from_numpy(t.support.kept(g, t.geometry.vocab_size)).long()], 0)
                                for g, tok in enumerate(gen)])
             torch.testing.assert_close(lp_BR[b, :len(gen)], ref, rtol=0, atol=2e-5)
             assert not torch.allclose(lp_BR[b, :len(gen)], full[torch.arange(len(gen)), gen], atol=1e-3)

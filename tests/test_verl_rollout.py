@@ -239,7 +239,7 @@ def test_verls_server_returns_a_trace_per_sample(served):
         assert trace.token_ids_S.tolist() == [*out.prompt_ids, *out.response_ids]
         assert trace.routes_TLK is not None and trace.route_start == 0 and trace.num_route_rows == trace.num_tokens - 1
         gen = trace.token_ids_S[trace.prompt_len:]
-        assert all(tok in trace.support.row(g) for g, tok in enumerate(gen))  # each sampled token in its kept set
+        assert all(tok in trace.support.kept(g, trace.geometry.vocab_size) for g, tok in enumerate(gen))  # each sampled token in its kept set
         np.testing.assert_allclose(trace.logprobs_G, out.response_logprobs, atol=1e-5)  # verl's rollout logprobs
         assert trace.sampling.top_p == pytest.approx(0.9)
 
@@ -285,7 +285,7 @@ def test_multi_turn_sample_keeps_every_turns_routes_and_kept_sets(served, engine
     assert record.prompt_len == p1 and record.spans == ((p1, p1 + n1), (n - n2, n)) and tool > 0
     np.testing.assert_allclose(record.logprobs_G, [*o1.log_probs, *o2.log_probs], atol=1e-5)  # verl's rollout logprobs
     pos = record.generated_positions()
-    assert all(record.token_ids_S[p] in record.support.row(g) for g, p in enumerate(pos))
+    assert all(record.token_ids_S[p] in record.support.kept(g, record.geometry.vocab_size) for g, p in enumerate(pos))
 
     batch = served["pack"]([multi, *served["singles"][:3]])
     engine = engines["r3_support"]
@@ -305,7 +305,7 @@ def test_multi_turn_sample_keeps_every_turns_routes_and_kept_sets(served, engine
     lp_R = out.batch["old_log_probs"][0, : n - p1]
     want_R = full_RV[torch.arange(n - p1), ids_R].clone()  # tool text: the full vocabulary
     for g, p in enumerate(pos):  # both turns' sampled tokens: their own kept sets
-        kept = torch.from_numpy(record.support.row(g)).long()
+        kept = torch.from_numpy(record.support.kept(g, record.geometry.vocab_size)).long()
         want_R[p - p1] = full_RV[p - p1, ids_R[p - p1]] - torch.logsumexp(full_RV[p - p1, kept], 0)
     torch.testing.assert_close(lp_R, want_R, rtol=0, atol=2e-5)
     tool_R = torch.zeros(n - p1, dtype=torch.bool)
@@ -326,7 +326,7 @@ def test_fully_async_client_carries_traces_into_the_actor(served, engines):
     for out in outs:
         trace = decode_trace(out.extra_fields[TRACES_KEY])
         assert trace.token_ids_S.tolist() == [*out.prompt_ids, *out.response_ids] and not trace.multi_span
-        assert all(trace.token_ids_S[p] in trace.support.row(g) for g, p in enumerate(trace.generated_positions()))
+        assert all(trace.token_ids_S[p] in trace.support.kept(g, trace.geometry.vocab_size) for g, p in enumerate(trace.generated_positions()))
         np.testing.assert_allclose(trace.logprobs_G, out.response_logprobs, atol=1e-5)
     _, m = old_log_prob(engines["r3_support"], served["pack"](outs))
     assert _mean(m["moe_replay/route_flip_rate"]) == 0.0

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.mrv2]
 
 from moe_replay.codec.record import encode_trace  # noqa: E402
 from moe_replay.integrations.vllm import CollectError, capture_engine_kwargs  # noqa: E402

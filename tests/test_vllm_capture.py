@@ -193,9 +193,9 @@ def check_against_hf(trace, model_dir, params, *, order_stats=None):
     gen_logits = logits[P - 1 : P - 1 + G]
     ref = reference_support(gen_logits, *params)
     for g in range(G):
-        if RUNNER == "mrv2" and not np.array_equal(trace.support.row(g), ref[g]):
-            ref[g] = near_tie_extension(trace.support.row(g), ref[g], gen_logits[g], params[0])
-        assert np.array_equal(trace.support.row(g), ref[g]), f"{trace.key}: support row {g} differs"
+        if RUNNER == "mrv2" and not np.array_equal(trace.support.kept(g, trace.geometry.vocab_size), ref[g]):
+            ref[g] = near_tie_extension(trace.support.kept(g, trace.geometry.vocab_size), ref[g], gen_logits[g], params[0])
+        assert np.array_equal(trace.support.kept(g, trace.geometry.vocab_size), ref[g]), f"{trace.key}: support row {g} differs"
         assert trace.token_ids_S[P + g] in ref[g]
     t = params[0]
     for g in range(G):
@@ -369,7 +369,7 @@ def test_each_part_alone(engine):
                         assert t.routes_TLK is None
                         P, G = t.prompt_len, t.num_generated
                         ref = reference_support(logits[P - 1 : P - 1 + G], *prm)
-                        assert all(np.array_equal(t.support.row(g), ref[g]) for g in range(G))
+                        assert all(np.array_equal(t.support.kept(g, t.geometry.vocab_size), ref[g]) for g in range(G))
             finally:
                 part.uninstall()
     finally:
@@ -379,7 +379,8 @@ def test_each_part_alone(engine):
 
 def test_support_overflow_policies(engine):
     """Support rows above max_support: 'error' raises SupportOverflowError for that request only;
-    'omit' returns the trace with support=None and says which row overflowed. Never truncated."""
+    'omit' returns the trace with support=None and says which row overflowed. Never truncated. A row
+    that keeps the whole vocabulary (untruncated sampling) never overflows: it is kept whole."""
     family, llm, cap, model_dir = engine
     if family != "qwen3_moe":
         pytest.skip("family-independent; run once")
@@ -388,19 +389,22 @@ def test_support_overflow_policies(engine):
         for policy in ("error", "omit"):
             small = VllmCapture(llm, CaptureConfig(max_support=8, on_support_overflow=policy))
             try:
-                full = sampling_params(1.0, -1, 1.0, 0.0, max_tokens=3)  # full vocabulary kept
+                wide = sampling_params(2.0, -1, 0.99, 0.0, max_tokens=3)  # most of the vocabulary, not all of it
                 greedy = sampling_params(0.0, -1, 1.0, 0.0, max_tokens=3)
-                outs = llm.generate([prompt_text(5, 1), prompt_text(5, 2)], [full, greedy])
+                full = sampling_params(1.0, -1, 1.0, 0.0, max_tokens=3)  # the whole vocabulary kept
+                outs = llm.generate([prompt_text(5, 1), prompt_text(5, 2), prompt_text(5, 3)], [wide, greedy, full])
                 if policy == "error":
                     with pytest.raises(CollectError) as ei:
                         small.collect(outs)
                     assert isinstance(ei.value.failures[outs[0].request_id], SupportOverflowError)
                     assert "max_support=8" in str(ei.value.failures[outs[0].request_id])
-                    assert [t.key for t in ei.value.traces] == [outs[1].request_id]
+                    assert [t.key for t in ei.value.traces] == [outs[1].request_id, outs[2].request_id]
+                    t_full = ei.value.traces[1]
                 else:
-                    t_full, t_greedy = small.collect(outs)
-                    assert t_full.support is None and t_full.extra["support_omitted"]["size"] == 512
-                    assert t_greedy.support is not None and t_full.routes_TLK is not None
+                    t_wide, t_greedy, t_full = small.collect(outs)
+                    assert t_wide.support is None and 8 < t_wide.extra["support_omitted"]["size"] < 512
+                    assert t_greedy.support is not None and t_wide.routes_TLK is not None
+                assert t_full.support.whole_flags().all() and len(t_full.support.ids_N) == 0
             finally:
                 small.uninstall()
     finally:

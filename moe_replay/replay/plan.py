@@ -386,7 +386,8 @@ def _check_trace(trace: RolloutTrace, geometry: ModelGeometry, config: PlanConfi
         sup, gen_G = trace.support, trace.token_ids_S[trace.generated_positions()]
         vocab = geometry.vocab_size
         kept_N = np.repeat(np.arange(sup.num_rows, dtype=np.int64), sup.sizes_G()) * vocab + sup.ids_N
-        missing = np.flatnonzero(~np.isin(np.arange(len(gen_G), dtype=np.int64) * vocab + gen_G, kept_N))
+        missing = np.flatnonzero(~np.isin(np.arange(len(gen_G), dtype=np.int64) * vocab + gen_G, kept_N)
+                                 & ~sup.whole_flags())  # a row kept whole holds every token
         if len(missing):
             g = int(missing[0])
             raise TraceFormatError(

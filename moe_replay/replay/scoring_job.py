@@ -66,7 +66,8 @@ class SupportCSR:
     def from_supports(
         cls, supports: Sequence[SamplingSupport | None], rows_per_support: Sequence[int], device: torch.device | str = "cpu"
     ) -> "SupportCSR":
-        """Concatenate traces' supports (None: that trace's rows keep the whole vocabulary)."""
+        """Concatenate traces' supports (None: that trace's rows keep the whole vocabulary; so do a
+        support's rows flagged in its `whole_G`)."""
         sizes, ids, whole = [], [], []
         for i, (sup, rows) in enumerate(zip(supports, rows_per_support)):
             if sup is None:
@@ -77,7 +78,7 @@ class SupportCSR:
                 raise ScoringInputError(Where(field=f"supports[{i}]"), f"{rows} rows (one per generated token)", f"{sup.num_rows} rows")
             sizes.append(sup.sizes_G().astype(np.int64))
             ids.append(np.asarray(sup.ids_N, dtype=np.int64))
-            whole.append(np.zeros(rows, bool))
+            whole.append(sup.whole_flags())  # rows kept whole (untruncated sampling): scored over V
         size_G = np.concatenate(sizes) if sizes else np.zeros(0, np.int64)
         off = np.zeros(len(size_G) + 1, np.int64)
         np.cumsum(size_G, out=off[1:])

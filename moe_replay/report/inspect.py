@@ -60,7 +60,7 @@ class _Stats:
                 self._encode_sample(trace)
         if trace.support is not None:
             self.parts["support"] += 1
-            sizes = trace.support.sizes_G()
+            sizes = trace.support.kept_sizes_G(trace.geometry.vocab_size)  # rows kept whole count V
             if len(sizes):
                 counts = np.bincount(sizes)
                 if len(counts) > len(self.support_hist):

@@ -158,3 +158,23 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 if PATCHES:
     sys.meta_path.insert(0, _PatchOnImport())
+
+
+def _run_next_sitecustomize() -> None:
+    """Python loads only the first sitecustomize.py on the path; a test's subprocess may carry two
+    beds (tests/cpu_shims, tests/mrv2_bed): run the next one found after this folder too."""
+    import importlib.util as _util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    dirs = [os.path.abspath(p or os.curdir) for p in sys.path]
+    if here not in dirs:
+        return
+    for folder in dirs[dirs.index(here) + 1:]:
+        path = os.path.join(folder, "sitecustomize.py")
+        if os.path.isfile(path) and os.path.abspath(path) != os.path.abspath(__file__):
+            spec = _util.spec_from_file_location(f"sitecustomize_{abs(hash(folder))}", path)
+            spec.loader.exec_module(_util.module_from_spec(spec))
+            return
+
+
+_run_next_sitecustomize()

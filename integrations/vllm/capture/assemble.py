@@ -63,12 +63,17 @@ def merge_stream(outputs: list[Any], n_of: dict[str, int]) -> tuple[list[tuple[s
     return items, missing
 
 
-def support_overflow(key: str, sizes_G: np.ndarray, config: CaptureConfig, prompt_len: int | None = None) -> dict[str, int] | None:
+def support_overflow(key: str, sizes_G: np.ndarray, config: CaptureConfig, prompt_len: int | None = None,
+                     vocab_size: int | None = None) -> dict[str, int] | None:
     """Apply `config.on_support_overflow` to a request's support row sizes (hooks and native sources
-    alike): None when every row fits, the `extra["support_omitted"]` entry under 'omit'; 'error' raises."""
+    alike): None when every row fits, the `extra["support_omitted"]` entry under 'omit'; 'error' raises.
+    A row of `vocab_size` ids never overflows: it is kept whole (SamplingSupport.whole_G), at no cost."""
     if not len(sizes_G) or int(sizes_G.max()) <= config.max_support:  # one reduction when every row fits
         return None
-    g = int(np.flatnonzero(sizes_G > config.max_support)[0])
+    over_G = (sizes_G > config.max_support) & (sizes_G != (-1 if vocab_size is None else vocab_size))
+    if not over_G.any():
+        return None
+    g = int(np.flatnonzero(over_G)[0])
     at = "" if prompt_len is None else f" (position {prompt_len + g})"
     msg = (f"request {key!r}: sampling support of generated token {g}{at} has {int(sizes_G[g])} tokens, "
            f"above CaptureConfig.max_support={config.max_support}")
@@ -170,12 +175,13 @@ def build_trace(
         if config.logprobs:
             logprobs = rec.logprobs_G[:G].copy()
         if config.support:
-            omitted = support_overflow(key, rec.support_sizes_G[:G], config)
+            sizes_G = rec.support_sizes_G[:G]
+            omitted = support_overflow(key, sizes_G, config, vocab_size=geometry.vocab_size)
             if omitted:
                 extra["support_omitted"] = omitted
-            else:
+            else:  # rows of every id hold no ids (sampler_hook.py): kept whole
                 off = rec.support_offsets_G1[: G + 1]
-                support = SamplingSupport(off.copy(), rec.support_ids_N[: off[-1]].copy())
+                support = SamplingSupport(off.copy(), rec.support_ids_N[: off[-1]].copy(), sizes_G == geometry.vocab_size)
     rerouted = None
     if rec.rerouted and config.routes:  # provenance (capture/row_log.py): kept only inside the final sequence
         positions = tuple(p for p in rec.rerouted if p < S - 1)

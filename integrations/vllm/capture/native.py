@@ -162,7 +162,7 @@ def support_from_native(key: str, sampling_mask: Any, gen_G: np.ndarray, prompt_
     if len(rows) != G:
         raise NativeOutputError(w, f"{G} rows (one per generated token)", f"{len(rows)} rows")
     sizes_G = np.fromiter((len(r) for r in rows), dtype=np.int64, count=G)
-    omitted = support_overflow(key, sizes_G, config, prompt_len)
+    omitted = support_overflow(key, sizes_G, config, prompt_len, geometry.vocab_size)
     if omitted:
         return None, {"support_omitted": omitted}
     offsets_G1 = np.zeros(G + 1, dtype=np.int64)
@@ -182,7 +182,7 @@ def support_from_native(key: str, sampling_mask: Any, gen_G: np.ndarray, prompt_
                                 f"{int(sizes_G[g])} ids {np.asarray(rows[g])[:16].tolist()}")
     support = SamplingSupport(offsets_G1, ids_N.astype(np.int32))
     support.validate(geometry.vocab_size, G, w)  # ascending, distinct inside each row
-    return support, {}
+    return support.canonical(geometry.vocab_size), {}  # rows of every id kept whole
 
 
 def logprobs_from_native(key: str, logprobs: Any, gen_G: np.ndarray, prompt_len: int) -> np.ndarray:

@@ -39,7 +39,8 @@ against its recorded row at compute() (one gather); a token outside is counted
 with CaptureAlignmentError naming the row, never a silent wrong support or a -inf logprob.
 
 Only sparse data leaves this module: per row the sorted kept ids (CSR), and the sampled token's
-logprob log softmax(truncated logits)[token]. Rows above max_support keep no ids (policy decides).
+logprob log softmax(truncated logits)[token]. Rows above max_support keep no ids (policy decides);
+so do rows that keep every id (untruncated sampling: kept whole, assemble.py), whatever max_support.
 Greedy rows (temperature 0) have support {argmax} and logprob 0: a point mass.
 
 Shape legend: B rows sampled in one step, R staged rows (many steps), V vocabulary, N kept ids.
@@ -296,7 +297,8 @@ class SupportStage:
             if lp_X is not None:
                 logprobs_R[live] = lp_X
         if self.want_support:
-            counts_R = np.where(sizes_R > self.max_support, 0, sizes_R)
+            listed_R = (sizes_R <= self.max_support) & (sizes_R < self._vocab)  # (a row of every id is kept whole)
+            counts_R = np.where(listed_R, sizes_R, 0)
             if not every:  # a greedy row keeps its one token
                 counts_R = np.where(greedy_R, 1, counts_R)
             np.cumsum(counts_R, out=offsets_R1[1:])
@@ -307,7 +309,7 @@ class SupportStage:
                 g = np.flatnonzero(greedy_R)
                 ids_N[offsets_R1[g]] = tokens_R[g]
             if sparse is not None and sparse[3] is not None and ids_N is not sparse[3]:
-                rows_ok = live[sizes_R[live] <= self.max_support]
+                rows_ok = live[listed_R[live]]
                 c = counts_R[rows_ok]
                 ids_N[np.repeat(offsets_R1[rows_ok], c) + ranks_within(c)] = sparse[3]
         self.rows = 0
@@ -411,7 +413,7 @@ def _kept_numpy(logits_XV: np.ndarray, tok_X: np.ndarray, want_logprobs: bool, w
     cols_M = None
     if want_support:  # rows in order, ids sorted
         cols_N = (flat_N - row_N * V).astype(np.int32)
-        ok_X = sizes_X <= max_support
+        ok_X = (sizes_X <= max_support) & (sizes_X < V)  # a row of every id is kept whole: no ids (assemble.py)
         cols_M = cols_N if ok_X.all() else cols_N[ok_X[row_N]]
     return sizes_X, out_X, lp_X, cols_M
 
@@ -429,7 +431,7 @@ def _kept_torch(logits_RV: torch.Tensor, live: np.ndarray, tok_X: np.ndarray, wa
         lp_X = (logits_XV.gather(1, tok_X1).view(-1) - torch.logsumexp(logits_XV, dim=1)).float().cpu().numpy()
     cols_M = None
     if want_support:
-        ok = torch.from_numpy(sizes_X <= max_support).to(kept_XV.device)
+        ok = torch.from_numpy((sizes_X <= max_support) & (sizes_X < kept_XV.shape[1])).to(kept_XV.device)
         cols_M = kept_XV[ok].nonzero()[:, 1].cpu().numpy().astype(np.int32)  # rows in order, ids sorted
     return sizes_X, out_X, lp_X, cols_M
 
