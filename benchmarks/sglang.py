@@ -73,7 +73,7 @@ def estimator(family: str, model_dir: Path, work: Path, run: bool) -> dict:
     if not run:
         return {"status": "not_run"}
     out = work / "score" / family
-    proc = bed.run_driver(bed.BED / "score_driver.py", out, model_dir, timeout_s=900)
+    proc = bed.run_driver(bed.BED / "score_driver.py", out, model_dir, "--no-hook-engine", timeout_s=900)
     path = out / "summary.json"
     s = json.loads(path.read_text()) if path.exists() else {"error": last_error(proc.stderr)}
     if "error" in s:

@@ -55,6 +55,45 @@ def test_pi_old_on_sglang_through_enable(scored):
     assert np.abs(scores["pi_old"] - scores["own"]).max() <= 1e-9
 
 
-def test_an_engine_without_the_hook_is_refused_by_name(scored):
-    refusal = scored[3]["refusals"]["no_hook"]
-    assert refusal.startswith("SglangScoringError") and "does not force routes" in refusal and "PYTHONPATH=" in refusal
+class Replies:
+    """capture.Transport answering every scoring request with the same logprobs: a scheduler without the hook."""
+
+    where = "canned"
+
+    def __init__(self, radix_off: bool = True):
+        self.radix_off, self.sent = radix_off, []
+
+    def model_config(self):
+        return {"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2,
+                "vocab_size": 64}
+
+    def engine_info(self):
+        from moe_replay.geometry import EngineInfo
+
+        return EngineInfo(name="sglang")
+
+    def radix_cache_disabled(self):
+        return self.radix_off
+
+    def generate(self, fields):
+        self.sent.append(fields)
+        rows = [None] + [[(-1.0, t, None) for t in fields["token_ids_logprob"][0]]] * (len(fields["input_ids"][0]) - 3)
+        return [{"meta_info": {"input_token_ids_logprobs": rows}}]
+
+
+def test_an_engine_that_does_not_force_is_refused_by_name(monkeypatch):
+    """At attach a probe scores one sequence under two routings; equal scores mean no hook: refused, naming the
+    PYTHONPATH that loads it (benchmarks/sglang.py runs the same on a real engine without the hook). The radix cache
+    on is refused before that."""
+    from moe_replay.integrations.sglang import SglangScoringError, scoring
+    from moe_replay.integrations.sglang.force import ROUTES_KEY
+
+    replies = Replies()
+    monkeypatch.setattr(scoring, "transport_for", lambda engine, model, timeout_s: replies)
+    with pytest.raises(SglangScoringError, match=r"does not force routes.*PYTHONPATH=.*integrations/sglang/site"):
+        scoring.SglangScorer("canned")
+    a, b = (f["sampling_params"][0]["custom_params"][ROUTES_KEY]["ids"] for f in replies.sent)
+    assert a != b  # the two probe requests carried different routes
+    monkeypatch.setattr(scoring, "transport_for", lambda engine, model, timeout_s: Replies(radix_off=False))
+    with pytest.raises(SglangScoringError, match="radix cache on"):
+        scoring.SglangScorer("canned")

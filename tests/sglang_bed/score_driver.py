@@ -1,12 +1,13 @@
 """π_old on an `sglang.Engine` with the force hook, run in the bed's venv (bed.run_driver): forced scores to compare.
 
-    .venv/sglang/bin/python tests/sglang_bed/score_driver.py OUT_DIR MODEL_DIR
+    .venv/sglang/bin/python tests/sglang_bed/score_driver.py OUT_DIR MODEL_DIR [--no-hook-engine]
 
 One engine with the radix cache off and the force hook in its processes (MOE_REPLAY_SGLANG_FORCE=1: the bed's
 sitecustomize loads integrations/sglang/force.py): `moe_replay.enable("r3_support_multisample", llm=engine)`
 captures the scenario's rollouts into OUT_DIR/store, then scores them forced under their own routes and under
 shifted routes (every expert id + 1 mod E: routes the engine would not choose), and runs the preset's π_old
-(`mr.pi_old`). A second engine without the hook must be refused by name. Writes OUT_DIR/scores.npz (per trace:
+(`mr.pi_old`). With --no-hook-engine, a second engine without the hook, which SglangScorer must refuse by name
+(the benchmark's check; the tests check the probe on canned replies). Writes OUT_DIR/scores.npz (per trace:
 own, shifted, pi_old) and OUT_DIR/summary.json.
 """
 
@@ -27,6 +28,7 @@ from engine_driver import PROMPTS, SAMPLING, refusal  # noqa: E402
 
 def main() -> None:
     out, model_dir = Path(sys.argv[1]), sys.argv[2]
+    no_hook = "--no-hook-engine" in sys.argv[3:]
     out.mkdir(parents=True, exist_ok=True)
     summary: dict = {}
     t0 = time.monotonic()
@@ -35,7 +37,7 @@ def main() -> None:
         import sglang
 
         import moe_replay
-        from moe_replay.integrations.sglang.scoring import SglangScorer
+        from moe_replay.integrations.sglang.scoring import SglangScorer  # noqa: F401 (--no-hook-engine)
         from moe_replay.store import DirectoryStore
 
         os.environ["MOE_REPLAY_SGLANG_FORCE"] = "1"  # the scheduler this engine spawns loads the hook
@@ -58,12 +60,13 @@ def main() -> None:
             mr.close()
         finally:
             engine.shutdown()
-        os.environ["MOE_REPLAY_SGLANG_FORCE"] = "0"  # an engine whose scheduler has no hook
-        engine = sglang.Engine(model_path=model_dir, **bed.engine_args(disable_radix_cache=True))
-        try:
-            summary["refusals"] = {"no_hook": refusal(lambda: SglangScorer(engine))}
-        finally:
-            engine.shutdown()
+        if no_hook:
+            os.environ["MOE_REPLAY_SGLANG_FORCE"] = "0"  # an engine whose scheduler has no hook
+            engine = sglang.Engine(model_path=model_dir, **bed.engine_args(disable_radix_cache=True))
+            try:
+                summary["refusals"] = {"no_hook": refusal(lambda: SglangScorer(engine))}
+            finally:
+                engine.shutdown()
     except Exception:  # noqa: BLE001 - the test reads it
         summary["error"] = traceback.format_exc()[-4000:]
     summary["seconds"] = round(time.monotonic() - t0, 1)
