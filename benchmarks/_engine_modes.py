@@ -129,6 +129,7 @@ def _preemption(model_dir: str, store, result: dict[str, Any]) -> None:
                   num_gpu_blocks_override=12)
     prompts = [_prompt(30 + 3 * i, seed=50 + i) for i in range(PREEMPT_REQUESTS)]
     sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, ignore_eos=True)
+    result["runner_module"] = type(llm.llm_engine.model_executor.driver_worker.worker.model_runner).__module__
     with VllmCapture(llm, CaptureConfig()) as cap, VllmEngineNoise(llm, EngineNoise(**NOISE), captures=[cap]) as nz:
         store.put_many(_keyed(cap.generate(prompts, sp, use_tqdm=False)[1], "preempt"))
         result["stats"] = cap.stats()
@@ -233,7 +234,8 @@ def evaluate(mode: str, model_dir: str | os.PathLike, out: Path, result: dict[st
         named[r["stale_G"]] = True
         silent += int((r["delta_G"][~named] > TOLERANCE).sum())
         stale_off += int((r["delta_G"][named] > TOLERANCE).sum())
-    return {"preempted_requests": stats["preemptions"], "preempt_route_changes": stats["rerouted"],
+    return {"runner_module": result.get("runner_module"),
+            "preempted_requests": stats["preemptions"], "preempt_route_changes": stats["rerouted"],
             "stale_tokens": stats["stale"], "stale_tokens_off": stale_off, "silent_mismatch": silent,
             "max_abs_logprob_not_stale": float(max(float(r["delta_G"][np.setdiff1d(np.arange(len(r["delta_G"])), r["stale_G"])].max(initial=0.0)) for r in rows)),
             "route_rows_flipped": result["noise"]["route_rows_flipped"],

@@ -4,11 +4,11 @@ its traces replay (prints JSON). Written for the lent GPU machine's vLLM (0.26) 
 Two variants of one tiny qwen2_moe checkpoint (the family vLLM 0.26 runs on MRV2 by default), each in
 a process of its own (vLLM reads VLLM_USE_V2_MODEL_RUNNER once per process):
   mrv2   VLLM_USE_V2_MODEL_RUNNER=1: `engine_runner` says which runner the engine will run, and
-         `capture_engine_kwargs` either adds the native-output flags (a release whose MRV2 returns
-         routed experts, the sampling mask and processed logprobs: 0.32 on) or refuses by name
-         (0.26-0.31: VllmReleaseError naming what their MRV2 lacks). Where it is accepted: an engine
-         under CUDA graphs, capture from the engine's own outputs, HF fp32 replay of the traces.
-  v1     VLLM_USE_V2_MODEL_RUNNER=0: the same through capture's hooks on the V1 runner.
+         `capture_engine_kwargs` either accepts it (a release whose MRV2 has what capture's hooks read,
+         runners/mrv2.py: 0.30 on; no native-output flag is ever added) or refuses by name (0.26-0.29:
+         VllmReleaseError naming `Sampler._sample_random`, which their MRV2 lacks). Where it is
+         accepted: an engine under CUDA graphs, capture by hooks, HF fp32 replay of the traces.
+  v1     VLLM_USE_V2_MODEL_RUNNER=0: the same on the V1 runner.
 Per variant: `engine_runner`, `accepted` (or `refused`: the error's class and message), and where a
 run happened `traces`, `flips` (HF's own routing vs the trace's, token-layers), `token_layers`,
 `max_abs_logprob` (HF fp32 replay vs the bf16 engine: bf16 rounding, not replay), `seconds`.

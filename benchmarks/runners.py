@@ -1,7 +1,7 @@
 """Capture, scoring and the π_old estimator on both vLLM model runners, one row per runner; prints JSON.
 
     python benchmarks/runners.py --json                       # both runners (v1, then mrv2)
-    python benchmarks/runners.py --json --runners mrv2 --quick
+    python benchmarks/runners.py --json --runners v1 --quick --modes ""   # the smallest run (a smoke test)
 
 Each runner runs in a child process of its own environment (tests/runners.py: the V1 runner as vLLM-CPU
 picks it, Model Runner V2 under its test bed, Triton's interpreter; the two never share a process),
@@ -91,7 +91,7 @@ def hf_model(model_dir: str) -> Any:
 
 
 # -- one runner, in its own process -------------------------------------------------------------------
-def child(runner: str, work: Path, quick: bool) -> dict[str, Any]:
+def child(runner: str, work: Path, quick: bool, modes: list[str]) -> dict[str, Any]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import numpy as np
@@ -144,7 +144,7 @@ def child(runner: str, work: Path, quick: bool) -> dict[str, Any]:
         shutdown(llm)
     if runner == "mrv2":
         row["native_equals_hooks"] = _native_vs_v1(model_dir, work)
-    row.update(_modes(work, quick))
+    row.update(_modes(work, modes))
     row["seconds"] = round(time.perf_counter() - t_start, 1)
     return row
 
@@ -221,13 +221,13 @@ def _estimator(llm: Any, hf: Any, quick: bool) -> dict[str, Any]:
             est.append(t1 - t0)
             rec.append(t2 - t1)
             gap = max(gap, float(np.abs(pi_old - recomputed).max()))
-        replicas = mr.preset.estimator.num_samples if hasattr(mr.preset.estimator, "num_samples") else None
+        replicas = mr.preset.estimator.config.n
     e, r = statistics.median(est), statistics.median(rec)
     return {"estimator_vs_recompute": round(e / r, 3), "estimator_s": round(e, 4), "recompute_s": round(r, 4),
             "estimator_max_abs_vs_recompute": gap, "estimator_replicas": replicas, "estimator_rounds": rounds}
 
 
-def _modes(work: Path, quick: bool) -> dict[str, Any]:
+def _modes(work: Path, wanted: list[str]) -> dict[str, Any]:
     import importlib.util
 
     from moe_replay.models import build_tiny_model
@@ -237,7 +237,7 @@ def _modes(work: Path, quick: bool) -> dict[str, Any]:
     spec.loader.exec_module(modes)
     out: dict[str, Any] = {}
     for mode, family in (("speculative", "qwen3_moe"), ("preemption", "mixtral")):
-        if quick and mode == "speculative":
+        if mode not in wanted:
             continue
         try:
             model = build_tiny_model(family, work / f"mode-{mode}" / family, seed=0)
@@ -256,14 +256,14 @@ def _modes(work: Path, quick: bool) -> dict[str, Any]:
 
 
 # -- the parent: one child per runner ---------------------------------------------------------------
-def run_runner(runner: str, work: Path, quick: bool) -> dict[str, Any]:
+def run_runner(runner: str, work: Path, quick: bool, modes: str) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     from tests.runners import mrv2_env, v1_env
 
     env = mrv2_env() if runner == "mrv2" else v1_env()
     out = work / runner / "row.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", runner, "--work", str(work / runner)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", runner, "--work", str(work / runner), "--modes", modes]
     if quick:
         cmd.append("--quick")
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
@@ -276,12 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the JSON (the default output; kept for scripts)")
     ap.add_argument("--runners", default="v1,mrv2", help="comma-separated: v1, mrv2 (v1 first: mrv2 compares with it)")
-    ap.add_argument("--quick", action="store_true", help="fewer estimator rounds, no speculative mode")
+    ap.add_argument("--quick", action="store_true", help="2 estimator rounds instead of 5")
+    ap.add_argument("--modes", default="speculative,preemption", help="engine modes per runner ('' for none)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        row = child(args.child, Path(args.work), args.quick)
+        row = child(args.child, Path(args.work), args.quick, [m for m in args.modes.split(",") if m])
         (Path(args.work) / "row.json").write_text(json.dumps(row))
         return 0
     import vllm  # noqa: F401  (the version, read without starting anything)
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"--runners: expected v1 and/or mrv2, found {bad}")
     with tempfile.TemporaryDirectory(prefix="runners-") as tmp:
-        rows = [run_runner(r, Path(tmp), args.quick) for r in runners]
+        rows = [run_runner(r, Path(tmp), args.quick, args.modes) for r in runners]
     out = {"vllm": vllm.__version__, "torch": torch.__version__, "device": "cpu", "rows": rows,
            "wall_seconds": round(time.perf_counter() - t0, 1)}
     print(json.dumps(out, indent=1))

@@ -43,6 +43,7 @@ CASES: dict[str, tuple[list[str], str, tuple]] = {
     "trl_grpo": (["--steps", "2", "--repeats", "1"], "steps", (vllm, slow)),
     "verl_fsdp": (["--steps", "2", "--prompts", "4"], "steps", (vllm, slow)),  # medians skip step 1; prompts: a multiple of the micro batch (4)
     "megatron_native": (["--no-ranks", "--rounds", "1", "--hidden", "16", "--tokens", "8", "--batch", "2"], "configs", (slow,)),
+    "runners": (["--runners", "v1", "--quick", "--modes", ""], "rows", (vllm, slow)),  # both runners: test_vllm_runners.py
     "audit": (["--families", "qwen3_moe", "--samples", "4", "--tokens", "24", "--engines", "hf", "--repeats", "1",
                "--cost-size", "tiny", "--cost-batch", "2", "--cost-tokens", "32"], "faults", (slow,)),
     "sglang": (["--families", "qwen3_moe", "--max-new-tokens", "4", "--estimator-families", ""], "families",

@@ -151,13 +151,16 @@ def test_plan_and_trainers_leave_stale_tokens_out_of_the_loss():
 
 
 @pytest.mark.vllm
-def test_preempted_requests_replay_exactly_or_are_masked_by_name(tiny_model, tmp_path):
+@pytest.mark.mrv2
+def test_preempted_requests_replay_exactly_or_are_masked_by_name(tiny_model, tmp_path, runner):
+    """On the session's runner (the MRV2 session's environment reaches the mode's child process)."""
     pytest.importorskip("vllm")
     spec = importlib.util.spec_from_file_location("engine_modes", ROOT / "benchmarks" / "_engine_modes.py")
     modes = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(modes)
     model_dir = tiny_model("mixtral")
     row = modes.run("preemption", model_dir, tmp_path)
+    assert row["runner_module"] == {"v1": "vllm.v1.worker.cpu_model_runner", "mrv2": "vllm.v1.worker.cpu.model_runner"}[runner]
     assert row["preempted_requests"] > 0, row
     assert row["preempt_route_changes"] > 0 and row["stale_tokens"] > 0, row  # the noise made a re-prefill reroute
     assert row["silent_mismatch"] == 0, row  # every token HF does not reproduce is named stale

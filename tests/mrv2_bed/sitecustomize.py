@@ -95,21 +95,16 @@ else:
     sys.meta_path.insert(0, _AfterImport())
 
 
+
 def _run_next_sitecustomize() -> None:
-    """Python loads only the first sitecustomize.py on the path; a test's subprocess may carry two
-    beds (tests/cpu_shims, tests/mrv2_bed): run the next one found after this folder too."""
+    """The next bed's sitecustomize too (tests/mrv2_bed/site_chain.py says why)."""
     import importlib.util as _util
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    dirs = [os.path.abspath(p or os.curdir) for p in sys.path]
-    if here not in dirs:
-        return
-    for folder in dirs[dirs.index(here) + 1:]:
-        path = os.path.join(folder, "sitecustomize.py")
-        if os.path.isfile(path) and os.path.abspath(path) != os.path.abspath(__file__):
-            spec = _util.spec_from_file_location(f"sitecustomize_{abs(hash(folder))}", path)
-            spec.loader.exec_module(_util.module_from_spec(spec))
-            return
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site_chain.py")
+    spec = _util.spec_from_file_location("moe_replay_site_chain", path)
+    chain = _util.module_from_spec(spec)
+    spec.loader.exec_module(chain)
+    chain.run_next_sitecustomize(__file__)
 
 
 _run_next_sitecustomize()
