@@ -610,7 +610,7 @@ def test_step_bracket_hands_the_step_to_the_sampler_or_to_after_unsampled():
         def __init__(self):
             self.returns = None
 
-        def execute_model(self, scheduler_output):
+        def execute_model(self, scheduler_output, dummy_run=False):
             return self.returns
 
     class Sampled:  # files in its sampler: takes `scheduled` there
@@ -650,6 +650,9 @@ def test_step_bracket_hands_the_step_to_the_sampler_or_to_after_unsampled():
     assert bracket.scheduled is None and sampled.unsampled == [second]  # no sampler follows: filed now
     assert plain.seen == [("before_step", first), ("after_forward", first),
                           ("before_step", second), ("after_forward", second)]  # no _model_forward here
+    runner.returns = None  # Model Runner V2's dummy runs (warm-up, profile, an idle DP rank) go through
+    assert runner.execute_model(SimpleNamespace(name="dummy"), dummy_run=True) is None  # execute_model: no step
+    assert bracket.scheduled is None and len(plain.seen) == 4 and sampled.unsampled == [second]
     bracket.remove(sampled)
     bracket.remove(plain)
     assert "execute_model" not in runner.__dict__ and runner_state(runner).bracket is None

@@ -191,6 +191,9 @@ class StepBracket:
 
         def make_execute(orig):
             def execute_model(scheduler_output, *args, **kwargs):
+                if kwargs.get("dummy_run"):  # Model Runner V2's warm-up / profile / idle-DP runs: no engine step
+                    self.scheduled = None
+                    return orig(scheduler_output, *args, **kwargs)
                 views.current = None  # a new step: no layout taken yet
                 self.scheduled = scheduler_output
                 for lst in on["before_step"]:
