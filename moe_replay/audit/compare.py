@@ -21,17 +21,29 @@ def num_words(num_experts: int) -> int:
 
 
 def masks(ids_NLK: np.ndarray, num_experts: int) -> np.ndarray:
-    """uint64 [N, L, W]: each row-layer's expert set."""
-    ids = np.asarray(ids_NLK, dtype=np.int64)
-    w_count = num_words(num_experts)
-    out = np.zeros(ids.shape[:-1] + (w_count,), dtype=np.uint64)
-    valid = (ids >= 0) & (ids < num_experts)
-    bit = np.left_shift(np.uint64(1), (ids % 64).astype(np.uint64))
-    word = ids // 64
-    for w in range(w_count):
-        sel = valid & (word == w)
-        out[..., w] = np.bitwise_or.reduce(np.where(sel, bit, np.uint64(0)), axis=-1)
+    """uint64 [N, L, W]: each row-layer's expert set: column by column, each id's bits looked up in a table of
+    E + 1 rows (the last, zero, for ids out of range) and ORed in. ~29 ns an id on one core (a reduce over
+    the short last axis took 2.5x that and led the audit's comparison at 48 layers)."""
+    ids = np.asarray(ids_NLK)
+    table = _bit_table(num_experts)
+    out = np.zeros(ids.shape[:-1] + (table.shape[1],), dtype=np.uint64)
+    for k in range(ids.shape[-1]):
+        col = ids[..., k]
+        out |= table[np.where((col >= 0) & (col < num_experts), col, num_experts)]
     return out
+
+
+_TABLES: dict[int, np.ndarray] = {}
+
+
+def _bit_table(num_experts: int) -> np.ndarray:
+    """uint64 [E + 1, W]: row e has bit e set (row E, for ids out of range, none)."""
+    if num_experts not in _TABLES:
+        table = np.zeros((num_experts + 1, num_words(num_experts)), dtype=np.uint64)
+        e = np.arange(num_experts)
+        table[e, e // 64] = np.left_shift(np.uint64(1), (e % 64).astype(np.uint64))
+        _TABLES[num_experts] = table
+    return _TABLES[num_experts]
 
 
 def overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -48,12 +60,19 @@ def codes(mask_NLW: np.ndarray) -> np.ndarray:
     return code
 
 
-def expert_frequencies(mask_NLW: np.ndarray, num_experts: int) -> np.ndarray:
-    """float [L, E]: per layer, the fraction of rows whose set holds expert e."""
-    n = max(mask_NLW.shape[0], 1)
-    e_idx = np.arange(num_experts)
-    bits_NLE = (mask_NLW[..., e_idx // 64] >> (e_idx % 64).astype(np.uint64)) & np.uint64(1)
-    return bits_NLE.sum(0, dtype=np.float64) / n
+def bits(mask_NLW: np.ndarray, num_experts: int) -> np.ndarray:
+    """uint8 [N, L, E]: the sets as 0/1 per expert (the words' bytes unpacked, little-endian bit order)."""
+    flat = np.ascontiguousarray(mask_NLW).astype("<u8", copy=False).view(np.uint8)
+    return np.unpackbits(flat, axis=-1, bitorder="little")[..., :num_experts]
+
+
+def expert_frequencies(mask_NLW: np.ndarray, num_experts: int, chunk: int = 4096) -> np.ndarray:
+    """float [L, E]: per layer, the fraction of rows whose set holds expert e (rows unpacked `chunk` at a time)."""
+    n = mask_NLW.shape[0]
+    counts = np.zeros((mask_NLW.shape[1], num_experts), dtype=np.int64)
+    for lo in range(0, n, chunk):
+        counts += bits(mask_NLW[lo: lo + chunk], num_experts).sum(0, dtype=np.int64)
+    return counts / max(n, 1)
 
 
 def chance_agreement(given_NLW: np.ndarray, own_NLW: np.ndarray, num_experts: int, top_k: int) -> float:
@@ -69,21 +88,23 @@ def token_consistency(mask_NLW: np.ndarray, tokens_N: np.ndarray, num_experts: i
                       min_pairs: int = 32) -> float | None:
     """How much more rows of one token id agree than chance: mean agreement over pairs of rows with the
     same token (per layer) minus the agreement of random pairs (sum_e f(e)^2 / K). Real routers route a
-    token alike wherever it stands (0.25-0.6 on the tiny models); random ids do not (0.00 +- 0.02).
-    None when fewer than `min_pairs` same-token pairs exist."""
+    token alike wherever it stands (0.047-0.15 on the tiny models' corpus text); random ids do not
+    (-0.004). None when fewer than `min_pairs` same-token pairs exist."""
     if len(tokens_N) < 2:
         return None
     _, inverse, counts = np.unique(tokens_N, return_inverse=True, return_counts=True)
     pairs = float((counts * (counts - 1) // 2).sum())
     if pairs < min_pairs:
         return None
-    n, l_count = mask_NLW.shape[:2]
-    e_idx = np.arange(num_experts)
+    repeated = counts[inverse] >= 2  # only rows whose token comes again make pairs
+    _, inverse, counts = np.unique(tokens_N[repeated], return_inverse=True, return_counts=True)
+    rows_NLW = mask_NLW[repeated][np.argsort(inverse, kind="stable")]
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    l_count = mask_NLW.shape[1]
     same = 0.0
-    for layer in range(l_count):
-        bits_NE = ((mask_NLW[:, layer, e_idx // 64] >> (e_idx % 64).astype(np.uint64)) & np.uint64(1)).astype(np.int64)
-        per_token_E = np.zeros((len(counts), num_experts), dtype=np.int64)
-        np.add.at(per_token_E, inverse, bits_NE)
+    for layer in range(l_count):  # rows grouped by token, each group's expert counts summed in one reduceat
+        bits_NE = bits(rows_NLW[:, layer: layer + 1], num_experts)[:, 0].astype(np.int32)
+        per_token_E = np.add.reduceat(bits_NE, starts, axis=0).astype(np.int64)
         same += float((per_token_E * (per_token_E - 1) // 2).sum())
     same /= pairs * l_count * top_k
     f = expert_frequencies(mask_NLW, num_experts)

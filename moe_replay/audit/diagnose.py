@@ -38,15 +38,16 @@ from .thresholds import THRESHOLDS, Thresholds
 from .verdict import (Aligned, AuditReport, Cause, LayerMismatch, OtherSample, RowEdits, SampleVerdict, Shifted,
                       Unexplained, Verdict)
 
-PAIR_BUDGET = 8_000_000
-"""Most candidate row pairs the row search forms (equal expert sets at one layer); a layer whose pairs
-would pass it is skipped (8 experts top-2 has 28 sets: a 4,096-row batch pairs ~600k rows per layer)."""
+PAIR_BUDGET = 16_000_000
+"""Most candidate row pairs the row search forms (pairs with equal expert sets at a layer, over the layers
+it uses: the most telling first, 128 MiB of keys at most); 8 experts top-2 has 28 sets, so a 4,096-row
+batch pairs ~600k rows a layer, while at 128 experts top-8 a row pairs with a handful."""
 MAX_LISTED = 64
+"""Positions a RowEdits verdict lists at most."""
 LAYER_WIDE = 0.9
 """A layer's fault shows in every sample: a failing layer must fail in this share of the samples and a
 passing layer pass in it, else the rows of some samples are off (three of six samples one token late
 fail every layer and leave the layers' pooled agreement either side of `aligned`)."""
-"""Positions a RowEdits verdict lists at most."""
 
 
 @dataclass
@@ -291,17 +292,18 @@ def _row_sources(given: list[np.ndarray], own: list[np.ndarray], expected_N: np.
     g_NLW, o_MLW = np.concatenate(given), np.concatenate(own)
     n, m, l_count = len(g_NLW), len(o_MLW), g_NLW.shape[1]
     cg_NL, co_ML = codes(g_NLW), codes(o_MLW)
-    keys, used = [], 0
+    spans = []
     for layer in range(l_count):
         order = np.argsort(co_ML[:, layer], kind="stable")
         sorted_codes = co_ML[order, layer]
         lo = np.searchsorted(sorted_codes, cg_NL[:, layer], "left")
-        hi = np.searchsorted(sorted_codes, cg_NL[:, layer], "right")
-        counts = hi - lo
-        total = int(counts.sum())
-        if total > PAIR_BUDGET:
-            continue  # too few distinct sets at this layer to tell rows apart
-        used += 1
+        counts = np.searchsorted(sorted_codes, cg_NL[:, layer], "right") - lo
+        spans.append((int(counts.sum()), order, lo, counts))
+    keys, used, total_pairs = [], 0, 0
+    for total, order, lo, counts in sorted(spans, key=lambda x: x[0]):  # the most telling layers first
+        if total_pairs + total > PAIR_BUDGET:
+            break
+        used, total_pairs = used + 1, total_pairs + total
         g_idx = np.repeat(np.arange(n, dtype=np.int64), counts)
         starts = np.repeat(lo - (np.cumsum(counts) - counts), counts)
         keys.append(g_idx * m + order[starts + np.arange(total)])
