@@ -80,8 +80,10 @@ def test_multisample_pi_old_is_the_engine_score_on_a_deterministic_cpu_engine(re
         assert s["k3_kl"] == pytest.approx(r["k3_kl"], rel=1e-6)
 
 
+@pytest.mark.mrv2
 def test_cli_demo_writes_report_plots_and_page(tmp_path, capsys):
-    """--no-noise: no engine-noise section anywhere (report, summary line, page, plots)."""
+    """--no-noise: no engine-noise section anywhere (report, summary line, page, plots). On the session's runner
+    (bf16 rollouts, weights synced every step: the MRV2 session runs it on Model Runner V2)."""
     from moe_replay.cli import main
 
     out = tmp_path / "demo"

@@ -65,35 +65,57 @@ def _fix_masks(interpreter) -> None:
     builder.create_masked_load, builder.create_masked_store = create_masked_load, create_masked_store
 
 
+def _report_runner(module) -> None:
+    """MOE_REPLAY_RUNNER_PROBE=<file>: each CPUModelRunner (MRV2's) built appends its class to the file, so a
+    test can see which runner a child process ran (vLLM's log line depends on its logging settings)."""
+    path = os.environ.get("MOE_REPLAY_RUNNER_PROBE")
+    cls = getattr(module, "CPUModelRunner", None)
+    if not path or cls is None:
+        return
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        with open(path, "a") as f:
+            f.write(f"{type(self).__module__}.{type(self).__name__}\n")
+
+    cls.__init__ = __init__
+
+
+AFTER_IMPORT = {_TARGET: _fix_range, "vllm.v1.worker.cpu.model_runner": _report_runner}
+"""Module -> what to do with it right after it is first imported."""
+
+
 class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds `triton.runtime.interpreter` with the normal finders, runs it, then applies the fix."""
+    """Finds the AFTER_IMPORT modules with the normal finders, runs them, then applies their fixes."""
 
     def find_spec(self, name, path=None, target=None):
-        if name != _TARGET:
+        if name not in AFTER_IMPORT:
             return None
         for finder in sys.meta_path:
             if finder is self:
                 continue
             spec = getattr(finder, "find_spec", lambda *a: None)(name, path, target)
             if spec is not None:
-                self._inner = spec.loader
-                spec.loader = self
+                inner = spec.loader
+
+                class _Loader(importlib.abc.Loader):
+                    def create_module(self, spec):
+                        return inner.create_module(spec)
+
+                    def exec_module(self, module):
+                        inner.exec_module(module)
+                        AFTER_IMPORT[name](module)
+
+                spec.loader = _Loader()
                 return spec
         return None
 
-    def create_module(self, spec):
-        return self._inner.create_module(spec)
 
-    def exec_module(self, module):
-        self._inner.exec_module(module)
-        _fix_range(module)
-
-
-if _TARGET in sys.modules:
-    _fix_range(sys.modules[_TARGET])
-else:
-    sys.meta_path.insert(0, _AfterImport())
-
+for _name, _fix in AFTER_IMPORT.items():
+    if _name in sys.modules:
+        _fix(sys.modules[_name])
+sys.meta_path.insert(0, _AfterImport())
 
 
 def _run_next_sitecustomize() -> None:

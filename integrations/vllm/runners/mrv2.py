@@ -155,7 +155,9 @@ class Mrv2Port(RunnerPort):
                 else:
                     kwargs[flag] = False
                 sampled, truncated = orig(*args, **kwargs)
-                support.stage(truncated)
+                # fp32 where any request needs processing (apply_sampling_params copies), else the model's raw
+                # logits (bf16 on a bf16 engine): the stage holds one dtype, and fp32 holds bf16 exactly
+                support.stage(truncated if truncated.dtype == torch.float32 else truncated.float())
                 return sampled, truncated
 
             return _sample_random
