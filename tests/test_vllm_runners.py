@@ -123,27 +123,6 @@ def test_the_estimator_and_forced_scoring_equal_the_trainers_replay(engine, hf):
     assert np.abs(got - logp_G).max() < 1e-4
 
 
-def test_a_bf16_engine_with_steps_that_need_no_sampling_work(model_dir):
-    """A bf16 engine whose steps alternate between needing sampling work (a top-p request: MRV2 copies the
-    logits to fp32) and needing none (only an untruncated request left: MRV2 hands over the raw bf16
-    logits): every trace complete, its tokens inside their kept sets, the untruncated one kept whole."""
-    from vllm import SamplingParams
-
-    llm = make(model_dir, dtype="bfloat16")
-    try:
-        with VllmCapture(llm) as cap:
-            _, (plain, top_p) = cap.generate(
-                [prompt_text(8, seed=70), prompt_text(9, seed=71)],
-                [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True),
-                 SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, ignore_eos=True)], use_tqdm=False)
-            st = cap.stats()
-    finally:
-        shutdown(llm)
-    assert st["support_misses"] == 0 and plain.num_generated == 8 and top_p.num_generated == 3
-    assert plain.support.whole_flags().all() and not top_p.support.whole_flags().any()
-    assert plain.engine.dtype == "bfloat16" and np.isfinite(plain.logprobs_G).all()
-
-
 # -- Model Runner V2 against the V1 runner and against vLLM's own outputs -------------------------------
 _V1_CAPTURE = """
 import json, os, sys
@@ -243,6 +222,27 @@ def test_vllms_own_outputs_on_mrv2_equal_the_hooks(model_dir, v1_traces, runner)
 
 # -- engines of their own (after every test of the module's engine: in-process engines share vLLM's
 #    process-wide parallel state, which shutting one down clears) ------------------------------------
+def test_a_bf16_engine_with_steps_that_need_no_sampling_work(model_dir):
+    """A bf16 engine whose steps alternate between needing sampling work (a top-p request: MRV2 copies the
+    logits to fp32) and needing none (only an untruncated request left: MRV2 hands over the raw bf16
+    logits): every trace complete, its tokens inside their kept sets, the untruncated one kept whole."""
+    from vllm import SamplingParams
+
+    llm = make(model_dir, dtype="bfloat16")
+    try:
+        with VllmCapture(llm) as cap:
+            _, (plain, top_p) = cap.generate(
+                [prompt_text(8, seed=70), prompt_text(9, seed=71)],
+                [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True),
+                 SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, ignore_eos=True)], use_tqdm=False)
+            st = cap.stats()
+    finally:
+        shutdown(llm)
+    assert st["support_misses"] == 0 and plain.num_generated == 8 and top_p.num_generated == 3
+    assert plain.support.whole_flags().all() and not top_p.support.whole_flags().any()
+    assert plain.engine.dtype == "bfloat16" and np.isfinite(plain.logprobs_G).all()
+
+
 def test_capture_and_forcing_in_compiled_mode(model_dir, hf, runner):
     """vLLM's default compiled forward (enforce_eager=False): capture by the load-time step buffer and
     forced scoring by the load-time forcing step are exact. (The V1 runner's compiled tests:
