@@ -31,6 +31,11 @@ read (`rows_of`), so taking a step's rows inside the engine's step runs no numpy
 object with a Python __init__ (a tuple: see HostRing for why)."""
 
 
+GREEDY_EPS = 1e-5
+"""Below this temperature a row is greedy: a point mass at its token (vllm.v1.sample.sampler._SAMPLING_EPS;
+Model Runner V2 treats exactly 0.0 so). The stage (capture/sampler_hook.py) and both runner ports read it."""
+
+
 def rows_of(x: "np.ndarray | RingRows") -> np.ndarray:
     """The rows a StepLayout field or a slots value stands for (a view of its ring, or the array)."""
     return x[0][x[1] : x[2]] if type(x) is tuple else x

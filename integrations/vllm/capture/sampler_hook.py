@@ -57,11 +57,10 @@ import numpy as np
 import torch
 
 from ..errors import CaptureHookError
-from ..step import copy_from_addresses
+from ..step import GREEDY_EPS, copy_from_addresses
 from ..timings import PartTimes, Tally
 from .row_log import ranks_within
 
-_SAMPLING_EPS = 1e-5  # vllm.v1.sample.sampler._SAMPLING_EPS: below it a row is greedy
 _NUMPY_OF = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
              torch.bfloat16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
 """Host tensor dtypes `_host_numpy` views (bf16 as its int16 bits, widened by `_host_array`)."""
@@ -438,8 +437,8 @@ def _kept_torch(logits_RV: torch.Tensor, live: np.ndarray, tok_X: np.ndarray, wa
 
 def _greedy_rows(commits: list[tuple[int, bool, float | np.ndarray]], R: int) -> np.ndarray:
     """bool [R]: rows whose sample was an argmax (nothing staged, or temperature below epsilon)."""
-    if all(staged and isinstance(t, float) and t >= _SAMPLING_EPS for _, staged, t in commits):
+    if all(staged and isinstance(t, float) and t >= GREEDY_EPS for _, staged, t in commits):
         return np.zeros(R, dtype=bool)  # the common case: every step all random
-    parts = [np.full(b, not staged or t < _SAMPLING_EPS) if isinstance(t, float) else t < _SAMPLING_EPS
+    parts = [np.full(b, not staged or t < GREEDY_EPS) if isinstance(t, float) else t < GREEDY_EPS
              for b, staged, t in commits]  # per-row temperatures come only from staged (mixed) steps
     return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)

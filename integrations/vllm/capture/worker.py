@@ -233,13 +233,14 @@ class WorkerCapture:
         self.step_hooks = (("before_step",) if self.routes is not None and self.routes.arm_before else ()) \
             + self._file_hook
         """The StepBracket hooks this listener runs (patch.py)."""
+        self._patches = None
         try:
             self._patches, self._bracket = patch_runner(runner, self)
             self.views = self._bracket.views
             if self.slot_cache is not None:
                 self.port.enable_slots(self._patches, self.kv_group)
         except Exception:
-            if hasattr(self, "_patches"):
+            if self._patches is not None:
                 self._patches.undo()
             if self.routes is not None:
                 self.routes.uninstall()

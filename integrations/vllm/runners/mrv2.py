@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..errors import CaptureHookError
-from ..step import SpecRows, StepLayout, kv_slots
+from ..step import GREEDY_EPS, SpecRows, StepLayout, kv_slots
 from .base import RunnerPort, require
 
 FUSED_FLAGS = ("use_fused_sampler", "use_flashinfer")
@@ -302,11 +302,7 @@ def _file_spec_step(capture: Any, input_batch: Any, sampled_BJ: torch.Tensor, nu
     tokens_X1 = torch.from_numpy(out_BJ[b_X, j_X].astype(np.int64)).view(-1, 1)
     temps_X = np.repeat(temps_B, emitted_B)
     rows_XV = None
-    if verified and (temps_X >= _GREEDY).any():
+    if verified and (temps_X >= GREEDY_EPS).any():
         target_RV = verified[0] if len(verified) == 1 else torch.cat(verified)
         rows_XV = target_RV[torch.from_numpy(cu_B1[:-1][b_X] + j_X).to(target_RV.device)]
     capture.after_spec_step(SpecRows(drafts_B, emitted_B), rows_XV, tokens_X1, temps_X if rows_XV is not None else 0.0)
-
-
-_GREEDY = 1e-5
-"""Below it a row is greedy (capture/sampler_hook.py's _SAMPLING_EPS; MRV2 itself treats exactly 0.0 so)."""

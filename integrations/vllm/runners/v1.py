@@ -248,13 +248,10 @@ class V1Port(RunnerPort):
         return int(self.runner.input_batch.num_reqs)
 
 
-_SAMPLING_EPS = 1e-5  # vllm.v1.sample.sampler._SAMPLING_EPS: below it a row is greedy (capture/sampler_hook.py)
-
-
 def _temperatures(support: Any, sampling_metadata: Any) -> "float | np.ndarray":
     """The step's temperatures as capture commits them: 0 where the truncation never ran (every row
     greedy), 1 where every row is random at temperature 1 (`all_random` or none given), else a copy
-    of the per-row tensor (a persistent buffer: greedy rows below _SAMPLING_EPS)."""
+    of the per-row tensor (a persistent buffer: greedy rows below step.GREEDY_EPS)."""
     if not support.staged:
         return 0.0
     if sampling_metadata.all_random or sampling_metadata.temperature is None:

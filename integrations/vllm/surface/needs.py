@@ -170,7 +170,7 @@ V1: tuple[Need, ...] = (
     Need("vllm.v1.sample.sampler", "Sampler.forward", part="capture", params=("logits", "sampling_metadata"), leading=2,
          why="patch.py make_sampler: forward(logits, sampling_metadata, ...)"),
     Need("vllm.v1.sample.sampler", "_SAMPLING_EPS", part="capture",
-         why="capture/sampler_hook.py _SAMPLING_EPS mirrors it: below it a row is greedy"),
+         why="step.py GREEDY_EPS mirrors it: below it a row is greedy"),
     Need("vllm.v1.outputs", "SamplerOutput", part="capture", attrs=("sampled_token_ids",),
          why="patch.py make_sampler: out.sampled_token_ids"),
     Need("vllm.v1.sample.metadata", "SamplingMetadata", part="capture", attrs=("all_random", "temperature"),
