@@ -281,6 +281,21 @@ def test_bench_timeout_is_a_recorded_failure(tmp_path, capsys):
     assert result["failed"] and "timed out" in result["error"]
 
 
+def test_bench_children_start_a_world_of_their_own(tmp_path, monkeypatch, capsys):
+    """A parent that ran a trainer in-process keeps its group listening at MASTER_PORT (TRL sets it):
+    a benchmark that inherited it failed to bind its own group (EADDRINUSE)."""
+    d = tmp_path / "benchmarks"
+    d.mkdir()
+    (d / "world.py").write_text("import json, os\nprint(json.dumps({k: os.environ.get(k) for k in "
+                                "('MASTER_ADDR', 'MASTER_PORT', 'RANK', 'WORLD_SIZE', 'OTHER')}))\n")
+    for var, val in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29781", "RANK": "0", "WORLD_SIZE": "1",
+                     "OTHER": "kept"}.items():
+        monkeypatch.setenv(var, val)
+    assert main(["bench", "--benchmarks-dir", str(d)]) == 0
+    seen = json.loads(capsys.readouterr().out)["world"]
+    assert seen == {"MASTER_ADDR": None, "MASTER_PORT": None, "RANK": None, "WORLD_SIZE": None, "OTHER": "kept"}
+
+
 def test_bench_bad_arguments_exit_2(bench_dir, tmp_path, capsys):
     assert main(["bench", "--benchmarks-dir", str(bench_dir), "--only", "store,estimator"]) == 2
     err = capsys.readouterr().err

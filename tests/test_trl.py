@@ -341,15 +341,13 @@ def test_example_runs():
     from pathlib import Path
 
     import os
-    import socket
+
+    from moe_replay.report.bench import fresh_world_env
 
     script = Path(__file__).resolve().parent.parent / "examples" / "trl_grpo.py"
     # The trainers above left this process's process group (TRL's colocated vLLM) listening on
-    # MASTER_PORT, which the child would inherit and fail to bind: give it a free port of its own.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    # MASTER_PORT: without it, TRL picks the child a free port of its own.
+    env = fresh_world_env(os.environ)
     proc = subprocess.run([sys.executable, str(script), "--steps", "1"], capture_output=True, text=True, timeout=600,
                           env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

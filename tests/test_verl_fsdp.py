@@ -498,3 +498,26 @@ def test_verl_config_switches_it_on(tiny_model, engines):
     finally:
         install()
 
+
+
+def test_the_one_rank_group_leaves_no_port_for_children_to_inherit():
+    """build_engine's group listens at a port the OS hands out and writes none to os.environ: a child
+    started afterwards (a benchmark, a test subprocess) binds a group of its own."""
+    import os
+    import subprocess
+    import sys
+
+    from moe_replay.report.bench import fresh_world_env
+
+    child = ("import os, subprocess, sys, torch\n"
+             "from moe_replay.integrations.verl.local import _init_one_rank_group\n"
+             "_init_one_rank_group()\n"
+             "assert torch.distributed.get_world_size() == 1\n"
+             "assert 'MASTER_PORT' not in os.environ and 'MASTER_ADDR' not in os.environ, dict(os.environ)\n"
+             "grandchild = 'import torch, trl.trainer.utils as u; u.ensure_master_addr_port(); '"
+             " 'torch.distributed.init_process_group(\"gloo\", rank=0, world_size=1); print(\"bound\")'\n"
+             "out = subprocess.run([sys.executable, '-c', grandchild], capture_output=True, text=True)\n"
+             "assert out.returncode == 0 and 'bound' in out.stdout, out.stderr[-2000:]\n")
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=fresh_world_env(os.environ),
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]

@@ -35,9 +35,7 @@ def build_engine(model_dir: str, preset: str | None, *, micro_batch_size: int = 
     """
     use_cpu()
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+        _init_one_rank_group()
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
@@ -60,6 +58,25 @@ def build_engine(model_dir: str, preset: str | None, *, micro_batch_size: int = 
     with without_trl_value_head():
         engine.initialize()
     return engine
+
+
+def _init_one_rank_group() -> None:
+    """A gloo group of world size 1: at the user's MASTER_ADDR/MASTER_PORT when set (env://), else at a
+    port the OS hands out, passed as tcp:// and never written to os.environ.
+
+    Writing a port to os.environ outlives the call: every child this process starts inherits it
+    while this group still listens there, and the child's own init_process_group fails with
+    EADDRINUSE (a benchmark and a test subprocess did, after one in-process verl engine).
+    """
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def _engine_keys(engine: Any, data: Any, *, train: bool) -> None:

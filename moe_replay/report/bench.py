@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import moe_replay
 
@@ -108,12 +108,23 @@ def _tail(text: str) -> str:
     return text if len(text) <= STDERR_TAIL_CHARS else "..." + text[-STDERR_TAIL_CHARS:]
 
 
+RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                   "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+"""torch.distributed's env:// rendezvous. A parent that ran a trainer in-process (TRL sets MASTER_PORT
+and keeps its group listening there) hands these to every child, whose own group then cannot bind."""
+
+
+def fresh_world_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` without torch.distributed's rendezvous variables: for a child that starts a world of its own."""
+    return {k: v for k, v in env.items() if k not in RENDEZVOUS_VARS}
+
+
 def run_one(name: str, bench_dir: Path, *, timeout_s: float | None = None, python: str = sys.executable,
             extra_args: Sequence[str] = ()) -> BenchResult:
     """Run benchmarks/<name>.py --json [extra_args] in a fresh process from the checkout root."""
     script = bench_dir / f"{name}.py"
     root = bench_dir.resolve().parent
-    env = dict(os.environ)
+    env = fresh_world_env(os.environ)
     # the same moe_replay as this process, even if the checkout is not installed
     pkg_root = str(Path(moe_replay.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([pkg_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
