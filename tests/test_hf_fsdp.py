@@ -126,14 +126,19 @@ def _ranks(rank: int, world: int, init: str, out: dict) -> None:
     coverage.leave_dtensor_rank()
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def spawn_ranks(target, work, world: int = 2) -> dict:
+    """`target(rank, world, init, out)` on `world` gloo ranks rendezvousing in the folder `work`; `out[rank]`
+    of each."""
     import torch.multiprocessing as mp
 
     out = mp.Manager().dict()
-    init = f"file://{tmp_path_factory.mktemp('fsdp')}/init"
-    mp.spawn(_ranks, args=(2, init, out), nprocs=2, join=True)
+    mp.spawn(target, args=(world, f"file://{work}/init", out), nprocs=world, join=True)
     return dict(out)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return spawn_ranks(_ranks, tmp_path_factory.mktemp("fsdp"))
 
 
 def test_attach_verifies_in_the_forwards_gathered_dtype_and_leaves_shards_sharded(ranks):

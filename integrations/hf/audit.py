@@ -1,12 +1,14 @@
 """The audit's forward on a Hugging Face model (FSDP2-sharded too): the model's own top-k per token.
 
 One forward over the samples' right-padded batch (`moe_replay.audit.free.token_batch`, the plan's
-layout; in chunks of `MAX_BATCH_TOKENS` padded tokens), without gradients, in eval mode (a router's training-time jitter would move its choice),
-inside the caller's `context()` (the trainer's autocast), with `capture_routes` hooking every router
-`find_routers` finds (replay.py: the same discovery and hooks replay and capture use) and nothing
-else. An FSDP2-sharded model gathers its parameters in that forward as in any other. Only the last
-position's logits are computed where the model takes `logits_to_keep` (the audit reads routes, not
-logits: at Qwen3's 151,936-token vocabulary the LM head is a large share of a forward).
+layout; in chunks of `MAX_BATCH_TOKENS` padded tokens), without gradients, in eval mode (a router's
+training-time jitter would move its choice), inside the caller's `context()` (the trainer's autocast),
+with `capture_routes` hooking every router `find_routers` finds (replay.py: the same discovery and
+hooks replay and capture use) and nothing else. An FSDP2-sharded model gathers its parameters in that
+forward as in any other, and is left sharded as it was found (`fsdp.shards_kept`: FSDP2 keeps its root
+gathered after a forward until a backward). Only the last position's logits are computed where the
+model takes `logits_to_keep` (the audit reads routes, not logits: at Qwen3's 151,936-token vocabulary
+the LM head is a large share of a forward).
 
 Legend: B samples, S padded length, L MoE layers, K top-k.
 """
@@ -24,6 +26,7 @@ from torch import nn
 
 from moe_replay.audit.free import FreeRoutes, split_rows, token_batch
 
+from .fsdp import shards_kept
 from .replay import _device, capture_routes, model_geometry
 
 
@@ -47,13 +50,15 @@ def free_routes(model: nn.Module, token_ids: Sequence[np.ndarray],
         t0 = time.perf_counter()
         try:
             model.eval()
-            for chunk in _chunks([len(t) for t in token_ids], max_batch_tokens):
-                plan = token_batch([token_ids[b] for b in chunk], geometry)
-                inputs = {k: v.to(device) for k, v in plan.model_inputs().items()}
-                with torch.no_grad(), context():
-                    model(**inputs, use_cache=False, **({"logits_to_keep": 1} if keep_one else {}))
-                ids_LBSK = torch.stack([cap[lid].reshape(plan.batch_size, plan.seq_len, -1) for lid in geometry.moe_layer_ids])
-                rows += split_rows(ids_LBSK.to("cpu", torch.int32).numpy(), plan.lengths_B.tolist())
+            with shards_kept(model):  # no backward follows: FSDP2's root would stay gathered
+                for chunk in _chunks([len(t) for t in token_ids], max_batch_tokens):
+                    plan = token_batch([token_ids[b] for b in chunk], geometry)
+                    inputs = {k: v.to(device) for k, v in plan.model_inputs().items()}
+                    with torch.no_grad(), context():
+                        model(**inputs, use_cache=False, **({"logits_to_keep": 1} if keep_one else {}))
+                    ids_LBSK = torch.stack([cap[lid].reshape(plan.batch_size, plan.seq_len, -1)
+                                            for lid in geometry.moe_layer_ids])
+                    rows += split_rows(ids_LBSK.to("cpu", torch.int32).numpy(), plan.lengths_B.tolist())
         finally:
             for m, mode in modes.items():
                 m.training = mode
