@@ -61,22 +61,15 @@ def build_engine(model_dir: str, preset: str | None, *, micro_batch_size: int = 
 
 
 def _init_one_rank_group() -> None:
-    """A gloo group of world size 1: at the user's MASTER_ADDR/MASTER_PORT when set (env://), else at a
-    port the OS hands out, passed as tcp:// and never written to os.environ.
+    """A gloo group of world size 1: at the user's MASTER_ADDR/MASTER_PORT when set (env://), else at
+    port 0 (the OS picks one; no other rank connects), never written to os.environ.
 
     Writing a port to os.environ outlives the call: every child this process starts inherits it
     while this group still listens there, and the child's own init_process_group fails with
     EADDRINUSE (a benchmark and a test subprocess did, after one in-process verl engine).
     """
-    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-        return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    env = bool(os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"))
+    torch.distributed.init_process_group("gloo", init_method=None if env else "tcp://127.0.0.1:0", rank=0, world_size=1)
 
 
 def _engine_keys(engine: Any, data: Any, *, train: bool) -> None:

@@ -157,7 +157,8 @@ class Mrv2Port(RunnerPort):
                 sampled, truncated = orig(*args, **kwargs)
                 # fp32 where any request needs processing (apply_sampling_params copies), else the model's raw
                 # logits (bf16 on a bf16 engine): the stage holds one dtype, and fp32 holds bf16 exactly
-                support.stage(truncated if truncated.dtype == torch.float32 else truncated.float())
+                # (.float() of an fp32 tensor is that tensor: no copy)
+                support.stage(truncated.float())
                 return sampled, truncated
 
             return _sample_random
