@@ -5,6 +5,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.moe_replay-installed
 DEMO_OUT ?= runs/demo
 PYTEST_ARGS ?=
+# make test's pytest workers (pytest-xdist; tests/workers.py says why two on two cores); 0: one process.
+TEST_WORKERS ?= 2
+XDIST  := -n $(TEST_WORKERS) --dist loadscope
 
 .PHONY: install demo test test-fast test-mrv2 docs bench clean sglang-bed
 
@@ -19,9 +22,10 @@ demo: install
 # then the tests marked `mrv2` again on Model Runner V2 (its test bed: tests/runners.py); either failing fails it.
 # test-fast: the tier without engines and multi-process runs (no vLLM engine, nothing marked slow).
 test: install sglang-bed
-	@$(PY) -m pytest $(PYTEST_ARGS); v1=$$?; \
-	MOE_REPLAY_TEST_RUNNER=mrv2 $(PY) -m pytest -m mrv2 $(PYTEST_ARGS); mrv2=$$?; \
-	echo "make test: V1 session exit $$v1, MRV2 session exit $$mrv2"; test $$v1 -eq 0 -a $$mrv2 -eq 0
+	@t0=$$(date +%s); $(PY) -m pytest $(XDIST) $(PYTEST_ARGS); v1=$$?; t1=$$(date +%s); \
+	MOE_REPLAY_TEST_RUNNER=mrv2 $(PY) -m pytest -m mrv2 $(XDIST) $(PYTEST_ARGS); mrv2=$$?; t2=$$(date +%s); \
+	echo "make test: V1 session exit $$v1 in $$((t1 - t0)) s, MRV2 session exit $$mrv2 in $$((t2 - t1)) s"; \
+	test $$v1 -eq 0 -a $$mrv2 -eq 0
 
 test-mrv2: install
 	MOE_REPLAY_TEST_RUNNER=mrv2 $(PY) -m pytest -m mrv2 $(PYTEST_ARGS)

@@ -32,16 +32,29 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub at run time, ever
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from .runners import RUNNER, activate_mrv2  # noqa: E402
+from . import workers  # noqa: E402
+
+workers.worker_env()  # an xdist worker's threads (tests/workers.py), before torch is imported
 
 if RUNNER == "mrv2":
     activate_mrv2()
 
+import contextlib  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable, Iterator  # noqa: E402
 
 import pytest  # noqa: E402
+
+from . import timing  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The time report (tests/timing.py) at the end of every session."""
+    if not config.pluginmanager.has_plugin("moe_replay_timing"):
+        config.pluginmanager.register(timing, "moe_replay_timing")
 
 VLLM_TEST_ARGS: dict[str, Any] = dict(
     dtype="float32",
@@ -101,14 +114,24 @@ def vllm_llm() -> Iterator[Callable[..., Any]]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under MOE_REPLAY_TEST_RUNNER=mrv2 only the tests marked `mrv2` run (the rest were run by the V1 session)."""
-    if RUNNER != "mrv2":
-        return
-    keep = [item for item in items if item.get_closest_marker("mrv2") is not None]
-    dropped = [item for item in items if item.get_closest_marker("mrv2") is None]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = keep
+    """Under MOE_REPLAY_TEST_RUNNER=mrv2 only the tests marked `mrv2` run (the rest were run by the V1 session);
+    on xdist workers, modules longest first (tests/workers.py)."""
+    if RUNNER == "mrv2":
+        keep = [item for item in items if item.get_closest_marker("mrv2") is not None]
+        dropped = [item for item in items if item.get_closest_marker("mrv2") is None]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = keep
+    if workers.WORKER is not None:
+        workers.order_longest_first(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under `--dist loadscope`: a module (or a shared scope) per work unit, longest first (tests/workers.py)."""
+    if config.getvalue("dist") == "loadscope":
+        return workers.make_scheduler(config, log)
+    return None
 
 
 @pytest.fixture(scope="session")
@@ -126,5 +149,31 @@ def sglang_server(tiny_model: Callable[..., Path], tmp_path_factory: pytest.Temp
 
     if not bed.available():
         pytest.skip(f"the SGLang test bed is not built ({bed.PYTHON}): python3 scripts/sglang_bed.py")
-    with bed.server(tiny_model("qwen3_moe"), tmp_path_factory.mktemp("sglang") / "server.log") as server:
+    t0 = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(bed.server(tiny_model("qwen3_moe"), tmp_path_factory.mktemp("sglang") / "server.log"))
+        timing.note_engine("sglang", time.perf_counter() - t0)
+        _server_stops.append(stack.close)
         yield server
+
+
+_server_stops: list[Callable[[], None]] = []
+_last_server_user: dict[str, str] = {}
+"""The nodeid of the last collected test that uses `sglang_server`: the server stops after its teardown.
+Why not at the session's end: SGLang's idle scheduler polls, one core at ~60% (measured under `make test`),
+for every test that runs after the SGLang modules."""
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    users = [item.nodeid for item in session.items if "sglang_server" in getattr(item, "fixturenames", ())]
+    if users:
+        _last_server_user["nodeid"] = users[-1]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield
+    if item.nodeid == _last_server_user.get("nodeid"):
+        while _server_stops:
+            _server_stops.pop()()

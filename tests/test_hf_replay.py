@@ -148,7 +148,7 @@ def test_activation_checkpointing_and_micro_batches_agree(family):
     def run(plans, checkpoint: bool):
         model.train()
         if checkpoint:
-            model.gradient_checkpointing_enable()
+            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()  # 5.24 renamed it; 5.19 has the old name only
         model.zero_grad()
         lps, recomputes = [], []
         try:
@@ -159,7 +159,7 @@ def test_activation_checkpointing_and_micro_batches_agree(family):
                 lps.append(scores.logprobs_G.detach())
                 recomputes.append(dict(session.ledger.recompute_takes))
         finally:
-            model.gradient_checkpointing_disable()
+            getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()  # 5.24 renamed it; 5.19 has the old name only
             model.eval()
         grads = [p.grad.clone() for p in params]
         model.zero_grad()
@@ -223,14 +223,14 @@ def test_contexts_do_not_nest_and_checkpointing_needs_backward_inside():
             replay(model, plan).__enter__()
         model(**plan.model_inputs())
     model.train()
-    model.gradient_checkpointing_enable()
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()  # 5.24 renamed it; 5.19 has the old name only
     try:
         with pytest.raises(RouteConsumptionError, match="backward"):
             with replay(model, plan):
                 loss = model(**plan.model_inputs()).logits.sum()
         del loss  # a backward out here would recompute with free routes; the context already said so
     finally:
-        model.gradient_checkpointing_disable()
+        getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()  # 5.24 renamed it; 5.19 has the old name only
         model.eval()
         model.zero_grad()
 

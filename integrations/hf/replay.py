@@ -169,7 +169,7 @@ class ReplaySession:
         _claim(self.sites)
         if self.expect_recompute is None:
             self.expect_recompute = bool(
-                getattr(self.model, "is_gradient_checkpointing", False) and self.model.training and torch.is_grad_enabled()
+                _checkpointing(self.model) and self.model.training and torch.is_grad_enabled()
             )
         try:
             for site in self.sites.values():
@@ -300,3 +300,10 @@ def self_replay_gap(model: nn.Module, traces: Sequence[RolloutTrace],
         out = output_tensor(model(**session.model_inputs()))
     mask_BS = plan.attention_mask_BS.bool()
     return (out[mask_BS].float() - ref[mask_BS].float()).abs().max().item()
+
+
+def _checkpointing(model: nn.Module) -> bool:
+    """Whether the model recomputes activations in backward: transformers >= 5.24 names it
+    `is_activation_checkpointing` (`is_gradient_checkpointing` warns there), 5.19 the old name only."""
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    return bool(getattr(model, name, False))
