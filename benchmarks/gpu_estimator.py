@@ -192,7 +192,7 @@ def main(argv=None) -> None:
     scorer = VllmScorer(llm, full_cfg)
 
     def reuse():
-        return scorer.with_config(dataclasses.replace(full_cfg, prompt_reuse=True, weights_version=uuid.uuid4().hex))
+        return scorer.with_config(dataclasses.replace(full_cfg, prompt_reuse=True, salt=uuid.uuid4().hex))
 
     P = prompts(args.requests)
     sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=args.tokens, ignore_eos=True)

@@ -39,13 +39,16 @@ non_tensor_batch as it is), `whole` (one whole record per sample, `encode_traces
 `traces_of` over each; best of `--repeats`, interleaved.
 
 `--faults EPISODES` runs instead the store's fault harness (tests/store_faults.py: seeded episodes
-of 13 steps, one per fault kind: a writer subprocess SIGKILLed inside a frames, index or segment
+of 15 steps, one per fault kind: a writer subprocess SIGKILLed inside a frames, index or segment
 header write, a chunk or record byte flipped, chunk bytes zeroed, a segment truncated, deleted or
-with a flipped header, index.bin flipped, truncated, deleted or missing a chunk's entry; after each,
-inspect, rescue, a writer's open and new writes checked against an oracle; then a list of bad
-arguments on both stores) and prints `faults`: per kind `trials`, and `acknowledged_unreadable`,
-`untyped_errors`, `inspect_disagreements`, `silent_coercions` (targets: >= 200 trials over >= 10
-kinds, all four 0); and `chunk_checks`: what a writer's check of the stored chunks it names costs
+with a flipped header, index.bin flipped, truncated, deleted or missing a chunk's entry, a write
+through a writer from a forked child (`fork`), a write by a writer whose writer.lock was deleted
+and taken by a second writer (`lock_theft`); after each, inspect, rescue, a writer's open and new
+writes checked against an oracle; then a list of bad arguments on both stores) and prints `faults`:
+per kind `trials` and `acknowledged_unreadable`, `foreign_writes_refused` (the fork and lock_theft
+writes refused by name), and `acknowledged_unreadable`, `untyped_errors`, `inspect_disagreements`,
+`silent_coercions` (targets: >= 200 trials over >= 10 kinds, all four 0, every fork and lock_theft
+write refused with 0 acknowledged records unreadable); and `chunk_checks`: what a writer's check of the stored chunks it names costs
 (once per chunk per writer session: the CRC of its frame), at Qwen3-30B-A3B geometry, put_many of
 a session naming chunks of an earlier one with the check and without it, interleaved, best of
 `--repeats`: grpo (a second session puts 4 more samples of an 8-sample group's prompt) and agentic
@@ -440,16 +443,19 @@ def chunk_check_workloads(repeats: int, scale: float) -> dict:
 
 def fault_run(episodes: int, repeats: int, scale: float) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.store_faults import run
+    from tests.store_faults import KINDS, PROCESS, run
 
     with tempfile.TemporaryDirectory() as tmp:
-        faults = run(Path(tmp), episodes=episodes, steps=13, seed=59)
+        faults = run(Path(tmp), episodes=episodes, steps=len(KINDS), seed=59)
     counts = ("acknowledged_unreadable", "untyped_errors", "inspect_disagreements", "silent_coercions")
     result = {"faults": faults, "chunk_checks": chunk_check_workloads(repeats, scale)}
     result["targets"] = {
         "trials_ge_200": faults["trials"] >= 200,
         "kinds_ge_10": len(faults["kinds"]) >= 10,
         "all_four_counts_0": all(faults[k] == 0 for k in counts),
+        "fork_and_lock_theft_refused": all(faults["kinds"].get(k, {}).get("trials", 0) > 0 for k in PROCESS)
+        and faults["foreign_writes_refused"] == sum(faults["kinds"][k]["trials"] for k in PROCESS)
+        and all(faults["kinds"][k]["acknowledged_unreadable"] == 0 for k in PROCESS),
     }
     return result
 

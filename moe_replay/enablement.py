@@ -19,8 +19,11 @@ An `AsyncLLM` attaches asynchronously: `mr = await moe_replay.enable_async(prese
 then `await mr.capture.collect(outputs)`; π_old on it is `EstimatorService(mr.scorer, ...)`.
 
 `mr.weights_version = step` names the weights now in use: capture records it in every trace, and
-`train_batch` refuses traces of another version unless `off_policy=True` (then the corrections'
-metrics report `moe_replay/off_policy_fraction`).
+`train_batch` and `pi_old` (and `mr.scorer`, which it is set on) refuse traces of another version
+unless `off_policy=True` (then the corrections' metrics report `moe_replay/off_policy_fraction`);
+π_old never averages the rollout's logprobs of one version with re-scorings under another. The
+trainer and the scorer run one identity check (moe_replay/identity.py): a trace of another model
+(geometry, family included) is a GeometryMismatchError on both.
 
 Legend: G generated tokens of the batch (flat, trace order), B rows, Gm longest row.
 """
@@ -146,6 +149,8 @@ class Enabled:
 
     def _attached(self, capture: Any, scorer: Any) -> "Enabled":
         self.capture, self.scorer = capture, scorer
+        if scorer is not None and self._weights_version is not None:
+            self.scorer = scorer.with_weights(self._weights_version)
         if self.geometry is not None:
             self.geometry.check_matches(self.capture.geometry)
         return self
@@ -162,6 +167,8 @@ class Enabled:
         self._weights_version = version
         if self.capture is not None:
             self.capture.weights_version = version
+        if self.scorer is not None:  # the scorer scores under the weights now in use (identity.py)
+            self.scorer = self.scorer.with_weights(version, self.scorer.off_policy)
 
     # -- rollout side ----------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: Any = None, *, store: Any = None, **kwargs: Any):
@@ -173,8 +180,17 @@ class Enabled:
                              "`await mr.capture.collect(outputs, sampling=...)`")
         return self.capture.generate(prompts, sampling_params, store=store, **kwargs)
 
-    def pi_old(self, traces: Sequence[RolloutTrace], *, batch_size: int = 64) -> np.ndarray | None:
-        """Flat [G] log π_old from n engine re-scorings (None when the preset has no estimator)."""
+    def pi_old(self, traces: Sequence[RolloutTrace], *, batch_size: int = 64, off_policy: bool = False) -> np.ndarray | None:
+        """Flat [G] log π_old from n engine re-scorings (None when the preset has no estimator).
+
+        Refuses what `train_batch` refuses (moe_replay/identity.py): a trace of another model
+        (GeometryMismatchError naming the field, `geometry.family` included) and, with `weights_version`
+        set, one sampled under another version (WeightsVersionError) unless `off_policy=True` says to
+        score it under the weights now in use on purpose (`estimator.estimate(traces, mr.scorer...)`
+        says per rollout which version scored it: PiOldEstimate.weights_version, .off_policy). With
+        the preset's rollout_replica, a rollout of another version is refused even so: π_old never
+        averages two policies.
+        """
         if self.scorer is None:
             return None
         if self._rollout.is_async:
@@ -182,7 +198,8 @@ class Enabled:
                              "preset.estimator.config) (an async scoring backend)")
         from .estimator import estimate
 
-        ests = estimate(traces, self.scorer, self.preset.estimator.config, batch_size=batch_size)
+        scorer = self.scorer.with_weights(self.weights_version, off_policy) if off_policy != self.scorer.off_policy else self.scorer
+        ests = estimate(traces, scorer, self.preset.estimator.config, batch_size=batch_size)
         return np.concatenate([e.logprob_G for e in ests])
 
     # -- trainer side ----------------------------------------------------------------------------

@@ -72,6 +72,11 @@ class GeometryMismatchError(TraceError, ValueError):
     """Model geometry of a trace differs from the one required."""
 
 
+class WeightsVersionError(TraceError, ValueError):
+    """A trace was sampled with other weights than the ones its consumer holds (the trainer's, a π_old
+    scorer's), and the caller did not say the batch is off-policy on purpose (identity.py)."""
+
+
 class ExpertIdOutOfRangeError(TraceError, ValueError):
     """An expert id is negative or >= num_experts."""
 
@@ -116,3 +121,17 @@ class RegistryError(MoeReplayError, KeyError):
 
     def __str__(self) -> str:
         return Exception.__str__(self)
+
+
+class MissingExtraError(MoeReplayError, ImportError):
+    """An optional dependency a feature needs is not installed: names the feature, the module, the project's
+    extra that brings it and the command that installs it (`moe_replay.extras.require` raises it)."""
+
+    def __init__(self, feature: str, module: str, extra: str, install: str) -> None:
+        self.feature, self.module, self.extra, self.install = feature, module, extra, install
+        super().__init__(f"{feature}: expected {module} installed, found no module named {module!r}; {install}",
+                         name=module)
+
+    def __reduce__(self):
+        return (type(self), (self.feature, self.module, self.extra, self.install))
+

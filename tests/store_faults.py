@@ -14,7 +14,9 @@ Each step applies one fault `KIND`:
   chunk_flip, chunk_zero, record_flip    one byte of a chunk / record frame flipped, or a run of
       a chunk's bytes zeroed;
   segment_truncate, segment_delete, segment_header_flip;
-  index_flip, index_truncate, index_delete, index_drop_chunk_entry (one chunk's entry cut out).
+  index_flip, index_truncate, index_delete, index_drop_chunk_entry (one chunk's entry cut out);
+  fork, lock_theft                       a write through a writer from a forked child, and through a
+      writer whose writer.lock was deleted and taken by a second writer (PROCESS): refused by name.
 
 then checks (`Episode.check`), all against an oracle that knows every frame's bytes before the
 damage: the records and chunks whose frames hold a damaged byte are dead, and so is every record
@@ -56,7 +58,7 @@ import numpy as np
 
 from moe_replay.cli import main as cli
 from moe_replay.errors import MoeReplayError, TraceError
-from moe_replay.store import DirectoryStore, MemoryStore, compact_store, framing
+from moe_replay.store import DirectoryStore, MemoryStore, WriterLostError, compact_store, framing
 from moe_replay.store.chunks import is_chunk_key, label, parse_key
 from moe_replay.trace import RolloutTrace
 from tests.trace_factory import TINY_GEOMETRY, random_routes, shared_trace_for
@@ -69,7 +71,12 @@ SEGMENT_BYTES = 4096
 KILLS = ("kill_frames", "kill_index", "kill_header")
 DAMAGE = ("chunk_flip", "chunk_zero", "record_flip", "segment_truncate", "segment_delete", "segment_header_flip",
           "index_flip", "index_truncate", "index_delete", "index_drop_chunk_entry")
-KINDS = KILLS + DAMAGE
+PROCESS = ("fork", "lock_theft")
+"""Writes from where they may not come: a child forked from the writer's process puts a batch through the
+inherited writer; writer.lock is deleted under a live writer, a second writer opens and puts a batch, then
+the first puts one. Each refused write is counted (`foreign_writes_refused`); one that returns is
+acknowledged, and its records and everyone else's must read back."""
+KINDS = KILLS + DAMAGE + PROCESS
 GROUP_BASE = 1000
 """shared_trace_for(group * GROUP_BASE + n, group=GROUP_BASE) is sample n of prompt `group`."""
 CONV = dict(first=30, gen=16, tool=12, turns=8)
@@ -124,6 +131,8 @@ class Totals:
     refused: set = field(default_factory=set)
     """(episode, key) of the acknowledged records found dead (their bytes, or a chunk they name,
     damaged): each refused by name at every later step."""
+    foreign_writes_refused: int = 0
+    """Writes of the PROCESS kinds refused by name (WriterLostError), before any byte was written."""
     chunk_copies: int = 0
     """Chunks written as a copy of a damaged one (`ChunkKey.copy` > 0)."""
     writer_refusals: int = 0
@@ -132,21 +141,30 @@ class Totals:
     failures: list[str] = field(default_factory=list)
     """The first problems found, described (at most 20)."""
 
+    kind: str = ""
+    """The fault kind of the step being checked."""
+    unreadable: Counter = field(default_factory=Counter)
+    """acknowledged_unreadable per fault kind."""
+
     def fail(self, count: str, what: str) -> None:
         setattr(self, count, getattr(self, count) + 1)
+        if count == "acknowledged_unreadable":
+            self.unreadable[self.kind] += 1
         if len(self.failures) < 20:
             self.failures.append(f"{count}: {what}")
 
     def summary(self) -> dict:
         return {
-            "kinds": {k: {"trials": self.trials[k]} for k in KINDS if self.trials[k]},
+            "kinds": {k: {"trials": self.trials[k], "acknowledged_unreadable": self.unreadable[k]} for k in KINDS
+                      if self.trials[k]},
             "trials": sum(self.trials[k] for k in KINDS),
             "edge_inputs": {"calls": self.trials["edge_inputs"]},
             "acknowledged_unreadable": self.acknowledged_unreadable, "untyped_errors": self.untyped_errors,
             "inspect_disagreements": self.inspect_disagreements, "silent_coercions": self.silent_coercions,
             "unnamed_refusals": self.unnamed_refusals, "wrong_reads": self.wrong_reads,
             "oracle_mismatches": self.oracle_mismatches, "records_acknowledged": self.records_acknowledged,
-            "records_refused_by_name": len(self.refused), "chunk_copies": self.chunk_copies,
+            "records_refused_by_name": len(self.refused), "foreign_writes_refused": self.foreign_writes_refused,
+            "chunk_copies": self.chunk_copies,
             "writer_refusals_rescued": self.writer_refusals, "kills_without_death": self.kills_without_death,
             "failures": self.failures,
         }
@@ -243,6 +261,44 @@ class Episode:
             self.t.fail("untyped_errors", f"writer subprocess exit {proc.returncode}: {proc.stderr[-800:]}")
         return proc.returncode == -9
 
+    def foreign_write(self, kind: str) -> None:
+        """A PROCESS fault: a write through a writer the store no longer belongs to (see PROCESS)."""
+        opts = dict(chunk_min_bytes=CHUNK_MIN_BYTES, segment_bytes=SEGMENT_BYTES, durable=False)
+        with DirectoryStore(self.dir, **opts) as w:
+            self.put(w, self._new_items(int(self.rng.integers(1, 4))))  # a writer mid-session: offsets set
+            if kind == "fork":
+                specs = self._new_items(int(self.rng.integers(2, 5)))
+                pid = os.fork()
+                if pid == 0:  # the child: put through the inherited writer, say how it went, never return
+                    code = 4
+                    try:
+                        w.put_many([item(x, self.seed) for x in specs])
+                        code = 0
+                    except WriterLostError:
+                        code = 3
+                    except BaseException:  # noqa: BLE001: reported as the exit code
+                        code = 4
+                    finally:
+                        os._exit(code)
+                code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+                if code == 0:  # the child's put_many returned: its records are acknowledged
+                    self.acked.update(map(key_of, specs))
+                    self.t.records_acknowledged += len(specs)
+                elif code == 3:
+                    self.t.foreign_writes_refused += 1
+                else:
+                    self.t.fail("untyped_errors", f"fork: the child's put_many exited {code}")
+                self._guard("put_many after a fork", self.put, w, self._new_items(int(self.rng.integers(2, 5))))
+                return
+            (self.dir / framing.LOCK_NAME).unlink()
+            with DirectoryStore(self.dir, **opts) as second:  # the lock is gone: a second writer opens
+                self._guard("put_many by the second writer", self.put, second, self._new_items(int(self.rng.integers(2, 5))))
+                try:
+                    self._guard("put_many by the first writer", self.put, w, self._new_items(int(self.rng.integers(2, 5))))
+                except WriterLostError:
+                    self.t.foreign_writes_refused += 1
+                self._guard("put_many by the second writer", self.put, second, self._new_items(int(self.rng.integers(1, 3))))
+
     # -- damage -------------------------------------------------------------------------------------
     def frames(self) -> tuple[dict[str, Span], dict[str, list[str]]]:
         """(key -> frame span, record -> chunks it names) of every frame the store names."""
@@ -323,9 +379,12 @@ class Episode:
                 self.dead.add(key)
 
     def step(self, kind: str) -> None:
+        self.t.kind = kind
         if kind in KILLS:
             if not self.kill(kind):
                 self.t.kills_without_death += 1
+        elif kind in PROCESS:
+            self.foreign_write(kind)
         else:
             self._before_damage = self.frames()
             self.mark_dead(self.damage(kind))

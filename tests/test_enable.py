@@ -170,3 +170,57 @@ def test_weights_version_is_recorded_by_capture_and_checked_by_the_trainer(setup
                 pass
     finally:
         mr.close()
+
+
+def test_pi_old_refuses_what_the_trainer_refuses(setup):
+    """Issue 62, items 1 and 2, on the real engine. Traces of another family of the same shape (these
+    qwen3_moe traces naming qwen2_moe: every shape equal) were scored by mr.pi_old and the VllmScorer
+    without an error while the trainer refused them; now all three refuse with GeometryMismatchError
+    naming geometry.family. After mr.weights_version = 2, version-1 traces were scored under the new
+    weights with no flag, and the rollout's version-1 logprobs averaged with version-2 re-scorings; now
+    pi_old, the scorer and the trainer refuse them (WeightsVersionError), off_policy=True scores them and
+    the estimates say under which version, and the rollout's replica never mixes versions."""
+    import asyncio
+    import json
+
+    from vllm import SamplingParams
+
+    from moe_replay.errors import GeometryMismatchError, WeightsVersionError
+    from moe_replay.estimator import EstimatorConfig, ReplicaVersionError, estimate
+    from moe_replay.estimator.service import ThreadBackend, estimate_stream
+    from moe_replay.geometry import ModelGeometry
+
+    llm, model = setup
+    mr = moe_replay.enable("r3_support_multisample", llm=llm, model=model)
+    try:
+        mr.weights_version = 1
+        _, traces = mr.generate(PROMPTS[:2], SamplingParams(n=1, top_p=0.9, max_tokens=5, seed=2), use_tqdm=False)
+        assert [t.weights_version for t in traces] == [1, 1] and mr.scorer.weights_version == 1
+        own = mr.pi_old(traces)
+        other = dataclasses.replace(traces[0], geometry=ModelGeometry(**{**traces[0].geometry.to_dict(), "family": "qwen2_moe"}))
+        family = r"field 'geometry.family'.*expected 'qwen3_moe', found 'qwen2_moe'"
+        row = {}
+        for name, refuse in [("pi_old", lambda: mr.pi_old([other])), ("scorer", lambda: mr.scorer.score_batch([other])),
+                             ("trainer", lambda: mr.train_batch([other]).__enter__())]:
+            with pytest.raises(GeometryMismatchError, match=family):
+                refuse()
+            row[f"{name}_refused_other_model"] = True
+        mr.weights_version = 2  # weights synced (same values here): the traces are one version behind
+        version = r"field 'weights_version': expected 2, found 1.*off_policy=True"
+        for name, refuse in [("pi_old", lambda: mr.pi_old(traces)), ("scorer", lambda: mr.scorer.score_batch(traces)),
+                             ("trainer", lambda: mr.train_batch(traces).__enter__())]:
+            with pytest.raises(WeightsVersionError, match=version):
+                refuse()
+            row[f"{name}_refused_other_version"] = True
+        out = asyncio.run(estimate_stream(traces, ThreadBackend(mr.scorer), EstimatorConfig(n=2)))
+        assert all(isinstance(out[t.key], WeightsVersionError) for t in traces)  # the service: one outcome, no scoring
+        assert np.abs(mr.pi_old(traces, off_policy=True) - own).max() < 1e-6  # on purpose: scored under version 2
+        off = mr.scorer.with_weights(2, off_policy=True)
+        assert [(e.weights_version, e.off_policy) for e in estimate(traces, off, EstimatorConfig(n=2))] == [(2, True)] * 2
+        with pytest.raises(ReplicaVersionError, match=r"sampled under weights 1 and its replicas are scored under 2"):
+            estimate(traces, off, EstimatorConfig(n=2, rollout_replica=True))  # never an average over two policies
+        row["pi_old_refused_mixed_versions"] = True
+        print("pi_old refusals:", json.dumps(row))
+        assert row["pi_old_refused_other_model"] and row["pi_old_refused_other_version"]
+    finally:
+        mr.close()

@@ -139,3 +139,54 @@ def test_service_adaptive_and_thread_backend():
     bare = ThreadBackend(lambda b: [engine(t) for t in b])
     out = asyncio.run(estimate_stream(traces[:1], bare, EstimatorConfig(n=2, rollout_replica=True)))
     assert isinstance(out["r0"], RolloutReplicaError) and "cannot say" in str(out["r0"])
+
+
+class Identified(Vouching):
+    """A Vouching scorer that states its identity (moe_replay/identity.py): the geometry it serves and its weights."""
+
+    def __init__(self, geometry=GEOM, weights_version=None, off_policy=False):
+        super().__init__()
+        self.geometry, self.weights_version, self.off_policy = geometry, weights_version, off_policy
+
+
+def test_pi_old_refuses_another_model_and_other_weights_before_scoring():
+    """The estimator runs the trainer's identity check on what the scorer states, before any scoring:
+    a trace of another family of the same shape is a GeometryMismatchError naming geometry.family (as
+    build_plan's), one of other weights a WeightsVersionError (sync, direct, or through the service, as
+    its one outcome, never retried); with off_policy the estimate says which version scored it; the
+    rollout's recorded logprobs of version 1 are never averaged with replicas under version 2."""
+    import dataclasses
+
+    from moe_replay.errors import GeometryMismatchError, WeightsVersionError
+    from moe_replay.estimator import ReplicaVersionError
+    from moe_replay.replay import build_plan
+
+    qwen3 = dataclasses.replace(GEOM, family="qwen3_moe")
+    other = dataclasses.replace(trace(0), geometry=dataclasses.replace(GEOM, family="qwen2_moe"))
+    v1 = [dataclasses.replace(trace(i), weights_version=1) for i in range(3)]
+    for refused, sc, err, match in [
+        (other, Identified(qwen3), GeometryMismatchError, r"field 'geometry.family'.*'qwen3_moe', found 'qwen2_moe'"),
+        (v1[0], Identified(qwen3, weights_version=2), WeightsVersionError, r"field 'weights_version': expected 2, found 1"),
+    ]:
+        with pytest.raises(err, match=match):  # the trainer's refusal, and π_old's
+            build_plan([refused], qwen3, routes=False, weights_version=sc.weights_version)
+        with pytest.raises(err, match=match):
+            estimate([refused], sc, EstimatorConfig(n=2))
+        ok = dataclasses.replace(trace(5), weights_version=sc.weights_version)
+        out = asyncio.run(estimate_stream([refused, ok], ThreadBackend(sc), EstimatorConfig(n=2)))
+        assert isinstance(out[refused.key], err) and out["r5"].n == 2
+        assert refused.key not in sc.scored
+    # off_policy on purpose: scored under version 2, and said so
+    sc = Identified(qwen3, weights_version=2, off_policy=True)
+    est = estimate(v1 + [dataclasses.replace(trace(4), weights_version=2)], sc, EstimatorConfig(n=2))
+    assert [(e.weights_version, e.off_policy) for e in est] == [(2, True)] * 3 + [(2, False)]
+    out = asyncio.run(estimate_stream(v1, sc, EstimatorConfig(n=2)))
+    assert all(out[t.key].weights_version == 2 and out[t.key].off_policy for t in v1)
+    # the rollout's replica never mixes versions, off_policy or not
+    cfg = EstimatorConfig(n=2, rollout_replica=True)
+    with pytest.raises(ReplicaVersionError, match=r"record 'r0', field 'weights_version'.*mix two policies"):
+        estimate(v1, sc, cfg)
+    out = asyncio.run(estimate_stream(v1, sc, cfg))
+    assert all(isinstance(out[t.key], WeightsVersionError) for t in v1)
+    same = estimate([dataclasses.replace(t, weights_version=2) for t in v1], sc, EstimatorConfig(n=2, rollout_replica=True))
+    assert all(e.from_rollout and not e.off_policy for e in same)

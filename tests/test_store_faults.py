@@ -1,13 +1,16 @@
 """Damage and what the store's writer, readers, `inspect` and `rescue` do about it: a
 writer never names a chunk it has not checked in its session, and never a damaged one; inspect
 scans every chunk frame and says what a writer would do, with or without index.bin; every chunk
-error names the chunk, its segment and offset; keys and `layers` are typed where they enter; and
-the fault harness (tests/store_faults.py: SIGKILLed writers, eleven kinds of damage, writes after
-each) finds no acknowledged record unreadable, no untyped error, no disagreement."""
+error names the chunk, its segment and offset; keys and `layers` are typed where they enter; a
+writer refuses writes from a forked child, a pickled copy or after losing its lock, by name; and the fault harness (tests/store_faults.py: SIGKILLed writers, eleven kinds of damage, forked and lock-less
+writers, writes after each) finds no acknowledged record unreadable, no untyped error, no disagreement."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +19,7 @@ import pytest
 from moe_replay.cli import main
 from moe_replay.errors import ChecksumError, MoeReplayError, TraceError, TruncatedRecordError, TraceFormatError
 from moe_replay.report.inspect import summarize_store
-from moe_replay.store import DirectoryStore, MemoryStore, framing
+from moe_replay.store import DirectoryStore, MemoryStore, WriterLockLostError, WriterProcessError, framing
 from moe_replay.store.chunks import label, parse_key
 from moe_replay.store.inputs import StoreArgumentError
 from tests import store_faults
@@ -199,10 +202,70 @@ def test_keys_and_layers_are_typed_where_they_enter(kind, tmp_path):
         assert part.route_layer_ids == (3,) and store.get_many([good.key], layers=(np.int64(1), 3))[0].equals(good)
 
 
-# -- 4. the fault harness ----------------------------------------------------------------------------------
+# -- 4. one writer, one process ----------------------------------------------------------------------------
+def _child_put(store: DirectoryStore, n: int) -> None:
+    """A forked child's write through the writer it inherited: exit 3 when refused by name, 0 when it returned."""
+    try:
+        store.put_many([sample(n)])
+    except WriterProcessError as err:
+        os._exit(3 if f"found a write from pid {os.getpid()}" in str(err) else 4)
+    os._exit(0)
+
+
+def test_a_forked_child_or_a_pickled_copy_refuses_to_write(tmp_path):
+    """The steps that found it: a writer in a process that forks (multiprocessing's fork start method, a
+    DataLoader worker); the child puts through the writer it inherited, the parent goes on putting: both
+    put_many returned, then acknowledged records read back as frames of the other process (8 of 8 trials).
+    Now the child's write is refused by name (WriterProcessError) before a byte is written and every
+    record the parent acknowledged reads back; the child can still read. A pickled writer arrives as a
+    reader of the same directory that refuses writes the same way."""
+    d = tmp_path / "s"
+    with DirectoryStore(d, **SMALL) as w:
+        w.put_many([sample(i) for i in range(3)])
+        child = multiprocessing.get_context("fork").Process(target=_child_put, args=(w, 10))
+        child.start()
+        child.join(60)
+        assert child.exitcode == 3, f"the child's write was not refused by name (exit {child.exitcode})"
+        w.put_many([sample(i) for i in range(3, 6)])
+        copy = pickle.loads(pickle.dumps(w))
+        assert copy.readonly and copy.get(sample(4).key).equals(sample(4))
+        with pytest.raises(WriterProcessError, match=rf"field 'writer'.*writer of pid {os.getpid()}.*a pickled copy"):
+            copy.put(sample(11))
+        copy.close()
+        w.put_many([sample(6)])
+    with DirectoryStore(d, readonly=True) as r:
+        assert r.keys() == [sample(i).key for i in range(7)]
+        assert all(r.get(sample(i).key).equals(sample(i)) for i in range(7))
+        assert pickle.loads(pickle.dumps(r)).get(sample(0).key).equals(sample(0))  # a reader's copy reads too
+
+
+def test_a_writer_whose_lock_was_deleted_refuses_to_write(tmp_path):
+    """The steps that found it: writer.lock deleted under a live writer, a second writer opens and puts,
+    then the first one puts: both returned and the second one's acknowledged records were overwritten.
+    Now the first writer finds its lock gone (or replaced by another file) before any write and refuses by
+    name (WriterLockLostError); the second writer's records read back."""
+    d = tmp_path / "s"
+    first = DirectoryStore(d, **SMALL)
+    first.put_many([sample(i) for i in range(2)])
+    (d / framing.LOCK_NAME).unlink()
+    with pytest.raises(WriterLockLostError, match=r"field 'writer.lock'.*found no such file \(deleted"):
+        first.put(sample(9))  # deleted: refused at once, before a second writer comes
+    with DirectoryStore(d, **SMALL) as second:
+        second.put_many([sample(i) for i in range(2, 5)])
+        with pytest.raises(WriterLockLostError, match=r"locked, inode [0-9]+, found another file"):
+            first.put_many([sample(9), sample(10)])
+        second.put_many([sample(5)])
+    first.close()
+    with DirectoryStore(d, readonly=True) as r:
+        assert r.keys() == [sample(i).key for i in range(6)]
+        assert all(r.get(sample(i).key).equals(sample(i)) for i in range(6))
+
+
+# -- 5. the fault harness ----------------------------------------------------------------------------------
 def test_the_fault_harness_finds_nothing_wrong(tmp_path):
-    """4 seeded episodes of 13 steps, each fault kind 4 times (SIGKILLed writers included), then the
-    edge inputs: ~30 s on a 2-core CPU. benchmarks/store.py --faults runs more."""
+    """4 seeded episodes of 13 steps, each fault kind 3 or 4 times (SIGKILLed writers, forked and
+    lock-less writers included), then the edge inputs: ~30 s on a 2-core CPU. benchmarks/store.py
+    --faults runs more."""
     result = store_faults.run(tmp_path, episodes=4, steps=13, seed=1)
     assert result["failures"] == [], "\n".join(result["failures"])
     counts = ("acknowledged_unreadable", "untyped_errors", "inspect_disagreements", "silent_coercions", "unnamed_refusals",
@@ -211,3 +274,4 @@ def test_the_fault_harness_finds_nothing_wrong(tmp_path):
     assert set(result["kinds"]) == set(store_faults.KINDS) and result["edge_inputs"]["calls"] > 80
     assert result["trials"] == 52 and result["kills_without_death"] < 4
     assert result["records_refused_by_name"] > 0 and result["chunk_copies"] > 0  # damage was done, and written past
+    assert result["foreign_writes_refused"] == result["kinds"]["fork"]["trials"] + result["kinds"]["lock_theft"]["trials"]

@@ -218,8 +218,10 @@ def test_the_rollout_counts_as_one_replica(fp32):
 def test_the_rollout_replica_is_refused_where_it_means_something_else(fp32):
     """Recorded logprobs are normalised over the kept set, in the rollout's precision, under its
     weights: a scorer over the vocabulary, a trace without its kept set (not recorded or omitted),
-    a rollout in another dtype or under other weights is refused by name before anything is scored."""
-    from moe_replay.estimator import RolloutReplicaError
+    a rollout in another dtype or under other weights is refused by name before anything is scored; a
+    rollout under other weights even where the scorer scores it off-policy on purpose (ReplicaVersionError:
+    π_old never averages two policies)."""
+    from moe_replay.estimator import ReplicaVersionError, RolloutReplicaError
     from moe_replay.geometry import EngineInfo
 
     t = fp32["traces"][0]
@@ -232,8 +234,8 @@ def test_the_rollout_replica_is_refused_where_it_means_something_else(fp32):
              (scorer(), dataclasses.replace(t, support=None, extra={"support_omitted": 3}), "omitted"),
              (scorer(), dataclasses.replace(t, engine=EngineInfo("vllm", t.engine.version, "bfloat16")),
               "ran in bfloat16, this scoring engine in float32"),
-             (scorer(weights_version="w2"),
-              dataclasses.replace(t, weights_version="w1"), "weights 'w1', this scorer under 'w2'")]
+             (scorer(weights_version="w2", off_policy=True), dataclasses.replace(t, weights_version="w1"),
+              "sampled under weights 'w1' and its replicas are scored under 'w2'")]
     # a request with a repetition penalty and min_tokens: capture records both by name (the codec
     # keeps them), so its recorded logprob, of the penalised logits, is no replica
     from vllm import SamplingParams
@@ -247,9 +249,10 @@ def test_the_rollout_replica_is_refused_where_it_means_something_else(fp32):
     assert t.sampling.adjusted == ()  # the fixture's rollouts adjusted nothing
     cases.append((scorer(), pen, "adjusted by min_tokens, repetition_penalty"))
     for sc, tr, why in cases:
-        with pytest.raises(RolloutReplicaError, match=f"record {tr.key!r}.*{why}"):
+        with pytest.raises(RolloutReplicaError, match=f"record {tr.key!r}.*{why}") as err:
             estimate([tr], sc, cfg)
         assert sc.reuse_stats["requests"] == 0
+        assert isinstance(err.value, ReplicaVersionError) == (tr.weights_version == "w1")  # also a WeightsVersionError
 
 
 def test_forced_routes_are_honoured_per_request(fp32):
@@ -324,8 +327,8 @@ def test_async_backend_under_estimator_service(fp32):
     assert stats_rr["requests"] == 2 * (len(traces) - 1)
 
 
-def _reuse(fp32, version, **kw):
-    return fp32["scorer"].with_config(VllmScorerConfig(weights_version=version, **kw))
+def _reuse(fp32, salt, **kw):
+    return fp32["scorer"].with_config(VllmScorerConfig(salt=salt, **kw))
 
 
 def test_prompt_reuse_reads_the_prompt_and_nothing_else(fp32):

@@ -30,6 +30,11 @@ class HFScorerConfig:
     """Run the forward under each trace's recorded routes (traces must carry them)."""
     use_support: bool = False
     """Renormalise over each token's recorded sampling support (rows without one use all of V)."""
+    weights_version: str | int | None = None
+    """The version of the checkpoint's weights (None: not tracked); a trace of another version is
+    refused (WeightsVersionError) unless `off_policy` (moe_replay/identity.py, build_plan's check)."""
+    off_policy: bool = False
+    """Score traces of other weights versions under these weights on purpose."""
     allow_adjusted_sampling: bool = False
     """Score traces whose sampler's logits were shifted (penalties, logit_bias: `sampling.adjusted`)
     instead of refusing them; their scores are then of the model's own logits, not the engine's
@@ -57,6 +62,15 @@ class HFScorer:
         self.model.to(config.device).eval()
         self.geometry = model_geometry(self.model)
 
+    @property
+    def weights_version(self) -> str | int | None:
+        """The weights this scorer scores under (config.weights_version; identity.py)."""
+        return self.config.weights_version
+
+    @property
+    def off_policy(self) -> bool:
+        return self.config.off_policy
+
     def score_batch(self, traces: Sequence[RolloutTrace]) -> list[np.ndarray]:
         """log p of each trace's generated tokens at its recorded sampling temperature (trace.sampling)."""
         import contextlib
@@ -67,7 +81,8 @@ class HFScorer:
 
         if not traces:
             return []
-        plan = build_plan(traces, self.geometry, routes=self.config.force_routes,  # checks geometry and sampling
+        plan = build_plan(traces, self.geometry, routes=self.config.force_routes,  # checks identity and sampling
+                          weights_version=self.config.weights_version, off_policy=self.config.off_policy,
                           config=PlanConfig(allow_adjusted_sampling=self.config.allow_adjusted_sampling)
                           ).to(self.config.device)
         ctx = replay(self.model, plan) if self.config.force_routes else contextlib.nullcontext()

@@ -87,6 +87,12 @@ class _ScorerActor:
             self.store.refresh()  # records appended since this actor opened the store
         return self.scorer.score_batch(self.store.get_many(list(keys)))
 
+    def identity(self) -> tuple:
+        """What the scorer states of the traces it takes (moe_replay.identity.consumer_identity)."""
+        from moe_replay.identity import consumer_identity
+
+        return consumer_identity(self.scorer)
+
     def pid(self) -> int:
         import os
 
@@ -112,6 +118,9 @@ class RayScorerPool:
         self.actors = [self._spawn() for _ in range(config.num_actors)]
         self.replaced = 0
         ray.get([a.pid.remote() for a in self.actors])  # fail fast if the factory cannot build a scorer
+        self.geometry, self.weights_version, self.off_policy = ray.get(self.actors[0].identity.remote())
+        """What the actors' scorers state (identity.py): the estimator checks each rollout against it at
+        submit, before any batch is shipped (a refusal is not retried), and every actor checks again."""
 
     def _spawn(self):
         return self._remote_cls.options(**self.config.actor_options).remote(self.factory, self.config.store_uri)

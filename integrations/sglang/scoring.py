@@ -20,6 +20,8 @@ the torch-native top-k the hook replaces (grouped top-k: glm4_moe, deepseek), mu
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ...errors import Where
+from ...identity import check_consumer
 from ...trace import RolloutTrace
 from .capture import transport_for
 from .errors import SglangPayloadError, SglangScoringError
@@ -47,6 +50,11 @@ class SglangScorerConfig:
     """Force each trace's recorded expert ids (the only mode built)."""
     use_support: bool = True
     """Renormalise over each token's recorded kept set (the only mode built)."""
+    weights_version: str | int | None = None
+    """The weights the engine holds (None: not tracked); a trace of another version is refused
+    (WeightsVersionError) unless `off_policy` (moe_replay/identity.py)."""
+    off_policy: bool = False
+    """Score traces of other weights versions under these weights on purpose."""
 
 
 class SglangScorer:
@@ -103,14 +111,28 @@ class SglangScorer:
                                      None if rows is None else f"{len(rows)} entries")
         return [{int(t): float(lp) for lp, t, *_ in row} for row in rows[1:]]
 
+    @property
+    def weights_version(self) -> str | int | None:
+        """The weights this scorer scores under (config.weights_version; identity.py)."""
+        return self.config.weights_version
+
+    @property
+    def off_policy(self) -> bool:
+        return self.config.off_policy
+
+    def with_weights(self, weights_version: str | int | None, off_policy: bool = False) -> "SglangScorer":
+        """This scorer under `weights_version` (the same engine): what `mr.weights_version = v` uses."""
+        other = copy.copy(self)
+        other.config = dataclasses.replace(self.config, weights_version=weights_version, off_policy=off_policy)
+        return other
+
     def score_batch(self, traces: Sequence[RolloutTrace]) -> list[np.ndarray]:
         """Logprobs [G] of each trace's generated tokens over its kept sets, under its forced routes."""
         out = []
+        check_consumer(traces, self, "the scoring engine vs the trace")  # identity.py: geometry, family, weights
         for t in traces:
-            w = Where(record=t.key)
             t.require_single_span("SGLang forced scoring")
             t.require_all_layers("SGLang forced scoring")
-            self.geometry.check_matches(t.geometry, w, "the scoring engine vs the trace")
             if t.routes_TLK is None or t.support is None:
                 raise SglangScoringError(f"{t.key!r}: forced scoring over kept sets needs the trace's routes and kept "
                                          f"sets (routes: {t.routes_TLK is not None}, kept sets: {t.support is not None})")

@@ -7,7 +7,8 @@
 One forward without gradients and with free routing records the model's own top-k per layer and
 token; the given routes are compared with it per layer and per sample, and where they do not line up
 the audit names the likely cause with its evidence (`Cause`: shifted, another sample's rows, layers
-offset or swapped, rows dropped or duplicated, another model or weights version, random). Readers
+offset or swapped, rows dropped or duplicated, a shifted prompt span, filled tail rows, ids wrapped or out of
+range, another model or weights version, random). Readers
 for each pipeline's format are in `formats`; the thresholds and their measurements in `thresholds`;
 docs/audit.md is the page. Importing this package needs torch, numpy and msgpack only.
 """
@@ -20,17 +21,19 @@ from .formats import ROUTE_FORMATS, from_megatron, from_sglang, from_traces, fro
 from .free import FreeRoutes
 from .routes import LayerAxis, RoutesBatch, SampleRoutes
 from .thresholds import THRESHOLDS, Thresholds
-from .verdict import (Aligned, AuditReport, Cause, LayerMismatch, OtherSample, RouteAlignmentError, RowEdits, SampleVerdict,
-                      Shifted, Unexplained, Verdict)
+from .verdict import (Aligned, AuditReport, BadIds, Cause, LayerMismatch, OtherSample, PromptShift, RouteAlignmentError, RowEdits,
+                      SampleVerdict, Shifted, TailRows, Unexplained, Verdict, WrappedIds)
 
 __all__ = [
     "Aligned",
     "AuditReport",
+    "BadIds",
     "Cause",
     "FreeRoutes",
     "LayerAxis",
     "LayerMismatch",
     "OtherSample",
+    "PromptShift",
     "ROUTE_FORMATS",
     "RouteAlignmentError",
     "RoutesBatch",
@@ -39,9 +42,11 @@ __all__ = [
     "SampleVerdict",
     "Shifted",
     "THRESHOLDS",
+    "TailRows",
     "Thresholds",
     "Unexplained",
     "Verdict",
+    "WrappedIds",
     "audit",
     "from_megatron",
     "from_sglang",

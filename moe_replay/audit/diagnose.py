@@ -14,7 +14,8 @@
      consecutive rows follow the same offset in the batch's flat order. One offset within the sample:
      SHIFTED; rows of another sample: OTHER_SAMPLE; offsets that step (rows dropped or repeated, or
      rows missing or extra with the rest in place): ROWS;
-   * nothing traced: OTHER_WEIGHTS when the rows agree above chance by `chance_margin` or are
+   * nothing traced: OTHER_WEIGHTS when the rows agree above chance by `chance_margin` of what chance leaves
+     ((a - c) / (1 - c)) or are
      token-consistent (`token_consistency`: real routers route one token alike), else RANDOM.
 
 Legend: B samples, S a sample's tokens, T its rows, C columns, L model MoE layers, K top-k, W words
@@ -31,12 +32,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import TraceFormatError, Where
-from .compare import chance_agreement, codes, masks, overlap, token_consistency
+from .compare import chance_agreement, chance_by_layer, codes, masks, overlap, popcounts, runs_ending, token_consistency
 from .free import FreeRoutes
 from .routes import RoutesBatch
 from .thresholds import THRESHOLDS, Thresholds
-from .verdict import (Aligned, AuditReport, Cause, LayerMismatch, OtherSample, RowEdits, SampleVerdict, Shifted,
-                      Unexplained, Verdict)
+from .verdict import (Aligned, AuditReport, BadIds, Cause, LayerMismatch, OtherSample, PromptShift, RowEdits, SampleVerdict,
+                      Shifted, TailRows, Unexplained, Verdict, WrappedIds)
 
 PAIR_BUDGET = 16_000_000
 """Most candidate row pairs the row search forms (pairs with equal expert sets at a layer, over the layers
@@ -48,6 +49,26 @@ LAYER_WIDE = 0.9
 """A layer's fault shows in every sample: a failing layer must fail in this share of the samples and a
 passing layer pass in it, else the rows of some samples are off (three of six samples one token late
 fail every layer and leave the layers' pooled agreement either side of `aligned`)."""
+
+
+@dataclass(frozen=True)
+class _Bars:
+    """The agreement each sample, layer, window and filled run must reach: the raw thresholds or their
+    chance-corrected ones (`Thresholds.*_above_chance` over `chance_L`), whichever is higher."""
+
+    chance_L: np.ndarray
+    """Agreement of unrelated tokens' rows under this routing, per model layer (compare.chance_by_layer)."""
+    sample: float
+    layer_L: np.ndarray
+    window: float
+    tail: float
+
+    @classmethod
+    def of(cls, chance_L: np.ndarray, t: Thresholds) -> "_Bars":
+        c = float(chance_L.mean()) if len(chance_L) else 0.0
+        return cls(chance_L, max(t.aligned, c + t.aligned_above_chance * (1 - c)),
+                   np.maximum(t.aligned, chance_L + t.aligned_above_chance * (1 - chance_L)),
+                   max(t.window_aligned, c + t.window_above_chance * (1 - c)), c + t.tail_above_chance * (1 - c))
 
 
 @dataclass
@@ -66,6 +87,15 @@ class _Side:
     neighbour_B: np.ndarray
     """Per sample, the most that `window` consecutive rows agree better read one position off (either way)
     than as they stand: negative for aligned rows, ~ +0.3 over a stretch a dropped or repeated row shifted."""
+    tails: list["TailRows | None"]
+    """Per sample, its first filled run at an edge that does not line up (None: none)."""
+    bad_rows: list[np.ndarray]
+    """Per sample, the rows holding no top-k (repeated or out-of-range ids) outside such a run."""
+    holes: list[np.ndarray]
+    """Per sample, every row holding no top-k."""
+    rest_ok_B: np.ndarray
+    """Per sample, whether its rows outside filled edge runs and rows holding no top-k line up (agreement,
+    windows, neighbours): rows in place but for those."""
 
     def cells(self, k: int) -> np.ndarray:
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -79,17 +109,25 @@ class _Side:
         total = max(int(self.rows_B.sum()), 1)
         return self.overlap_BL.sum(0) / (k * total)
 
-    def aligned_B(self, k: int, t: Thresholds) -> np.ndarray:
-        """bool [B]: samples whose rows line up on average and in every window, and number what the tokens call for."""
-        return ((self.sample_agreement(k) >= t.aligned) & (self.window_B >= t.window_aligned)
-                & (self.neighbour_B < t.window_shift) & self.rows_ok_B)
+    def in_place_B(self, k: int, t: Thresholds, bars: _Bars) -> np.ndarray:
+        """bool [B]: samples whose rows line up as they stand, on average, in every window and against their
+        neighbours (the row count and the edges aside)."""
+        return (self.sample_agreement(k) >= bars.sample) & (self.window_B >= bars.window) & (self.neighbour_B < t.window_shift)
 
-    def aligned(self, k: int, t: Thresholds) -> bool:
-        return bool(self.aligned_B(k, t).all() and (self.layer_agreement(k) >= t.aligned).all())
+    def aligned_B(self, k: int, t: Thresholds, bars: _Bars) -> np.ndarray:
+        """bool [B]: samples whose rows line up on average and in every window, number what the tokens call for,
+        hold a top-k in every row and no filled run at an edge."""
+        clean = np.array([tail is None and not len(bad) for tail, bad in zip(self.tails, self.bad_rows)], dtype=bool)
+        return self.in_place_B(k, t, bars) & self.rows_ok_B & clean
+
+    def aligned(self, k: int, t: Thresholds, bars: _Bars) -> bool:
+        return bool(self.aligned_B(k, t, bars).all() and (self.layer_agreement(k) >= bars.layer_L).all())
 
 
-def _side(batch: RoutesBatch, own: list[np.ndarray], col_of: list[int], num_experts: int, k: int, window: int) -> _Side:
-    given, ov, rows, ok, win, nb = [], [], [], [], [], []
+def _side(batch: RoutesBatch, own: list[np.ndarray], col_of: list[int], num_experts: int, k: int, t: Thresholds,
+          bars: _Bars) -> _Side:
+    given, ov, rows, ok, win, nb, tails, bad_rows, holes, rest_ok = [], [], [], [], [], [], [], [], [], []
+    mapped = [j for j, c in enumerate(col_of) if c >= 0]
     for s, own_SLW in zip(batch.samples, own):
         all_TCW = masks(s.routes_TCK, num_experts)
         g_TLW = np.zeros((len(all_TCW), len(col_of), own_SLW.shape[-1]), dtype=np.uint64)
@@ -103,22 +141,89 @@ def _side(batch: RoutesBatch, own: list[np.ndarray], col_of: list[int], num_expe
         rows.append(n)
         ok.append(s.rows_expected <= len(g_TLW) <= s.rows_expected + 1)
         a_T = ov_TL.mean(1) / k
-        win.append(_least_window(a_T, window))
-        nb.append(_neighbour_gain(g_TLW[:n], own_SLW, s.start, a_T, k, window))
+        win.append(_least_window(a_T, t.window))
+        nb.append(_neighbour_gain(g_TLW[:n], own_SLW, s.start, a_T, k, t.window))
+        sets_TLW = g_TLW if len(mapped) == len(col_of) else g_TLW[:, mapped]
+        no_top_k_T = (popcounts(sets_TLW) < k).any(1) if mapped else np.zeros(len(g_TLW), dtype=bool)
+        tail, fill_T = _edge_runs(s, g_TLW, a_T, no_top_k_T, n, bars)
+        tails.append(tail)
+        bad_rows.append(np.flatnonzero(no_top_k_T & ~fill_T))
+        holes.append(np.flatnonzero(no_top_k_T))
+        skip_T = fill_T | no_top_k_T
+        if not skip_T.any():
+            rest_ok.append(True)  # judged as a whole (in_place_B)
+        else:
+            keep = ~skip_T[:n]
+            a_rest = a_T[keep]
+            rest_ok.append(bool(len(a_rest)) and float(a_rest.mean()) >= bars.sample
+                           and _least_window(a_rest, t.window) >= bars.window
+                           and _neighbour_gain(g_TLW[:n], own_SLW, s.start, a_T, k, t.window, skip_T[:n]) < t.window_shift)
     return _Side(given, np.array(ov, dtype=np.float64).reshape(len(own), len(col_of)), np.array(rows), np.array(ok),
-                 np.array(win), np.array(nb))
+                 np.array(win), np.array(nb), tails, bad_rows, holes, np.array(rest_ok, dtype=bool))
 
 
-def _neighbour_gain(g_TLW: np.ndarray, own_SLW: np.ndarray, start: int, a_T: np.ndarray, k: int, window: int) -> float:
+def _edges(s) -> list[tuple[int, str]]:
+    """(position the edge is before, its name): the sequence's end (the last row is position S - 2), then the
+    prompt / completion boundary and the turns' boundaries the pipeline said."""
+    out = [(len(s.token_ids_S) - 1, "sequence_end")]
+    out += [(p, "prompt_end" if p == s.prompt_len else "turn_end") for p in s.boundaries]
+    return out
+
+
+def _edge_runs(s, g_TLW: np.ndarray, a_T: np.ndarray, no_top_k_T: np.ndarray, n: int, bars: _Bars):
+    """(the first filled run at an edge that does not line up, bool [T] of the rows of every such run).
+
+    A run is the consecutive rows ending just before an edge that each repeat the row before them (the same
+    expert sets at every layer) or hold no top-k. It is a finding when a row holds no top-k, or when its rows
+    agree with the model's routing of their positions below `bars.tail` (a correct run of repeated rows routes
+    repeated tokens alike and agrees at ~1.0)."""
+    fill_T = np.zeros(len(g_TLW), dtype=bool)
+    m = min(n, s.rows_expected)  # rows of positions start .. S - 2 (the last token's own row, if given, aside)
+    if m < 1:
+        return None, fill_T
+    same_T = np.zeros(m, dtype=bool)
+    same_T[1:] = (g_TLW[1:m, 0] == g_TLW[: m - 1, 0]).all(-1)  # the first layer first: few rows repeat it
+    at = np.flatnonzero(same_T)
+    same_T[at] = (g_TLW[at] == g_TLW[at - 1]).all((1, 2))
+    run_T = runs_ending(same_T | no_top_k_T[:m])
+    first = None
+    for edge, name in _edges(s):
+        i = edge - 1 - s.start
+        if not 0 <= i < m or not run_T[i]:
+            continue
+        rows = np.arange(i - run_T[i] + 1, i + 1)
+        if rows[0] == 0:
+            continue  # a run from the first row on: no kept row before it, nothing an edge filled
+        holes = bool(no_top_k_T[rows].any())
+        agreement = float(a_T[rows].mean())
+        if not holes and agreement >= bars.tail:
+            continue
+        fill_T[rows] = True
+        if first is None:
+            first = (name, rows, "no_top_k" if holes else "repeat", agreement)
+    if first is None:
+        return None, fill_T
+    name, rows, fill, agreement = first
+    rest = a_T[~fill_T[:n]]
+    return TailRows(name, tuple(int(s.start + r) for r in rows[:MAX_LISTED]), fill, agreement,
+                    float(rest.mean()) if len(rest) else 0.0), fill_T
+
+
+def _neighbour_gain(g_TLW: np.ndarray, own_SLW: np.ndarray, start: int, a_T: np.ndarray, k: int, window: int,
+                    skip_T: np.ndarray | None = None) -> float:
     """The largest gain, over windows of rows 1 .. T-2, of reading the rows one position later or earlier
-    instead of as they stand (rows too few for a window: the whole of them); -1 without such rows."""
+    instead of as they stand (rows too few for a window: the whole of them; `skip_T` rows count as no gain);
+    -1 without such rows."""
     t_count = len(g_TLW)
     if t_count < 3 or start + t_count >= len(own_SLW):
         return -1.0
     later = overlap(g_TLW[1:-1], own_SLW[start + 2: start + t_count]).mean(1) / k
     earlier = overlap(g_TLW[1:-1], own_SLW[start: start + t_count - 2]).mean(1) / k
     here = a_T[1:-1]
-    return max(-_least_window(here - later, window), -_least_window(here - earlier, window))
+    d_later, d_earlier = here - later, here - earlier
+    if skip_T is not None:
+        d_later, d_earlier = np.where(skip_T[1:-1], 0.0, d_later), np.where(skip_T[1:-1], 0.0, d_earlier)
+    return max(-_least_window(d_later, window), -_least_window(d_earlier, window))
 
 
 def _least_window(row_T: np.ndarray, window: int) -> float:
@@ -145,32 +250,115 @@ def diagnose(batch: RoutesBatch, free: FreeRoutes, thresholds: Thresholds = THRE
     claims = batch.claimed_layers(g.num_layers, g.moe_layer_ids)
     col_of = [claims.index(lid) if lid in claims else -1 for lid in g.moe_layer_ids]
     own = [masks(ids, e) for ids in free.ids_SLK]
-    side = _side(batch, own, col_of, e, k, t.window)
+    bars = _Bars.of(chance_by_layer(_first_rows(free.ids_SLK, CHANCE_ROWS), e, k), t)
+    side = _side(batch, own, col_of, e, k, t, bars)
     agree_B, layer_L = side.sample_agreement(k), side.layer_agreement(k)
-    ok_B = side.aligned_B(k, t)
+    ok_B = side.aligned_B(k, t, bars)
 
     verdicts: list[Verdict] = [Verdict(Cause.ALIGNED, Aligned(float(a))) for a in agree_B]
-    batch_verdict: Verdict | None = None
-    if not side.aligned(k, t):
-        batch_verdict = _reading(batch, own, col_of, e, k, t, agree_B, ok_B, verdicts)
-        if batch_verdict is None:
-            batch_verdict = _layers(batch, own, claims, col_of, g.moe_layer_ids, side, k, e, t, ok_B, verdicts)
-        if batch_verdict is None:
-            _rows(batch, own, side, k, e, t, ok_B, verdicts)
-            batch_verdict = _batch_of(verdicts)
+    batch_verdict = _wrapped(batch, free, col_of, e, k, t, agree_B, verdicts)
+    if batch_verdict is None and not side.aligned(k, t, bars):
+        batch_verdict = _reading(batch, own, col_of, e, k, t, bars, agree_B, ok_B, verdicts)
+        if batch_verdict is None:  # (a reading that lines up explains the rows its payload slots held, zeros included)
+            batch_verdict = _layers(batch, own, claims, col_of, g.moe_layer_ids, side, k, e, t, bars, ok_B, verdicts)
+            if batch_verdict is None:
+                _rows(batch, own, side, k, e, t, bars, ok_B, verdicts)
+            if _bad_ids(batch, side, col_of, g.moe_layer_ids, e, agree_B, verdicts) or batch_verdict is None:
+                batch_verdict = _batch_of(verdicts)
     if batch_verdict is None:
         batch_verdict = Verdict(Cause.ALIGNED, Aligned(float(layer_L.mean())))
     samples = tuple(SampleVerdict(b, s.key, float(agree_B[b]), s.rows_expected, len(s.routes_TCK), verdicts[b],
                                   float(side.window_B[b]), float(side.neighbour_B[b])) for b, s in enumerate(batch.samples))
     return AuditReport(batch.format, batch_verdict, samples, g.moe_layer_ids, tuple(float(a) for a in layer_L),
-                       side.cells(k), t, free.forward_s, time.perf_counter() - t0)
+                       side.cells(k), t, free.forward_s, time.perf_counter() - t0,
+                       chance=tuple(round(float(c), 6) for c in bars.chance_L))
 
 
-def _reading(batch, own, col_of, e, k, t, agree_B, ok_B, verdicts) -> Verdict | None:
+CHANCE_ROWS = 4096
+"""Rows of the model's own routing the chance agreement is counted over (frequencies of 128 experts: ample)."""
+
+
+def _first_rows(ids: tuple[np.ndarray, ...], n: int) -> np.ndarray:
+    """The first `n` rows of the samples' ids, concatenated (only the samples needed are copied)."""
+    parts, have = [], 0
+    for x in ids:
+        if have >= n:
+            break
+        parts.append(x[: n - have])
+        have += len(parts[-1])
+    return np.concatenate(parts)
+
+
+WRAPS = (("uint8", 0, 256), ("int8", -128, 128))
+"""Integers expert ids are seen wrapped through: (name, least value, past the largest). Either keeps an id's low
+byte, so ids taken mod 256 compare the routes with the model's ids wrapped alike (int8's negatives as their bytes)."""
+
+
+def _wrapped(batch, free, col_of, e, k, t, agree_B, verdicts) -> Verdict | None:
+    """WRAPPED_IDS: a model of more experts than a uint8 (256) / int8 (128) holds, routes whose every id such an
+    integer holds (int8: some negative), and the model's own routing of the same tokens holding at least
+    `wrapped_min_ids` ids it cannot (a correct routing holds those ids too)."""
+    mapped = [c for c in col_of if c >= 0]
+    if e <= 128 or not mapped:
+        return None
+    parts = [s.routes_TCK[:, mapped] for s in batch.samples if len(s.routes_TCK)]
+    if not parts:
+        return None
+    lo, hi = min(int(p.min()) for p in parts), max(int(p.max()) for p in parts)
+    wrap = next(((name, b) for name, a, b in WRAPS if e > b and a <= lo and hi < b and (a == 0 or lo < 0)), None)
+    if wrap is None:
+        return None
+    dtype, past = wrap
+    own_ids = np.concatenate(free.ids_SLK)
+    above = int((own_ids >= past).sum())
+    if above < t.wrapped_min_ids:
+        return None
+    j_of = [j for j, c in enumerate(col_of) if c >= 0]
+    shared = total = 0
+    for s, own_SLK in zip(batch.samples, free.ids_SLK):
+        n = max(min(len(s.routes_TCK), len(own_SLK) - s.start), 0)
+        g_NLW = masks(s.routes_TCK[:n][:, mapped] % 256, 256)
+        o_NLW = masks(own_SLK[s.start: s.start + n][:, j_of] % 256, 256)
+        shared += int(overlap(g_NLW, o_NLW).sum())
+        total += n * len(mapped) * k
+    ev = WrappedIds(dtype, e, hi, lo, above / max(own_ids.size, 1), float(agree_B.mean()), shared / max(total, 1))
+    verdict = Verdict(Cause.WRAPPED_IDS, ev)
+    for b in range(len(verdicts)):
+        verdicts[b] = verdict
+    return verdict
+
+
+def _bad_ids(batch, side, col_of, layer_ids, e, agree_B, verdicts) -> bool:
+    """OUT_OF_RANGE for each sample with rows holding no top-k outside a filled edge run, where nothing else
+    explains its rows (ALIGNED but for them, filled at an edge besides, or another model's / random); whether any
+    sample got it."""
+    mapped = [c for c in col_of if c >= 0]
+    j_of = [j for j, c in enumerate(col_of) if c >= 0]
+    found = False
+    for b, rows in enumerate(side.bad_rows):
+        cause = verdicts[b].cause
+        if cause in (Cause.OTHER_WEIGHTS, Cause.RANDOM):
+            rows = side.holes[b]  # garbage: every row holding no top-k counts, an edge's too
+        if not len(rows) or cause not in (Cause.ALIGNED, Cause.TAIL_ROWS, Cause.OTHER_WEIGHTS, Cause.RANDOM):
+            continue
+        s = batch.samples[b]
+        ids = s.routes_TCK[rows][:, mapped]
+        oor_RLK = (ids < 0) | (ids >= e)
+        rep_RL = (np.diff(np.sort(ids, -1), axis=-1) == 0).any(-1) if ids.shape[-1] > 1 else np.zeros(ids.shape[:2], bool)
+        r0, j0 = np.argwhere(oor_RLK.any(-1) | rep_RL)[0]
+        all_ids = s.routes_TCK[:, mapped]
+        verdicts[b] = Verdict(Cause.OUT_OF_RANGE, BadIds(int(oor_RLK.sum()), int(rep_RL.sum()), len(rows), int(all_ids.min()),
+                                                         int(all_ids.max()), e, (int(s.start + rows[r0]), int(layer_ids[j_of[j0]])),
+                                                         float(agree_B[b])))
+        found = True
+    return found
+
+
+def _reading(batch, own, col_of, e, k, t, bars, agree_B, ok_B, verdicts) -> Verdict | None:
     """OTHER_SAMPLE when another reading of the payload lines up (rows traced through the payload's order)."""
     for name, other in batch.readings:
-        alt = _side(other, own, col_of, e, k, t.window)
-        if not alt.aligned(k, t):
+        alt = _side(other, own, col_of, e, k, t, bars)
+        if not alt.aligned(k, t, bars):
             continue
         alt_agree = alt.sample_agreement(k)
         first = None
@@ -197,18 +385,18 @@ def _reading_sources(batch: RoutesBatch, other: RoutesBatch, b: int) -> np.ndarr
     return np.array([owner.get(int(x), b) for x in slots], dtype=np.int64)
 
 
-def _layers(batch, own, claims, col_of, layer_ids, side, k, e, t, ok_B, verdicts) -> Verdict | None:
+def _layers(batch, own, claims, col_of, layer_ids, side, k, e, t, bars, ok_B, verdicts) -> Verdict | None:
     """LAYERS when the rows line up at some layers (or through another column) and not at others.
 
     Judged per column: a column whose claimed layer does not line up holds another model layer's routes
     (remapped: its best match reaches `aligned`) or no model layer's (foreign); a column claiming a dense
     layer or nothing that lines up with a model layer whose own column does not is remapped too."""
     layer_L = side.layer_agreement(k)
-    claimed_ok = layer_L >= t.aligned
+    claimed_ok = layer_L >= bars.layer_L
     if claimed_ok.all() and all(c >= 0 for c in col_of):
         return None
     with np.errstate(invalid="ignore"):
-        fails_L = np.nanmean(side.cells(k) < t.aligned, axis=0)  # share of samples failing at each layer
+        fails_L = np.nanmean(side.cells(k) < bars.layer_L[None], axis=0)  # share of samples failing at each layer
     if claimed_ok.any() and ((fails_L[~claimed_ok] < LAYER_WIDE).any() or (fails_L[claimed_ok] > 1 - LAYER_WIDE).any()):
         return None  # some samples fail at every layer, not every sample at some layers: the rows are off
     a_CL = _column_matrix(batch, own, side, k, e)
@@ -219,7 +407,7 @@ def _layers(batch, own, claims, col_of, layer_ids, side, k, e, t, ok_B, verdicts
         if j_claim is not None and claimed_ok[j_claim] and col_of[j_claim] == c:
             continue
         j_best = int(a_CL[c].argmax())
-        if a_CL[c, j_best] >= t.aligned and not claimed_ok[j_best] and claim is not None:
+        if a_CL[c, j_best] >= bars.layer_L[j_best] and not claimed_ok[j_best] and claim is not None:
             remapped.append((int(claim), int(layer_ids[j_best]), float(a_CL[c, j_best])))
             covered.add(j_best)
         elif j_claim is not None and col_of[j_claim] == c:
@@ -252,15 +440,18 @@ def _column_matrix(batch, own, side, k, num_experts: int, max_rows: int = 8192) 
     return np.stack([overlap(g_NCW[:, c: c + 1], o_NLW).sum(0) for c in range(g_NCW.shape[1])]) / (k * len(g_NCW))
 
 
-def _rows(batch, own, side, k, e, t, ok_B, verdicts) -> None:
+def _rows(batch, own, side, k, e, t, bars, ok_B, verdicts) -> None:
     """Trace each misaligned sample's rows through the batch and name the pattern (module docstring)."""
     agree_B = side.sample_agreement(k)
     own_base = np.concatenate([[0], np.cumsum([len(o) for o in own])])
-    in_place = (agree_B >= t.aligned) & (side.window_B >= t.window_aligned) & (side.neighbour_B < t.window_shift)
-    count_only = [int(b) for b in np.flatnonzero(~ok_B) if in_place[b]]  # rows in place, too few or many
-    for b in count_only:
+    flawed = np.array([x is not None or len(r) > 0 for x, r in zip(side.tails, side.bad_rows)], dtype=bool)
+    in_place = side.in_place_B(k, t, bars) | (flawed & side.rest_ok_B)
+    for b in np.flatnonzero(~ok_B & in_place):  # rows in place: too few or many, filled at an edge, or no top-k (_bad_ids)
         s = batch.samples[b]
-        verdicts[b] = _row_edits(s, side.given_TLW[b], s.start + np.arange(len(side.given_TLW[b])), own[b], k, float(agree_B[b]))
+        if not side.rows_ok_B[b]:
+            verdicts[b] = _row_edits(s, side.given_TLW[b], s.start + np.arange(len(side.given_TLW[b])), own[b], k, float(agree_B[b]))
+        elif side.tails[b] is not None:
+            verdicts[b] = Verdict(Cause.TAIL_ROWS, side.tails[b])
     bad = [int(b) for b in np.flatnonzero(~ok_B) if not in_place[b]]
     if not bad:
         return
@@ -271,7 +462,7 @@ def _rows(batch, own, side, k, e, t, ok_B, verdicts) -> None:
     for b, g_TLW in zip(bad, given):
         src = src_N[at: at + len(g_TLW)]
         at += len(g_TLW)
-        v = _classify(b, batch, g_TLW, src, own, own_base, k, t, float(agree_B[b]))
+        v = _classify(b, batch, g_TLW, src, own, own_base, k, t, bars, float(agree_B[b]))
         if v is None:
             unexplained.append(b)
         else:
@@ -338,7 +529,7 @@ def _layers_needed(t: Thresholds, layers: int) -> int:
     return max(math.ceil(t.match_layers * layers), min(layers, 3))
 
 
-def _classify(b, batch, g_TLW, src_T, own, own_base, k, t, agree) -> Verdict | None:
+def _classify(b, batch, g_TLW, src_T, own, own_base, k, t, bars, agree) -> Verdict | None:
     """A misaligned sample's verdict from where its rows were traced (None: too few rows traced)."""
     s, t_count = batch.samples[b], len(g_TLW)
     found = src_T >= 0
@@ -347,11 +538,14 @@ def _classify(b, batch, g_TLW, src_T, own, own_base, k, t, agree) -> Verdict | N
     j_T = np.searchsorted(own_base, np.maximum(src_T, 0), side="right") - 1
     mine, others = found & (j_T == b), found & (j_T != b)
     d_T = src_T - own_base[b] - (s.start + np.arange(t_count))
+    v = _prompt_shift(s, g_TLW, d_T, mine, own[b], k, t, bars)
+    if v is not None:
+        return v
     counts = Counter(d_T[mine].tolist())
     steps = [d for d, n in counts.items() if n >= max(t.min_run, t.pattern * 0.2 * t_count)]
     if len(steps) == 1 and steps[0] != 0 and counts[steps[0]] >= t.pattern * t_count:
         shifted = _dense(g_TLW, own[b], s.start + int(steps[0]), k)
-        if shifted >= t.aligned:
+        if shifted >= bars.sample:
             return Verdict(Cause.SHIFTED, Shifted(int(steps[0]), shifted, agree))
     off = found & ~(mine & (d_T == 0))  # rows traced anywhere but to their own position
     if others.any() and others.sum() >= t.pattern * off.sum():
@@ -359,9 +553,34 @@ def _classify(b, batch, g_TLW, src_T, own, own_base, k, t, agree) -> Verdict | N
         traced = _traced(g_TLW, own, src_T, found, k)
         ev = OtherSample(int(j_best), batch.samples[j_best].key, _traced(g_TLW, own, src_T, others & (j_T == j_best), k),
                          float(others.mean()), agree)
-        return Verdict(Cause.OTHER_SAMPLE, ev) if traced >= t.aligned else None
+        return Verdict(Cause.OTHER_SAMPLE, ev) if traced >= bars.sample else None
     v = _row_edits(s, g_TLW, np.where(mine, src_T - own_base[b], -1), own[b], k, agree)
-    return v if v.evidence.agreement >= t.aligned else None
+    return v if v.evidence.agreement >= bars.sample else None
+
+
+def _prompt_shift(s, g_TLW, d_T, mine, own_S, k, t, bars) -> Verdict | None:
+    """PROMPT_SHIFT: the prompt's rows traced to their own sample `shift` positions on (one offset, most of
+    them), the completion's rows in place (no run of them traced elsewhere), both lining up so read."""
+    if s.prompt_len is None:
+        return None
+    q_T = s.start + np.arange(len(g_TLW))
+    pre, post = q_T < s.prompt_len, (q_T >= s.prompt_len) & (q_T < len(own_S))
+    if pre.sum() < t.min_run or post.sum() < t.min_run:
+        return None
+    counts = Counter(d_T[mine & pre].tolist())
+    counts.pop(0, None)
+    if not counts:
+        return None
+    shift, n_shift = max(counts.items(), key=lambda x: (x[1], -abs(x[0])))
+    if n_shift < max(t.min_run, t.pattern * pre.sum()) or (mine & post & (d_T != 0)).sum() >= t.min_run:
+        return None
+    span = pre & (q_T + shift >= 0) & (q_T + shift < len(own_S))
+    shifted = float(overlap(g_TLW[span], own_S[q_T[span] + shift]).mean() / k)
+    completion = float(overlap(g_TLW[post], own_S[q_T[post]]).mean() / k)
+    if shifted < bars.sample or completion < bars.sample:
+        return None
+    as_given = float(overlap(g_TLW[pre], own_S[q_T[pre]]).mean() / k)
+    return Verdict(Cause.PROMPT_SHIFT, PromptShift(int(shift), int(s.prompt_len), int(n_shift), shifted, as_given, completion))
 
 
 def _row_edits(s, g_TLW, q_T, own_S, k, agree) -> Verdict:
@@ -409,7 +628,7 @@ def _unexplained(batch, own, side, bad, k, e, t, verdicts) -> None:
         s = batch.samples[b]
         best = max(_dense(side.given_TLW[b], own[b], s.start + d, k) for d in (-2, -1, 1, 2))
         a = float(agree_B[b])
-        real = a >= chance + t.chance_margin or (tc is not None and tc >= t.token_consistency)
+        real = a - chance >= t.chance_margin * (1 - chance) or (tc is not None and tc >= t.token_consistency)
         verdicts[b] = Verdict(Cause.OTHER_WEIGHTS if real else Cause.RANDOM, Unexplained(a, chance, tc, tc_model, best))
 
 

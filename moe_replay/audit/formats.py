@@ -20,6 +20,7 @@ micro-batch's flat positions.
 from __future__ import annotations
 
 import base64
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -62,6 +63,15 @@ def _per_request(n: int, token_ids: Any, start: Any, start_name: str, keys: Sequ
             _per_sample(start, n, start_name, fmt), names)
 
 
+def _with_prompts(samples: Sequence[SampleRoutes], prompt_len: Any, fmt: str) -> tuple[SampleRoutes, ...]:
+    """The samples with their prompt lengths (one value or one each; None: not known) as their boundary."""
+    if prompt_len is None:
+        return tuple(samples)
+    lengths = _per_sample(prompt_len, len(samples), "prompt_len", fmt)
+    return tuple(dataclasses.replace(s, prompt_len=p, boundaries=(p,) if 0 < p < len(s.token_ids_S) else ())
+                 for s, p in zip(samples, lengths))
+
+
 def _listed(routes: Any) -> list:
     """A list of per-sample arrays from one array (a single sample) or a sequence of them."""
     if isinstance(routes, (list, tuple)):
@@ -89,30 +99,33 @@ def from_traces(traces: Any, token_ids: Any = None, **_: Any) -> RoutesBatch:
         elif t.route_layers != layers:
             raise TraceFormatError(where.with_(field="route_layer_ids"), f"layers {list(layers)} as trace 0",
                                    list(t.route_layers))
-        samples.append(SampleRoutes(t.key, t.token_ids_S.astype(np.int64), t.routes_TLK.astype(np.int64), t.route_start))
+        edges = sorted(p for p in {t.prompt_len, *(p for span in t.spans for p in span)} if 0 < p < t.num_tokens)
+        samples.append(SampleRoutes(t.key, t.token_ids_S.astype(np.int64), t.routes_TLK.astype(np.int64), t.route_start,
+                                    prompt_len=t.prompt_len, boundaries=tuple(edges)))
     return RoutesBatch("trace", tuple(samples), tuple(layers or ()))
 
 
 @ROUTE_FORMATS.register("vllm")
 def from_vllm(routed_experts: Any, token_ids: Any, prompt_start: int | Sequence[int] = 0,
-              keys: Sequence[str] | None = None, **_: Any) -> RoutesBatch:
+              keys: Sequence[str] | None = None, prompt_len: int | Sequence[int] | None = None, **_: Any) -> RoutesBatch:
     """vLLM's `routed_experts` (one [S - 1 - prompt_start, num_hidden_layers, K] array per request, or one
     array for one request) with each request's tokens (prompt_token_ids + the completion's token_ids)
-    and its `routed_experts_prompt_start`."""
+    and its `routed_experts_prompt_start`; `prompt_len` (len(prompt_token_ids), per request or one value)
+    lets the audit check the rows at the prompt / completion boundary."""
     arrays = _listed(routed_experts)
     tokens, starts, names = _per_request(len(arrays), token_ids, prompt_start, "routed_experts_prompt_start", keys, "vllm")
     samples = tuple(SampleRoutes(names[b], tokens[b], as_rows(arrays[b], Where(record=names[b], field="routed_experts")),
                                  starts[b]) for b in range(len(arrays)))
-    return RoutesBatch("vllm", samples, LayerAxis.DECODER)
+    return RoutesBatch("vllm", _with_prompts(samples, prompt_len, "vllm"), LayerAxis.DECODER)
 
 
 @ROUTE_FORMATS.register("sglang")
 def from_sglang(payload: Any, token_ids: Any, start_len: int | Sequence[int] = 0, *, num_layers: int, top_k: int,
-                keys: Sequence[str] | None = None, **_: Any) -> RoutesBatch:
+                keys: Sequence[str] | None = None, prompt_len: int | Sequence[int] | None = None, **_: Any) -> RoutesBatch:
     """SGLang's `meta_info["routed_experts"]` (base64 of int32 [rows, num_layers, top_k], one string per
     request, or bytes already decoded) with each request's tokens and `routed_experts_start_len`.
     The payload does not carry its shape: `num_layers` (the config's num_hidden_layers) and `top_k` say
-    it (`moe_replay.audit` passes the model's)."""
+    it (`moe_replay.audit` passes the model's). `prompt_len`: as for vLLM."""
     payloads = [payload] if isinstance(payload, (str, bytes, bytearray)) else list(payload)
     tokens, starts, names = _per_request(len(payloads), token_ids, start_len, "routed_experts_start_len", keys, "sglang")
     samples = []
@@ -129,16 +142,17 @@ def from_sglang(payload: Any, token_ids: Any, start_len: int | Sequence[int] = 0
                                    f"{len(data)} bytes")
         rows = np.frombuffer(data, dtype="<i4").reshape(-1, num_layers, top_k).astype(np.int64)
         samples.append(SampleRoutes(names[b], tokens[b], rows, starts[b]))
-    return RoutesBatch("sglang", tuple(samples), LayerAxis.DECODER)
+    return RoutesBatch("sglang", _with_prompts(samples, prompt_len, "sglang"), LayerAxis.DECODER)
 
 
 @ROUTE_FORMATS.register("verl")
 def from_verl(routed_experts: Any, input_ids: Any, attention_mask: Any = None, keys: Sequence[str] | None = None,
-              **_: Any) -> RoutesBatch:
+              prompt_len: int | Sequence[int] | None = None, **_: Any) -> RoutesBatch:
     """verl's batch field: padded `routed_experts` [B, P + R, L, K] with `input_ids` and `attention_mask`
     [B, P + R] (a sample's rows are its real tokens' columns, but the last, whose row verl fills with a
     placeholder), or a jagged nested `routed_experts` with nested `input_ids` (verl's no-padding layout;
-    a sample's rows as they stand, T_b - 1 or T_b of them)."""
+    a sample's rows as they stand, T_b - 1 or T_b of them). `prompt_len`: each sample's real prompt tokens
+    (the prompts' attention mask summed), as for vLLM."""
     if getattr(routed_experts, "is_nested", False):
         parts = list(routed_experts.unbind())
         tokens = list(input_ids.unbind()) if getattr(input_ids, "is_nested", False) else list(input_ids)
@@ -150,7 +164,7 @@ def from_verl(routed_experts: Any, input_ids: Any, attention_mask: Any = None, k
             tok = as_tokens(t, Where(record=names[b], field="input_ids"))
             rows = as_rows(r, Where(record=names[b], field="routed_experts"))
             samples.append(SampleRoutes(names[b], tok, rows[: len(tok) - 1] if len(rows) == len(tok) else rows))
-        return RoutesBatch("verl", tuple(samples), LayerAxis.AUTO)
+        return RoutesBatch("verl", _with_prompts(samples, prompt_len, "verl"), LayerAxis.AUTO)
     re_BSLK = routed_experts.detach().cpu().numpy() if hasattr(routed_experts, "detach") else np.asarray(routed_experts)
     ids_BS = input_ids.detach().cpu().numpy() if hasattr(input_ids, "detach") else np.asarray(input_ids)
     if re_BSLK.ndim != 4 or ids_BS.ndim != 2 or re_BSLK.shape[:2] != ids_BS.shape:
@@ -167,13 +181,13 @@ def from_verl(routed_experts: Any, input_ids: Any, attention_mask: Any = None, k
         where = Where(record=names[b], field="routed_experts")
         samples.append(SampleRoutes(names[b], as_tokens(ids_BS[b, cols], where.with_(field="input_ids")),
                                     as_rows(re_BSLK[b, cols[:-1]], where)))
-    return RoutesBatch("verl", tuple(samples), LayerAxis.AUTO)
+    return RoutesBatch("verl", _with_prompts(samples, prompt_len, "verl"), LayerAxis.AUTO)
 
 
 @ROUTE_FORMATS.register("megatron")
 def from_megatron(entries: Any, token_ids: Any, attention_mask: Any = None, *, layout: str = "sbhd",
                   layers: LayerAxis | Sequence[int | None] = LayerAxis.MOE, keys: Sequence[str] | None = None,
-                  **_: Any) -> RoutesBatch:
+                  prompt_len: int | Sequence[int] | None = None, **_: Any) -> RoutesBatch:
     """Megatron RouterReplay's per-router lists: one [M, K] tensor per entry of the process-global list,
     in list order (what `RouterReplay.set_replay_data` takes), for the micro-batch `token_ids`.
 
@@ -182,7 +196,8 @@ def from_megatron(entries: Any, token_ids: Any, attention_mask: Any = None, *, l
     the batch-first reading (m = b * S + s) is kept as an alternative the audit tries. `layout="thd"`
     (packed sequences): `token_ids` a list of sequences, M their total length, sample b's rows at its
     offset in the packed order. `layers`: what each entry claims, the MoE layers in list order unless
-    given (integrations/megatron/audit.py passes the ids Megatron's registry layout names)."""
+    given (integrations/megatron/audit.py passes the ids Megatron's registry layout names). `prompt_len`: as
+    for vLLM."""
     cols = [_entry(e, i) for i, e in enumerate(entries)]
     if not cols:
         raise TraceFormatError(Where(field="router replay entries"), "one [M, K] tensor per router", "none")
@@ -200,7 +215,7 @@ def from_megatron(entries: Any, token_ids: Any, attention_mask: Any = None, *, l
         offsets = np.concatenate([[0], np.cumsum([len(t) for t in tokens])])
         samples = tuple(SampleRoutes(names[b], tokens[b], flat_MCK[offsets[b]: offsets[b + 1] - 1],
                                      slots_T=np.arange(offsets[b], offsets[b + 1] - 1)) for b in range(len(tokens)))
-        return RoutesBatch("megatron", samples, axis)
+        return RoutesBatch("megatron", _with_prompts(samples, prompt_len, "megatron"), axis)
     if layout != "sbhd":
         raise TraceFormatError(Where(field="layout (megatron)"), "'sbhd' or 'thd'", repr(layout))
     ids_BS = token_ids.detach().cpu().numpy() if hasattr(token_ids, "detach") else np.asarray(token_ids)
@@ -219,7 +234,7 @@ def from_megatron(entries: Any, token_ids: Any, attention_mask: Any = None, *, l
             cols_b = np.flatnonzero(mask_BS[b])
             slots = rows_of(b, cols_b[:-1])
             out.append(SampleRoutes(names[b], ids_BS[b, cols_b].astype(np.int64), flat_MCK[slots], slots_T=slots))
-        return tuple(out)
+        return _with_prompts(out, prompt_len, "megatron")
 
     seq_first = read(lambda b, s: s * b_count + b)
     batch_first = RoutesBatch("megatron", read(lambda b, s: b * s_len + s), axis)

@@ -47,6 +47,12 @@ class SampleRoutes:
     slots_T: np.ndarray | None = None
     """Where each row sits in the payload when the payload is one flat array (a Megatron list's m), so
     two readings of it can say which sample a row belongs to; None otherwise."""
+    prompt_len: int | None = None
+    """Tokens of the prompt, where the pipeline says (a trace's `prompt_len`, `prompt_len=` to a reader): the
+    prompt / completion boundary the audit checks the rows at; None: not known."""
+    boundaries: tuple[int, ...] = ()
+    """Positions where a span begins after the first (the completion, a later turn, a turn's tool output):
+    the rows just before each are an edge the audit checks (`prompt_len` among them when known)."""
 
     @property
     def rows_expected(self) -> int:
@@ -78,6 +84,8 @@ class RoutesBatch:
             if s.token_ids_S.ndim != 1 or len(s.token_ids_S) < 2:
                 raise TraceFormatError(where.with_(field=f"token ids of sample {b}"), "a sequence of >= 2 token ids",
                                        list(s.token_ids_S.shape))
+            if s.prompt_len is not None and not 0 <= s.prompt_len <= len(s.token_ids_S):
+                raise TraceFormatError(where.with_(field="prompt_len"), f"a length in [0, {len(s.token_ids_S)}]", s.prompt_len)
             if not 0 <= s.start < len(s.token_ids_S):
                 raise TraceFormatError(where.with_(field="start"), f"a position in [0, {len(s.token_ids_S)})", s.start)
             if shape is None:

@@ -50,10 +50,33 @@ class Thresholds:
     pattern: float = 0.5
     """Fraction of a sample's rows one explanation (shift, other sample, row edits) must cover."""
     chance_margin: float = 0.10
-    """Agreement above chance (the agreement of independent routings with these expert frequencies)
-    from which unexplained routes count as another model's or weights version's rather than random.
-    Random ids: -0.01 to +0.03 above chance; routes of the same model with its router weights moved by
-    half their spread: +0.17 to +0.34."""
+    """Chance-corrected agreement (a - c) / (1 - c), c the agreement of independent routings with these expert
+    frequencies, from which unexplained routes count as another model's or weights version's rather than
+    random. Random ids: -0.01 to +0.03 above chance (at most 0.04 of 1 - c); routes of the same model with its
+    router weights moved by half their spread: +0.17 to +0.34 (0.23 of 1 - c and more); glm4_moe's narrow
+    routing with its choosing bias moved by a fifth of its spread: +0.03 to +0.07 raw, 0.13 of 1 - c, where
+    that family's own routes are not token-consistent (0.016: the bias, not the token, picks the experts)."""
+    aligned_above_chance: float = 0.7
+    """Least chance-corrected agreement (a - c) / (1 - c) of a sample and of a layer, c being the agreement
+    unrelated tokens' rows have under this model's routing (its own expert frequencies over the batch,
+    `AuditReport.chance`), so the bar rises where a routing rule makes unrelated tokens agree (sigmoid + bias,
+    grouped top-k: glm4_moe with narrow router weights, c 0.41 and 0.87 at its two layers). The higher of this and
+    `aligned` applies. Correct routes (benchmarks/results/audit-cpu-2026-12-08-hf.json, 9 models, HF routes): glm4_moe's
+    least sample 0.980 at c ~0.64, i.e. 0.94; softmax families (c <= 0.3) keep `aligned` as their bar (0.7 of
+    1 - c is 0.79 there)."""
+    window_above_chance: float = 0.5
+    """The same for every `window` consecutive rows: least (w - c) / (1 - c). Correct routes' least window: 0.875
+    at c ~0.3 (0.82), 0.922 on glm4_moe at c ~0.64 (0.78); a GRPO sibling's completion in a window agrees at
+    chance (0.65-0.73 raw on glm4_moe, where the raw 0.6 let it pass; ~0 of 1 - c)."""
+    tail_above_chance: float = 0.5
+    """Least chance-corrected agreement of the rows of a filled run at an edge (rows repeating the row before
+    them, or holding no top-k: repeated or out-of-range ids, ending at the sequence's last row or before a
+    prompt / turn boundary). Below it (or any row holding no top-k) the run is TAIL_ROWS. A correct run of
+    repeated rows routes its tokens alike and agrees at ~1.0; a copy of its neighbour agrees as adjacent
+    tokens do (0.3-0.64 raw on the tiny models)."""
+    wrapped_min_ids: int = 16
+    """Ids >= 256 the model's own routing of the batch must hold before routes with every id below 256 (on a
+    model of more than 256 experts) are named WRAPPED_IDS: a correct routing holds as many as the model's."""
     token_consistency: float = 0.03
     """Least token consistency (mean agreement of rows of one token id, minus chance; counted from 32
     same-token pairs) of routes a real router chose. Random ids: -0.004; the tiny models' own routes of
@@ -62,7 +85,7 @@ class Thresholds:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in ("min_run", "window"):
+            if f.name in ("min_run", "window", "wrapped_min_ids"):
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                     raise ValueError(f"Thresholds.{f.name} must be an int >= 1, got {v!r}")
             elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= 1:

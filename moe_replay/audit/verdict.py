@@ -27,6 +27,13 @@ class Cause(enum.Enum):
 
     ALIGNED = "aligned"
     """Each row agrees with the model's own routing of its token (up to near-ties)."""
+    WRAPPED_IDS = "wrapped_ids"
+    """Ids stored through a narrower integer than the model's expert count needs (uint8 / int8 on a model of
+    more than 256 experts, prime-rl #3051): every id below 256 (or in [-128, 128)) while the model's own
+    routing of the same tokens picks ids above; they line up once the model's ids are wrapped alike."""
+    OUT_OF_RANGE = "out_of_range"
+    """Rows holding no router's top-k: ids outside [0, num_experts) (physical EPLB ids, a sentinel) or one
+    id twice in a row's top-k (a zero-filled row), away from any edge the rows are filled at."""
     SHIFTED = "shifted"
     """The rows are the sample's own, k positions off (a prompt start or last row counted otherwise)."""
     OTHER_SAMPLE = "other_sample"
@@ -35,8 +42,16 @@ class Cause(enum.Enum):
     LAYERS = "layers"
     """Rows are right but layers are not: columns offset (dense layers counted or not), swapped, missing,
     or holding routes no model layer chose (an MTP layer's under a decoder id)."""
+    PROMPT_SHIFT = "prompt_shift"
+    """The prompt's rows are the sample's own k positions off and the completion's rows are in place (the
+    prompt's prefill rows indexed otherwise than the decode rows); needs the prompt length (a trace's
+    `prompt_len`, or `prompt_len=` to the reader)."""
     ROWS = "rows"
     """Rows were dropped or duplicated (packing, truncation): the rows go out of step with the tokens."""
+    TAIL_ROWS = "tail_rows"
+    """The rows at an edge (the sequence's last rows, the last rows before the completion or a turn) hold
+    no route of their positions: dropped with the gap filled by repeating the last kept row, or zeros
+    (prime-rl #1807, NeMo-RL #3485); every other row lines up."""
     OTHER_WEIGHTS = "other_weights"
     """Routes a real router chose (token-consistent), but not this model's: another model or weights version."""
     RANDOM = "random"
@@ -120,10 +135,75 @@ class Unexplained:
     """Best agreement any shift, sample or layer map reached."""
 
 
-Evidence = Union[Aligned, Shifted, OtherSample, LayerMismatch, RowEdits, Unexplained]
+@dataclass(frozen=True)
+class WrappedIds:
+    dtype: str
+    """The integer the ids went through: 'uint8' (ids mod 256) or 'int8' (two's complement: 128..255 negative)."""
+    num_experts: int
+    max_id: int
+    """The largest id the routes hold."""
+    min_id: int
+    model_ids_above: float
+    """Share of the model's own ids (these tokens, these layers) that the wrapped integer cannot hold."""
+    agreement: float
+    """Agreement as the routes stand."""
+    agreement_wrapped: float
+    """Agreement with the model's own ids wrapped through `dtype` alike."""
+
+
+@dataclass(frozen=True)
+class BadIds:
+    out_of_range: int
+    """Ids outside [0, num_experts) in the columns of the model's MoE layers."""
+    repeated: int
+    """Row-layers whose top-k holds one id twice or more."""
+    rows: int
+    """Rows with either."""
+    min_id: int
+    max_id: int
+    num_experts: int
+    first: tuple[int, int]
+    """(position, layer id) of the first such row-layer."""
+    agreement: float
+    """Agreement as the routes stand."""
+
+
+@dataclass(frozen=True)
+class TailRows:
+    edge: str
+    """'sequence_end', 'prompt_end' or 'turn_end': the boundary the filled rows end at."""
+    positions: tuple[int, ...]
+    """Positions (of token_ids_S) whose rows hold no route of theirs, first ones only (`max_listed`)."""
+    fill: str
+    """'repeat' (each the row before it: the last kept row repeated) or 'no_top_k' (repeated or out-of-range
+    ids: zeros, a sentinel)."""
+    agreement: float
+    """Agreement of those rows with the model's routing of their positions."""
+    agreement_rest: float
+    """Agreement of the sample's other rows."""
+
+
+@dataclass(frozen=True)
+class PromptShift:
+    shift: int
+    """Prompt row p holds the route of position start + p + shift."""
+    prompt_len: int
+    rows: int
+    """Prompt rows traced `shift` positions on."""
+    agreement: float
+    """Agreement of the prompt's rows read `shift` positions on."""
+    agreement_unshifted: float
+    """Agreement of the prompt's rows as they stand."""
+    agreement_completion: float
+    """Agreement of the completion's rows as they stand (in place)."""
+
+
+Evidence = Union[Aligned, Shifted, OtherSample, LayerMismatch, RowEdits, Unexplained, WrappedIds, BadIds, TailRows,
+                 PromptShift]
 EVIDENCE_OF: dict[Cause, type] = {
-    Cause.ALIGNED: Aligned, Cause.SHIFTED: Shifted, Cause.OTHER_SAMPLE: OtherSample, Cause.LAYERS: LayerMismatch,
-    Cause.ROWS: RowEdits, Cause.OTHER_WEIGHTS: Unexplained, Cause.RANDOM: Unexplained,
+    Cause.ALIGNED: Aligned, Cause.WRAPPED_IDS: WrappedIds, Cause.OUT_OF_RANGE: BadIds, Cause.SHIFTED: Shifted,
+    Cause.OTHER_SAMPLE: OtherSample, Cause.LAYERS: LayerMismatch, Cause.PROMPT_SHIFT: PromptShift, Cause.ROWS: RowEdits,
+    Cause.TAIL_ROWS: TailRows, Cause.OTHER_WEIGHTS: Unexplained, Cause.RANDOM: Unexplained,
 }
 """The evidence type each cause carries (a Verdict built with another is refused)."""
 
@@ -164,6 +244,22 @@ class Verdict:
             if e.missing:
                 parts.append(f"model layers with no column {list(e.missing[:8])}")
             return "; ".join(parts)
+        if isinstance(e, WrappedIds):
+            return (f"ids wrapped through {e.dtype}: ids in [{e.min_id}, {e.max_id}] on a model of {e.num_experts} experts, "
+                    f"whose own routing puts {e.model_ids_above:.0%} of ids beyond {e.dtype} (agreement {e.agreement:.3f} as "
+                    f"given, {e.agreement_wrapped:.3f} with the model's ids wrapped alike)")
+        if isinstance(e, BadIds):
+            return (f"rows holding no top-k of {e.num_experts} experts: {e.out_of_range} ids out of range (ids in "
+                    f"[{e.min_id}, {e.max_id}]), {e.repeated} row-layers repeating an id, {e.rows} rows; first at position "
+                    f"{e.first[0]}, layer {e.first[1]} (agreement {e.agreement:.3f})")
+        if isinstance(e, TailRows):
+            what = "the row before them repeated" if e.fill == "repeat" else "no top-k (repeated or out-of-range ids)"
+            return (f"rows at the {e.edge.replace('_', ' ')} filled: positions {list(e.positions[:8])} hold {what} "
+                    f"(agreement {e.agreement:.3f} there, {e.agreement_rest:.3f} elsewhere)")
+        if isinstance(e, PromptShift):
+            return (f"prompt rows shifted by {e.shift:+d} tokens ({e.rows} of the prompt's {e.prompt_len} positions; agreement "
+                    f"{e.agreement:.3f} shifted, {e.agreement_unshifted:.3f} as given), completion rows in place "
+                    f"({e.agreement_completion:.3f})")
         if isinstance(e, RowEdits):
             return (f"rows dropped or duplicated: {e.rows_found} rows for {e.rows_expected} positions, dropped "
                     f"{list(e.dropped[:8])}, duplicated {list(e.duplicated[:8])} (agreement {e.agreement:.3f} traced, "
@@ -210,6 +306,9 @@ class AuditReport:
     """Seconds of the free-routing forward."""
     analysis_s: float = 0.0
     """Seconds of the comparison and diagnosis."""
+    chance: tuple[float, ...] = ()
+    """Per model layer, the agreement unrelated tokens' rows have under this model's routing (from its expert
+    frequencies over the batch): the chance-corrected thresholds (`Thresholds.*_above_chance`) stand on it."""
 
     @property
     def ok(self) -> bool:
@@ -231,6 +330,8 @@ class AuditReport:
             lines.append(f"  sample {s.index} ({s.key!r}, {s.rows_found} rows for {s.rows_expected}): {s.verdict.describe()}")
         if len(self.misaligned) > 8:
             lines.append(f"  ... {len(self.misaligned) - 8} more misaligned samples")
+        if self.chance:
+            lines.append("  chance agreement per layer: " + ", ".join(f"{c:.3f}" for c in self.chance[:12]))
         lines.append("  thresholds: " + t.describe())
         return "\n".join(lines)
 
@@ -247,7 +348,7 @@ class AuditReport:
                          "neighbour": round(s.neighbour, 6),
                          "rows_expected": s.rows_expected,
                          "rows_found": s.rows_found, "verdict": verdict(s.verdict)} for s in self.samples],
-            "thresholds": self.thresholds.to_dict(), "forward_s": self.forward_s, "analysis_s": self.analysis_s,
+            "thresholds": self.thresholds.to_dict(), "chance": list(self.chance), "forward_s": self.forward_s, "analysis_s": self.analysis_s,
         }
 
     def raise_if_misaligned(self) -> "AuditReport":

@@ -12,6 +12,13 @@ says so per trace: `recorded_logprobs_problem`), `EstimatorConfig(rollout_replic
 as replica 0, so n replicas cost n - 1 re-scorings. A trace whose logprobs are absent, malformed
 or mean something else is refused by name (RolloutReplicaError), never mixed in.
 
+Which traces a scorer may score is the one check every consumer runs (moe_replay/identity.py):
+`estimate` runs it on what the scorer states (`geometry`, `weights_version`, `off_policy`) before
+any scoring, so a trace of another model (family included) is a GeometryMismatchError and one of
+other weights a WeightsVersionError unless the scorer was given `off_policy`; each estimate says the
+version it was scored under and whether the rollout was off-policy. The rollout's own replica is
+never of other weights than the re-scorings (ReplicaVersionError): π_old never mixes two policies.
+
 Legend: R replicas (scorings) of one sequence, G generated (response) tokens.
 """
 
@@ -22,7 +29,8 @@ from typing import Callable, Literal, Protocol, Sequence
 
 import numpy as np
 
-from ..errors import TraceError, Where
+from ..errors import TraceError, WeightsVersionError, Where
+from ..identity import check_consumer, consumer_identity, replica_version_problem
 from ..trace import RolloutTrace
 
 Averaging = Literal["prob", "log"]
@@ -91,6 +99,11 @@ class PiOldEstimate:
     """The raw replica logprobs, kept when asked for (diagnostics, variance benchmarks)."""
     from_rollout: bool = False
     """Replica 0 is the rollout's recorded logprobs (EstimatorConfig.rollout_replica)."""
+    weights_version: str | int | None = None
+    """The weights version the replicas were scored under (the scorer's; None: not tracked)."""
+    off_policy: bool = False
+    """The rollout was sampled under another weights version than `weights_version` and scored under
+    it on purpose (the scorer's off_policy opt-in): π_old of those weights, not of the sampling policy."""
 
     @property
     def estimate_var_G(self) -> np.ndarray:
@@ -113,9 +126,11 @@ class PiOldEstimate:
 
 
 def combine(key: str, replicas_RG: np.ndarray, averaging: Averaging = "prob", keep_replicas: bool = False,
-            from_rollout: bool = False) -> PiOldEstimate:
+            from_rollout: bool = False, *, weights_version: str | int | None = None,
+            off_policy: bool = False) -> PiOldEstimate:
     """Average R replica logprob vectors of one sequence into one estimate (`from_rollout`: row 0 is
-    the rollout's recorded logprobs)."""
+    the rollout's recorded logprobs; `weights_version`, `off_policy`: what the replicas were scored
+    under, PiOldEstimate's fields)."""
     lp = np.asarray(replicas_RG, dtype=np.float64)
     if lp.ndim != 2 or lp.shape[0] < 1:
         raise ValueError(f"combine({key!r}): expected replica logprobs [R >= 1, G], found shape {list(lp.shape)}")
@@ -132,12 +147,18 @@ def combine(key: str, replicas_RG: np.ndarray, averaging: Averaging = "prob", ke
     else:
         logprob = lp.mean(axis=0)
         mean_p = np.exp(logprob)
-    return PiOldEstimate(key, logprob, mean_p, var, r, lp if keep_replicas else None, from_rollout)
+    return PiOldEstimate(key, logprob, mean_p, var, r, lp if keep_replicas else None, from_rollout, weights_version,
+                         off_policy)
 
 
 class RolloutReplicaError(TraceError, ValueError):
     """A rollout's recorded logprobs cannot count as one of its replicas: absent, malformed, or not
     the quantity the scorer scores (another normaliser, precision, weights or a scorer that cannot say)."""
+
+
+class ReplicaVersionError(RolloutReplicaError, WeightsVersionError):
+    """The rollout's recorded logprobs were sampled under other weights than its replicas are scored
+    under: never averaged with them (π_old never mixes weights versions, off_policy or not)."""
 
 
 def rollout_replica_G(trace: RolloutTrace, scorer: object) -> np.ndarray:
@@ -164,6 +185,11 @@ def rollout_replica_G(trace: RolloutTrace, scorer: object) -> np.ndarray:
     if check is None:
         raise RolloutReplicaError(w, "a scorer that says whether recorded logprobs are what it scores "
                                      "(recorded_logprobs_problem)", f"{type(scorer).__name__}, which cannot")
+    version = consumer_identity(scorer)[1]
+    mixed = replica_version_problem(trace, version)
+    if mixed is not None:
+        raise ReplicaVersionError(w.with_(field="weights_version"), f"the replicas' weights version {version!r}",
+                                  repr(trace.weights_version), mixed)
     why = check(trace)
     if why is not None:
         raise RolloutReplicaError(w, "logprobs of the quantity one replica of the scorer returns", why)
@@ -223,7 +249,13 @@ def estimate(
     A scorer that returns the wrong number of results or a vector of the wrong length is an
     error naming the rollout, never a silently misaligned estimate. With `config.rollout_replica`
     every trace's recorded logprobs are checked before any scoring runs and count as replica 0.
+
+    Before any scoring, every trace is checked against what the scorer states (identity.check_consumer:
+    geometry with family, weights version; GeometryMismatchError, WeightsVersionError unless the scorer
+    has off_policy); the estimates carry the scorer's weights_version and which rollouts were off-policy.
     """
+    off_policy_B = check_consumer(traces, scorer)
+    version = consumer_identity(scorer)[1]
     score = getattr(scorer, "score_batch", scorer)
     many = getattr(scorer, "score_batches", None)
     keys = [t.key for t in traces]
@@ -262,5 +294,6 @@ def estimate(
             break
         active = [i for i in active if _rel_stderr_max(replicas[i]) > config.rel_tol]
         target = min(limit, done_rounds * 2)  # double the replicas of rollouts that still disagree
-    return [combine(t.key, np.stack(reps), config.averaging, keep_replicas, config.rollout_replica)
-            for t, reps in zip(traces, replicas)]
+    return [combine(t.key, np.stack(reps), config.averaging, keep_replicas, config.rollout_replica,
+                    weights_version=version, off_policy=bool(stale))
+            for t, reps, stale in zip(traces, replicas, off_policy_B)]

@@ -22,7 +22,8 @@ from typing import AsyncIterator, Callable, Protocol, Sequence
 
 import numpy as np
 
-from ..errors import MoeReplayError
+from ..errors import MoeReplayError, TraceError
+from ..identity import check_consumer, consumer_identity
 from ..trace import RolloutTrace
 from .core import EstimatorConfig, PiOldEstimate, RolloutReplicaError, _rel_stderr_max, combine, rollout_replica_G
 
@@ -82,6 +83,7 @@ class _Job:
     target: int = 0  # replicas wanted so far
     attempts: dict[int, int] = field(default_factory=dict)  # replica slot -> failed tries
     done: bool = False
+    off_policy: bool = False  # sampled under other weights than the backend's, scored on purpose
 
 
 class ThreadBackend:
@@ -98,6 +100,19 @@ class ThreadBackend:
 
     async def score(self, traces):
         return await asyncio.to_thread(self._score, list(traces))
+
+    @property
+    def geometry(self):
+        """The wrapped scorer's identity (identity.consumer_identity), checked at submit."""
+        return consumer_identity(self._owner)[0]
+
+    @property
+    def weights_version(self):
+        return consumer_identity(self._owner)[1]
+
+    @property
+    def off_policy(self) -> bool:
+        return consumer_identity(self._owner)[2]
 
     def recorded_logprobs_problem(self, trace: RolloutTrace) -> str | None:
         check = getattr(self._owner, "recorded_logprobs_problem", None)
@@ -157,6 +172,11 @@ class EstimatorService:
         job.future.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)  # no "never retrieved"
         self._jobs[trace.key] = job
         self.stats["submitted"] += 1
+        try:  # the one identity check (identity.py), against what the backend states: refused once, not retried
+            job.off_policy = bool(check_consumer([trace], self.backend)[0])
+        except TraceError as e:
+            self._finish(job, error=e)
+            return
         first = self.config.min_n if self.config.adaptive else self.config.n
         if self.config.rollout_replica:  # replica 0 is the rollout's own; refused here, before any scoring
             try:
@@ -291,7 +311,9 @@ class EstimatorService:
             return
         try:
             self._finish(job, estimate=combine(job.trace.key, np.stack(job.replicas), cfg.averaging,
-                                               self.keep_replicas, cfg.rollout_replica))
+                                               self.keep_replicas, cfg.rollout_replica,
+                                               weights_version=consumer_identity(self.backend)[1],
+                                               off_policy=job.off_policy))
         except ValueError as e:
             self._finish(job, error=ScoringFailed(job.trace.key, 1, e))
 

@@ -7,7 +7,7 @@ wrong number of times, a router nobody taught us.
 
 from __future__ import annotations
 
-from ..errors import MoeReplayError, RegistryError, TraceError
+from ..errors import MoeReplayError, RegistryError, TraceError, WeightsVersionError  # noqa: F401 (re-exported)
 
 
 class BatchLayoutError(TraceError, ValueError):
@@ -30,8 +30,3 @@ class ScoringInputError(TraceError, ValueError):
     `row` is the scored row (G axis) at fault, or None when the fault is not one row's."""
 
     row: int | None = None
-
-
-class WeightsVersionError(TraceError, ValueError):
-    """A trace was sampled with other weights than the ones being trained, and the caller did not
-    say the batch is off-policy on purpose."""

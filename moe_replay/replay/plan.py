@@ -29,8 +29,9 @@ import torch
 
 from ..errors import PartialTraceError, TraceFormatError, Where
 from ..geometry import ModelGeometry
+from ..identity import check_traces
 from ..trace import RolloutTrace, Sampling, SamplingSupport
-from .errors import BatchLayoutError, ScoringInputError, WeightsVersionError
+from .errors import BatchLayoutError, ScoringInputError
 
 
 @dataclass(frozen=True)
@@ -222,14 +223,14 @@ def build_plan(
         if key in seen:
             raise BatchLayoutError(Where(record=key), "distinct trace keys in one batch", f"rows {seen[key]} and {b}")
         seen[key] = b
-    given = geometry
+    geometry, off_policy_B = check_traces(  # identity.py: the one check every consumer of a trace runs
+        traces, geometry, weights_version=weights_version, off_policy=off_policy, what="model vs trace",
+        what_later="model (family named by the batch's earlier traces) vs trace",
+        opt_in="pass off_policy=True to train on them on purpose")
     for trace in traces:
-        what = "model vs trace" if geometry is given else "model (family named by the batch's earlier traces) vs trace"
-        _check_trace(trace, geometry, config, routes, what)
+        _check_trace(trace, geometry, config, routes)
         if not config.allow_adjusted_sampling:
             _check_sampling(trace)
-        geometry = geometry.with_family_of(trace.geometry)
-    off_policy_B = _check_weights(traces, weights_version, off_policy)
     plan_layers = _plan_layers(traces, geometry, layers, routes)
 
     lengths_B = np.array([t.num_tokens for t in traces], dtype=np.int64)
@@ -354,22 +355,9 @@ def _check_sampling(trace: RolloutTrace) -> None:
         )
 
 
-def _check_weights(traces: Sequence[RolloutTrace], weights_version: str | int | None, off_policy: bool) -> np.ndarray:
-    stale = np.array([weights_version is not None and t.weights_version != weights_version for t in traces], dtype=bool)
-    if stale.any() and not off_policy:
-        t = traces[int(np.flatnonzero(stale)[0])]
-        raise WeightsVersionError(
-            Where(record=t.key, field="weights_version"), repr(weights_version), repr(t.weights_version),
-            f"{int(stale.sum())} of {len(traces)} traces were sampled with other weights than the ones trained; "
-            "sync the engine's weights (and its weights_version), or pass off_policy=True to train on them on purpose",
-        )
-    return stale
-
-
-def _check_trace(trace: RolloutTrace, geometry: ModelGeometry, config: PlanConfig, routes: bool = True,
-                 what: str = "model vs trace") -> None:
+def _check_trace(trace: RolloutTrace, geometry: ModelGeometry, config: PlanConfig, routes: bool = True) -> None:
+    """Everything of one trace but its identity (geometry, family, weights version: identity.check_traces)."""
     where = Where(record=trace.key)
-    geometry.check_matches(trace.geometry, where, what)
     if routes and trace.routes_TLK is None:
         raise TraceFormatError(where.with_(field="routes_TLK"), "recorded routes", None, "nothing to replay")
     trace.validate(where)

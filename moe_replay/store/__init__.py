@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 
 from .base import STORES, TraceStore
-from .directory import DirectoryStore, ReadOnlyStoreError, StoreLockedError, StoreNotFoundError
+from .directory import (DirectoryStore, ReadOnlyStoreError, StoreLockedError, StoreNotFoundError, WriterLockLostError,
+                        WriterLostError, WriterProcessError)
 from .memory import MemoryStore
 from .chunks import ChunkMissingError
 from .directory import ReadStats
@@ -66,6 +67,9 @@ __all__ = [
     "StoreNotFoundError",
     "TraceStore",
     "UnindexedDamageError",
+    "WriterLockLostError",
+    "WriterLostError",
+    "WriterProcessError",
     "compact_store",
     "open_store",
     "rescue_store",

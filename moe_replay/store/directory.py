@@ -6,6 +6,16 @@ Files of a store directory:
   seg-000001.bin   a new segment starts when the next frame would pass `segment_bytes`
   writer.lock      held with an exclusive flock by the one writer (it holds the writer's pid)
 
+One writer, one process. Before its first write and before every commit a writer checks that it
+runs in the process that opened it and that writer.lock is still the file it locked, holding its
+pid (`_check_writer`); otherwise the write is refused, by name, before a byte is written
+(WriterProcessError, WriterLockLostError). A child forked from the writer's process
+(multiprocessing's fork start method, a DataLoader worker) inherits the lock and the file offsets,
+so two processes would append at the same offsets and acknowledged records become unreadable; a
+pickled writer arrives as a reader of the same directory that refuses writes the same way (reads
+work in both). A lock file deleted (or replaced) under a live writer lets a second writer open: the
+first one then refuses every write, the second one writes.
+
 The byte format of headers, record frames and index entries is framing.py's.
 
 Crash safety (architecture invariant 9). A commit writes its frames and syncs the segment, then
@@ -54,6 +64,7 @@ from ..codec.record import decode_trace, encode_trace
 from ..errors import (
     ChecksumError,
     DuplicateKeyError,
+    LocatedError,
     MissingKeyError,
     MoeReplayError,
     TraceError,
@@ -97,6 +108,20 @@ class ReadOnlyStoreError(MoeReplayError, PermissionError):
     """A write was attempted through a store opened with readonly=True."""
 
 
+class WriterLostError(LocatedError, PermissionError):
+    """A writer handle that may no longer write: said as where, expected, found."""
+
+
+class WriterProcessError(WriterLostError):
+    """A write through a writer handle from another process than the one that opened it: a forked
+    child that inherited it, or a pickled copy (which reads, as a reader does)."""
+
+
+class WriterLockLostError(WriterLostError):
+    """writer.lock is not the file this writer locked any more (deleted, replaced, rewritten): another
+    writer may have opened the store, so this one refuses to write."""
+
+
 @STORES.register("directory")
 class DirectoryStore(TraceStore):
     """Traces in a directory of append-only segments, indexed by key (see the module doc).
@@ -120,6 +145,12 @@ class DirectoryStore(TraceStore):
         self._index_fd: int | None = None
         self._reset_view()
         self._lock_fd: int | None = None
+        self._lock_id: tuple[int, int] | None = None
+        """(st_dev, st_ino) of the writer.lock this writer locked."""
+        self._pid = os.getpid()
+        """The process that opened this handle: only it may write (`_check_writer`)."""
+        self._copy_of: int | None = None
+        """The pid of the writer this handle is a pickled copy of (None: not a copy)."""
         self._seg, self._seg_size = 0, HEADER.size
         self._failed: BaseException | None = None
         self._closed = False
@@ -314,6 +345,8 @@ class DirectoryStore(TraceStore):
         self._lock_fd = fd
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        st = os.fstat(fd)
+        self._lock_id = (st.st_dev, st.st_ino)
 
     def _init_index(self) -> None:
         foreign = self._foreign_files()
@@ -477,6 +510,7 @@ class DirectoryStore(TraceStore):
 
     def _commit(self, batch: list[tuple[str, bytes, bytes]]) -> None:
         """Frames first (synced), then their index entries (synced): the order crash safety rests on."""
+        self._check_writer()  # before any byte of the commit: this process, this lock
         durable = self.options.durable
         try:
             new: list[tuple[str, bytes, Entry]] = []
@@ -518,6 +552,8 @@ class DirectoryStore(TraceStore):
 
     def _writable(self) -> None:
         self._check_open()
+        if self._copy_of is not None:  # a writer's pickled copy: refused by name, not as any reader
+            self._check_writer()
         if self.readonly:
             raise ReadOnlyStoreError(f"store {str(self.path)!r} was opened with readonly=True; open a writer to add records")
         if self._failed is not None:
@@ -525,6 +561,50 @@ class DirectoryStore(TraceStore):
                 f"an earlier write to store {str(self.path)!r} failed ({type(self._failed).__name__}: {self._failed}); "
                 "close and reopen the store: committed records are intact and the reopen removes the partial write"
             )
+        self._check_writer()
+
+    def _check_writer(self) -> None:
+        """Refuse, by name, a write from a process other than the one that opened this writer (a
+        forked child, a pickled copy) or by a writer whose writer.lock was deleted, replaced or
+        rewritten (another writer may hold the store): before anything is written (module doc)."""
+        lock_path = self.path / LOCK_NAME
+        here = os.getpid()
+        if self._copy_of is not None:
+            raise WriterProcessError(
+                Where(file=str(self.path), field="writer"), f"writes through the writer of pid {self._copy_of}, in its process",
+                f"a pickled copy of it in pid {here}",
+                "a copy reads like a reader; open a writer in this process (after the first one closes) to add records")
+        if here != self._pid:
+            raise WriterProcessError(
+                Where(file=str(self.path), field="writer"), f"writes from pid {self._pid}, the process that opened the writer",
+                f"a write from pid {here} (a forked child: multiprocessing fork, a DataLoader worker)",
+                "a child shares the writer's lock and file offsets, so its records and the parent's would overwrite each "
+                "other; write from the parent, or open the store readonly=True in the child to read")
+        if self.readonly or self._lock_fd is None:
+            return
+        try:
+            st = os.stat(lock_path)
+        except FileNotFoundError:
+            found = "no such file (deleted under this writer)"
+        else:
+            holder = _read_at(self._lock_fd, 64, 0).decode(errors="replace").strip()
+            if (st.st_dev, st.st_ino) != self._lock_id:
+                found = f"another file (inode {st.st_ino}, not {self._lock_id[1]}): deleted and created again"
+            elif holder != str(self._pid):
+                found = f"the lock file naming pid {holder or 'none'}"
+            else:
+                return
+        raise WriterLockLostError(
+            Where(file=str(lock_path), field="writer.lock"),
+            f"the lock file this writer (pid {self._pid}) locked, inode {self._lock_id[1]}", found,
+            "another writer may have opened the store since, and two writers append over each other; nothing was "
+            "written: close this writer (its earlier records are committed) and reopen it once no other writer runs")
+
+    def __reduce__(self):
+        """A pickled store arrives as a reader of the same directory (a writer's copy refuses writes by
+        name: WriterProcessError); descriptors, locks and caches are not copied."""
+        opts = {k: v for k, v in vars(self.options).items() if k not in ("readonly", "create")}
+        return (_unpickled, (str(self.path), opts, None if self.readonly else self._pid))
 
     # -- reading -----------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -787,3 +867,10 @@ class DirectoryStore(TraceStore):
         mode = "readonly" if self.readonly else "writer"
         state = "closed" if self._closed else f"{len(self._entries)} records"
         return f"DirectoryStore({str(self.path)!r}, {mode}, {state})"
+
+
+def _unpickled(path: str, options: dict, writer_pid: int | None) -> DirectoryStore:
+    """A store unpickled: a reader of `path` (a writer's copy remembers whose copy it is)."""
+    store = DirectoryStore(path, readonly=True, **options)
+    store._copy_of = writer_pid
+    return store

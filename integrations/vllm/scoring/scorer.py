@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import copy
+import dataclasses
 import itertools
 import uuid
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from typing import Any, Literal, Sequence
 import numpy as np
 
 from ....geometry import ModelGeometry
+from ....identity import check_consumer
 from ....trace import RolloutTrace
 from ..engine_kwargs import capture_engine_kwargs
 from ..errors import ForceRouteError, PrefixCacheMissError, ScoreAlignmentError, ScoringError
@@ -96,15 +98,31 @@ class VllmScorerConfig:
     replica is promised floor((P - 1) / block_size) * block_size cached tokens, the first one too;
     a miss (evicted, reset by a weight update, sampled elsewhere) is handled per `on_reuse_miss`.
     Needs force_routes (the rollout's KV matches its recorded routes only) and prompt reuse."""
-    weights_version: str = ""
-    """Part of every cache salt: KV cached under other weights is never read (update_weights also
-    resets the prefix cache)."""
+    weights_version: str | int | None = None
+    """The weights the engine holds (a step or checkpoint fingerprint; None or "": not tracked; what
+    `mr.weights_version` sets). A trace sampled under another version, or under none recorded, is refused
+    (WeightsVersionError) unless `off_policy`, and the rollout's own logprobs never count as a replica of
+    other weights (moe_replay/identity.py). Part of every cache salt: KV cached under other weights is
+    never read (update_weights also resets the prefix cache)."""
+    off_policy: bool = False
+    """Score traces of other weights versions under these weights on purpose (the estimates say so:
+    PiOldEstimate.off_policy, .weights_version)."""
+    salt: str = ""
+    """More text of every cache salt, naming nothing else: a fresh one gives the scorer a cold prefix
+    cache (benchmarks time cold runs so)."""
     request_prefix: str = "moe-score"
     """Prefix of the engine request ids of scoring requests."""
     max_jobs: int = 65536
     """Scoring requests registered on the worker and not yet collected, at most."""
 
     def __post_init__(self) -> None:
+        v = self.weights_version
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (str, int))):
+            raise ValueError(f"VllmScorerConfig.weights_version must be a str, an int or None, got {v!r}")
+        if v == "":
+            object.__setattr__(self, "weights_version", None)
+        if not isinstance(self.off_policy, bool):
+            raise ValueError(f"VllmScorerConfig.off_policy must be True or False, got {self.off_policy!r}")
         if not self.request_prefix or "#" in self.request_prefix:
             raise ValueError(f"VllmScorerConfig.request_prefix must be non-empty without '#', got {self.request_prefix!r}")
         if self.on_reuse_miss not in ("error", "count"):
@@ -173,6 +191,26 @@ class _ScorerBase:
         """requests, tokens, cached_tokens (prefix-cache hits the engine reported), promised_tokens, misses."""
         self._check_reuse(self.config)
 
+    @property
+    def weights_version(self) -> str | int | None:
+        """The weights this scorer scores under (config.weights_version; identity.py)."""
+        return self.config.weights_version
+
+    @property
+    def off_policy(self) -> bool:
+        """Whether traces of other weights versions are scored on purpose (config.off_policy)."""
+        return self.config.off_policy
+
+    def with_weights(self, weights_version: str | int | None, off_policy: bool = False):
+        """This scorer under `weights_version` (sharing its engine installation): what
+        `mr.weights_version = v` and `mr.pi_old(..., off_policy=...)` use."""
+        return self.with_config(dataclasses.replace(self.config, weights_version=weights_version, off_policy=off_policy))
+
+    def _salt_version(self) -> str:
+        """What of the config names the weights in a cache salt (prefix.cache_salt)."""
+        v = self.config.weights_version
+        return ("" if v is None else f"{type(v).__name__}:{v}") + (f"|{self.config.salt}" if self.config.salt else "")
+
     def with_config(self, config: VllmScorerConfig):
         """A scorer with other scoring settings sharing this one's engine installation."""
         other = copy.copy(self)  # shares the engine, its warm salts and pending promises
@@ -205,8 +243,8 @@ class _ScorerBase:
         replica returns the same expression with the trace's T and kept set, routed by those routes
         (forced) or by the engine again (free, as the rollout was). It differs where the replica
         normalises over the vocabulary (no use_support, or no kept set recorded), where the rollout
-        ran in another precision or under other weights, or where the numbers come from an engine
-        other than vLLM's sampler.
+        ran in another precision, or where the numbers come from an engine other than vLLM's sampler
+        (other weights: the estimator's core refuses them, identity.replica_version_problem).
         """
         if not self.config.use_support:
             return ("this scorer normalises over the whole vocabulary (use_support=False); the rollout's "
@@ -222,10 +260,7 @@ class _ScorerBase:
                     "sampling: its recorded logprob is of those logits, a replica scores the model's own")
         if trace.engine.dtype != self.engine_dtype:
             return f"the rollout ran in {trace.engine.dtype}, this scoring engine in {self.engine_dtype}"
-        v = self.config.weights_version
-        if v and trace.weights_version is not None and str(trace.weights_version) != v:
-            return f"the rollout ran under weights {trace.weights_version!r}, this scorer under {v!r}"
-        return None
+        return None  # the weights versions: the estimator's core checks them (identity.replica_version_problem)
 
     def _sampling_params(self, max_cached: int, max_read: int) -> Any:
         from vllm import SamplingParams
@@ -246,7 +281,7 @@ class _ScorerBase:
 
     def _prompt_key(self, trace: RolloutTrace) -> str:
         """Names the prompt blocks a reusing replica of `trace` reads (prefix.prompt_key)."""
-        return prompt_key(trace, cache_salt(trace, self.config.force_routes, self.config.weights_version))
+        return prompt_key(trace, cache_salt(trace, self.config.force_routes, self._salt_version()))
 
     def _temperature(self, trace: RolloutTrace) -> float:
         """The trace's recorded sampling temperature (trace.sampling; v1 records migrate theirs)."""
@@ -257,7 +292,7 @@ class _ScorerBase:
         max_read = trace.prompt_len - 1 if self.prompt_reuse else 0
         if self.config.read_rollout_kv:  # the rollout's own blocks: no salt, write nothing
             return {"prompt_token_ids": trace.token_ids_S.tolist()}, self._sampling_params(0, max_read)
-        salt = cache_salt(trace, self.config.force_routes, self.config.weights_version)
+        salt = cache_salt(trace, self.config.force_routes, self._salt_version())
         prompt = {"prompt_token_ids": trace.token_ids_S.tolist(), "cache_salt": salt}
         return prompt, self._sampling_params(max_read, max_read)
 
@@ -267,15 +302,14 @@ class _ScorerBase:
         ids: list[str | None] = []
         payloads = []
         tag = uuid.uuid4().hex[:12]
-        g = self.geometry
+        # the one identity check of every consumer (identity.py): geometry field by field, family included,
+        # and the weights version (GeometryMismatchError, WeightsVersionError), on either model runner
+        check_consumer(traces, self, "the scoring engine vs the trace")
         for t in traces:
             t.require_single_span("the vLLM scorer (it scores positions prompt_len..S-1)")
             if t.num_generated == 0:
                 ids.append(None)
                 continue
-            if (t.geometry.num_moe_layers, t.geometry.top_k, t.geometry.num_experts) != (g.num_moe_layers, g.top_k, g.num_experts) \
-                    or t.geometry.vocab_size > g.vocab_size:
-                raise ScoringError(f"trace {t.key!r}: geometry {t.geometry.to_dict()} does not fit the engine's {g.to_dict()}")
             if t.prompt_len < 1:
                 raise ScoringError(f"trace {t.key!r}: expected a prompt of >= 1 token, found prompt_len={t.prompt_len}")
             rid = f"{self.config.request_prefix}:{next(self._counter)}:{tag}"
