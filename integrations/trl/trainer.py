@@ -34,16 +34,19 @@ from typing import Any
 
 import numpy as np
 import torch
-from trl import GRPOTrainer
-from trl.extras.profiling import profiling_context
 
 from ...audit.schedule import AuditSchedule, audit_metrics
 from ...corrections import apply_corrections
 from ...enablement import enable
+from ...extras import require
 from ...presets import Preset, load_preset
 from . import rollout
 from .options import TrlOptionError, check_options
 from .scoring import to_columns, score_chunk
+
+require("trl", "moe_replay.integrations.trl.MoeReplayGRPOTrainer")  # a typed error naming the extra, not trl's traceback
+from trl import GRPOTrainer  # noqa: E402
+from trl.extras.profiling import profiling_context  # noqa: E402
 
 TRACES_KEY = "moe_replay_traces"
 """Key of the per-row trace list in TRL's batch dict."""

@@ -8,8 +8,11 @@ platform of cpu.py (tests, examples).
 
 from __future__ import annotations
 
-from .cpu import use_cpu_if_asked
-from .registry import install
+from ...extras import require
+
+require("verl", "the verl plugin (actor_rollout_ref.model.external_lib=moe_replay.integrations.verl.plugin)")
+from .cpu import use_cpu_if_asked  # noqa: E402
+from .registry import install  # noqa: E402
 
 use_cpu_if_asked()
 install()
