@@ -5,7 +5,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.moe_replay-installed
 DEMO_OUT ?= runs/demo
 PYTEST_ARGS ?=
-# make test's pytest workers (pytest-xdist; tests/workers.py says why two on two cores); 0: one process.
+# make test's pytest workers for the V1 session (pytest-xdist; tests/workers.py says why two on two cores); 0: one
+# process. The MRV2 session (26 tests, ~4 min) stays in one process: its test bed has not been run on workers.
 TEST_WORKERS ?= 2
 XDIST  := -n $(TEST_WORKERS) --dist loadscope
 
@@ -18,12 +19,12 @@ install:
 demo: install
 	$(PY) -m moe_replay.cli demo --out $(DEMO_OUT)
 
-# Every test (what CI runs; its budget and measured wall: docs/benchmarks.md), in two sessions: vLLM-CPU's V1 runner,
+# Every test (what CI runs: ~46 min on a 2-core CPU, docs/benchmarks.md), in two sessions: vLLM-CPU's V1 runner,
 # then the tests marked `mrv2` again on Model Runner V2 (its test bed: tests/runners.py); either failing fails it.
 # test-fast: the tier without engines and multi-process runs (no vLLM engine, nothing marked slow).
 test: install sglang-bed
 	@t0=$$(date +%s); $(PY) -m pytest $(XDIST) $(PYTEST_ARGS); v1=$$?; t1=$$(date +%s); \
-	MOE_REPLAY_TEST_RUNNER=mrv2 $(PY) -m pytest -m mrv2 $(XDIST) $(PYTEST_ARGS); mrv2=$$?; t2=$$(date +%s); \
+	MOE_REPLAY_TEST_RUNNER=mrv2 $(PY) -m pytest -m mrv2 $(PYTEST_ARGS); mrv2=$$?; t2=$$(date +%s); \
 	echo "make test: V1 session exit $$v1 in $$((t1 - t0)) s, MRV2 session exit $$mrv2 in $$((t2 - t1)) s"; \
 	test $$v1 -eq 0 -a $$mrv2 -eq 0
 
